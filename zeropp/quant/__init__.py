@@ -1,0 +1,35 @@
+"""Block-quantized formats and the kernels that make, move and reduce them.
+
+The torch reference (``zeropp.quant.reference``) is the specification; the Triton kernels
+(``zeropp.quant._triton``) run on CUDA tensors and are tested against it. ``zeropp.quant.format`` documents the
+formats and the packed wire layout. This package knows nothing of torch.distributed.
+"""
+
+from .format import DEFAULT_BLOCK_SIZE, BlockFormat, chunk_numel, swizzle_source
+from .ops import (
+    backend_name,
+    dequantize,
+    dequantize_chunks,
+    quantize,
+    quantize_chunks,
+    reduce_dequantize,
+    reduce_requantize,
+    swizzle_quantize,
+)
+from .tensor import QuantizedTensor
+
+__all__ = [
+    "DEFAULT_BLOCK_SIZE",
+    "BlockFormat",
+    "QuantizedTensor",
+    "backend_name",
+    "chunk_numel",
+    "dequantize",
+    "dequantize_chunks",
+    "quantize",
+    "quantize_chunks",
+    "reduce_dequantize",
+    "reduce_requantize",
+    "swizzle_quantize",
+    "swizzle_source",
+]

@@ -1,0 +1,134 @@
+"""The block-quantized formats and the byte layout of their packed buffers.
+
+A tensor is flattened and cut into blocks of ``block_size`` consecutive elements; the last block is padded
+with zeros. Each block is stored as ``block_size`` signed integer codes and one float32 scale:
+
+    scale = absmax(block) / qmax        (qmax = 127 for int8, 7 for int4)
+    code  = clamp(round_half_even(x / scale), -qmax, qmax)
+    x'    = code * scale
+
+An all-zero block has scale 0 and codes 0. A block holding a NaN has a NaN scale, a block holding an Inf (and no
+NaN) an Inf scale; the codes of such a block are 0, so ``has_nonfinite`` needs to read the scales only.
+
+Codes: int8 codes are one two's-complement byte each. int4 codes are packed two per byte: element ``2k`` of a
+block in the low nibble and element ``2k + 1`` in the high nibble, each nibble a 4-bit two's-complement number.
+
+Packed layout (the wire format): a run of ``numel`` elements is stored as ONE contiguous uint8 buffer
+
+    [ codes: num_blocks * block_size * bits / 8 bytes | scales: num_blocks * 4 bytes (float32, native order) ]
+
+with no header: the layout follows from ``numel``, ``bits`` and ``block_size``. Both parts are multiples of
+4 bytes, so packs can be concatenated and each one's scales stay float32-aligned.
+
+Chunked layout: the collectives move several packs in one buffer. A flat tensor of ``numel`` elements is cut
+into ``chunks`` slices of ``chunk_numel = ceil(numel / chunks)`` elements (the last one may be short or empty;
+its missing elements count as zeros), and each slice is packed on its own, so blocks never straddle two slices
+and each slice's pack is contiguous: ``chunks * packed_bytes(chunk_numel)`` bytes in all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_BITS = (8, 4)
+MIN_BLOCK_SIZE = 16
+MAX_BLOCK_SIZE = 8192
+DEFAULT_BLOCK_SIZE = 256
+"""Default block size for both int8 and int4; chosen in ``bench/accuracy.py`` (see bench/RESULTS.md)."""
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+SCALE_BYTES = 4
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """A symmetric block-quantization format: ``bits`` per code, one float32 scale per ``block_size`` elements."""
+
+    bits: int = 8
+    block_size: int = DEFAULT_BLOCK_SIZE
+
+    def __post_init__(self) -> None:
+        if isinstance(self.bits, bool) or self.bits not in SUPPORTED_BITS:
+            raise ValueError(f"bits={self.bits!r} is not supported; use one of {SUPPORTED_BITS}")
+        bs = self.block_size
+        if (
+            isinstance(bs, bool)
+            or not isinstance(bs, int)
+            or bs < MIN_BLOCK_SIZE
+            or bs > MAX_BLOCK_SIZE
+            or bs & (bs - 1)
+        ):
+            raise ValueError(
+                f"block_size={bs!r} is not supported; use a power of two between {MIN_BLOCK_SIZE} and "
+                f"{MAX_BLOCK_SIZE} (default {DEFAULT_BLOCK_SIZE})"
+            )
+
+    @property
+    def qmax(self) -> int:
+        """Largest code magnitude: 127 for int8, 7 for int4 (the range is symmetric, -qmax..qmax)."""
+        return (1 << (self.bits - 1)) - 1
+
+    @property
+    def block_code_bytes(self) -> int:
+        """Bytes of codes in one block."""
+        return self.block_size * self.bits // 8
+
+    def num_blocks(self, numel: int) -> int:
+        """Blocks needed for ``numel`` elements (the last one padded)."""
+        return ceil_div(numel, self.block_size)
+
+    def code_bytes(self, numel: int) -> int:
+        """Bytes of the codes part of a pack of ``numel`` elements."""
+        return self.num_blocks(numel) * self.block_code_bytes
+
+    def packed_bytes(self, numel: int) -> int:
+        """Bytes of one pack (codes then scales) of ``numel`` elements."""
+        return self.num_blocks(numel) * (self.block_code_bytes + SCALE_BYTES)
+
+    def chunked_bytes(self, numel: int, chunks: int) -> int:
+        """Bytes of the chunked layout of ``numel`` elements cut into ``chunks`` packs."""
+        return chunks * self.packed_bytes(ceil_div(numel, chunks))
+
+    def compression_ratio(self, numel: int, dtype: torch.dtype = torch.bfloat16) -> float:
+        """Bytes of ``numel`` elements of ``dtype`` divided by the bytes of their pack (scales included)."""
+        packed = self.packed_bytes(numel)
+        return numel * dtype.itemsize / packed if packed else 1.0
+
+
+def chunk_numel(numel: int, chunks: int) -> int:
+    """Elements per slice when ``numel`` elements are cut into ``chunks`` slices (the last may be short)."""
+    if chunks < 1:
+        raise ValueError(f"chunks={chunks} must be at least 1")
+    return ceil_div(numel, chunks)
+
+
+def swizzle_source(position: int, nodes: int, ranks_per_node: int) -> int:
+    """The slice (final owner) whose pack sits at ``position`` of the qgZ send buffer.
+
+    The send buffer holds ``nodes * ranks_per_node`` packs grouped by destination local rank ``j``: position
+    ``j * nodes + m`` holds the slice owned by rank ``m * ranks_per_node + j`` (node ``m``, local index ``j``),
+    so the intra-node all-to-all sends local peer ``j`` one contiguous run of ``nodes`` packs.
+    """
+    j, m = divmod(position, nodes)
+    return m * ranks_per_node + j
+
+
+def check_float_tensor(x: torch.Tensor, name: str = "x") -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} has dtype {x.dtype}; block quantization takes floating point tensors "
+            f"({', '.join(str(d) for d in FLOAT_DTYPES)}). Convert it with .float() first."
+        )
+
+
+def check_out_dtype(dtype: torch.dtype) -> None:
+    if dtype not in FLOAT_DTYPES:
+        raise TypeError(f"dtype={dtype} is not a supported output dtype; use one of {FLOAT_DTYPES}")

@@ -1,0 +1,230 @@
+"""Public quantization ops: input checks, then dispatch to the Triton kernels or the torch reference.
+
+Backend choice, per call, from the tensor and the environment:
+
+* CUDA tensors run the Triton kernels;
+* CPU tensors run the torch reference (``zeropp.quant.reference``), or the Triton kernels under Triton's
+  interpreter when ``TRITON_INTERPRET=1`` is set (it must be set before ``triton`` is first imported);
+* ``ZEROPP_QUANT_BACKEND=torch`` or ``=triton`` forces one backend.
+
+The ops below ``dequantize`` work on the chunked packed layout of ``zeropp.quant.format`` and are what the
+collectives are built from.
+"""
+
+from __future__ import annotations
+
+import os
+from types import ModuleType
+
+import torch
+
+from . import reference
+from .format import (
+    DEFAULT_BLOCK_SIZE,
+    BlockFormat,
+    check_float_tensor,
+    check_out_dtype,
+)
+from .tensor import QuantizedTensor
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+def backend_name(t: torch.Tensor) -> str:
+    """``"triton"`` or ``"torch"``: the backend the ops use for tensors like ``t`` right now."""
+    choice = os.environ.get("ZEROPP_QUANT_BACKEND", "auto")
+    if choice not in BACKENDS:
+        raise ValueError(f"ZEROPP_QUANT_BACKEND={choice!r} is not one of {BACKENDS}")
+    if choice == "torch":
+        return "torch"
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if t.is_cuda or interpret:
+        return "triton"
+    if choice == "triton":
+        raise RuntimeError(
+            "ZEROPP_QUANT_BACKEND=triton was asked for a CPU tensor, but Triton kernels run on the CPU only "
+            "under its interpreter: set TRITON_INTERPRET=1 before importing zeropp, or use a CUDA tensor"
+        )
+    return "torch"
+
+
+def _backend(t: torch.Tensor) -> ModuleType:
+    if backend_name(t) == "torch":
+        return reference
+    from . import _triton
+
+    return _triton
+
+
+def _check_buffer(buf: torch.Tensor, nbytes: int, name: str) -> None:
+    if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8:
+        got = buf.dtype if isinstance(buf, torch.Tensor) else type(buf).__name__
+        raise TypeError(f"{name} must be a uint8 tensor holding packed codes and scales, got {got}")
+    if buf.dim() != 1 or not buf.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous 1-D uint8 tensor, got shape {tuple(buf.shape)}")
+    if buf.numel() != nbytes:
+        raise ValueError(f"{name} has {buf.numel()} bytes but this layout needs {nbytes}")
+    if nbytes and buf.data_ptr() % 4:
+        raise ValueError(
+            f"{name} starts at an address that is not a multiple of 4 bytes, so its float32 scales cannot be "
+            "read in place; slice packed buffers at multiples of 4 bytes"
+        )
+
+
+def _check_out(out: torch.Tensor, numel: int | None, device: torch.device, name: str = "out") -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(out).__name__}")
+    check_out_dtype(out.dtype)
+    if not out.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (a contiguous view into a larger buffer is fine)")
+    if numel is not None and out.numel() != numel:
+        raise ValueError(f"{name} has {out.numel()} elements but {numel} are needed")
+    if out.device != device:
+        raise ValueError(f"{name} is on {out.device} but the input is on {device}")
+
+
+def _check_counts(**counts: int) -> None:
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+
+
+def quantize(x: torch.Tensor, bits: int = 8, block_size: int = DEFAULT_BLOCK_SIZE) -> QuantizedTensor:
+    """Block-quantize ``x`` (any shape; fp32, bf16 or fp16) to int8 or int4 with one float32 scale per block.
+
+    Blocks run over the flattened tensor; the last one is padded with zeros. See ``zeropp.quant.format``.
+    """
+    check_float_tensor(x)
+    fmt = BlockFormat(bits, block_size)
+    buffer = quantize_chunks(x, fmt)
+    return QuantizedTensor(buffer, x.shape, x.dtype, fmt)
+
+
+def dequantize(
+    q: QuantizedTensor, dtype: torch.dtype | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Values of ``q`` in ``dtype`` (default: the dtype it was quantized from), shaped like the original.
+
+    ``out``, if given, receives them and is returned: any contiguous tensor with ``q``'s number of elements, for
+    instance a view into a larger flat buffer. Its dtype wins over ``dtype``.
+    """
+    if not isinstance(q, QuantizedTensor):
+        raise TypeError(f"dequantize takes a QuantizedTensor, got {type(q).__name__}")
+    if out is None:
+        dtype = q.dtype if dtype is None else dtype
+        check_out_dtype(dtype)
+        out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    elif dtype is not None and dtype != out.dtype:
+        raise ValueError(f"dtype={dtype} disagrees with out.dtype={out.dtype}; pass one of them")
+    _check_out(out, q.numel, q.device)
+    return dequantize_chunks(q.buffer, q.fmt, 1, q.numel, out)
+
+
+def quantize_chunks(
+    x: torch.Tensor,
+    fmt: BlockFormat,
+    chunks: int = 1,
+    *,
+    nodes: int = 1,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Pack flattened ``x`` as ``chunks`` slices of ``ceil(numel / chunks)`` elements, one pack per slice.
+
+    With ``nodes > 1`` the packs are written in the qgZ order (``format.swizzle_source``) for ``nodes`` nodes of
+    ``chunks // nodes`` ranks. Returns the uint8 buffer of ``fmt.chunked_bytes(numel, chunks)`` bytes (``out`` if
+    given).
+    """
+    check_float_tensor(x)
+    _check_counts(chunks=chunks, nodes=nodes)
+    if chunks % nodes:
+        raise ValueError(f"chunks={chunks} must be a multiple of nodes={nodes} (one chunk per rank)")
+    flat = x.reshape(-1)
+    nbytes = fmt.chunked_bytes(flat.numel(), chunks)
+    if out is None:
+        out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    _check_buffer(out, nbytes, "out")
+    if out.device != x.device:
+        raise ValueError(f"out is on {out.device} but x is on {x.device}")
+    _backend(flat).quantize_chunks(flat, fmt, chunks, nodes, out)
+    return out
+
+
+def swizzle_quantize(
+    x: torch.Tensor, fmt: BlockFormat, nodes: int, ranks_per_node: int, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The first step of qgZ: pack the flat gradient ``x`` as one slice per rank, in the two-hop order.
+
+    Slice ``r`` (elements ``[r * S, (r + 1) * S)``, ``S = ceil(numel / world)``) is the part that rank ``r`` of
+    ``nodes * ranks_per_node`` will own. Pack position ``j * nodes + m`` holds the slice of rank
+    ``m * ranks_per_node + j``, so the intra-node all-to-all sends local peer ``j`` one contiguous run.
+    """
+    _check_counts(nodes=nodes, ranks_per_node=ranks_per_node)
+    return quantize_chunks(x, fmt, nodes * ranks_per_node, nodes=nodes, out=out)
+
+
+def dequantize_chunks(
+    buf: torch.Tensor, fmt: BlockFormat, chunks: int, chunk_numel: int, out: torch.Tensor
+) -> torch.Tensor:
+    """Dequantize ``chunks`` packs of ``chunk_numel`` elements each (e.g. an all-gathered buffer of one pack per
+    rank) straight into ``out``, in ``out``'s dtype.
+
+    ``out`` is flat-contiguous with at most ``chunks * chunk_numel`` elements; the values beyond its size (the
+    padding of the last slice) are dropped. Returns ``out``.
+    """
+    _check_counts(chunks=chunks)
+    if chunk_numel < 0:
+        raise ValueError(f"chunk_numel={chunk_numel} must be non-negative")
+    _check_buffer(buf, chunks * fmt.packed_bytes(chunk_numel), "buf")
+    _check_out(out, None, buf.device)
+    if out.numel() > chunks * chunk_numel:
+        raise ValueError(f"out has {out.numel()} elements but the packs hold only {chunks} x {chunk_numel}")
+    _backend(buf).dequantize_chunks(buf, fmt, chunks, chunk_numel, out.view(-1))
+    return out
+
+
+def reduce_requantize(
+    buf: torch.Tensor,
+    fmt: BlockFormat,
+    groups: int,
+    chunks: int,
+    chunk_numel: int,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The middle step of qgZ, fused: ``buf`` holds ``groups`` runs of ``chunks`` packs (one run from each local
+    peer); pack ``m`` of the result is the float32 sum over ``i`` of pack ``i * chunks + m``, requantized.
+
+    Returns the uint8 buffer of ``chunks`` packs (``out`` if given).
+    """
+    _check_counts(groups=groups, chunks=chunks)
+    if chunk_numel < 0:
+        raise ValueError(f"chunk_numel={chunk_numel} must be non-negative")
+    pack = fmt.packed_bytes(chunk_numel)
+    _check_buffer(buf, groups * chunks * pack, "buf")
+    if out is None:
+        out = torch.empty(chunks * pack, dtype=torch.uint8, device=buf.device)
+    _check_buffer(out, chunks * pack, "out")
+    _backend(buf).reduce_requantize(buf, fmt, groups, chunks, chunk_numel, out)
+    return out
+
+
+def reduce_dequantize(
+    buf: torch.Tensor, fmt: BlockFormat, groups: int, chunk_numel: int, out: torch.Tensor, *, divisor: float = 1.0
+) -> torch.Tensor:
+    """The last step of qgZ, fused: ``out = (sum of the groups packs in float32) / divisor`` in ``out``'s dtype.
+
+    ``out`` is flat-contiguous with at most ``chunk_numel`` elements (the last rank's slice may be short).
+    ``divisor`` is the world size for a mean, 1 for a sum. Returns ``out``.
+    """
+    _check_counts(groups=groups)
+    if chunk_numel < 0:
+        raise ValueError(f"chunk_numel={chunk_numel} must be non-negative")
+    if not divisor > 0:
+        raise ValueError(f"divisor={divisor} must be positive")
+    _check_buffer(buf, groups * fmt.packed_bytes(chunk_numel), "buf")
+    _check_out(out, None, buf.device)
+    if out.numel() > chunk_numel:
+        raise ValueError(f"out has {out.numel()} elements but a pack holds only {chunk_numel}")
+    _backend(buf).reduce_dequantize(buf, fmt, groups, chunk_numel, out.view(-1), float(divisor))
+    return out
+

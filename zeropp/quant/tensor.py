@@ -1,0 +1,103 @@
+"""``QuantizedTensor``: one block-quantized tensor held as a single packed buffer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .format import FLOAT_DTYPES, BlockFormat
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A tensor of ``shape`` and ``dtype`` quantized in ``fmt``, stored as one packed uint8 ``buffer``.
+
+    ``buffer`` follows the packed layout of ``zeropp.quant.format``: codes first, then float32 scales, no header.
+    ``data`` and ``scales`` are views into it, so ``packed()`` costs nothing and one collective moves both.
+    """
+
+    buffer: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+    fmt: BlockFormat
+
+    def __post_init__(self) -> None:
+        if self.buffer.dtype != torch.uint8 or self.buffer.dim() != 1 or not self.buffer.is_contiguous():
+            raise ValueError(
+                f"buffer must be a contiguous 1-D uint8 tensor, got dtype={self.buffer.dtype} "
+                f"shape={tuple(self.buffer.shape)}"
+            )
+        expected = self.fmt.packed_bytes(self.numel)
+        if self.buffer.numel() != expected:
+            raise ValueError(
+                f"buffer has {self.buffer.numel()} bytes but shape {tuple(self.shape)} in {self.fmt} "
+                f"needs {expected}"
+            )
+        if self.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"dtype={self.dtype} is not a float dtype; use one of {FLOAT_DTYPES}")
+
+    @property
+    def bits(self) -> int:
+        return self.fmt.bits
+
+    @property
+    def block_size(self) -> int:
+        return self.fmt.block_size
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    @property
+    def device(self) -> torch.device:
+        return self.buffer.device
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The codes: int8, one per element (bits=8), or uint8 with two int4 codes per byte (bits=4, element
+        ``2k`` in the low nibble). Padded to whole blocks."""
+        codes = self.buffer[: self.fmt.code_bytes(self.numel)]
+        return codes.view(torch.int8) if self.bits == 8 else codes
+
+    @property
+    def scales(self) -> torch.Tensor:
+        """Float32 scale of each block (absmax / qmax): shape ``(num_blocks,)``."""
+        return self.buffer[self.fmt.code_bytes(self.numel) :].view(torch.float32)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed buffer, scales included."""
+        return self.buffer.numel()
+
+    def packed(self) -> torch.Tensor:
+        """The packed uint8 buffer (no copy)."""
+        return self.buffer
+
+    @classmethod
+    def from_packed(
+        cls,
+        buffer: torch.Tensor,
+        shape: torch.Size | tuple[int, ...],
+        dtype: torch.dtype,
+        bits: int,
+        block_size: int,
+    ) -> QuantizedTensor:
+        """Wrap a packed buffer (e.g. one received from another rank) without copying it."""
+        return cls(buffer, torch.Size(shape), dtype, BlockFormat(bits, block_size))
+
+    def has_nonfinite(self) -> bool:
+        """Whether the source held a NaN or an Inf; reads the scales only (one device sync)."""
+        return not bool(torch.isfinite(self.scales).all())
+
+    def dequantize(self, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        """See ``zeropp.quant.dequantize``."""
+        from .ops import dequantize
+
+        return dequantize(self, dtype=dtype, out=out)
+
+    def __repr__(self) -> str:
+        return (
+            f"QuantizedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, bits={self.bits}, "
+            f"block_size={self.block_size}, nbytes={self.nbytes}, device={self.device})"
+        )
