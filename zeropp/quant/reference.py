@@ -11,6 +11,8 @@ import torch
 
 from .format import BlockFormat, swizzle_source
 
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
 
 def quantize_blocks(blocks: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantize float32 ``blocks`` of shape ``(num_blocks, block_size)``.
@@ -31,7 +33,11 @@ def quantize_blocks(blocks: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tenso
 
 
 def dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
-    """Float32 values of shape ``(num_blocks, block_size)`` from uint8 ``codes`` and float32 ``scales``."""
+    """Float32 values of shape ``(num_blocks, block_size)`` from uint8 ``codes`` and float32 ``scales``.
+
+    ``code * scale``, clamped to the finite float32 range (NaN stays NaN: a block with a non-finite scale comes
+    out all NaN).
+    """
     c = codes.to(torch.int16)
     if fmt.bits == 8:
         q = (c ^ 0x80) - 0x80
@@ -39,7 +45,8 @@ def dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, fmt: BlockForma
         lo = ((c & 0xF) ^ 8) - 8
         hi = (((c >> 4) & 0xF) ^ 8) - 8
         q = torch.stack((lo, hi), dim=2).view(c.shape[0], fmt.block_size)
-    return q.to(torch.float32) * scales[:, None]
+    # code * scale can round past the float32 range when the block's absmax is within an ulp of it
+    return torch.clamp(q.to(torch.float32) * scales[:, None], -FLOAT32_MAX, FLOAT32_MAX)
 
 
 def _split_pack(packs: torch.Tensor, fmt: BlockFormat, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
