@@ -1,0 +1,109 @@
+"""Run a worker function on ``world_size`` real processes joined by a gloo process group.
+
+``launch("module:function", world_size, tmp_path, **kwargs)`` starts ``world_size`` Python subprocesses (file
+store in ``tmp_path``, no TCP port to pick), each of which initializes gloo, calls
+``function(rank, world_size, **kwargs)`` from ``module`` (importable from tests/comm) and saves what it returns.
+It returns the list of per-rank results, or raises with every failing rank's traceback. Workers run with
+``ZEROPP_QUANT_BACKEND=torch`` unless ``env`` says otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+_CHILD = r"""
+import os, pickle, sys, traceback
+rank, world, tmp, target = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+result_path = os.path.join(tmp, f"result{rank}.pkl")
+try:
+    import importlib
+    import torch.distributed as dist
+    with open(os.path.join(tmp, "kwargs.pkl"), "rb") as f:
+        kwargs = pickle.load(f)
+    dist.init_process_group("gloo", init_method="file://" + os.path.join(tmp, "store"), rank=rank,
+                            world_size=world)
+    module, func = target.split(":")
+    value = getattr(importlib.import_module(module), func)(rank, world, **kwargs)
+    outcome = ("ok", value)
+except BaseException:
+    outcome = ("error", traceback.format_exc())
+with open(result_path, "wb") as f:
+    pickle.dump(outcome, f)
+try:
+    import torch.distributed as dist
+    if outcome[0] == "ok" and dist.is_initialized():
+        dist.destroy_process_group()
+except BaseException:
+    pass
+os._exit(0)
+"""
+
+
+def launch(
+    target: str,
+    world_size: int,
+    tmp_path: Path,
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float = 120.0,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``target`` (``"module:function"``) on ``world_size`` gloo ranks; return each rank's result."""
+    run_dir = Path(tmp_path) / f"launch_{target.replace(':', '_')}_{world_size}_{time.monotonic_ns()}"
+    run_dir.mkdir(parents=True)
+    with open(run_dir / "kwargs.pkl", "wb") as f:
+        pickle.dump(kwargs, f)
+    child_env = dict(os.environ)
+    child_env.setdefault("ZEROPP_QUANT_BACKEND", "torch")
+    child_env.update(env or {})
+    child_env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(ROOT), child_env.get("PYTHONPATH", "")])
+    child_env.setdefault("OMP_NUM_THREADS", "1")
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        if env is None or var not in env:
+            child_env.pop(var, None)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CHILD, str(r), str(world_size), str(run_dir), target],
+            env=child_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(world_size)
+    ]
+    deadline = time.monotonic() + timeout
+    outputs: list[str] = []
+    timed_out = False
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            for q in procs:
+                if q.poll() is None:
+                    q.kill()
+            out, _ = p.communicate()
+        outputs.append(out.decode(errors="replace"))
+    results, errors = [], []
+    for r in range(world_size):
+        path = run_dir / f"result{r}.pkl"
+        if not path.exists():
+            errors.append(f"rank {r}: no result{' (timed out)' if timed_out else ''}\n{outputs[r][-3000:]}")
+            continue
+        with open(path, "rb") as f:
+            status, value = pickle.load(f)
+        if status == "ok":
+            results.append(value)
+        else:
+            errors.append(f"rank {r}:\n{value}")
+    if errors:
+        raise AssertionError(f"{target} on {world_size} ranks failed:\n" + "\n".join(errors))
+    return results

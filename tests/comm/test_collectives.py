@@ -1,0 +1,64 @@
+"""zeropp.comm on real processes over gloo: topology, exact and quantized all-gather / reduce-scatter, byte
+counters, async handles, error feedback, bad input, and one run of the Triton kernels (interpreter on CPU).
+
+Each test launches one process group and runs a batch of checks in it (see workers.py); the workers use the
+torch reference backend of zeropp.quant except ``test_kernels_through_collectives``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from launch import launch
+
+
+@pytest.mark.parametrize(
+    "world, layouts",
+    [
+        (2, [{"d": 1}, {"d": 2}]),
+        (4, [{"d": 1}, {"d": 2}, {"d": 4},
+             # hosts that interleave the global ranks: nodes {0, 2} and {1, 3} (qgZ must reorder its packs)
+             {"d": 2, "hosts": ["h0", "h1", "h0", "h1"], "nodes": [[0, 2], [1, 3]]}]),
+        (8, [{"d": 1}, {"d": 2}, {"d": 4}]),
+    ],
+    ids=["world2", "world4", "world8"],
+)
+def test_collectives(tmp_path, world, layouts):
+    results = launch("workers:collectives", world, tmp_path, timeout=300, layouts=layouts)
+    # Sanity on the quantization error (the per-element bounds are checked in the workers): int8 well below
+    # int4, both far from useless.
+    for summary in results:
+        for layout, rels in summary.items():
+            for key, rel in rels.items():
+                if "-8-" in key:
+                    assert rel < 0.03, (layout, key, rel)
+                elif "-4-" in key:
+                    assert rel < 0.5, (layout, key, rel)
+
+
+def test_dp_subgroups_and_single_rank(tmp_path):
+    launch("workers:dp_subgroups", 4, tmp_path)
+
+
+def test_errors(tmp_path):
+    messages = launch("workers:errors", 4, tmp_path)[0]
+    # the messages name the bad value and the fix
+    assert "ZEROPP_RANKS_PER_NODE" in messages["not_multiple"]
+    assert "'a'" in messages["hosts"] and "3 ranks" in messages["hosts"]
+    assert ".contiguous()" in messages["noncontig"]
+
+
+@pytest.mark.parametrize("d", [1, 2])
+def test_error_feedback_lowers_accumulated_error(tmp_path, d):
+    results = launch("workers:error_feedback", 4, tmp_path, d=d, steps=16)
+    for r in results:
+        assert r["feedback"] * 4 < r["plain"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_kernels_through_collectives(tmp_path, kernel_device):
+    if kernel_device != "cpu":
+        pytest.skip("gloo runs on CPU tensors; the GPU kernels are covered by tests/quant")
+    launch("workers:kernels", 4, tmp_path, env={"TRITON_INTERPRET": "1"}, timeout=300)

@@ -1,0 +1,284 @@
+"""Reduce-scatter, exact or quantized in two hops (qgZ), with optional error feedback.
+
+Layout (both paths): the flat input of ``numel`` elements is cut into ``P`` slices of ``S = ceil(numel / P)``
+elements; rank ``r`` (its position in the data-parallel group) receives slice ``r`` of the sum or mean,
+``[r * S, min((r + 1) * S, numel))`` — ``shard_range`` — which is ``torch.distributed.reduce_scatter_tensor``'s
+layout when ``P`` divides ``numel``. Otherwise the last slices are short (or empty) and padded internally.
+
+qgZ with ``n`` nodes of ``d`` ranks, every slice packed on its own (``B = fmt.packed_bytes(S)`` bytes):
+
+1. ``swizzle_quantize``: pack the ``P`` slices into one buffer, grouped by destination local index ``k``: run
+   ``k`` holds, in the order of local index ``k``'s inter-node group, the slices whose owners have local index k;
+2. intra-node ``all_to_all_single``: local peer ``k`` gets run ``k`` (``n * B`` bytes per peer);
+3. ``reduce_requantize``: sum the ``d`` received runs pack-wise in float32 and requantize (one fused op);
+4. inter-node ``all_to_all_single``: node peer ``i`` gets pack ``i`` (``B`` bytes per peer);
+5. ``reduce_dequantize``: sum the ``n`` packs in float32, divide by ``P`` for a mean (once), write ``out``.
+
+One node skips 3–4 (step 5 sums the ``d`` packs of hop 1); one rank per node skips 2–3; one rank copies.
+Bytes per rank: hop 1 sends and receives ``(d - 1) * n * B`` intra-node, hop 2 ``(n - 1) * B`` inter-node;
+with int4 that is about ``numel / (2 d) * (n - 1) / n`` bytes across nodes, plus the scales.
+
+Error bound (per element of the result, before the division by ``P``): the sum over the ``P`` ranks of their
+hop-1 errors (each at most half the scale of its block) plus the hop-2 requantization error of each partial sum
+(at most half the scale of the partial-sum block).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from enum import Enum
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..quant import (
+    DEFAULT_BLOCK_SIZE,
+    BlockFormat,
+    chunk_numel,
+    dequantize_chunks,
+    quantize_chunks,
+    reduce_dequantize,
+    reduce_requantize,
+    swizzle_quantize,
+    swizzle_source,
+)
+from . import stats
+from .checks import check_bits, check_input, check_out, debug_enabled, dtype_code, verify_agreement
+from .topology import Topology, get_default_topology
+from .work import CollectiveWork, run
+
+
+class ReduceOp(Enum):
+    """How ``reduce_scatter`` combines the ranks' tensors."""
+
+    SUM = "sum"
+    AVG = "avg"
+
+
+def _as_op(op: object) -> ReduceOp:
+    if isinstance(op, ReduceOp):
+        return op
+    if isinstance(op, str) and op.lower() in ("sum", "avg"):
+        return ReduceOp(op.lower())
+    if op == dist.ReduceOp.SUM:
+        return ReduceOp.SUM
+    if op == dist.ReduceOp.AVG:
+        return ReduceOp.AVG
+    raise ValueError(f"op={op!r} is not supported; use ReduceOp.AVG or ReduceOp.SUM")
+
+
+def shard_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
+    """Elements ``[start, stop)`` of a flat tensor of ``numel`` that rank ``rank`` of ``world_size`` receives from
+    ``reduce_scatter`` (slices of ``ceil(numel / world_size)``; the last ones may be short or empty)."""
+    s = chunk_numel(numel, world_size) if numel else 0
+    start = min(rank * s, numel)
+    return start, min(start + s, numel)
+
+
+class ErrorFeedback:
+    """Error-feedback state of one gradient buffer for quantized ``reduce_scatter``.
+
+    Keeps, in float32, what quantization dropped last time and adds it back next time: the residual of this
+    rank's hop-1 quantization (``numel`` elements) and of its hop-2 requantization (``n * S`` elements of the
+    partial sums it forwards). Use one object per buffer; the accumulated error of repeated reductions then stays
+    bounded instead of growing with the number of steps. Off unless passed to ``reduce_scatter``.
+    """
+
+    def __init__(self) -> None:
+        self.residual: torch.Tensor | None = None
+        self.partial_residual: torch.Tensor | None = None
+        self._key: tuple[Any, ...] | None = None
+
+    def reset(self) -> None:
+        """Forget the residuals (e.g. after the buffer is reallocated)."""
+        self.residual = self.partial_residual = None
+        self._key = None
+
+    def _state(self, key: tuple[Any, ...], numel: int, partial: int, device: torch.device) -> None:
+        if self._key is None:
+            self.residual = torch.zeros(numel, dtype=torch.float32, device=device)
+            self.partial_residual = torch.zeros(partial, dtype=torch.float32, device=device)
+            self._key = key
+        elif self._key != key:
+            raise ValueError(
+                f"this ErrorFeedback was used for a reduce_scatter of {self._key} (numel, bits, block_size, group "
+                f"size) and now gets {key}; use one ErrorFeedback per buffer, or reset() it"
+            )
+
+
+def reduce_scatter(
+    full: torch.Tensor,
+    bits: int | None = None,
+    *,
+    op: ReduceOp | str | dist.ReduceOp = ReduceOp.AVG,
+    topology: Topology | None = None,
+    out: torch.Tensor | None = None,
+    async_op: bool = False,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    reduce_dtype: torch.dtype | None = None,
+    error_feedback: ErrorFeedback | None = None,
+) -> torch.Tensor | CollectiveWork:
+    """Sum or average ``full`` over the data-parallel group of ``topology``; rank ``r`` gets slice ``r``.
+
+    Args:
+        full: this rank's contiguous float tensor (any shape, any numel); every rank passes the same numel/dtype.
+        bits: ``None`` for an exact reduce-scatter (``reduce_scatter_tensor``), 8 or 4 for qgZ.
+        op: ``ReduceOp.AVG`` (default; divides by the group size exactly once) or ``ReduceOp.SUM``.
+        topology: node layout and data-parallel group (default: ``get_default_topology()``).
+        out: contiguous tensor of ``stop - start`` elements (``shard_range``) on ``full``'s device, any float
+            dtype. Default: a new flat tensor of ``full``'s dtype.
+        async_op: return a ``CollectiveWork`` whose ``wait()`` returns ``out``.
+        block_size: elements per quantization block (qgZ only).
+        reduce_dtype: exact path only: the dtype summed on the wire. Default ``full.dtype`` — bit-identical to
+            ``reduce_scatter_tensor``, but gloo sums bf16/fp16 in that dtype, rounding at every step; pass
+            ``torch.float32`` for one rounding at the end (twice the bytes of bf16). qgZ always sums in float32.
+        error_feedback: qgZ only: an ``ErrorFeedback`` holding this buffer's residuals (default: none).
+
+    Returns:
+        ``out`` (or a ``CollectiveWork`` when ``async_op``).
+    """
+    check_bits(bits)
+    check_input(full, "full", quantized=True)
+    reduce_op = _as_op(op)
+    topo = topology if topology is not None else get_default_topology()
+    size, rank = topo.world_size, topo.rank
+    numel = full.numel()
+    start, stop = shard_range(numel, size, rank)
+    if out is None:
+        out = torch.empty(stop - start, dtype=full.dtype, device=full.device)
+    check_out(out, stop - start, full.device, dtype=None, float_only=True)
+    if reduce_dtype is not None:
+        if bits is not None:
+            raise ValueError("reduce_dtype applies to the exact path (bits=None); qgZ always sums in float32")
+        if not reduce_dtype.is_floating_point:
+            raise TypeError(f"reduce_dtype={reduce_dtype} must be a floating point dtype")
+    if error_feedback is not None and bits is None:
+        raise ValueError("error_feedback applies to quantized reduce_scatter; pass bits=8 or 4")
+    fmt = BlockFormat(bits, block_size) if bits is not None else None
+    if debug_enabled():
+        verify_agreement(
+            topo.group, full.device, "reduce_scatter",
+            {"numel": numel, "dtype": dtype_code(full.dtype), "bits": bits or 0, "block_size": block_size,
+             "op": 0 if reduce_op is ReduceOp.SUM else 1,
+             "reduce_dtype": dtype_code(reduce_dtype) if reduce_dtype is not None else -2},
+        )
+    divisor = size if reduce_op is ReduceOp.AVG else 1
+    flat = full.view(-1)
+    if size == 1 or numel == 0:
+        steps = _identity(flat, out)
+    elif fmt is None:
+        steps = _exact_steps(flat, out, topo, divisor, reduce_dtype or full.dtype)
+    else:
+        steps = _qgz_steps(flat, out, fmt, topo, divisor, error_feedback)
+    return run(steps, async_op)
+
+
+def _identity(flat: torch.Tensor, out: torch.Tensor) -> Generator[Any, None, torch.Tensor]:
+    stats.record("reduce_scatter", stats.Traffic())
+    out.view(-1).copy_(flat)
+    return out
+    yield  # a generator with no communication
+
+
+def _exact_steps(
+    flat: torch.Tensor, out: torch.Tensor, topo: Topology, divisor: int, rdtype: torch.dtype
+) -> Generator[Any, None, torch.Tensor]:
+    size = topo.world_size
+    numel = flat.numel()
+    s = chunk_numel(numel, size) if numel else 0
+    direct = numel == size * s and flat.dtype == rdtype and out.dtype == rdtype and out.numel() == s
+    if direct:
+        send, recv = flat, out.view(-1)
+    else:  # pad to P * S (and/or change dtype) in a staging buffer
+        send = torch.empty(size * s, dtype=rdtype, device=flat.device)
+        send[:numel].copy_(flat)
+        send[numel:].zero_()
+        recv = torch.empty(s, dtype=rdtype, device=flat.device)
+    stats.record(
+        "reduce_scatter",
+        stats.gather_traffic(s * recv.element_size(), size, topo.same_node_count(topo.group)),
+    )
+    yield dist.reduce_scatter_tensor(recv, send, op=dist.ReduceOp.SUM, group=topo.group, async_op=True)
+    if divisor != 1:
+        recv.div_(divisor)
+    if not direct:
+        out.view(-1).copy_(recv[: out.numel()])
+    return out
+
+
+def _send_order(topo: Topology) -> list[int]:
+    """DP-group rank owning the slice at each position of the hop-1 send buffer: position ``k * n + i`` holds the
+    slice of member ``i`` (ascending global rank) of local index ``k``'s inter-node group."""
+    order = []
+    for k in range(topo.ranks_per_node):
+        members = sorted(node[k] for node in topo.nodes)
+        order.extend(topo.group_rank(g) for g in members)
+    return order
+
+
+def _qgz_steps(
+    flat: torch.Tensor,
+    out: torch.Tensor,
+    fmt: BlockFormat,
+    topo: Topology,
+    divisor: int,
+    ef: ErrorFeedback | None,
+) -> Generator[Any, None, torch.Tensor]:
+    size, n, d = topo.world_size, topo.num_nodes, topo.ranks_per_node
+    numel = flat.numel()
+    s = chunk_numel(numel, size) if numel else 0
+    pack = fmt.packed_bytes(s)
+    device = flat.device
+    order = _send_order(topo)
+    swizzled = order == [swizzle_source(p, n, d) for p in range(size)]
+    if ef is not None:
+        ef._state((numel, fmt.bits, fmt.block_size, size), numel, n * s, device)
+    traffic = stats.Traffic()
+    if d > 1:
+        same = topo.same_node_count(topo.intra_group) - 1
+        traffic += stats.all_to_all_traffic(n * pack, same, d - 1 - same)
+    if n > 1:
+        same = topo.same_node_count(topo.inter_group) - 1
+        traffic += stats.all_to_all_traffic(pack, same, n - 1 - same)
+    stats.record("reduce_scatter", traffic)
+
+    # Step 1: pack the P slices in hop-1 order.
+    if ef is None and swizzled:
+        send = swizzle_quantize(flat, fmt, n, d)
+    else:
+        x = flat
+        if ef is not None:
+            assert ef.residual is not None
+            x = flat.float() + ef.residual
+        packs = quantize_chunks(x, fmt, size)
+        if ef is not None:
+            dequantize_chunks(packs, fmt, size, s, ef.residual)  # residual <- what the packs hold ...
+            torch.sub(x, ef.residual, out=ef.residual)  # ... then x minus that
+        send = packs if order == list(range(size)) else packs.view(size, pack)[order].view(-1)
+
+    # Steps 2-3: intra-node all-to-all, fused sum and requantization.
+    if d > 1:
+        recv = torch.empty(size * pack, dtype=torch.uint8, device=device)
+        yield dist.all_to_all_single(recv, send, group=topo.intra_group, async_op=True)
+        if n == 1:
+            reduce_dequantize(recv, fmt, d, s, out.view(-1), divisor=divisor)
+            return out
+        if ef is None:
+            mid = reduce_requantize(recv, fmt, d, n, s)
+        else:
+            assert ef.partial_residual is not None
+            values = torch.empty(d * n * s, dtype=torch.float32, device=device)
+            dequantize_chunks(recv, fmt, d * n, s, values)
+            partial = values.view(d, n * s).sum(0).add_(ef.partial_residual)
+            mid = quantize_chunks(partial, fmt, n)
+            dequantize_chunks(mid, fmt, n, s, ef.partial_residual)
+            torch.sub(partial, ef.partial_residual, out=ef.partial_residual)
+    else:
+        mid = send
+
+    # Steps 4-5: inter-node all-to-all, fused sum, division and write into out.
+    recv2 = torch.empty(n * pack, dtype=torch.uint8, device=device)
+    yield dist.all_to_all_single(recv2, mid, group=topo.inter_group, async_op=True)
+    reduce_dequantize(recv2, fmt, n, s, out.view(-1), divisor=divisor)
+    return out

@@ -1,0 +1,226 @@
+"""``Topology``: which ranks of a data-parallel group share a node, and the process groups that follow from it.
+
+A data-parallel (DP) group of ``P`` ranks is cut into ``n = P / d`` nodes of ``d`` ranks ("ranks per node").
+Nodes are formed from the real host names (gathered once, at creation): the DP ranks on each host, in rank order,
+are cut into runs of ``d``. On a real cluster with ``d`` = ranks per host that is one node per host, whatever the
+global rank numbering (nothing assumes node-contiguous global ranks); on one machine a smaller ``d`` emulates
+several nodes (``ZEROPP_RANKS_PER_NODE=2`` on a 4-process machine gives 2 nodes of 2).
+
+Within a node, ranks are ordered by global rank; a rank's position is its *local index*. The groups:
+
+* ``intra_group``: the ranks of this rank's node (hop 1 of qgZ, hpZ all-gathers);
+* ``inter_group``: the ranks with this rank's local index on every node (hop 2 of qgZ);
+* ``partition_group(s)``: runs of ``s`` consecutive local indices inside a node, for hpZ partitions of any size
+  ``s`` dividing ``d`` (DeepSpeed's ``zero_hpz_partition_size``).
+
+torch.distributed orders the ranks of every group by global rank; the collectives rely on that.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+ENV_RANKS_PER_NODE = "ZEROPP_RANKS_PER_NODE"
+
+
+def _parse_count(value: object, source: str) -> int:
+    try:
+        count = int(value)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        raise ValueError(f"ranks_per_node={value!r} (from {source}) is not an integer") from None
+    if isinstance(value, bool) or count < 1 or (isinstance(value, float) and value != count):
+        raise ValueError(f"ranks_per_node={value!r} (from {source}) must be a positive integer")
+    return count
+
+
+class Topology:
+    """The node layout of a data-parallel group and its cached intra-node, inter-node and hpZ groups.
+
+    Creating one is a collective over ``group`` (one all-gather of host names, then group creation): every rank
+    of ``group`` must create it, with the same arguments, in the same order relative to other collectives.
+
+    Args:
+        group: the data-parallel process group (default: the whole world).
+        ranks_per_node: ranks of ``group`` per node, ``d``. Default: ``$ZEROPP_RANKS_PER_NODE``, else torchrun's
+            ``$LOCAL_WORLD_SIZE`` when ``group`` is the world, else the number of ``group``'s ranks on this host.
+        host: this rank's host name (default ``socket.gethostname()``); tests pass made-up names to emulate
+            several machines.
+        hpz_partition_sizes: hpZ partition sizes whose groups are created now (others are created on first use
+            of ``partition_group``, which is then a collective over the node).
+
+    Raises:
+        ValueError: if the group size is not a multiple of ``d``, the ranks disagree on ``d``, or a host holds a
+            number of the group's ranks that is not a multiple of ``d`` (the claimed layout contradicts the hosts).
+    """
+
+    def __init__(
+        self,
+        group: ProcessGroup | None = None,
+        ranks_per_node: int | None = None,
+        *,
+        host: str | None = None,
+        hpz_partition_sizes: tuple[int, ...] | list[int] = (),
+    ) -> None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "Topology needs an initialized torch.distributed process group: call "
+                "torch.distributed.init_process_group(...) first (e.g. under torchrun)"
+            )
+        self.group: ProcessGroup = dist.group.WORLD if group is None else group
+        self.ranks: list[int] = list(dist.get_process_group_ranks(self.group))
+        self.world_size: int = len(self.ranks)
+        self.global_rank: int = dist.get_rank()
+        if self.global_rank not in self.ranks:
+            raise ValueError(f"rank {self.global_rank} is not a member of the group {self.ranks}")
+        self.rank: int = self.ranks.index(self.global_rank)
+
+        if ranks_per_node is not None:
+            claimed: int | None = _parse_count(ranks_per_node, "the ranks_per_node argument")
+            source = "the ranks_per_node argument"
+        elif os.environ.get(ENV_RANKS_PER_NODE):
+            claimed = _parse_count(os.environ[ENV_RANKS_PER_NODE], f"${ENV_RANKS_PER_NODE}")
+            source = f"${ENV_RANKS_PER_NODE}"
+        elif os.environ.get("LOCAL_WORLD_SIZE") and self.world_size == dist.get_world_size():
+            claimed = _parse_count(os.environ["LOCAL_WORLD_SIZE"], "$LOCAL_WORLD_SIZE")
+            source = "$LOCAL_WORLD_SIZE"
+        else:
+            claimed = None
+            source = "the number of the group's ranks on this host"
+
+        self.host: str = socket.gethostname() if host is None else str(host)
+        gathered: list[tuple[str, int | None]] = [("", None)] * self.world_size
+        if self.world_size > 1:
+            dist.all_gather_object(gathered, (self.host, claimed), group=self.group)
+        else:
+            gathered = [(self.host, claimed)]
+        hosts = [h for h, _ in gathered]
+        per_host: dict[str, list[int]] = {}
+        for r, h in zip(self.ranks, hosts):
+            per_host.setdefault(h, []).append(r)
+        if claimed is None:
+            claimed = len(per_host[self.host])
+        claims = [c if c is not None else len(per_host[h]) for h, c in gathered]
+        if len(set(claims)) > 1:
+            raise ValueError(
+                f"the ranks disagree on ranks_per_node: rank -> value {dict(zip(self.ranks, claims))}; "
+                f"set the same ranks_per_node (or ${ENV_RANKS_PER_NODE}) on every rank"
+            )
+        d = claimed
+        if self.world_size % d:
+            raise ValueError(
+                f"the group has {self.world_size} ranks, which is not a multiple of ranks_per_node={d} "
+                f"(from {source}); pass ranks_per_node= or set ${ENV_RANKS_PER_NODE} to a divisor of "
+                f"{self.world_size}"
+            )
+        for h, members in per_host.items():
+            if len(members) % d:
+                raise ValueError(
+                    f"ranks_per_node={d} (from {source}) contradicts the hosts: host {h!r} holds "
+                    f"{len(members)} ranks of the group ({members}), not a multiple of {d}; hosts: "
+                    f"{ {k: len(v) for k, v in per_host.items()} }. Use a ranks_per_node that divides every "
+                    "host's rank count"
+                )
+        self.ranks_per_node: int = d
+        self.num_nodes: int = self.world_size // d
+        # Nodes: each host's ranks (ascending global rank) cut into runs of d; hosts in order of first appearance.
+        self.nodes: list[list[int]] = [
+            members[i : i + d] for members in per_host.values() for i in range(0, len(members), d)
+        ]
+        self._node_of: dict[int, int] = {r: m for m, node in enumerate(self.nodes) for r in node}
+        self.node: int = self._node_of[self.global_rank]
+        self.local_rank: int = self.nodes[self.node].index(self.global_rank)
+
+        self._groups: dict[tuple[int, ...], ProcessGroup] = {tuple(self.ranks): self.group}
+        self.intra_group: ProcessGroup = self._group_for(self.nodes[self.node])
+        self.inter_group: ProcessGroup = self._group_for(self.inter_ranks)
+        for size in hpz_partition_sizes:
+            self.partition_group(size)
+
+    # ---- layout -------------------------------------------------------------------------------------------
+
+    @property
+    def intra_ranks(self) -> list[int]:
+        """Global ranks of this rank's node, ascending (the order of ``intra_group``)."""
+        return list(self.nodes[self.node])
+
+    @property
+    def inter_ranks(self) -> list[int]:
+        """Global ranks holding this rank's local index on each node, ascending (the order of ``inter_group``)."""
+        return sorted(node[self.local_rank] for node in self.nodes)
+
+    def node_of(self, global_rank: int) -> int:
+        """Index of the node holding ``global_rank`` (a member of the group)."""
+        try:
+            return self._node_of[global_rank]
+        except KeyError:
+            raise ValueError(f"global rank {global_rank} is not in the group {self.ranks}") from None
+
+    def group_rank(self, global_rank: int) -> int:
+        """Position of ``global_rank`` in the data-parallel group (the slice it owns in a reduce-scatter)."""
+        return self.ranks.index(global_rank)
+
+    def same_node_count(self, group: ProcessGroup) -> int:
+        """How many members of ``group`` (this rank included) are on this rank's node."""
+        return sum(1 for r in dist.get_process_group_ranks(group) if self._node_of.get(r) == self.node)
+
+    @property
+    def is_node_contiguous(self) -> bool:
+        """Whether node ``m`` holds DP-group ranks ``[m * d, (m + 1) * d)`` (then qgZ needs no reordering)."""
+        return all(node == self.ranks[m * self.ranks_per_node : (m + 1) * self.ranks_per_node]
+                   for m, node in enumerate(self.nodes))
+
+    # ---- groups -------------------------------------------------------------------------------------------
+
+    def _group_for(self, ranks: list[int]) -> ProcessGroup:
+        key = tuple(sorted(ranks))
+        if key not in self._groups:
+            # Only the members call in: other ranks build their own groups at the same time.
+            pg = dist.new_group(list(key), use_local_synchronization=True)
+            assert pg is not None
+            self._groups[key] = pg
+        return self._groups[key]
+
+    def partition_ranks(self, size: int) -> list[int]:
+        """Global ranks of this rank's hpZ partition of ``size`` consecutive local indices of its node."""
+        size = _parse_count(size, "the hpZ partition size")
+        if self.ranks_per_node % size:
+            raise ValueError(
+                f"hpZ partition size {size} does not divide ranks_per_node={self.ranks_per_node}; use one of "
+                f"{[s for s in range(1, self.ranks_per_node + 1) if self.ranks_per_node % s == 0]}"
+            )
+        start = self.local_rank // size * size
+        return self.nodes[self.node][start : start + size]
+
+    def partition_group(self, size: int) -> ProcessGroup:
+        """The hpZ group of ``size`` ranks (a divisor of ``ranks_per_node``) holding this rank; ``size`` equal to
+        ``ranks_per_node`` gives ``intra_group``. Created and cached on first use: a collective over the
+        partition's ranks then."""
+        return self._group_for(self.partition_ranks(size))
+
+    def __repr__(self) -> str:
+        return (
+            f"Topology(world_size={self.world_size}, ranks_per_node={self.ranks_per_node}, "
+            f"num_nodes={self.num_nodes}, rank={self.rank}, node={self.node}, local_rank={self.local_rank}, "
+            f"host={self.host!r})"
+        )
+
+
+_default: Topology | None = None
+
+
+def get_default_topology() -> Topology:
+    """The topology of the whole world, created on first use (a collective over all ranks then)."""
+    global _default
+    if _default is None:
+        _default = Topology()
+    return _default
+
+
+def set_default_topology(topology: Topology | None) -> None:
+    """Make ``topology`` the default used by collectives called without one (``None`` forgets it)."""
+    global _default
+    _default = topology
