@@ -1,0 +1,355 @@
+"""Kernel benchmark: each quantization kernel against a device-to-device copy of the same bytes.
+
+    python bench/kernels.py                          # GPU: 2^24, 2^26, 2^28 fp16 elements; CPU: 2^20 .. 2^24
+    python bench/kernels.py --sizes 2^28 --block-size 2048 --csv kernels.csv
+    python bench/kernels.py --kernels reduce         # only the rows whose name contains "reduce"
+
+Rows (int4 unless the name says int8; sizes count input elements, output elements for dequantize):
+
+* quantize / dequantize, int8 and int4, one pack;
+* dequantize of an all-gathered W-pack buffer (qwZ: ``--world`` packs, one per rank) straight into the output;
+* swizzled quantize (qgZ step 1: ``--nodes`` x ``--ranks-per-node`` packs in the two-hop order);
+* fused dequantize-reduce-requantize of d = 2, 4, 8 runs of ``--nodes`` packs (qgZ step 3);
+* fused final reduce-dequantize of ``--nodes`` packs, divided by the world size (qgZ step 5).
+
+Each row is timed (warm-up, then the median of ``--reps`` runs; CUDA events on a GPU) together with a copy of
+the same number of bytes in the same run. "bytes" counts what must move: inputs read once, outputs written
+once. GB/s = bytes / time; floor/time = copy time / kernel time, i.e. the fraction of the copy ceiling reached
+(1.0 = at the memory wall). When ``deepspeed`` is importable on a GPU, its corresponding kernels (QuantizerBuilder,
+JIT-built) are timed on the same inputs and shown beside ours.
+
+On a CPU the torch reference runs (``ZEROPP_QUANT_BACKEND=torch`` unless set): the numbers say how fast the
+reference is on this machine, and nothing about the GPU kernels' targets.
+
+A script rather than pytest-benchmark: the result that matters is the ratio to a copy measured in the same run
+with CUDA events, printed as one table (or CSV); pytest-benchmark times with host clocks around each call and
+reports per-test statistics, which fits neither.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def parse_size(text: str) -> int:
+    """``2^28``, ``1<<28``, ``268435456`` or ``256M`` / ``4K`` (binary)."""
+    t = text.strip()
+    if "^" in t:
+        base, exp = t.split("^")
+        return int(base) ** int(exp)
+    if "<<" in t:
+        a, b = t.split("<<")
+        return int(a) << int(b)
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1].upper())
+    return int(t[:-1]) * mult if mult else int(t)
+
+
+def size_label(n: int) -> str:
+    return f"2^{n.bit_length() - 1}" if n & (n - 1) == 0 else f"{n:,}"
+
+
+@dataclass
+class Case:
+    name: str
+    numel: int
+    nbytes: int  # inputs read once + outputs written once
+    fn: Callable[[], object]
+    ds_fn: Callable[[], object] | None = None
+    ds_note: str = ""
+    result: dict = field(default_factory=dict)
+
+
+class Timer:
+    def __init__(self, device: torch.device, warmup: int, reps: int) -> None:
+        self.device, self.warmup, self.reps = device, warmup, reps
+
+    def __call__(self, fn: Callable[[], object]) -> float:
+        """Median seconds of ``fn()``."""
+        for _ in range(self.warmup):
+            fn()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            pairs = []
+            for _ in range(self.reps):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                pairs.append((start, end))
+            torch.cuda.synchronize(self.device)
+            return statistics.median(s.elapsed_time(e) for s, e in pairs) / 1e3
+        times = []
+        for _ in range(self.reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+
+def load_deepspeed(device: torch.device):
+    """DeepSpeed's quantizer extension, or ``(None, reason)``."""
+    if device.type != "cuda":
+        return None, "no GPU"
+    try:
+        import deepspeed  # noqa: F401
+        from deepspeed.ops.op_builder import QuantizerBuilder
+    except Exception as e:  # noqa: BLE001 - optional
+        return None, f"deepspeed not importable ({type(e).__name__})"
+    try:
+        return QuantizerBuilder().load(), ""
+    except Exception as e:  # noqa: BLE001
+        return None, f"QuantizerBuilder failed to build/load: {e}"
+
+
+def build_cases(
+    n: int, dtype: torch.dtype, block_size: int, world: int, nodes: int, rpn: int, device: torch.device, ds
+) -> list[Case]:
+    from zeropp import quant
+    from zeropp.quant import BlockFormat
+
+    gen = torch.Generator(device=device).manual_seed(n)
+    x = torch.randn(n, generator=gen, device=device, dtype=torch.float32).to(dtype)
+    item = x.element_size()
+    out = torch.empty(n, dtype=dtype, device=device)
+    cases: list[Case] = []
+    sym = getattr(ds, "Symmetric", None) if ds is not None else None
+    ds_ok = ds is not None and dtype == torch.float16  # its kernels take fp16 (and read any 16-bit as fp16)
+
+    for bits in (8, 4):
+        fmt = BlockFormat(bits, block_size)
+        packed = fmt.packed_bytes(n)
+        qbuf = torch.empty(packed, dtype=torch.uint8, device=device)
+        quant.quantize_chunks(x, fmt, 1, out=qbuf)
+        groups = n // block_size
+        ds_q = ds_deq = None
+        if ds_ok and n % block_size == 0:
+            ds_codes, ds_params = ds.quantize(x, groups, bits, sym)
+            ds_q = lambda bits=bits, groups=groups: ds.quantize(x, groups, bits, sym)  # noqa: E731
+            ds_deq = lambda c=ds_codes, p=ds_params, bits=bits, groups=groups: ds.dequantize(  # noqa: E731
+                c, p, groups, bits, sym
+            )
+        cases.append(
+            Case(f"quantize int{bits}", n, n * item + packed,
+                 lambda fmt=fmt, qbuf=qbuf: quant.quantize_chunks(x, fmt, 1, out=qbuf), ds_q)
+        )
+        cases.append(
+            Case(f"dequantize int{bits}", n, packed + n * item,
+                 lambda fmt=fmt, qbuf=qbuf: quant.dequantize_chunks(qbuf, fmt, 1, n, out), ds_deq)
+        )
+
+    # qwZ: the all-gathered buffer holds one int8 pack per rank; dequantize straight into the full weights.
+    fmt8, fmt4 = BlockFormat(8, block_size), BlockFormat(4, block_size)
+    chunk = quant.chunk_numel(n, world)
+    gathered = quant.quantize_chunks(x, fmt8, world)
+    ds_gather = None
+    if ds_ok and n % (world * block_size) == 0:
+        c8, p8 = ds.quantize(x, n // block_size, 8, sym)
+
+        def ds_gather():  # its qwZ path: dequantize into a temporary, then copy into the parameters
+            out.copy_(ds.dequantize(c8, p8, n // block_size, 8, sym).view(-1))
+
+    cases.append(
+        Case(f"dequantize gathered int8 x{world}", n, gathered.numel() + n * item,
+             lambda: quant.dequantize_chunks(gathered, fmt8, world, chunk, out), ds_gather,
+             "DS: dequantize + copy")
+    )
+
+    # qgZ step 1: swizzled int4 quantize for nodes x ranks_per_node.
+    sw_world = nodes * rpn
+    sw_bytes = fmt4.chunked_bytes(n, sw_world)
+    sw_out = torch.empty(sw_bytes, dtype=torch.uint8, device=device)
+    ds_sw = None
+    if ds_ok and n % (sw_world * block_size) == 0:
+        ds_sw = lambda: ds.swizzle_quant(x, n // block_size, 4, sym, 1, nodes, rpn)  # noqa: E731
+    cases.append(
+        Case(f"swizzle_quantize int4 {nodes}x{rpn}", n, n * item + sw_bytes,
+             lambda: quant.swizzle_quantize(x, fmt4, nodes, rpn, out=sw_out), ds_sw)
+    )
+
+    # qgZ step 3: d runs of `nodes` packs in, `nodes` packs out.
+    for d in (2, 4, 8):
+        cn = quant.chunk_numel(n, d * nodes)
+        rbuf = quant.quantize_chunks(x, fmt4, d * nodes)
+        rout = torch.empty(nodes * fmt4.packed_bytes(cn), dtype=torch.uint8, device=device)
+        ds_red = None
+        if ds_ok and n % (d * nodes * block_size) == 0:
+            c4, s4 = ds.swizzle_quant(x, n // block_size, 4, sym, 1, nodes, d)
+            in_groups, out_groups = n // block_size, n // block_size // d
+
+            def ds_red(c4=c4, s4=s4, in_groups=in_groups, out_groups=out_groups, d=d):
+                try:  # newer DeepSpeed takes devices_per_node; older ones hard-code 16
+                    return ds.quantized_reduction(c4, s4, in_groups, out_groups, 4, sym, d)
+                except TypeError:
+                    return ds.quantized_reduction(c4, s4, in_groups, out_groups, 4, sym)
+
+        cases.append(
+            Case(f"reduce_requantize int4 d={d}", n, rbuf.numel() + rout.numel(),
+                 lambda rbuf=rbuf, rout=rout, d=d, cn=cn: quant.reduce_requantize(rbuf, fmt4, d, nodes, cn, out=rout),
+                 ds_red)
+        )
+
+    # qgZ step 5: `nodes` packs of one slice in, the mean slice out.
+    fcn = quant.chunk_numel(n, nodes)
+    fbuf = quant.quantize_chunks(x, fmt4, nodes)
+    fout = torch.empty(fcn, dtype=dtype, device=device)
+    ds_final = None
+    if ds_ok and n % (nodes * block_size) == 0:
+        c4, p4 = ds.quantize(x, n // block_size, 4, sym)
+
+        def ds_final():  # its final step: dequantize, then sum over nodes and divide in torch
+            ds.dequantize(c4, p4, n // block_size, 4, sym).view(nodes, -1).sum(0).div_(sw_world)
+
+    cases.append(
+        Case(f"reduce_dequantize int4 g={nodes}", n, fbuf.numel() + fcn * item,
+             lambda: quant.reduce_dequantize(fbuf, fmt4, nodes, fcn, fout, divisor=sw_world), ds_final,
+             "DS: dequantize + torch sum")
+    )
+    return cases
+
+
+def run_size(args, n: int, device: torch.device, timer: Timer, ds) -> list[dict]:
+    from zeropp import quant
+
+    cases = build_cases(n, DTYPES[args.dtype], args.block_size, args.world, args.nodes, args.ranks_per_node, device, ds)
+    if args.kernels:
+        cases = [c for c in cases if any(k in c.name for k in args.kernels)]
+    rows = []
+    for c in cases:
+        half = c.nbytes // 2
+        src = torch.empty(half, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        src.fill_(1)
+        t = timer(c.fn)
+        t_copy = timer(lambda: dst.copy_(src))
+        row = {
+            "kernel": c.name,
+            "numel": n,
+            "size": size_label(n),
+            "bytes": c.nbytes,
+            "ms": t * 1e3,
+            "GB/s": c.nbytes / t / 1e9,
+            "elem/s": n / t,
+            "copy ms": t_copy * 1e3,
+            "copy GB/s": 2 * half / t_copy / 1e9,
+            "floor/time": t_copy / t,
+            "backend": quant.backend_name(src),
+        }
+        if c.ds_fn is not None:
+            try:
+                t_ds = timer(c.ds_fn)
+                row.update({"DS ms": t_ds * 1e3, "DS GB/s": c.nbytes / t_ds / 1e9, "DS floor/time": t_copy / t_ds})
+            except Exception as e:  # noqa: BLE001 - a DeepSpeed version mismatch must not stop the benchmark
+                row["DS note"] = f"error: {type(e).__name__}: {str(e)[:60]}"
+            if c.ds_note and "DS note" not in row:
+                row["DS note"] = c.ds_note
+        rows.append(row)
+        del src, dst
+        if args.progress:
+            print(f"  {size_label(n):>6} {c.name}: {t * 1e3:.3f} ms", file=sys.stderr, flush=True)
+    return rows
+
+
+def print_table(rows: list[dict], with_ds: bool) -> None:
+    cols = ["kernel", "size", "bytes", "ms", "GB/s", "elem/s", "copy ms", "floor/time"]
+    if with_ds:
+        cols += ["DS ms", "DS GB/s", "DS floor/time", "DS note"]
+
+    def cell(r, k):
+        v = r.get(k, "")
+        if k == "bytes":
+            return f"{v:,}"
+        if k == "elem/s":
+            return f"{v:.3g}"
+        if isinstance(v, float):
+            return f"{v:.3f}" if k.endswith("ms") or "floor" in k else f"{v:.4g}"
+        return str(v)
+
+    body = [[cell(r, k) for k in cols] for r in rows]
+    widths = [max(len(k), *(len(b[i]) for b in body)) for i, k in enumerate(cols)]
+    fmt = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    print(fmt(cols))
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for b in body:
+        print(fmt(b))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--sizes", nargs="+", type=parse_size, help="elements per row (e.g. 2^28); default by device")
+    p.add_argument("--dtype", default="fp16", choices=sorted(DTYPES), help="input/output dtype (default fp16)")
+    p.add_argument("--block-size", type=int, default=None, help="default: zeropp's DEFAULT_BLOCK_SIZE")
+    p.add_argument("--world", type=int, default=8, help="packs in the gathered qwZ buffer (default 8)")
+    p.add_argument("--nodes", type=int, default=2, help="qgZ nodes (default 2)")
+    p.add_argument("--ranks-per-node", type=int, default=8, help="qgZ ranks per node for the swizzle (default 8)")
+    p.add_argument("--reps", type=int, default=None, help="timed runs per row (default 20 on GPU, 5 on CPU)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed runs first (default 5 on GPU, 1 on CPU)")
+    p.add_argument("--kernels", nargs="+", help="only rows whose name contains one of these")
+    p.add_argument("--backend", choices=["auto", "torch", "triton"], help="sets ZEROPP_QUANT_BACKEND")
+    p.add_argument("--no-deepspeed", action="store_true", help="do not time DeepSpeed's kernels")
+    p.add_argument("--csv", metavar="PATH", help="also write the rows as CSV ('-' for stdout)")
+    p.add_argument("--quiet", dest="progress", action="store_false", help="no per-row progress on stderr")
+    args = p.parse_args(argv)
+
+    device = torch.device(args.device)
+    gpu = device.type == "cuda"
+    if args.backend:
+        os.environ["ZEROPP_QUANT_BACKEND"] = args.backend
+    elif not gpu:
+        os.environ.setdefault("ZEROPP_QUANT_BACKEND", "torch")  # the interpreter would take hours
+    from zeropp.quant.format import DEFAULT_BLOCK_SIZE
+
+    args.block_size = args.block_size or DEFAULT_BLOCK_SIZE
+    sizes = args.sizes or ([1 << 24, 1 << 26, 1 << 28] if gpu else [1 << 20, 1 << 22, 1 << 24])
+    timer = Timer(device, args.warmup if args.warmup is not None else (5 if gpu else 1),
+                  args.reps if args.reps is not None else (20 if gpu else 5))
+    ds, ds_reason = (None, "--no-deepspeed") if args.no_deepspeed else load_deepspeed(device)
+
+    if gpu:
+        where = f"{torch.cuda.get_device_name(device)}"
+    else:
+        where = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, " \
+                f"{torch.get_num_threads()} torch threads) -- torch reference only, GPU kernels NOT measured"
+    versions = f"torch {torch.__version__}"
+    try:
+        import triton
+
+        versions += f", triton {triton.__version__}"
+    except ImportError:
+        pass
+    print(f"zeropp kernel benchmark on {where}; {versions}")
+    print(
+        f"dtype {args.dtype}, block {args.block_size}, world {args.world}, nodes {args.nodes} x "
+        f"{args.ranks_per_node}; median of {timer.reps} after {timer.warmup} warm-up; "
+        f"DeepSpeed: {'timed' if ds is not None else 'not timed (' + ds_reason + ')'}"
+    )
+    rows = []
+    for n in sizes:
+        rows += run_size(args, n, device, timer, ds)
+    print()
+    print_table(rows, with_ds=ds is not None)
+    if args.csv:
+        out = sys.stdout if args.csv == "-" else open(args.csv, "w", newline="")
+        keys = list(dict.fromkeys(k for r in rows for k in r))
+        writer = csv.DictWriter(out, fieldnames=keys)
+        writer.writeheader()
+        writer.writerows(rows)
+        if out is not sys.stdout:
+            out.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Set up zeropp in .venv (idempotent, no questions asked; quiet unless something goes wrong).
+#
+#   ./setup.sh            then use .venv/bin/python
+#
+# * .venv is made with --system-site-packages, so a GPU machine's own CUDA build of torch (and its triton) is
+#   used as it is.
+# * Where torch is missing, or there is no usable CUDA and torch is not 2.13.0, torch==2.13.0 is installed
+#   into .venv: on the CPU machines that release is a CPU build lying on disk (an unpinned `torch` would pull a
+#   multi-GB CUDA build).
+# * Then zeropp itself, editable, with its test extras.
+# A re-run with nothing changed checks a stamp and a few imports and returns in a second or two.
+# PYTHON=/path/to/python3 picks the interpreter the venv is made from (3.10 or newer).
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")"
+ROOT=$(pwd -P)
+VENV=.venv
+VPY=$VENV/bin/python
+STAMP=$VENV/.zeropp-setup-stamp
+TORCH_CPU_PIN=2.13.0
+
+say() { echo "setup.sh: $*" >&2; }
+die() { say "error: $*"; exit 1; }
+pip_install() { "$VPY" -m pip install --quiet --disable-pip-version-check --no-input "$@"; }
+
+PY=${PYTHON:-}
+if [ -z "$PY" ]; then
+    PY=$(command -v python3 || command -v python || true)
+fi
+[ -n "$PY" ] || die "no python3 found; install Python 3.10 or newer (or set PYTHON=/path/to/python3)"
+"$PY" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
+    || die "$PY is Python $("$PY" -c 'import platform; print(platform.python_version())'); zeropp needs 3.10 or newer"
+
+# The stamp records what the last successful run installed for: this checkout and this pyproject.toml.
+stamp_value="$ROOT $(cksum < pyproject.toml | cut -d' ' -f1) $(cksum < setup.sh | cut -d' ' -f1)"
+if [ -x "$VPY" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$stamp_value" ] \
+    && "$VPY" - "$ROOT" 2>/dev/null <<'EOF'
+import os, sys
+import numpy, pytest, hypothesis, pytest_benchmark, torch  # noqa: F401
+import zeropp
+sys.exit(os.path.dirname(os.path.dirname(os.path.realpath(zeropp.__file__))) != sys.argv[1])
+EOF
+then
+    exit 0
+fi
+
+if [ ! -x "$VPY" ]; then
+    say "creating $VENV from $PY (with system site-packages)"
+    "$PY" -m venv --system-site-packages "$VENV" || die "could not create $VENV (is the venv module installed?)"
+fi
+
+has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+torch_version=$("$VPY" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true)
+torch_cuda=$("$VPY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null || echo 0)
+
+if [ -z "$torch_version" ]; then
+    say "torch is not importable: installing torch==$TORCH_CPU_PIN"
+    pip_install "torch==$TORCH_CPU_PIN"
+elif { ! has_gpu || [ "$torch_cuda" != 1 ]; } && [ "$torch_version" != "$TORCH_CPU_PIN" ]; then
+    say "no usable CUDA and torch is $torch_version: installing torch==$TORCH_CPU_PIN into $VENV"
+    pip_install "torch==$TORCH_CPU_PIN"
+fi
+
+pip_install -e ".[test]"
+
+"$VPY" -c 'import zeropp, torch, numpy, pytest' || die "the installed environment does not import"
+echo "$stamp_value" > "$STAMP"
+say "ready: $("$VPY" -c 'import sys, torch; print(f"python {sys.version.split()[0]}, torch {torch.__version__}, cuda {torch.cuda.is_available()}")')"
