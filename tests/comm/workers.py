@@ -19,6 +19,9 @@ from zeropp.comm import ReduceOp, Topology
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 HALF_ULP = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 BLOCK = 64
+# torch's own flat collectives, the references for the exact paths (renamed *_single in torch 2.13)
+ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 # ---- independent references ----------------------------------------------------------------------------------
@@ -103,7 +106,7 @@ def check_all_gather(topo: Topology, group, members: list[int], d_same: int, num
     assert out.shape == (size * numel,) and out.dtype == dtype
     if bits is None:
         expect = torch.empty_like(out)
-        dist.all_gather_into_tensor(expect, shard, group=group)
+        ALL_GATHER(expect, shard, group=group)
         assert torch.equal(out, expect), "exact all_gather differs from torch's"
         per = numel * shard.element_size()
     else:
@@ -149,7 +152,7 @@ def check_reduce_scatter(topo: Topology, nodes, numel, dtype, bits, op, seed) ->
         padded = torch.zeros(world * s, dtype=dtype)
         padded[:numel] = x
         expect = torch.empty(s, dtype=dtype)
-        dist.reduce_scatter_tensor(expect, padded, group=topo.group)
+        REDUCE_SCATTER(expect, padded, group=topo.group)
         expect = (expect / divisor)[: stop - start]
         assert torch.equal(out, expect), "exact reduce_scatter differs from torch's reduce_scatter_tensor"
         # fp32 accumulation: one rounding to dtype at the end (plus fp32 summation slop).
@@ -360,8 +363,11 @@ def kernels(rank: int, world: int) -> dict:
     full = make_input(rank, 2 * world * 256 + 3, torch.bfloat16, 21)
     shard = make_input(rank, 600, torch.float16, 22)
     got = {}
+    from zeropp.quant import backend_name
+
     for backend in ("triton", "torch"):
         os.environ["ZEROPP_QUANT_BACKEND"] = backend
+        assert backend_name(full) == backend
         got[backend] = [comm.all_gather(shard, 8, topology=topo), comm.reduce_scatter(full, 4, topology=topo,
                                                                                        block_size=256)]
     for a, b in zip(got["triton"], got["torch"]):

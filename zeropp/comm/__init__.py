@@ -11,7 +11,7 @@ This package knows nothing of ``nn.Module``; it uses only the public ops of ``ze
 from .all_gather import all_gather
 from .checks import debug_enabled
 from .reduce_scatter import ErrorFeedback, ReduceOp, reduce_scatter, shard_range
-from .stats import Traffic, reset_stats, stats
+from .accounting import Traffic, reset_stats, stats
 from .topology import ENV_RANKS_PER_NODE, Topology, get_default_topology, set_default_topology
 from .work import CollectiveWork
 

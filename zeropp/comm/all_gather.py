@@ -5,7 +5,7 @@ Quantized: each rank packs its shard (codes then scales, ``zeropp.quant.format``
 ``dequantize_chunks`` writes rank ``i``'s values straight into ``out[i * numel:(i + 1) * numel]`` (no temporary,
 no concatenation copy). Every rank, its own part included, ends with the same dequantized values.
 
-Bytes on the wire per rank (see ``zeropp.comm.stats``): ``(P - 1) * B`` sent and received, ``B`` being the
+Bytes on the wire per rank (see ``zeropp.comm.accounting``): ``(P - 1) * B`` sent and received, ``B`` being the
 pack size (quantized) or ``numel * itemsize`` (exact).
 """
 
@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ..quant import DEFAULT_BLOCK_SIZE, BlockFormat, dequantize_chunks, quantize_chunks
-from . import stats
+from . import accounting
+from ._dist import all_gather_flat
 from .checks import check_bits, check_input, check_out, debug_enabled, dtype_code, verify_agreement
 from .topology import Topology, get_default_topology
 from .work import CollectiveWork, run
@@ -79,17 +80,17 @@ def _all_gather_steps(
 ) -> Generator[Any, None, torch.Tensor]:
     flat = out.view(-1)
     if size == 1 or shard.numel() == 0:
-        stats.record("all_gather", stats.Traffic())
+        accounting.record("all_gather", accounting.Traffic())
         flat.copy_(shard)  # one rank: nothing to move, and nothing to quantize
         return out
     same_node = topo.same_node_count(pg)
     if fmt is None:
-        stats.record("all_gather", stats.gather_traffic(shard.numel() * shard.element_size(), size, same_node))
-        yield dist.all_gather_into_tensor(flat, shard, group=pg, async_op=True)
+        accounting.record("all_gather", accounting.gather_traffic(shard.numel() * shard.element_size(), size, same_node))
+        yield all_gather_flat(flat, shard, group=pg, async_op=True)
         return out
     pack = quantize_chunks(shard, fmt)
     gathered = torch.empty(size * pack.numel(), dtype=torch.uint8, device=shard.device)
-    stats.record("all_gather", stats.gather_traffic(pack.numel(), size, same_node))
-    yield dist.all_gather_into_tensor(gathered, pack, group=pg, async_op=True)
+    accounting.record("all_gather", accounting.gather_traffic(pack.numel(), size, same_node))
+    yield all_gather_flat(gathered, pack, group=pg, async_op=True)
     dequantize_chunks(gathered, fmt, size, shard.numel(), flat)
     return out

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from ..quant.format import FLOAT_DTYPES
+from ._dist import all_gather_flat
 
 SUPPORTED_BITS = (None, 8, 4)
 _DTYPE_CODES = {
@@ -80,7 +81,7 @@ def verify_agreement(group: ProcessGroup, device: torch.device, what: str, field
         return
     mine = torch.tensor(list(fields.values()), dtype=torch.int64, device=device)
     everyone = torch.empty(size * mine.numel(), dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(everyone, mine, group=group)
+    all_gather_flat(everyone, mine, group=group)
     table = everyone.view(size, -1).cpu().tolist()
     ranks = dist.get_process_group_ranks(group)
     bad = [

@@ -43,7 +43,8 @@ from ..quant import (
     swizzle_quantize,
     swizzle_source,
 )
-from . import stats
+from . import accounting
+from ._dist import reduce_scatter_flat
 from .checks import check_bits, check_input, check_out, debug_enabled, dtype_code, verify_agreement
 from .topology import Topology, get_default_topology
 from .work import CollectiveWork, run
@@ -175,7 +176,7 @@ def reduce_scatter(
 
 
 def _identity(flat: torch.Tensor, out: torch.Tensor) -> Generator[Any, None, torch.Tensor]:
-    stats.record("reduce_scatter", stats.Traffic())
+    accounting.record("reduce_scatter", accounting.Traffic())
     out.view(-1).copy_(flat)
     return out
     yield  # a generator with no communication
@@ -195,11 +196,11 @@ def _exact_steps(
         send[:numel].copy_(flat)
         send[numel:].zero_()
         recv = torch.empty(s, dtype=rdtype, device=flat.device)
-    stats.record(
+    accounting.record(
         "reduce_scatter",
-        stats.gather_traffic(s * recv.element_size(), size, topo.same_node_count(topo.group)),
+        accounting.gather_traffic(s * recv.element_size(), size, topo.same_node_count(topo.group)),
     )
-    yield dist.reduce_scatter_tensor(recv, send, op=dist.ReduceOp.SUM, group=topo.group, async_op=True)
+    yield reduce_scatter_flat(recv, send, op=dist.ReduceOp.SUM, group=topo.group, async_op=True)
     if divisor != 1:
         recv.div_(divisor)
     if not direct:
@@ -234,14 +235,14 @@ def _qgz_steps(
     swizzled = order == [swizzle_source(p, n, d) for p in range(size)]
     if ef is not None:
         ef._state((numel, fmt.bits, fmt.block_size, size), numel, n * s, device)
-    traffic = stats.Traffic()
+    traffic = accounting.Traffic()
     if d > 1:
         same = topo.same_node_count(topo.intra_group) - 1
-        traffic += stats.all_to_all_traffic(n * pack, same, d - 1 - same)
+        traffic += accounting.all_to_all_traffic(n * pack, same, d - 1 - same)
     if n > 1:
         same = topo.same_node_count(topo.inter_group) - 1
-        traffic += stats.all_to_all_traffic(pack, same, n - 1 - same)
-    stats.record("reduce_scatter", traffic)
+        traffic += accounting.all_to_all_traffic(pack, same, n - 1 - same)
+    accounting.record("reduce_scatter", traffic)
 
     # Step 1: pack the P slices in hop-1 order.
     if ef is None and swizzled:
