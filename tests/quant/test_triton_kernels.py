@@ -1,0 +1,315 @@
+"""The Triton kernels (``zeropp.quant._triton``) against the torch reference (``zeropp.quant.reference``).
+
+Kernels run on ``kernel_device`` (the GPU, or the CPU under Triton's interpreter); the reference always runs on
+the CPU. Codes must agree bit for bit and scales exactly (NaN where the reference has NaN). Dequantized values
+must agree exactly too, the final reduce's included: the kernels do the same correctly rounded float32 operations
+in the same order (IEEE division, no FMA contraction) and round to the output dtype to nearest even, so anything
+looser would let an approximate division or a reordered sum through.
+"""
+
+import os
+import zlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import zeropp.quant as zq
+from zeropp.quant import BlockFormat, _triton, reference
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SWIZZLES = [(1, 1), (2, 2), (2, 4), (4, 2), (1, 4)]  # (nodes, ranks_per_node)
+
+
+@pytest.fixture
+def gen(request) -> torch.Generator:
+    """A CPU generator seeded from the test's id, so every parametrization draws its own reproducible data."""
+    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+def random_values(numel: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Gaussian values whose magnitude varies over six decades, so blocks get very different scales."""
+    magnitude = 10.0 ** (torch.rand(numel, generator=gen) * 6 - 3)
+    return (torch.randn(numel, generator=gen) * magnitude).to(dtype)
+
+
+def random_packs(fmt: BlockFormat, packs: int, pack_numel: int, gen: torch.Generator) -> torch.Tensor:
+    """``packs`` reference packs of ``pack_numel`` random values each (the padding of each pack is zeros)."""
+    x = random_values(packs * pack_numel, torch.float32, gen)
+    buf = torch.empty(fmt.chunked_bytes(x.numel(), packs), dtype=torch.uint8)
+    reference.quantize_chunks(x, fmt, packs, 1, buf)
+    return buf
+
+
+def split_packs(buf: torch.Tensor, fmt: BlockFormat, chunks: int, chunk_numel: int):
+    """Codes ``(chunks, code_bytes)`` and float32 scales ``(chunks, blocks)`` of a chunked buffer (on the CPU)."""
+    packs = buf.cpu().view(chunks, -1)
+    split = fmt.code_bytes(chunk_numel)
+    return packs[:, :split], packs[:, split:].contiguous().view(torch.float32)
+
+
+def assert_same_floats(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal values (Inf included) and NaN at the same places."""
+    actual = actual.cpu()
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    assert torch.equal(actual.isnan(), expected.isnan())
+    assert torch.equal(actual.nan_to_num(0.0, 1.0, -1.0), expected.nan_to_num(0.0, 1.0, -1.0))
+    assert torch.equal(actual.isinf(), expected.isinf())
+
+
+def assert_same_packs(actual: torch.Tensor, expected: torch.Tensor, fmt: BlockFormat, chunks: int, numel: int):
+    """Chunked buffers with bit-identical codes and equal scales (NaN positions equal)."""
+    chunk_numel = zq.chunk_numel(numel, chunks)
+    codes, scales = split_packs(actual, fmt, chunks, chunk_numel)
+    ref_codes, ref_scales = split_packs(expected, fmt, chunks, chunk_numel)
+    assert torch.equal(codes, ref_codes)
+    assert_same_floats(scales, ref_scales)
+
+
+def check_quantize(x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, device: str) -> torch.Tensor:
+    """Quantize ``x`` with both backends, compare, and return the reference buffer."""
+    nbytes = fmt.chunked_bytes(x.numel(), chunks)
+    expected = torch.empty(nbytes, dtype=torch.uint8)
+    reference.quantize_chunks(x, fmt, chunks, nodes, expected)
+    # Garbage in ``out`` shows any byte the kernel fails to write (padding codes included).
+    actual = torch.full((nbytes,), 0xAB, dtype=torch.uint8, device=device)
+    _triton.quantize_chunks(x.to(device), fmt, chunks, nodes, actual)
+    assert_same_packs(actual, expected, fmt, chunks, x.numel())
+    return expected
+
+
+def sizes(block_size: int) -> list[int]:
+    return sorted({1, 17, block_size - 1, block_size + 1, 3001})
+
+
+QUANTIZE_CASES = [(bits, bs, n) for bits in (8, 4) for bs in (16, 64, 256, 2048) for n in sizes(bs)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits,block_size,numel", QUANTIZE_CASES)
+def test_quantize(bits, block_size, numel, dtype, kernel_device, gen):
+    check_quantize(random_values(numel, dtype, gen), BlockFormat(bits, block_size), 1, 1, kernel_device)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("nodes,ranks_per_node", SWIZZLES[1:])
+@pytest.mark.parametrize("numel", [5, 203, 4099])
+def test_swizzle_quantize(numel, nodes, ranks_per_node, bits, kernel_device, gen):
+    """Slices reordered by ``swizzle_source``, including slices that are short or empty (numel 5 over 8)."""
+    x = random_values(numel, torch.bfloat16, gen)
+    check_quantize(x, BlockFormat(bits, 64), nodes * ranks_per_node, nodes, kernel_device)
+
+
+@settings(max_examples=25, deadline=None, derandomize=True)
+@given(
+    numel=st.integers(1, 3000),
+    bits=st.sampled_from([8, 4]),
+    block_size=st.sampled_from([16, 32, 128]),
+    swizzle=st.sampled_from(SWIZZLES),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_quantize_chunks_property(numel, bits, block_size, swizzle, dtype, seed, kernel_device):
+    nodes, ranks_per_node = swizzle
+    x = random_values(numel, dtype, torch.Generator().manual_seed(seed))
+    check_quantize(x, BlockFormat(bits, block_size), nodes * ranks_per_node, nodes, kernel_device)
+
+
+DEQUANTIZE_CASES = [(bits, bs) for bits in (8, 4) for bs in (16, 64, 256, 2048)]
+
+
+@pytest.mark.parametrize("out_dtype", DTYPES)
+@pytest.mark.parametrize("bits,block_size", DEQUANTIZE_CASES)
+@pytest.mark.parametrize(
+    "chunks,chunk_numel,out_numel", [(1, 1, 1), (1, 2049, 2049), (3, 1001, 3000), (2, 300, 250)]
+)
+def test_dequantize(chunks, chunk_numel, out_numel, bits, block_size, out_dtype, kernel_device, gen):
+    """Packs straight into ``out``; the last slice may be short (3 x 1001 packs into 3000 elements) or missing."""
+    fmt = BlockFormat(bits, block_size)
+    buf = random_packs(fmt, chunks, chunk_numel, gen)
+    expected = torch.empty(out_numel, dtype=out_dtype)
+    reference.dequantize_chunks(buf, fmt, chunks, chunk_numel, expected)
+    actual = torch.full((out_numel,), float("nan"), dtype=out_dtype, device=kernel_device)
+    _triton.dequantize_chunks(buf.to(kernel_device), fmt, chunks, chunk_numel, actual)
+    assert_same_floats(actual, expected)
+
+
+def test_dequantize_into_view(kernel_device, gen):
+    """``out`` a view into the middle of a larger tensor: the elements around it are left untouched."""
+    fmt = BlockFormat(4, 64)
+    buf = random_packs(fmt, 2, 300, gen)
+    big = torch.full((1000,), -7.0, dtype=torch.bfloat16, device=kernel_device)
+    _triton.dequantize_chunks(buf.to(kernel_device), fmt, 2, 300, big[123:723])
+    expected = torch.empty(600, dtype=torch.bfloat16)
+    reference.dequantize_chunks(buf, fmt, 2, 300, expected)
+    assert_same_floats(big[123:723], expected)
+    assert (big[:123] == -7.0).all() and (big[723:] == -7.0).all()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("block_size", [16, 256, 2048])
+@pytest.mark.parametrize("groups,chunks,chunk_numel", [(1, 1, 1), (2, 4, 37), (3, 2, 1000), (8, 1, 2100)])
+def test_reduce_requantize(groups, chunks, chunk_numel, bits, block_size, kernel_device, gen):
+    fmt = BlockFormat(bits, block_size)
+    buf = random_packs(fmt, groups * chunks, chunk_numel, gen)
+    expected = torch.empty(chunks * fmt.packed_bytes(chunk_numel), dtype=torch.uint8)
+    reference.reduce_requantize(buf, fmt, groups, chunks, chunk_numel, expected)
+    actual = torch.full_like(expected, 0xAB, device=kernel_device)
+    _triton.reduce_requantize(buf.to(kernel_device), fmt, groups, chunks, chunk_numel, actual)
+    assert_same_packs(actual, expected, fmt, chunks, chunks * chunk_numel)
+
+
+@pytest.mark.parametrize("out_dtype", DTYPES)
+@pytest.mark.parametrize("bits,block_size", [(8, 16), (8, 2048), (4, 64), (4, 256)])
+@pytest.mark.parametrize(
+    "groups,chunk_numel,out_numel,divisor", [(1, 1, 1, 1.0), (2, 2049, 2049, 8.0), (3, 1000, 999, 3.0)]
+)
+def test_reduce_dequantize(groups, chunk_numel, out_numel, divisor, bits, block_size, out_dtype, kernel_device, gen):
+    """The mean over ``groups`` packs; the last rank's ``out`` may be shorter than a pack (999 of 1000)."""
+    fmt = BlockFormat(bits, block_size)
+    buf = random_packs(fmt, groups, chunk_numel, gen)
+    # The float32 result, cast once: the same as the reference writing ``out_dtype`` directly.
+    expected32 = torch.empty(out_numel, dtype=torch.float32)
+    reference.reduce_dequantize(buf, fmt, groups, chunk_numel, expected32, divisor)
+    actual = torch.full((out_numel,), float("nan"), dtype=out_dtype, device=kernel_device)
+    _triton.reduce_dequantize(buf.to(kernel_device), fmt, groups, chunk_numel, actual, divisor)
+    assert_same_floats(actual, expected32.to(out_dtype))
+
+
+def special_blocks(block_size: int, qmax: int) -> torch.Tensor:
+    """One block per special case, float32, concatenated."""
+    blocks = torch.randn(12, block_size, generator=torch.Generator().manual_seed(7))
+    blocks[0, 3] = float("nan")
+    blocks[1, -1] = float("inf")
+    blocks[2, 0] = float("-inf")
+    blocks[3, 1], blocks[3, 2] = float("inf"), float("nan")
+    blocks[4] = 0.0
+    blocks[5] *= 1e37  # huge scale; the largest element is near float32's limit
+    blocks[5, 0] = 3.0e38
+    blocks[6] *= 1e-41  # subnormal values and scale
+    blocks[7] = 0.0
+    blocks[7, 5] = 1e-45  # absmax / qmax underflows: scale 0, codes 0 (in float32; 0 in bfloat16)
+    # Exact ties: scale 1, so every value lands halfway between two codes (round half to even).
+    ties = torch.arange(block_size, dtype=torch.float32) % (2 * qmax) - qmax + 0.5
+    blocks[8] = ties
+    blocks[8, 0] = qmax
+    blocks[9] = -ties
+    blocks[9, 0] = -qmax
+    blocks[10] = -0.0
+    blocks[11, :] = 1e-30  # a constant block: every code is qmax
+    return blocks.reshape(-1)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning", "ignore:overflow:RuntimeWarning")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_special_values(block_size, bits, dtype, kernel_device):
+    """NaN, +-Inf, all-zero, huge, subnormal, rounding-tie blocks through every op, including their sums."""
+    fmt = BlockFormat(bits, block_size)
+    x = special_blocks(block_size, fmt.qmax).to(dtype)
+    numel = x.numel()
+    expected = check_quantize(x, fmt, 1, 1, kernel_device)
+    _, scales = split_packs(expected, fmt, 1, numel)
+    assert scales[0, 0].isnan() and scales[0, 1] == float("inf") and scales[0, 4] == 0
+
+    out = torch.empty(numel, dtype=torch.float32, device=kernel_device)
+    _triton.dequantize_chunks(expected.to(kernel_device), fmt, 1, numel, out)
+    ref = torch.empty(numel, dtype=torch.float32)
+    reference.dequantize_chunks(expected, fmt, 1, numel, ref)
+    assert_same_floats(out, ref)
+
+    # Two groups of the same pack: the huge block's sum overflows to Inf.
+    twice = torch.cat([expected, expected])
+    req = torch.empty_like(expected)
+    reference.reduce_requantize(twice, fmt, 2, 1, numel, req)
+    actual = torch.empty_like(expected, device=kernel_device)
+    _triton.reduce_requantize(twice.to(kernel_device), fmt, 2, 1, numel, actual)
+    assert_same_packs(actual, req, fmt, 1, numel)
+    assert split_packs(req, fmt, 1, numel)[1][0, 5] == float("inf")
+
+    reference.reduce_dequantize(twice, fmt, 2, numel, ref, 2.0)
+    _triton.reduce_dequantize(twice.to(kernel_device), fmt, 2, numel, out, 2.0)
+    assert_same_floats(out, ref.to(out.dtype))
+
+
+@pytest.mark.parametrize("out_dtype,low_bits", [(torch.bfloat16, 16), (torch.float16, 13)])
+def test_output_cast_rounds_half_to_even(out_dtype, low_bits, kernel_device, gen):
+    """Every dequantized value an exact tie of the output dtype: codes +-1, +-2, +-4 times scales whose float32
+    bits end in binary 100...0 at the cut (``low_bits`` bits are dropped), with random rounding-bit parity; the
+    first block has a NaN scale."""
+    fmt = BlockFormat(8, 16)
+    blocks = 64
+    bits = torch.randint(0, 2**31, (blocks,), generator=gen, dtype=torch.int64)
+    exponent = 120 if out_dtype == torch.float16 else torch.randint(40, 200, (blocks,), generator=gen)
+    bits = (bits & (2**23 - 1) & ~(2**low_bits - 1)) | 2 ** (low_bits - 1) | (exponent << 23)
+    bits[0] = -1  # a NaN with every payload bit set: rounding its bits naively would carry it into +0
+    scales = bits.to(torch.int32).view(torch.float32)
+    choices = torch.tensor([0, 1, -1, 2, -2, 4, -4], dtype=torch.int8).view(torch.uint8)
+    codes = choices[torch.randint(7, (blocks, 16), generator=gen)]
+    buf = torch.cat([codes.reshape(-1), scales.view(torch.uint8)])
+    expected = torch.empty(blocks * 16, dtype=out_dtype)
+    reference.dequantize_chunks(buf, fmt, 1, blocks * 16, expected)
+    actual = torch.empty(blocks * 16, dtype=out_dtype, device=kernel_device)
+    _triton.dequantize_chunks(buf.to(kernel_device), fmt, 1, blocks * 16, actual)
+    assert_same_floats(actual, expected)
+
+
+def test_empty_launches_nothing(kernel_device):
+    """numel 0: every op returns without touching anything (a grid of 0 programs is never launched)."""
+    fmt = BlockFormat(8, 16)
+    empty_bytes = torch.empty(0, dtype=torch.uint8, device=kernel_device)
+    _triton.quantize_chunks(torch.empty(0, device=kernel_device), fmt, 4, 2, empty_bytes)
+    _triton.reduce_requantize(empty_bytes, fmt, 2, 4, 0, empty_bytes)
+    out = torch.empty(0, device=kernel_device)
+    _triton.dequantize_chunks(empty_bytes, fmt, 4, 0, out)
+    _triton.reduce_dequantize(empty_bytes, fmt, 2, 0, out, 4.0)
+    # A short last rank can own nothing while the packs are not empty.
+    buf = torch.full((2 * fmt.packed_bytes(20),), 0xAB, dtype=torch.uint8, device=kernel_device)
+    _triton.reduce_dequantize(buf, fmt, 2, 20, out, 4.0)
+    assert (buf == 0xAB).all()
+
+
+@pytest.mark.parametrize("bits,block_size", [(8, 2048), (4, 256)])
+def test_large(bits, block_size, kernel_device, gen):
+    """About 100k elements through quantize (swizzled), requantize after hop 1 and the final reduce."""
+    fmt = BlockFormat(bits, block_size)
+    nodes, ranks_per_node = 2, 2
+    world = nodes * ranks_per_node
+    numel = 100_003
+    x = random_values(numel, torch.bfloat16, gen)
+    buf = check_quantize(x, fmt, world, nodes, kernel_device)
+    chunk = zq.chunk_numel(numel, world)
+
+    # Hop 1 sums ranks_per_node runs of `nodes` packs; pretend all peers sent this same buffer.
+    peers = torch.cat([buf.view(ranks_per_node, -1)[0]] * ranks_per_node)
+    expected = torch.empty(nodes * fmt.packed_bytes(chunk), dtype=torch.uint8)
+    reference.reduce_requantize(peers, fmt, ranks_per_node, nodes, chunk, expected)
+    actual = torch.empty_like(expected, device=kernel_device)
+    _triton.reduce_requantize(peers.to(kernel_device), fmt, ranks_per_node, nodes, chunk, actual)
+    assert_same_packs(actual, expected, fmt, nodes, nodes * chunk)
+
+    ref = torch.empty(chunk - 1, dtype=torch.float32)
+    reference.reduce_dequantize(expected, fmt, nodes, chunk, ref, float(world))
+    out = torch.empty(chunk - 1, dtype=torch.bfloat16, device=kernel_device)
+    _triton.reduce_dequantize(expected.to(kernel_device), fmt, nodes, chunk, out, float(world))
+    assert_same_floats(out, ref.to(out.dtype))
+
+
+def test_public_ops_run_the_kernels(quant_backend, monkeypatch, gen):
+    """Through ``zeropp.quant`` with each backend forced: the same bytes and values as the reference."""
+    calls = []
+    for name in ("quantize_chunks", "dequantize_chunks"):
+        kernel = getattr(_triton, name)
+        monkeypatch.setattr(_triton, name, lambda *a, _k=kernel, _n=name: (calls.append(_n), _k(*a))[1])
+    x = random_values(1000, torch.float16, gen)
+    q = zq.quantize(x.to(quant_backend), bits=4, block_size=64)
+    expected = torch.empty(BlockFormat(4, 64).packed_bytes(1000), dtype=torch.uint8)
+    reference.quantize_chunks(x, BlockFormat(4, 64), 1, 1, expected)
+    assert_same_packs(q.buffer, expected, BlockFormat(4, 64), 1, 1000)
+    ref = torch.empty(1000, dtype=torch.float16)
+    reference.dequantize_chunks(expected, BlockFormat(4, 64), 1, 1000, ref)
+    assert_same_floats(zq.dequantize(q), ref)
+    forced = os.environ["ZEROPP_QUANT_BACKEND"]
+    assert calls == (["quantize_chunks", "dequantize_chunks"] if forced == "triton" else [])

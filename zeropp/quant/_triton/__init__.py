@@ -1,0 +1,12 @@
+"""Triton kernels of the block-quantization ops, one module per op with its launcher.
+
+The functions take the arguments of ``zeropp.quant.reference`` (already validated by ``zeropp.quant.ops``),
+write into ``out`` and agree with the reference bit for bit. They run on CUDA tensors, or on CPU tensors under
+Triton's interpreter (``TRITON_INTERPRET=1``). ``common.TILE_ELEMENTS`` is the tuning knob.
+"""
+
+from .dequantize import dequantize_chunks
+from .quantize import quantize_chunks
+from .reduce import reduce_dequantize, reduce_requantize
+
+__all__ = ["dequantize_chunks", "quantize_chunks", "reduce_dequantize", "reduce_requantize"]
