@@ -258,6 +258,8 @@ def dp_subgroups(rank: int, world: int) -> dict:
         assert (q.double() - true).abs().max() < 0.05 * true.abs().max()
         g = comm.all_gather(full, None, topology=t)
         assert torch.equal(g.view(len(mine), -1)[i], full)
+        f64 = comm.reduce_scatter(full.double(), None, topology=t, op="sum")  # exact path: any float dtype
+        assert f64.dtype == torch.float64 and torch.allclose(f64, true * len(mine), rtol=1e-6, atol=1e-6)
     single = dist.new_group([rank], use_local_synchronization=True)
     one = Topology(group=single)
     assert one.world_size == 1 and one.num_nodes == 1

@@ -123,7 +123,8 @@ def reduce_scatter(
     """Sum or average ``full`` over the data-parallel group of ``topology``; rank ``r`` gets slice ``r``.
 
     Args:
-        full: this rank's contiguous float tensor (any shape, any numel); every rank passes the same numel/dtype.
+        full: this rank's contiguous float tensor (any shape, any numel); every rank passes the same numel and
+            dtype. qgZ takes fp32, bf16 and fp16; the exact path any floating point dtype.
         bits: ``None`` for an exact reduce-scatter (``reduce_scatter_tensor``), 8 or 4 for qgZ.
         op: ``ReduceOp.AVG`` (default; divides by the group size exactly once) or ``ReduceOp.SUM``.
         topology: node layout and data-parallel group (default: ``get_default_topology()``).
@@ -140,7 +141,9 @@ def reduce_scatter(
         ``out`` (or a ``CollectiveWork`` when ``async_op``).
     """
     check_bits(bits)
-    check_input(full, "full", quantized=True)
+    check_input(full, "full", quantized=bits is not None)
+    if not full.is_floating_point():
+        raise TypeError(f"full has dtype {full.dtype}; reduce_scatter takes floating point tensors")
     reduce_op = _as_op(op)
     topo = topology if topology is not None else get_default_topology()
     size, rank = topo.world_size, topo.rank
@@ -148,7 +151,9 @@ def reduce_scatter(
     start, stop = shard_range(numel, size, rank)
     if out is None:
         out = torch.empty(stop - start, dtype=full.dtype, device=full.device)
-    check_out(out, stop - start, full.device, dtype=None, float_only=True)
+    check_out(out, stop - start, full.device, dtype=None, float_only=bits is not None)
+    if not out.is_floating_point():
+        raise TypeError(f"out has dtype {out.dtype}; reduce_scatter writes floating point values")
     if reduce_dtype is not None:
         if bits is not None:
             raise ValueError("reduce_dtype applies to the exact path (bits=None); qgZ always sums in float32")
@@ -208,16 +213,6 @@ def _exact_steps(
     return out
 
 
-def _send_order(topo: Topology) -> list[int]:
-    """DP-group rank owning the slice at each position of the hop-1 send buffer: position ``k * n + i`` holds the
-    slice of member ``i`` (ascending global rank) of local index ``k``'s inter-node group."""
-    order = []
-    for k in range(topo.ranks_per_node):
-        members = sorted(node[k] for node in topo.nodes)
-        order.extend(topo.group_rank(g) for g in members)
-    return order
-
-
 def _qgz_steps(
     flat: torch.Tensor,
     out: torch.Tensor,
@@ -231,7 +226,7 @@ def _qgz_steps(
     s = chunk_numel(numel, size) if numel else 0
     pack = fmt.packed_bytes(s)
     device = flat.device
-    order = _send_order(topo)
+    order = topo.qgz_send_order()
     swizzled = order == [swizzle_source(p, n, d) for p in range(size)]
     if ef is not None:
         ef._state((numel, fmt.bits, fmt.block_size, size), numel, n * s, device)

@@ -131,6 +131,9 @@ class Topology:
             members[i : i + d] for members in per_host.values() for i in range(0, len(members), d)
         ]
         self._node_of: dict[int, int] = {r: m for m, node in enumerate(self.nodes) for r in node}
+        self._group_rank: dict[int, int] = {r: i for i, r in enumerate(self.ranks)}
+        self._same_node: dict[ProcessGroup, int] = {}
+        self._send_order: list[int] | None = None
         self.node: int = self._node_of[self.global_rank]
         self.local_rank: int = self.nodes[self.node].index(self.global_rank)
 
@@ -161,11 +164,33 @@ class Topology:
 
     def group_rank(self, global_rank: int) -> int:
         """Position of ``global_rank`` in the data-parallel group (the slice it owns in a reduce-scatter)."""
-        return self.ranks.index(global_rank)
+        try:
+            return self._group_rank[global_rank]
+        except KeyError:
+            raise ValueError(f"global rank {global_rank} is not in the group {self.ranks}") from None
 
     def same_node_count(self, group: ProcessGroup) -> int:
         """How many members of ``group`` (this rank included) are on this rank's node."""
-        return sum(1 for r in dist.get_process_group_ranks(group) if self._node_of.get(r) == self.node)
+        if group not in self._same_node:
+            ranks = dist.get_process_group_ranks(group)
+            self._same_node[group] = sum(1 for r in ranks if self._node_of.get(r) == self.node)
+        return self._same_node[group]
+
+    def qgz_send_order(self) -> list[int]:
+        """DP-group rank owning the slice at each position of the qgZ hop-1 send buffer.
+
+        Position ``k * n + i`` holds the slice of member ``i`` (ascending global rank, the order of its
+        ``inter_group``) of local index ``k``'s inter-node group, so local peer ``k`` receives one contiguous run
+        already in the order of its hop-2 all-to-all. For node-contiguous layouts this is
+        ``zeropp.quant.swizzle_source``'s order.
+        """
+        if self._send_order is None:
+            self._send_order = [
+                self._group_rank[g]
+                for k in range(self.ranks_per_node)
+                for g in sorted(node[k] for node in self.nodes)
+            ]
+        return list(self._send_order)
 
     @property
     def is_node_contiguous(self) -> bool:

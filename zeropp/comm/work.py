@@ -20,6 +20,9 @@ class CollectiveWork:
     For a quantized all-gather the only communication is in flight on return and ``wait()`` dequantizes. For qgZ
     hop 1 is in flight on return; the fused reduce, hop 2 and the final reduce run inside ``wait()`` (on CUDA they
     are queued on the current stream, so the host does not block on them).
+
+    Because ``wait()`` may issue communication (qgZ hop 2), every rank must call ``wait()`` on its handles in the
+    same order, as it issued the collectives in the same order.
     """
 
     def __init__(self, steps: Generator[Any, None, torch.Tensor]) -> None:
