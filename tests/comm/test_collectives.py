@@ -20,7 +20,9 @@ from launch import launch
         (2, [{"d": 1}, {"d": 2}]),
         (4, [{"d": 1}, {"d": 2}, {"d": 4},
              # hosts that interleave the global ranks: nodes {0, 2} and {1, 3} (qgZ must reorder its packs)
-             {"d": 2, "hosts": ["h0", "h1", "h0", "h1"], "nodes": [[0, 2], [1, 3]]}]),
+             {"d": 2, "hosts": ["h0", "h1", "h0", "h1"], "nodes": [[0, 2], [1, 3]]},
+             # local index 1's inter-node group {2, 3} lists the nodes in the opposite order to index 0's {0, 1}
+             {"d": 2, "hosts": ["a", "b", "b", "a"], "nodes": [[0, 3], [1, 2]]}]),
         (8, [{"d": 1}, {"d": 2}, {"d": 4}]),
     ],
     ids=["world2", "world4", "world8"],

@@ -5,6 +5,17 @@
 * ``reduce_scatter``: exact or two-hop quantized (qgZ) reduce-scatter, with optional ``ErrorFeedback``;
 * ``stats`` / ``reset_stats``: bytes each collective sent and received, intra- and inter-node.
 
+Example (under torchrun; 2 emulated nodes of 2 ranks on one machine with ``ZEROPP_RANKS_PER_NODE=2``)::
+
+    dist.init_process_group("gloo")              # or "nccl"
+    topo = comm.Topology()                        # collective: all ranks create it
+    full = comm.all_gather(shard, bits=8, topology=topo)                       # qwZ over the DP group
+    full = comm.all_gather(secondary, bits=None, group=topo.intra_group, topology=topo)   # hpZ, in the node
+    grad_shard = comm.reduce_scatter(grad, bits=4, op=comm.ReduceOp.AVG, topology=topo)  # qgZ, slice r
+    work = comm.reduce_scatter(grad, bits=4, topology=topo, async_op=True); ...; grad_shard = work.wait()
+    comm.stats()["reduce_scatter"]["sent_inter"]  # bytes this rank sent across nodes
+
+``ZEROPP_DEBUG=1`` checks before each collective that all ranks passed matching arguments.
 This package knows nothing of ``nn.Module``; it uses only the public ops of ``zeropp.quant``.
 """
 
