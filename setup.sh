@@ -5,9 +5,9 @@
 #
 # * .venv is made with --system-site-packages, so a GPU machine's own CUDA build of torch (and its triton) is
 #   used as it is.
-# * Where torch is missing, or there is no usable CUDA and torch is not 2.13.0, torch==2.13.0 is installed
-#   into .venv: on the CPU machines that release is a CPU build lying on disk (an unpinned `torch` would pull a
-#   multi-GB CUDA build).
+# * Where torch is missing, or it sees no CUDA device (no GPU, no driver, or a CPU build) and is not 2.13.0,
+#   torch==2.13.0 is installed into .venv: on the CPU machines that release is a CPU build lying on disk (an
+#   unpinned `torch` would pull a multi-GB CUDA build). A torch that sees a GPU is kept, whatever its version.
 # * Then zeropp itself, editable, with its test extras.
 # A re-run with nothing changed checks a stamp and a few imports and returns in a second or two.
 # PYTHON=/path/to/python3 picks the interpreter the venv is made from (3.10 or newer).
@@ -50,15 +50,15 @@ if [ ! -x "$VPY" ]; then
     "$PY" -m venv --system-site-packages "$VENV" || die "could not create $VENV (is the venv module installed?)"
 fi
 
-has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 torch_version=$("$VPY" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true)
 torch_cuda=$("$VPY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null || echo 0)
 
 if [ -z "$torch_version" ]; then
     say "torch is not importable: installing torch==$TORCH_CPU_PIN"
     pip_install "torch==$TORCH_CPU_PIN"
-elif { ! has_gpu || [ "$torch_cuda" != 1 ]; } && [ "$torch_version" != "$TORCH_CPU_PIN" ]; then
-    say "no usable CUDA and torch is $torch_version: installing torch==$TORCH_CPU_PIN into $VENV"
+elif [ "$torch_cuda" != 1 ] && [ "$torch_version" != "$TORCH_CPU_PIN" ]; then
+    # A GPU machine whose torch sees its GPU keeps that torch, whatever its version.
+    say "torch $torch_version sees no CUDA device: installing torch==$TORCH_CPU_PIN into $VENV"
     pip_install "torch==$TORCH_CPU_PIN"
 fi
 

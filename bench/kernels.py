@@ -72,11 +72,12 @@ class Case:
 
 
 class Timer:
-    def __init__(self, device: torch.device, warmup: int, reps: int) -> None:
+    def __init__(self, device: torch.device, warmup: int, reps: int, stat: str = "median") -> None:
         self.device, self.warmup, self.reps = device, warmup, reps
+        self.stat = statistics.median if stat == "median" else min
 
     def __call__(self, fn: Callable[[], object]) -> float:
-        """Median seconds of ``fn()``."""
+        """Median (or least) seconds of ``fn()``."""
         for _ in range(self.warmup):
             fn()
         if self.device.type == "cuda":
@@ -89,13 +90,13 @@ class Timer:
                 end.record()
                 pairs.append((start, end))
             torch.cuda.synchronize(self.device)
-            return statistics.median(s.elapsed_time(e) for s, e in pairs) / 1e3
+            return self.stat([s.elapsed_time(e) for s, e in pairs]) / 1e3
         times = []
         for _ in range(self.reps):
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
-        return statistics.median(times)
+        return self.stat(times)
 
 
 def load_deepspeed(device: torch.device):
@@ -296,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ranks-per-node", type=int, default=8, help="qgZ ranks per node for the swizzle (default 8)")
     p.add_argument("--reps", type=int, default=None, help="timed runs per row (default 20 on GPU, 5 on CPU)")
     p.add_argument("--warmup", type=int, default=None, help="untimed runs first (default 5 on GPU, 1 on CPU)")
+    p.add_argument("--stat", choices=["median", "min"], default="median",
+                   help="statistic over the timed runs (min resists other load on a shared CPU)")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--kernels", nargs="+", help="only rows whose name contains one of these")
     p.add_argument("--backend", choices=["auto", "torch", "triton"], help="sets ZEROPP_QUANT_BACKEND")
     p.add_argument("--no-deepspeed", action="store_true", help="do not time DeepSpeed's kernels")
@@ -313,15 +317,18 @@ def main(argv: list[str] | None = None) -> int:
 
     args.block_size = args.block_size or DEFAULT_BLOCK_SIZE
     sizes = args.sizes or ([1 << 24, 1 << 26, 1 << 28] if gpu else [1 << 20, 1 << 22, 1 << 24])
+    if args.threads:
+        torch.set_num_threads(args.threads)
     timer = Timer(device, args.warmup if args.warmup is not None else (5 if gpu else 1),
-                  args.reps if args.reps is not None else (20 if gpu else 5))
+                  args.reps if args.reps is not None else (20 if gpu else 5), args.stat)
     ds, ds_reason = (None, "--no-deepspeed") if args.no_deepspeed else load_deepspeed(device)
 
     if gpu:
         where = f"{torch.cuda.get_device_name(device)}"
     else:
         where = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, " \
-                f"{torch.get_num_threads()} torch threads) -- torch reference only, GPU kernels NOT measured"
+                f"{torch.get_num_threads()} torch threads, load average {os.getloadavg()[0]:.2f}) -- torch " \
+                "reference only, GPU kernels NOT measured"
     versions = f"torch {torch.__version__}"
     try:
         import triton
@@ -332,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"zeropp kernel benchmark on {where}; {versions}")
     print(
         f"dtype {args.dtype}, block {args.block_size}, world {args.world}, nodes {args.nodes} x "
-        f"{args.ranks_per_node}; median of {timer.reps} after {timer.warmup} warm-up; "
+        f"{args.ranks_per_node}; {args.stat} of {timer.reps} after {timer.warmup} warm-up; "
         f"DeepSpeed: {'timed' if ds is not None else 'not timed (' + ds_reason + ')'}"
     )
     rows = []

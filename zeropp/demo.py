@@ -27,6 +27,7 @@ from zeropp import quant
 from zeropp.models import GPT, PRESETS, GPTConfig
 from zeropp.quant.format import DEFAULT_BLOCK_SIZE, SUPPORTED_BITS
 
+DEMO_BLOCK_SIZES = tuple(sorted({64, DEFAULT_BLOCK_SIZE, 2048}))
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 BF16_BYTES = 2
 
@@ -135,7 +136,7 @@ def evaluate(
 def run(
     preset: str = "gpt2",
     bits: tuple[int, ...] = (8, 4),
-    block_sizes: tuple[int, ...] = (DEFAULT_BLOCK_SIZE, 2048),
+    block_sizes: tuple[int, ...] = DEMO_BLOCK_SIZES,
     dtype: torch.dtype = torch.bfloat16,
     device: str | torch.device = "cpu",
     seed: int = 0,
@@ -177,8 +178,9 @@ def main(argv: list[str] | None = None) -> int:
         "--block-size",
         type=int,
         nargs="+",
-        default=[DEFAULT_BLOCK_SIZE, 2048],
-        help=f"one or more block sizes (default: {DEFAULT_BLOCK_SIZE}, the library default, and 2048)",
+        default=list(DEMO_BLOCK_SIZES),
+        help=f"one or more block sizes (default: {' '.join(map(str, DEMO_BLOCK_SIZES))}; the library's is "
+        f"{DEFAULT_BLOCK_SIZE})",
     )
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="weights' dtype (default bf16)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -190,6 +192,13 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             parser.error(str(e))
 
+    probe = torch.empty(0, device=args.device)
+    if probe.device.type == "cpu" and quant.backend_name(probe) == "triton":
+        print(
+            "warning: TRITON_INTERPRET=1 sends CPU tensors to the Triton interpreter, which is far too slow for a "
+            "whole model; set ZEROPP_QUANT_BACKEND=torch for the torch reference",
+            file=sys.stderr,
+        )
     t0 = time.perf_counter()
     model, results = run(
         args.preset, tuple(args.bits), tuple(args.block_size), DTYPES[args.dtype], args.device, args.seed
