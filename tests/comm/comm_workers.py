@@ -1,4 +1,4 @@
-"""Worker functions run on every rank by ``launch`` (see launch.py). Each batches many checks into one process
+"""Worker functions run on every rank by ``comm_launch.launch``. Each batches many checks into one process
 group (start-up costs seconds) and returns a small summary; any failed check raises on the rank that saw it.
 
 References are computed independently of zeropp.comm: every rank rebuilds every rank's input from its seed, and

@@ -1,7 +1,7 @@
 """zeropp.comm on real processes over gloo: topology, exact and quantized all-gather / reduce-scatter, byte
 counters, async handles, error feedback, bad input, and one run of the Triton kernels (interpreter on CPU).
 
-Each test launches one process group and runs a batch of checks in it (see workers.py); the workers use the
+Each test launches one process group and runs a batch of checks in it (see comm_workers.py); the workers use the
 torch reference backend of zeropp.quant except ``test_kernels_through_collectives``.
 """
 
@@ -11,7 +11,7 @@ import importlib.util
 
 import pytest
 
-from launch import launch
+from comm_launch import launch
 
 
 @pytest.mark.parametrize(
@@ -28,7 +28,7 @@ from launch import launch
     ids=["world2", "world4", "world8"],
 )
 def test_collectives(tmp_path, world, layouts):
-    results = launch("workers:collectives", world, tmp_path, timeout=300, layouts=layouts)
+    results = launch("comm_workers:collectives", world, tmp_path, timeout=300, layouts=layouts)
     # Sanity on the quantization error (the per-element bounds are checked in the workers): int8 well below
     # int4, both far from useless.
     for summary in results:
@@ -41,11 +41,11 @@ def test_collectives(tmp_path, world, layouts):
 
 
 def test_dp_subgroups_and_single_rank(tmp_path):
-    launch("workers:dp_subgroups", 4, tmp_path)
+    launch("comm_workers:dp_subgroups", 4, tmp_path)
 
 
 def test_errors(tmp_path):
-    messages = launch("workers:errors", 4, tmp_path)[0]
+    messages = launch("comm_workers:errors", 4, tmp_path)[0]
     # the messages name the bad value and the fix
     assert "ZEROPP_RANKS_PER_NODE" in messages["not_multiple"]
     assert "'a'" in messages["hosts"] and "3 ranks" in messages["hosts"]
@@ -54,7 +54,7 @@ def test_errors(tmp_path):
 
 @pytest.mark.parametrize("d", [1, 2])
 def test_error_feedback_lowers_accumulated_error(tmp_path, d):
-    results = launch("workers:error_feedback", 4, tmp_path, d=d, steps=16)
+    results = launch("comm_workers:error_feedback", 4, tmp_path, d=d, steps=16)
     for r in results:
         assert r["feedback"] * 4 < r["plain"]
 
@@ -63,4 +63,4 @@ def test_error_feedback_lowers_accumulated_error(tmp_path, d):
 def test_kernels_through_collectives(tmp_path, kernel_device):
     if kernel_device != "cpu":
         pytest.skip("gloo runs on CPU tensors; the GPU kernels are covered by tests/quant")
-    launch("workers:kernels", 4, tmp_path, env={"TRITON_INTERPRET": "1"}, timeout=300)
+    launch("comm_workers:kernels", 4, tmp_path, env={"TRITON_INTERPRET": "1"}, timeout=300)
