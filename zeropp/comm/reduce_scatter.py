@@ -251,7 +251,10 @@ def _qgz_steps(
         if ef is not None:
             dequantize_chunks(packs, fmt, size, s, ef.residual)  # residual <- what the packs hold ...
             torch.sub(x, ef.residual, out=ef.residual)  # ... then x minus that
-        send = packs if order == list(range(size)) else packs.view(size, pack)[order].view(-1)
+        if order == list(range(size)):
+            send = packs
+        else:
+            send = packs.view(size, pack).index_select(0, topo.qgz_send_index(device)).view(-1)
 
     # Steps 2-3: intra-node all-to-all, fused sum and requantization.
     if d > 1:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import socket
 
+import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
@@ -41,7 +42,8 @@ class Topology:
     """The node layout of a data-parallel group and its cached intra-node, inter-node and hpZ groups.
 
     Creating one is a collective over ``group`` (one all-gather of host names, then group creation): every rank
-    of ``group`` must create it, with the same arguments, in the same order relative to other collectives.
+    of ``group`` must create it, with the same arguments, in the same order relative to other collectives. With
+    NCCL, call ``torch.cuda.set_device`` first (the host names travel as a pickled object on the current device).
 
     Args:
         group: the data-parallel process group (default: the whole world).
@@ -134,6 +136,7 @@ class Topology:
         self._group_rank: dict[int, int] = {r: i for i, r in enumerate(self.ranks)}
         self._same_node: dict[ProcessGroup, int] = {}
         self._send_order: list[int] | None = None
+        self._send_index: dict[torch.device, torch.Tensor] = {}
         self.node: int = self._node_of[self.global_rank]
         self.local_rank: int = self.nodes[self.node].index(self.global_rank)
 
@@ -191,6 +194,12 @@ class Topology:
                 for g in sorted(node[k] for node in self.nodes)
             ]
         return list(self._send_order)
+
+    def qgz_send_index(self, device: torch.device) -> torch.Tensor:
+        """``qgz_send_order()`` as an int64 tensor on ``device`` (cached: no host-to-device copy per call)."""
+        if device not in self._send_index:
+            self._send_index[device] = torch.tensor(self.qgz_send_order(), dtype=torch.int64, device=device)
+        return self._send_index[device]
 
     @property
     def is_node_contiguous(self) -> bool:
