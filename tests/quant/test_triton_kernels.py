@@ -184,7 +184,7 @@ def test_reduce_dequantize(groups, chunk_numel, out_numel, divisor, bits, block_
 
 def special_blocks(block_size: int, qmax: int) -> torch.Tensor:
     """One block per special case, float32, concatenated."""
-    blocks = torch.randn(12, block_size, generator=torch.Generator().manual_seed(7))
+    blocks = torch.randn(13, block_size, generator=torch.Generator().manual_seed(7))
     blocks[0, 3] = float("nan")
     blocks[1, -1] = float("inf")
     blocks[2, 0] = float("-inf")
@@ -203,6 +203,7 @@ def special_blocks(block_size: int, qmax: int) -> torch.Tensor:
     blocks[9, 0] = -qmax
     blocks[10] = -0.0
     blocks[11, :] = 1e-30  # a constant block: every code is qmax
+    blocks[12, 0] = torch.finfo(torch.float32).max  # code * scale rounds past float32's limit: clamped back
     return blocks.reshape(-1)
 
 

@@ -8,7 +8,10 @@ with zeros. Each block is stored as ``block_size`` signed integer codes and one 
     x'    = code * scale
 
 An all-zero block has scale 0 and codes 0. A block holding a NaN has a NaN scale, a block holding an Inf (and no
-NaN) an Inf scale; the codes of such a block are 0, so ``has_nonfinite`` needs to read the scales only.
+NaN) an Inf scale; the codes of such a block are 0, so ``has_nonfinite`` needs to read the scales only. Such a
+block dequantizes to NaN throughout (0 * Inf), so after a quantized reduction an Inf shows as NaN: overflow checks
+treat both alike. Dequantized values are clamped to the finite float32 range (``code * scale`` can round past it
+when a block's absmax is within an ulp of it).
 
 Codes: int8 codes are one two's-complement byte each. int4 codes are packed two per byte: element ``2k`` of a
 block in the low nibble and element ``2k + 1`` in the high nibble, each nibble a 4-bit two's-complement number.

@@ -132,4 +132,5 @@ def reduce_dequantize(
     if out.numel() == 0:
         return
     acc = _sum_groups(buf, fmt, groups, 1, chunk_numel)[0, : out.numel()]
-    out.copy_(acc / divisor)
+    # A tensor divisor, not a Python scalar: on CUDA torch turns division by a scalar into a reciprocal multiply.
+    out.copy_(acc / torch.tensor(divisor, dtype=torch.float32, device=acc.device))

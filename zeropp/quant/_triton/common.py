@@ -117,6 +117,15 @@ def quantize_values(v, scale, QMAX: tl.constexpr):
 
 
 @triton.jit
+def scaled(code, scale):
+    """Float32 ``code * scale`` (int32 codes), clamped to the finite float32 range as in the reference: the
+    product can round past it when a block's absmax is within an ulp of it. NaN stays NaN."""
+    return tl.clamp(
+        code.to(tl.float32) * scale, -3.4028234663852886e38, 3.4028234663852886e38, propagate_nan=tl.PropagateNan.ALL
+    )
+
+
+@triton.jit
 def pack_int4(lo, hi):
     """Bytes (uint8) holding int32 codes ``lo`` in the low nibble and ``hi`` in the high one, two's complement."""
     return ((lo & 0xF) | ((hi & 0xF) << 4)).to(tl.uint8)

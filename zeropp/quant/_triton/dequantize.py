@@ -7,7 +7,16 @@ import triton
 import triton.language as tl
 
 from ..format import BlockFormat
-from .common import decode_int8, grid, launch_shape, scale_pointers, store_rows, tile_blocks, unpack_int4
+from .common import (
+    decode_int8,
+    grid,
+    launch_shape,
+    scale_pointers,
+    scaled,
+    store_rows,
+    tile_blocks,
+    unpack_int4,
+)
 
 
 @triton.jit
@@ -39,10 +48,10 @@ def _dequantize_kernel(
     code_cols = tl.arange(0, BLOCK_SIZE * BITS // 8)[None, :]
     byte = tl.load(buf_ptr + code_offset[:, None] + code_cols, mask=row_mask[:, None], other=0)
     if BITS == 8:
-        v = decode_int8(byte).to(tl.float32) * scale
+        v = scaled(decode_int8(byte), scale)
     else:
         lo, hi = unpack_int4(byte)
-        v = tl.reshape(tl.join(lo.to(tl.float32) * scale, hi.to(tl.float32) * scale), [BLOCKS, BLOCK_SIZE])
+        v = tl.reshape(tl.join(scaled(lo, scale), scaled(hi, scale)), [BLOCKS, BLOCK_SIZE])
     # The padding of a pack's last block, and anything past out_numel, is not written.
     store_rows(out_ptr, start, tl.minimum(chunk_numel - in_slice, out_numel - start), v)
 

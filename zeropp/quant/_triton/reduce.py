@@ -17,6 +17,7 @@ from .common import (
     grid,
     launch_shape,
     scale_pointers,
+    scaled,
     store_int4_blocks,
     store_int8_blocks,
     store_rows,
@@ -35,7 +36,7 @@ def _sum_int8_blocks(
     for i in tl.static_range(GROUPS):
         scale = tl.load(scale_pointers(buf_ptr, scale_offset + i * group_bytes), mask=row_mask, other=0.0)
         byte = tl.load(buf_ptr + (code_offset + i * group_bytes)[:, None] + cols, mask=row_mask[:, None], other=0)
-        acc += decode_int8(byte).to(tl.float32) * scale[:, None]
+        acc += scaled(decode_int8(byte), scale[:, None])
     return acc
 
 
@@ -52,8 +53,8 @@ def _sum_int4_blocks(
         scale = tl.load(scale_pointers(buf_ptr, scale_offset + i * group_bytes), mask=row_mask, other=0.0)
         byte = tl.load(buf_ptr + (code_offset + i * group_bytes)[:, None] + cols, mask=row_mask[:, None], other=0)
         lo, hi = unpack_int4(byte)
-        even += lo.to(tl.float32) * scale[:, None]
-        odd += hi.to(tl.float32) * scale[:, None]
+        even += scaled(lo, scale[:, None])
+        odd += scaled(hi, scale[:, None])
     return even, odd
 
 
