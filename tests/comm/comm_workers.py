@@ -353,6 +353,14 @@ def error_feedback(rank: int, world: int, d: int, steps: int) -> dict:
             acc += comm.reduce_scatter(x, 4, topology=topo, error_feedback=ef).double()
         result[name] = float((acc - steps * true).abs().max() / (steps * true.abs().max()))
     assert result["feedback"] * 4 < result["plain"], result
+    # an overflowed step (Inf in one rank's gradient) does not poison the residuals of the steps after it
+    ef = comm.ErrorFeedback()
+    bad = x.clone()
+    bad[7] = float("inf") if rank == 0 else bad[7]
+    comm.reduce_scatter(bad, 4, topology=topo, error_feedback=ef)
+    assert bool(ef.residual.isfinite().all()) and bool(ef.partial_residual.isfinite().all())
+    again = comm.reduce_scatter(x, 4, topology=topo, error_feedback=ef)
+    assert bool(again.isfinite().all())
     return result
 
 

@@ -83,7 +83,8 @@ class ErrorFeedback:
     Keeps, in float32, what quantization dropped last time and adds it back next time: the residual of this
     rank's hop-1 quantization (``numel`` elements) and of its hop-2 requantization (``n * S`` elements of the
     partial sums it forwards). Use one object per buffer; the accumulated error of repeated reductions then stays
-    bounded instead of growing with the number of steps. Off unless passed to ``reduce_scatter``.
+    bounded instead of growing with the number of steps. Off unless passed to ``reduce_scatter``. A step whose
+    gradient holds a NaN or Inf (an fp16 overflow the optimizer will skip) leaves zeros, not NaNs, in the residual.
     """
 
     def __init__(self) -> None:
@@ -251,6 +252,7 @@ def _qgz_steps(
         if ef is not None:
             dequantize_chunks(packs, fmt, size, s, ef.residual)  # residual <- what the packs hold ...
             torch.sub(x, ef.residual, out=ef.residual)  # ... then x minus that
+            ef.residual.nan_to_num_(0.0, 0.0, 0.0)  # a NaN/Inf step (fp16 overflow) must not poison later ones
         if order == list(range(size)):
             send = packs
         else:
@@ -273,6 +275,7 @@ def _qgz_steps(
             mid = quantize_chunks(partial, fmt, n)
             dequantize_chunks(mid, fmt, n, s, ef.partial_residual)
             torch.sub(partial, ef.partial_residual, out=ef.partial_residual)
+            ef.partial_residual.nan_to_num_(0.0, 0.0, 0.0)
     else:
         mid = send
 
