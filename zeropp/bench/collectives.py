@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from zeropp import comm
+from zeropp.quant import DEFAULT_BLOCK_SIZE, backend_name
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 OPS = ("all_gather", "reduce_scatter")
@@ -186,7 +187,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="ranks per (emulated) node; default $ZEROPP_RANKS_PER_NODE or $LOCAL_WORLD_SIZE")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--block-size", type=int, default=comm_block_default())
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
                    help="torch.distributed backend (auto: nccl when CUDA is available, else gloo)")
     p.add_argument("--csv", help="write the rows to this CSV file (rank 0)")
@@ -206,12 +207,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def comm_block_default() -> int:
-    from zeropp.quant import DEFAULT_BLOCK_SIZE
-
-    return DEFAULT_BLOCK_SIZE
-
-
 def main(argv: list[str] | None = None) -> list[Row]:
     args = parse_args(argv)
     if "RANK" not in os.environ:
@@ -229,8 +224,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
         dtype = DTYPES[args.dtype]
         modes: list[int | None] = ([] if args.no_exact else [None]) + list(args.bits)
         rank0 = dist.get_rank() == 0
+        quant = backend_name(torch.empty(0, device=device))
         title = (f"{topo.world_size} ranks, {topo.num_nodes} nodes x {topo.ranks_per_node}, {backend}/"
-                 f"{device.type}, {args.dtype}, block {args.block_size}")
+                 f"{device.type}, {args.dtype}, block {args.block_size}, quant backend {quant}")
         if rank0:
             print(f"# zeropp collectives: {title}, iters {args.iters}, warmup {args.warmup}")
             print("# algbw/busbw/bf16eq in GB/s; wire = bytes sent per rank per call, inter = cross-node part")
