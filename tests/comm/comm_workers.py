@@ -7,7 +7,6 @@ the expected values are float64 sums; the error bounds follow from the block abs
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch

@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-
 from comm_launch import launch
 
 

@@ -19,10 +19,10 @@ Example (under torchrun; 2 emulated nodes of 2 ranks on one machine with ``ZEROP
 This package knows nothing of ``nn.Module``; it uses only the public ops of ``zeropp.quant``.
 """
 
+from .accounting import Traffic, reset_stats, stats
 from .all_gather import all_gather
 from .checks import debug_enabled
 from .reduce_scatter import ErrorFeedback, ReduceOp, reduce_scatter, shard_range
-from .accounting import Traffic, reset_stats, stats
 from .topology import ENV_RANKS_PER_NODE, Topology, get_default_topology, set_default_topology
 from .work import CollectiveWork
 

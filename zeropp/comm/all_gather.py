@@ -85,7 +85,8 @@ def _all_gather_steps(
         return out
     same_node = topo.same_node_count(pg)
     if fmt is None:
-        accounting.record("all_gather", accounting.gather_traffic(shard.numel() * shard.element_size(), size, same_node))
+        nbytes = shard.numel() * shard.element_size()
+        accounting.record("all_gather", accounting.gather_traffic(nbytes, size, same_node))
         yield all_gather_flat(flat, shard, group=pg, async_op=True)
         return out
     pack = quantize_chunks(shard, fmt)
