@@ -35,7 +35,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -68,7 +68,19 @@ class Case:
     fn: Callable[[], object]
     ds_fn: Callable[[], object] | None = None
     ds_note: str = ""
-    result: dict = field(default_factory=dict)
+
+
+def ds_setup(wanted: bool, factory: Callable[[], Callable[[], object]], note: str = ""):
+    """``(ds_fn, note)`` for a Case: ``factory()`` prepares DeepSpeed's inputs and returns the call to time.
+
+    A DeepSpeed version whose kernels take other arguments must not stop the benchmark: its error becomes the note.
+    """
+    if not wanted:
+        return None, ""
+    try:
+        return factory(), note
+    except Exception as e:  # noqa: BLE001
+        return None, f"error: {type(e).__name__}: {str(e)[:60]}"
 
 
 class Timer:
@@ -134,49 +146,52 @@ def build_cases(
         qbuf = torch.empty(packed, dtype=torch.uint8, device=device)
         quant.quantize_chunks(x, fmt, 1, out=qbuf)
         groups = n // block_size
-        ds_q = ds_deq = None
-        if ds_ok and n % block_size == 0:
-            ds_codes, ds_params = ds.quantize(x, groups, bits, sym)
-            ds_q = lambda bits=bits, groups=groups: ds.quantize(x, groups, bits, sym)  # noqa: E731
-            ds_deq = lambda c=ds_codes, p=ds_params, bits=bits, groups=groups: ds.dequantize(  # noqa: E731
-                c, p, groups, bits, sym
-            )
+
+        def ds_quant(bits=bits, groups=groups):
+            return lambda: ds.quantize(x, groups, bits, sym)
+
+        def ds_dequant(bits=bits, groups=groups):
+            codes, params = ds.quantize(x, groups, bits, sym)
+            return lambda: ds.dequantize(codes, params, groups, bits, sym)
+
         cases.append(
             Case(f"quantize int{bits}", n, n * item + packed,
-                 lambda fmt=fmt, qbuf=qbuf: quant.quantize_chunks(x, fmt, 1, out=qbuf), ds_q)
+                 lambda fmt=fmt, qbuf=qbuf: quant.quantize_chunks(x, fmt, 1, out=qbuf),
+                 *ds_setup(ds_ok and n % block_size == 0, ds_quant))
         )
         cases.append(
             Case(f"dequantize int{bits}", n, packed + n * item,
-                 lambda fmt=fmt, qbuf=qbuf: quant.dequantize_chunks(qbuf, fmt, 1, n, out), ds_deq)
+                 lambda fmt=fmt, qbuf=qbuf: quant.dequantize_chunks(qbuf, fmt, 1, n, out),
+                 *ds_setup(ds_ok and n % block_size == 0, ds_dequant))
         )
 
     # qwZ: the all-gathered buffer holds one int8 pack per rank; dequantize straight into the full weights.
     fmt8, fmt4 = BlockFormat(8, block_size), BlockFormat(4, block_size)
     chunk = quant.chunk_numel(n, world)
     gathered = quant.quantize_chunks(x, fmt8, world)
-    ds_gather = None
-    if ds_ok and n % (world * block_size) == 0:
-        c8, p8 = ds.quantize(x, n // block_size, 8, sym)
 
-        def ds_gather():  # its qwZ path: dequantize into a temporary, then copy into the parameters
-            out.copy_(ds.dequantize(c8, p8, n // block_size, 8, sym).view(-1))
+    def ds_gather():  # its qwZ path: dequantize into a temporary, then copy into the parameters
+        c8, p8 = ds.quantize(x, n // block_size, 8, sym)
+        return lambda: out.copy_(ds.dequantize(c8, p8, n // block_size, 8, sym).view(-1))
 
     cases.append(
         Case(f"dequantize gathered int8 x{world}", n, gathered.numel() + n * item,
-             lambda: quant.dequantize_chunks(gathered, fmt8, world, chunk, out), ds_gather,
-             "DS: dequantize + copy")
+             lambda: quant.dequantize_chunks(gathered, fmt8, world, chunk, out),
+             *ds_setup(ds_ok and n % (world * block_size) == 0, ds_gather, "DS: dequantize + copy"))
     )
 
     # qgZ step 1: swizzled int4 quantize for nodes x ranks_per_node.
     sw_world = nodes * rpn
     sw_bytes = fmt4.chunked_bytes(n, sw_world)
     sw_out = torch.empty(sw_bytes, dtype=torch.uint8, device=device)
-    ds_sw = None
-    if ds_ok and n % (sw_world * block_size) == 0:
-        ds_sw = lambda: ds.swizzle_quant(x, n // block_size, 4, sym, 1, nodes, rpn)  # noqa: E731
+
+    def ds_swizzle():
+        return lambda: ds.swizzle_quant(x, n // block_size, 4, sym, 1, nodes, rpn)
+
     cases.append(
         Case(f"swizzle_quantize int4 {nodes}x{rpn}", n, n * item + sw_bytes,
-             lambda: quant.swizzle_quantize(x, fmt4, nodes, rpn, out=sw_out), ds_sw)
+             lambda: quant.swizzle_quantize(x, fmt4, nodes, rpn, out=sw_out),
+             *ds_setup(ds_ok and n % (sw_world * block_size) == 0, ds_swizzle))
     )
 
     # qgZ step 3: d runs of `nodes` packs in, `nodes` packs out.
@@ -184,38 +199,35 @@ def build_cases(
         cn = quant.chunk_numel(n, d * nodes)
         rbuf = quant.quantize_chunks(x, fmt4, d * nodes)
         rout = torch.empty(nodes * fmt4.packed_bytes(cn), dtype=torch.uint8, device=device)
-        ds_red = None
-        if ds_ok and n % (d * nodes * block_size) == 0:
+
+        def ds_reduce(d=d):
             c4, s4 = ds.swizzle_quant(x, n // block_size, 4, sym, 1, nodes, d)
             in_groups, out_groups = n // block_size, n // block_size // d
-
-            def ds_red(c4=c4, s4=s4, in_groups=in_groups, out_groups=out_groups, d=d):
-                try:  # newer DeepSpeed takes devices_per_node; older ones hard-code 16
-                    return ds.quantized_reduction(c4, s4, in_groups, out_groups, 4, sym, d)
-                except TypeError:
-                    return ds.quantized_reduction(c4, s4, in_groups, out_groups, 4, sym)
+            try:  # newer DeepSpeed takes devices_per_node; older ones hard-code 16
+                ds.quantized_reduction(c4, s4, in_groups, out_groups, 4, sym, d)
+                return lambda: ds.quantized_reduction(c4, s4, in_groups, out_groups, 4, sym, d)
+            except TypeError:
+                return lambda: ds.quantized_reduction(c4, s4, in_groups, out_groups, 4, sym)
 
         cases.append(
             Case(f"reduce_requantize int4 d={d}", n, rbuf.numel() + rout.numel(),
                  lambda rbuf=rbuf, rout=rout, d=d, cn=cn: quant.reduce_requantize(rbuf, fmt4, d, nodes, cn, out=rout),
-                 ds_red)
+                 *ds_setup(ds_ok and n % (d * nodes * block_size) == 0, ds_reduce))
         )
 
     # qgZ step 5: `nodes` packs of one slice in, the mean slice out.
     fcn = quant.chunk_numel(n, nodes)
     fbuf = quant.quantize_chunks(x, fmt4, nodes)
     fout = torch.empty(fcn, dtype=dtype, device=device)
-    ds_final = None
-    if ds_ok and n % (nodes * block_size) == 0:
-        c4, p4 = ds.quantize(x, n // block_size, 4, sym)
 
-        def ds_final():  # its final step: dequantize, then sum over nodes and divide in torch
-            ds.dequantize(c4, p4, n // block_size, 4, sym).view(nodes, -1).sum(0).div_(sw_world)
+    def ds_final():  # its final step: dequantize, then sum over nodes and divide in torch
+        c4, p4 = ds.quantize(x, n // block_size, 4, sym)
+        return lambda: ds.dequantize(c4, p4, n // block_size, 4, sym).view(nodes, -1).sum(0).div_(sw_world)
 
     cases.append(
         Case(f"reduce_dequantize int4 g={nodes}", n, fbuf.numel() + fcn * item,
-             lambda: quant.reduce_dequantize(fbuf, fmt4, nodes, fcn, fout, divisor=sw_world), ds_final,
-             "DS: dequantize + torch sum")
+             lambda: quant.reduce_dequantize(fbuf, fmt4, nodes, fcn, fout, divisor=sw_world),
+             *ds_setup(ds_ok and n % (nodes * block_size) == 0, ds_final, "DS: dequantize + torch sum"))
     )
     return cases
 
@@ -247,6 +259,8 @@ def run_size(args, n: int, device: torch.device, timer: Timer, ds) -> list[dict]
             "floor/time": t_copy / t,
             "backend": quant.backend_name(src),
         }
+        if c.ds_fn is None and c.ds_note:
+            row["DS note"] = c.ds_note
         if c.ds_fn is not None:
             try:
                 t_ds = timer(c.ds_fn)
