@@ -91,15 +91,27 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def squared_norm(tensors: list[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """Sum of the squares of all the weights, in float64."""
+    return sum(torch.linalg.vector_norm(t, dtype=torch.float64) ** 2 for _, t in tensors)
+
+
 def evaluate(
-    tensors: list[tuple[str, torch.Tensor]], bits: int, block_size: int, progress: bool = True
+    tensors: list[tuple[str, torch.Tensor]],
+    bits: int,
+    block_size: int,
+    progress: bool = True,
+    ref_sq: torch.Tensor | None = None,
 ) -> FormatResult:
-    """Quantize and dequantize each tensor on its own in one format; measure the error in float64."""
+    """Quantize and dequantize each tensor on its own in one format; measure the error in float64.
+
+    ``ref_sq`` is ``squared_norm(tensors)`` when the caller has it already.
+    """
     total = sum(t.numel() for _, t in tensors)
     device = tensors[0][1].device
     bar = Progress(total, f"int{bits} block {block_size:>4}") if progress else None
     err_sq = torch.zeros((), dtype=torch.float64, device=device)
-    ref_sq = torch.zeros((), dtype=torch.float64, device=device)
+    ref_sq = squared_norm(tensors) if ref_sq is None else ref_sq
     max_abs = torch.zeros((), dtype=torch.float32, device=device)
     packed = 0
     seconds = 0.0
@@ -113,7 +125,6 @@ def evaluate(
         packed += q.nbytes
         diff = w.to(torch.float32) - w_hat
         err_sq += torch.linalg.vector_norm(diff, dtype=torch.float64) ** 2
-        ref_sq += torch.linalg.vector_norm(w, dtype=torch.float64) ** 2
         max_abs = torch.maximum(max_abs, diff.abs().max())
         if bar:
             bar.update(w.numel())
@@ -145,7 +156,8 @@ def run(
     """Build ``preset`` from ``seed`` and evaluate every (bits, block size) pair on its weights."""
     model = GPT(GPTConfig.preset(preset), seed=seed)
     tensors = [(n, t.to(device)) for n, t in weight_tensors(model, dtype)]
-    results = [evaluate(tensors, b, bs, progress) for b in bits for bs in block_sizes]
+    ref_sq = squared_norm(tensors)
+    results = [evaluate(tensors, b, bs, progress, ref_sq) for b in bits for bs in block_sizes]
     return model, results
 
 
@@ -185,7 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="weights' dtype (default bf16)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--threads", type=int, help="torch CPU threads (default: torch's choice; 1 is steadier on a busy machine)"
+    )
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     for bs in args.block_size:
         try:
             quant.BlockFormat(args.bits[0], bs)
