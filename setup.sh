@@ -37,7 +37,7 @@ stamp_value="$ROOT $(cksum < pyproject.toml | cut -d' ' -f1) $(cksum < setup.sh 
 if [ -x "$VPY" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$stamp_value" ] \
     && "$VPY" - "$ROOT" 2>/dev/null <<'EOF'
 import os, sys
-import numpy, pytest, hypothesis, pytest_benchmark, torch  # noqa: F401
+import numpy, pytest, hypothesis, pytest_benchmark, torch, matplotlib  # noqa: F401
 import zeropp
 sys.exit(os.path.dirname(os.path.dirname(os.path.realpath(zeropp.__file__))) != sys.argv[1])
 EOF
@@ -62,7 +62,7 @@ elif [ "$torch_cuda" != 1 ] && [ "$torch_version" != "$TORCH_CPU_PIN" ]; then
     pip_install "torch==$TORCH_CPU_PIN"
 fi
 
-pip_install -e ".[test]"
+pip_install -e ".[test,bench]"
 
 "$VPY" -c 'import zeropp, torch, numpy, pytest' || die "the installed environment does not import"
 echo "$stamp_value" > "$STAMP"

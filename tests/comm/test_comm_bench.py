@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from zeropp.quant import DEFAULT_BLOCK_SIZE
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -17,7 +19,7 @@ def test_bench_collectives_under_torchrun(tmp_path):
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            "-m", "zeropp.bench.collectives", "--ranks-per-node", "2", "--min-bytes", "16K", "--max-bytes", "64K",
-           "--iters", "1", "--warmup", "0", "--csv", str(out_csv)]
+           "--iters", "1", "--warmup", "0", "--csv", str(out_csv), "--plot", str(tmp_path / "bw.png")]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "busbw" in proc.stdout
@@ -30,4 +32,6 @@ def test_bench_collectives_under_torchrun(tmp_path):
     assert 0.25 <= ratio < 0.3
     # qgZ int4 across nodes (2 nodes x 2): numel / (2 d) * (n - 1) / n plus scales, numel = 32768
     inter = int(by[("reduce_scatter", "int4", 65536)]["inter"])
-    assert inter == 32768 // 4 // 2 * (256 // 2 + 4) // (256 // 2)
+    block = DEFAULT_BLOCK_SIZE
+    assert inter == 32768 // 4 // 2 * (block // 2 + 4) // (block // 2)
+    assert (tmp_path / "bw.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -207,7 +207,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> list[Row]:
+def main(argv: list[str] | None = None) -> int:
+    """Run the sweep on this rank; returns the process exit status (0)."""
     args = parse_args(argv)
     if "RANK" not in os.environ:
         print("run under torchrun, e.g.: torchrun --nproc-per-node 4 -m zeropp.bench.collectives "
@@ -246,10 +247,10 @@ def main(argv: list[str] | None = None) -> list[Row]:
                 w.writerows(asdict(r) for r in rows)
         if rank0 and args.plot:
             plot(rows, args.plot, title)
-        return rows
+        return 0
     finally:
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -38,7 +38,7 @@ import torch
 SUPPORTED_BITS = (8, 4)
 MIN_BLOCK_SIZE = 16
 MAX_BLOCK_SIZE = 8192
-DEFAULT_BLOCK_SIZE = 256
+DEFAULT_BLOCK_SIZE = 128
 """Default block size for both int8 and int4; chosen in ``bench/accuracy.py`` (see bench/RESULTS.md)."""
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
