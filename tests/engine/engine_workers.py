@@ -1,0 +1,228 @@
+"""Worker functions run on every rank by ``engine_launch.launch``. Each runs many checks in one process group
+(start-up costs seconds) and returns a small summary; a failed check raises on the rank that saw it.
+
+The reference is plain single-process training, computed on every rank independently of zeropp: the same tiny
+GPT and seed, the whole global batch in one forward, ``torch.nn.utils.clip_grad_norm_`` and
+``torch.optim.AdamW/Adam/SGD(foreach=False)``. The engine sees the same global batch cut into micro-batches:
+micro-step ``k`` of rank ``r`` takes samples ``[(k * P + r) * m, (k * P + r + 1) * m)``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import zeropp
+from zeropp.config import ConfigError
+from zeropp.engine import EngineUsageError
+from zeropp.models import GPT, GPTConfig
+
+SEQ = 16
+# Without biases: the attention's key bias has an identically zero gradient (softmax ignores a shift shared by all
+# keys), so its computed gradient is rounding noise, which Adam normalizes into O(lr) steps in a random direction:
+# any change of summation order (here the batch split) then moves it by ~lr, engine bug or not.
+MODEL = GPTConfig.preset("tiny", bias=False)
+
+
+def batches(steps: int, batch: int, seed: int = 1234) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``steps`` global batches of random byte tokens (inputs, next-token targets)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        tokens = torch.randint(0, MODEL.vocab_size, (batch, SEQ + 1), generator=g)
+        out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return out
+
+
+def param_groups(model: torch.nn.Module, spec: str | None) -> list:
+    """``None``: all trainable parameters; ``"decay"``: GPT-style groups, no weight decay on biases and norms."""
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if spec is None:
+        return [p for _, p in trainable]
+    decay = [p for _, p in trainable if p.dim() >= 2]
+    rest = [p for _, p in trainable if p.dim() < 2]
+    return [{"params": decay}, {"params": rest, "weight_decay": 0.0, "lr": 2e-3}]
+
+
+def torch_optimizer(opt: dict, groups: list) -> torch.optim.Optimizer:
+    kind, params = opt["type"], dict(opt.get("params", {}))
+    if kind == "SGD":
+        return torch.optim.SGD(groups, foreach=False, **params)
+    if kind == "Adam" and not params.pop("adam_w_mode", True):
+        return torch.optim.Adam(groups, foreach=False, **params)
+    return torch.optim.AdamW(groups, foreach=False, **params)
+
+
+def relative_errors(got: dict[str, torch.Tensor], ref: torch.nn.Module) -> dict[str, tuple[float, float]]:
+    """Per parameter: (||engine - reference|| / ||reference||, max |engine - reference| / max |reference|)."""
+    out = {}
+    for n, p in ref.named_parameters():
+        diff, want = got[n] - p.detach(), p.detach()
+        out[n] = ((diff.norm() / want.norm().clamp_min(1e-30)).item(),
+                  (diff.abs().max() / want.abs().max().clamp_min(1e-30)).item())
+    return out
+
+
+def train_matches_reference(
+    rank: int, world: int, runs: list[dict], steps: int = 10
+) -> dict[str, dict[str, float]]:
+    """For each run (stage, micro batch, accumulation, clipping, optimizer, frozen, groups): train ``steps`` steps
+    with the engine and with the reference; return, per run, the worst relative parameter errors (norm-wise and
+    element-wise, see ``relative_errors``) and the relative error of the eval logits."""
+    worst = {}
+    for run in runs:
+        micro, accum = run["micro"], run.get("accum", 1)
+        optimizer = run.get("optimizer", {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}})
+        config = {
+            "train_micro_batch_size_per_gpu": micro,
+            "gradient_accumulation_steps": accum,
+            "gradient_clipping": run.get("clip", 0.0),
+            "optimizer": optimizer,
+            "zero_optimization": {"stage": run["stage"]},
+        }
+        batch = micro * accum * world
+        model, ref = GPT(MODEL, seed=0), GPT(MODEL, seed=0)
+        for m in (model, ref):
+            for name in run.get("frozen", []):
+                m.get_parameter(name).requires_grad_(False)
+        frozen_before = {n: p.detach().clone() for n, p in ref.named_parameters() if not p.requires_grad}
+        engine, _, _, _ = zeropp.initialize(
+            model=model, model_parameters=param_groups(model, run.get("groups")), config=config
+        )
+        assert engine.config.train_batch_size == batch
+        ref_opt = torch_optimizer(optimizer, param_groups(ref, run.get("groups")))
+        norms = []
+        for inputs, targets in batches(steps, batch):
+            for k in range(accum):
+                lo = (k * world + rank) * micro
+                _, loss = engine(inputs[lo : lo + micro], targets[lo : lo + micro])
+                engine.backward(loss)
+                engine.step()
+            _, ref_loss = ref(inputs, targets)
+            ref_loss.backward()
+            if run.get("clip"):
+                norms.append((engine.get_global_grad_norm(),
+                              torch.nn.utils.clip_grad_norm_(ref.parameters(), run["clip"]).item()))
+            ref_opt.step()
+            ref_opt.zero_grad()
+        assert engine.global_steps == steps and engine.micro_steps == steps * accum
+        for got, want in norms:
+            assert abs(got - want) <= 1e-5 * want, (run, got, want)
+        if run.get("clip"):
+            assert any(want > run["clip"] for _, want in norms), "the clipping threshold never bit"
+        if run["stage"] == 3:  # outside forward/backward a stage-3 unit holds only its shard
+            assert all(not u.gathered and all(p.numel() == 0 for p in u.params) for u in engine.units)
+            assert all(u.shard.numel() == -(-u.numel // world) for u in engine.units)
+        errors = relative_errors(engine.full_parameters(), ref)
+        for name, before in frozen_before.items():
+            assert torch.equal(engine.full_parameters()[name], before), name
+        # eval under no_grad: same logits as the reference, and stage 3 frees every unit again
+        engine.eval()
+        ref.eval()
+        inputs = batches(1, 2, seed=99)[0][0]
+        with torch.no_grad():
+            logits, _ = engine(inputs)
+            ref_logits, _ = ref(inputs)
+        engine.train()
+        assert all(not u.gathered for u in engine.units) or run["stage"] != 3
+        logit_error = ((logits - ref_logits).abs().max() / ref_logits.abs().max()).item()
+        key = f"stage{run['stage']}-m{micro}-a{accum}-clip{run.get('clip', 0)}-{optimizer['type']}" + (
+            "-frozen" if run.get("frozen") else "") + ("-groups" if run.get("groups") else "")
+        worst[key] = {
+            "norm": max(e[0] for e in errors.values()),
+            "max": max(e[1] for e in errors.values()),
+            "logits": logit_error,
+        }
+    return worst
+
+
+def usage_errors(rank: int, world: int) -> dict[str, str]:
+    """Bad usage and bad configs raise clear errors, the same on every rank, and leave the engine usable."""
+    messages: dict[str, str] = {}
+    good = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 3}}
+
+    def expect(kind: type[BaseException], key: str, fn) -> None:
+        try:
+            fn()
+        except kind as e:
+            messages[key] = str(e)
+        else:
+            raise AssertionError(f"{key}: no {kind.__name__}")
+
+    # at initialize
+    expect(ConfigError, "bf16", lambda: zeropp.initialize(model=GPT(MODEL), config={**good, "bf16": {"enabled": True}}))
+    expect(ConfigError, "qwz", lambda: zeropp.initialize(
+        model=GPT(MODEL), config={**good, "zero_optimization": {"stage": 3, "zero_quantized_weights": True}}))
+    expect(ConfigError, "unknown", lambda: zeropp.initialize(model=GPT(MODEL), config={**good, "fp61": {}}))
+    expect(ConfigError, "no_optimizer", lambda: zeropp.initialize(
+        model=GPT(MODEL), config={"train_micro_batch_size_per_gpu": 2}))
+    expect(ConfigError, "client_optimizer", lambda: zeropp.initialize(
+        model=GPT(MODEL), config=good, optimizer=torch.optim.SGD(GPT(MODEL).parameters(), lr=0.1)))
+    m = GPT(MODEL)
+    expect(ValueError, "missing_param", lambda: zeropp.initialize(
+        model=m, model_parameters=[p for n, p in m.named_parameters() if n != "wpe.weight"], config=good))
+
+    # bad call order
+    model = GPT(MODEL, seed=0)
+    engine, _, _, _ = zeropp.initialize(model=model, config=good)
+    x, y = batches(1, 2)[0]
+    expect(EngineUsageError, "backward_before_forward", lambda: engine.backward(torch.ones((), requires_grad=True)))
+    expect(EngineUsageError, "step_without_backward", engine.step)
+    with torch.no_grad():
+        _, loss = engine(x, y)
+    expect(EngineUsageError, "backward_after_no_grad_forward", lambda: engine.backward(loss))
+    _, loss = engine(x, y)
+    expect(EngineUsageError, "loss_without_grad", lambda: engine.backward(loss.detach()))
+    engine.backward(loss)
+    expect(EngineUsageError, "backward_twice", lambda: engine.backward(loss))
+    expect(EngineUsageError, "forward_before_step", lambda: engine(x, y))
+    engine.step()  # the engine is still usable after all that
+    expect(EngineUsageError, "step_twice", engine.step)
+    _, loss = engine(x, y)
+    engine.backward(loss)
+    engine.step()
+    assert engine.global_steps == 2
+    return messages
+
+
+def module_called_twice(rank: int, world: int, stage: int) -> float:
+    """A unit whose module runs twice in one forward (weights shared along the depth) under the engine matches
+    the reference: its gradient is complete once, after both uses."""
+
+    class Twice(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            g = torch.Generator().manual_seed(0)
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
+            with torch.no_grad():
+                for p in self.parameters():
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+        def forward(self, x):
+            for layer in (self.layers[0], self.layers[1], self.layers[0]):
+                x = torch.tanh(layer(x))
+            return x.pow(2).mean()
+
+    model, ref = Twice(), Twice()
+    config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1,
+              "momentum": 0.9}}, "zero_optimization": {"stage": stage}}
+    engine, _, _, _ = zeropp.initialize(model=model, config=config)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(5):
+        data = torch.randn(4 * world, 8, generator=g)
+        engine.backward(engine(data[rank * 4 : (rank + 1) * 4]))
+        engine.step()
+        ref(data).backward()
+        opt.step()
+        opt.zero_grad()
+    return max(max(e) for e in relative_errors(engine.full_parameters(), ref).values())
+
+
+
+
+def misc(rank: int, world: int) -> dict:
+    """The usage errors, then a module called twice per forward at each stage (one process group for all)."""
+    return {
+        "messages": usage_errors(rank, world),
+        "twice": {stage: module_called_twice(rank, world, stage) for stage in (1, 2, 3)},
+    }

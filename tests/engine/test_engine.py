@@ -1,0 +1,58 @@
+"""The ZeRO engine on real gloo processes against plain single-process training (see engine_workers.py).
+
+Three launched jobs keep the suite short: the training comparison at world sizes 2 and 4 (4 as 2 emulated nodes
+of 2 ranks), and one job for bad usage, bad configs at initialize and a module called twice.
+"""
+
+from __future__ import annotations
+
+import pytest
+from engine_launch import launch
+
+ADAMW = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}
+RUNS = [
+    {"stage": 1, "micro": 2},
+    {"stage": 1, "micro": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "weight_decay": 0.1,
+                                                                       "adam_w_mode": False}}},
+    {"stage": 2, "micro": 2, "accum": 2, "clip": 0.5},
+    {"stage": 2, "micro": 1, "accum": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9,
+                                                                                   "nesterov": True}}},
+    {"stage": 3, "micro": 2, "accum": 2, "clip": 0.5, "frozen": ["wpe.weight"]},
+    {"stage": 3, "micro": 1, "groups": "decay"},
+]
+
+
+@pytest.mark.parametrize("world, env", [(2, {}), (4, {"ZEROPP_RANKS_PER_NODE": "2"})], ids=["world2", "world4-2nodes"])
+def test_stages_match_single_process_training(tmp_path, world, env):
+    results = launch("engine_workers:train_matches_reference", world, tmp_path, env=env, timeout=240, runs=RUNS)
+    assert len(results[0]) == len(RUNS)
+    for summary in results:
+        for run, errors in summary.items():
+            # the issue's bar: parameters within 1e-5 relative after 10 steps (per tensor, in norm) ...
+            assert errors["norm"] < 1e-5, (world, run, errors)
+            # ... and no element far off either (Adam turns rounding differences of tiny gradients into larger
+            # relative changes of single elements; measured up to 3e-5 of the tensor's largest value)
+            assert errors["max"] < 1e-4, (world, run, errors)
+            assert errors["logits"] < 1e-5, (world, run, errors)
+    # every rank holds the same weights
+    assert all(r == results[0] for r in results)
+
+
+def test_usage_errors_and_module_called_twice(tmp_path):
+    result = launch("engine_workers:misc", 2, tmp_path, timeout=240)[0]
+    m = result["messages"]
+    assert "bf16.enabled" in m["bf16"] and "not implement yet" in m["bf16"]
+    assert "zero_quantized_weights" in m["qwz"]
+    assert "'fp61'" in m["unknown"] and "fp16" in m["unknown"]
+    assert "no optimizer block" in m["no_optimizer"]
+    assert "initialize(optimizer=...) is not supported" in m["client_optimizer"]
+    assert "'wpe.weight'" in m["missing_param"] and "requires_grad_(False)" in m["missing_param"]
+    assert "without a forward" in m["backward_before_forward"]
+    assert "without a forward" in m["backward_after_no_grad_forward"]
+    assert "step() called without backward()" in m["step_without_backward"]
+    assert "step() called without backward()" in m["step_twice"]
+    assert "does not require grad" in m["loss_without_grad"]
+    assert "twice without step()" in m["backward_twice"]
+    assert "forward() after backward() without step()" in m["forward_before_step"]
+    for stage, error in result["twice"].items():
+        assert error < 1e-5, (stage, error)

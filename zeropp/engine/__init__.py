@@ -1,0 +1,31 @@
+"""ZeRO stages 1, 2 and 3 with ZeRO++'s switches, behind DeepSpeed's ``initialize`` / ``backward`` / ``step``.
+
+One file per responsibility:
+
+* ``policy.py``: which modules form units and which unit owns each parameter;
+* ``unit.py``: ``Unit``, a unit's flat sharded parameters with its fp32 master and gradient shards;
+* ``collectives.py``: ``Collectives``, the only place the engine communicates (through ``zeropp.comm``);
+* ``hooks.py``: the stage-3 gather/free state machine and the "unit's gradients are complete" trigger;
+* ``optimizer.py``: ``PartitionedOptimizer``, AdamW/Adam/SGD on the shards, torch.optim's arithmetic;
+* ``engine.py``: ``ZeroEngine``, the forward/backward/step protocol;
+* ``initialize.py``: ``initialize``, the entry point (also ``zeropp.initialize``).
+"""
+
+from .engine import EngineUsageError, ZeroEngine
+from .initialize import initialize
+from .optimizer import PartitionedOptimizer
+from .policy import UnitPlan, UnitPolicy, default_unit_modules, plan_units, units_of_type
+from .unit import Unit
+
+__all__ = [
+    "EngineUsageError",
+    "PartitionedOptimizer",
+    "Unit",
+    "UnitPlan",
+    "UnitPolicy",
+    "ZeroEngine",
+    "default_unit_modules",
+    "initialize",
+    "plan_units",
+    "units_of_type",
+]

@@ -1,0 +1,72 @@
+"""The engine's one door to communication: every byte the engine moves goes through ``Collectives``.
+
+The weight all-gather and the gradient reduce-scatter call ``zeropp.comm`` with the configured ``bits``
+(``None``: exact; 8/4: qwZ/qgZ) and block size, so switching ZeRO++ on is a matter of the values held here. The
+engine never calls a quantization kernel itself (engine -> comm -> quant). The two small collectives that
+``zeropp.comm`` does not provide (the initial broadcast of the weights and the all-reduce of the squared gradient
+norm) are plain ``torch.distributed`` calls on the topology's data-parallel group.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from ..quant import DEFAULT_BLOCK_SIZE
+
+
+class Collectives:
+    """Collectives over ``topology``'s data-parallel group with the engine's ZeRO++ settings.
+
+    Args:
+        topology: the data-parallel group and its node layout.
+        weight_bits: ``None`` (exact) or 8/4 for the qwZ weight all-gather.
+        gradient_bits: ``None`` (exact) or 8/4 for the qgZ gradient reduce-scatter.
+        block_size: elements per quantization block.
+    """
+
+    def __init__(
+        self,
+        topology: comm.Topology,
+        *,
+        weight_bits: int | None = None,
+        gradient_bits: int | None = None,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+    ) -> None:
+        self.topology = topology
+        self.weight_bits = weight_bits
+        self.gradient_bits = gradient_bits
+        self.block_size = block_size
+
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def rank(self) -> int:
+        """This rank's position in the data-parallel group: the shard it owns."""
+        return self.topology.rank
+
+    def gather_params(self, shard: torch.Tensor, out: torch.Tensor) -> None:
+        """All-gather every rank's parameter ``shard`` into the flat ``out`` (``world_size * shard.numel()``)."""
+        comm.all_gather(shard, bits=self.weight_bits, topology=self.topology, out=out, block_size=self.block_size)
+
+    def reduce_scatter_grads(self, full: torch.Tensor, out: torch.Tensor) -> None:
+        """Average the flat gradient ``full`` over the ranks; this rank's slice (``comm.shard_range``) into ``out``."""
+        comm.reduce_scatter(
+            full, bits=self.gradient_bits, op=comm.ReduceOp.AVG, topology=self.topology, out=out,
+            block_size=self.block_size,
+        )
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the ranks, in place."""
+        if self.world_size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.topology.group)
+        return tensor
+
+    def broadcast_from_first(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Overwrite ``tensor`` with the first rank's values, in place."""
+        if self.world_size > 1:
+            dist.broadcast(tensor, src=self.topology.ranks[0], group=self.topology.group)
+        return tensor

@@ -1,0 +1,244 @@
+"""``ZeroEngine``: ZeRO stages 1, 2 and 3 over units of flat sharded parameters (see ``zeropp.initialize``).
+
+Use (the DeepSpeed protocol; every rank runs the same calls)::
+
+    engine, optimizer, _, _ = zeropp.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    for batch in micro_batches:              # train_micro_batch_size_per_gpu samples on this rank
+        loss = engine(batch)                 # the model's forward; returns what the model returns
+        engine.backward(loss)                # loss / gradient_accumulation_steps, then backward
+        engine.step()                        # steps the optimizer every gradient_accumulation_steps micro-batches
+
+What each stage keeps on a rank, for a unit of ``N`` parameters over ``P`` ranks (``Unit`` has the layout):
+
+========  ==============================  =====================================================================
+stage     parameters                      gradients
+========  ==============================  =====================================================================
+1         whole, always                   whole ``.grad`` during accumulation, reduce-scattered into the fp32
+                                          shard at the end of the last micro-batch's backward
+2         whole, always                   reduce-scattered into the fp32 shard as soon as the unit's gradients
+                                          are complete, in every micro-batch's backward; ``.grad`` dropped
+3         a shard; whole only from the    as stage 2, and the unit is freed once its gradients are reduced
+          unit's pre-forward hook to its
+          post-forward hook, and again
+          from the gradient of its output
+          to the end of its backward
+========  ==============================  =====================================================================
+
+Every stage: the optimizer steps the fp32 master shards (N / P elements each), the new values are copied into the
+compute-dtype shards, and in stages 1 and 2 all-gathered into the whole parameters. Gradient clipping by global
+norm reads the norm from the gradient shards (one all-reduce of a scalar).
+
+Phase 1 limits (rejected at ``initialize``): fp32 only (no bf16/fp16), qwZ/qgZ/hpZ off, no prefetch or overlap,
+no checkpoints. Frozen parameters stay whole on every rank. In stage 3, outside the engine's forward and backward
+the module's trainable parameters are empty tensors: read the weights with ``engine.full_parameters()``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import comm
+from ..config import Config
+from .collectives import Collectives
+from .hooks import GradientReadiness, install_stage3_hooks
+from .optimizer import PartitionedOptimizer
+from .policy import UnitPolicy, plan_units
+from .unit import Unit
+
+
+class EngineUsageError(RuntimeError):
+    """The engine's calls came in an order that cannot be right (e.g. ``backward`` before a forward)."""
+
+
+class ZeroEngine:
+    """A model wrapped for ZeRO training. Build it with ``zeropp.initialize``.
+
+    Attributes:
+        module: the wrapped model (its parameters are views into the units' buffers).
+        config: the validated ``Config``.
+        optimizer: the ``PartitionedOptimizer``.
+        units: the ``Unit`` list, the root unit first.
+        micro_steps: micro-batches stepped so far; ``global_steps``: optimizer steps so far.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config: Config,
+        model_parameters: Iterable[Any],
+        *,
+        topology: comm.Topology,
+        unit_policy: UnitPolicy | None = None,
+    ) -> None:
+        self.module = module
+        self.config = config
+        self.topology = topology
+        zero = config.zero_optimization
+        self.stage = zero.stage
+        self.comm = Collectives(
+            topology,
+            weight_bits=None,  # phase 1: exact collectives; zero.weight_bits / gradient_bits come next
+            gradient_bits=None,
+            block_size=zero.zeropp.block_size,
+        )
+        sharded = self.stage == 3
+        plans = [plan for plan in plan_units(module, unit_policy) if plan.params]
+        self.units = [Unit(plan.name, plan.params, self.comm, sharded=sharded) for plan in plans]
+        modules = {plan.name: plan.module for plan in plans}
+        assert config.optimizer is not None
+        self.optimizer = PartitionedOptimizer(config.optimizer, self.units, model_parameters)
+        self._hooks = []
+        if sharded:
+            for unit in self.units:
+                self._hooks += install_stage3_hooks(unit, modules[unit.name], root=unit.name == "")
+        self._readiness = GradientReadiness(self.units, self._on_unit_ready) if self.stage >= 2 else None
+
+        self.gradient_accumulation_steps = config.gradient_accumulation_steps
+        self.micro_steps = 0
+        self.global_steps = 0
+        self._global_grad_norm: float | None = None
+        self._forward_pending = False  # a forward with grad ran and awaits its backward
+        self._backward_pending = False  # a backward ran and awaits its step()
+
+    # ---- the DeepSpeed protocol -------------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model. With grad enabled, the result's loss must go to ``backward`` before the next ``step``."""
+        if self._backward_pending and torch.is_grad_enabled():
+            raise EngineUsageError(
+                "forward() after backward() without step(): call engine.step() after every engine.backward() "
+                "(it steps the optimizer only every gradient_accumulation_steps micro-batches)"
+            )
+        out = self.module(*args, **kwargs)
+        if torch.is_grad_enabled():
+            self._forward_pending = True
+        return out
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of ``loss / gradient_accumulation_steps``; gradients end up in the units' fp32 shards."""
+        if self._backward_pending:
+            raise EngineUsageError(
+                "backward() called twice without step(): call engine.step() after every engine.backward()"
+            )
+        if not self._forward_pending:
+            raise EngineUsageError(
+                "backward() called without a forward: run loss = engine(batch) (with grad enabled, in train "
+                "mode) first"
+            )
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise EngineUsageError(f"backward() takes the scalar loss tensor, got {_describe(loss)}")
+        if not loss.requires_grad:
+            raise EngineUsageError(
+                "the loss does not require grad: was the forward run under torch.no_grad() or are all parameters "
+                "frozen?"
+            )
+        self._forward_pending = False
+        if self._readiness is not None:
+            self._readiness.reset()
+        (loss / self.gradient_accumulation_steps).backward()
+        self._finish_backward()
+        self._backward_pending = True
+
+    def step(self) -> None:
+        """End a micro-batch; at the accumulation boundary clip, step the optimizer and publish the weights."""
+        if not self._backward_pending:
+            raise EngineUsageError(
+                "step() called without backward(): each micro-batch is loss = engine(batch); "
+                "engine.backward(loss); engine.step()"
+            )
+        self._backward_pending = False
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        self._clip_gradients()
+        self.optimizer.step()
+        for unit in self.units:
+            unit.publish()
+            unit.grad_shard.zero_()
+        self.global_steps += 1
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the current micro-batch is the last of its accumulation window (the next step() steps)."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def train(self, mode: bool = True) -> ZeroEngine:
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> ZeroEngine:
+        return self.train(False)
+
+    def get_global_grad_norm(self) -> float | None:
+        """The global gradient norm of the last optimizer step (before clipping), when clipping is on."""
+        return self._global_grad_norm
+
+    # ---- gradients ----------------------------------------------------------------------------------------
+
+    def _on_unit_ready(self, unit: Unit) -> None:
+        """A unit's gradients are complete (stages 2 and 3): reduce-scatter them now, free the unit."""
+        unit.reduce_gradients()
+        unit.free()
+
+    def _finish_backward(self) -> None:
+        """Reduce what the hooks did not (stage 1 at the boundary; units with a parameter that got no gradient)
+        and free every stage-3 unit, root included. Same unit order on every rank."""
+        for unit in self.units:
+            if self.stage == 1:
+                if self.is_gradient_accumulation_boundary():
+                    unit.reduce_gradients()
+            elif self._readiness is not None and not self._readiness.is_done(unit):
+                unit.reduce_gradients()
+            unit.free()
+
+    def _clip_gradients(self) -> None:
+        clip = self.config.gradient_clipping
+        if clip <= 0:
+            self._global_grad_norm = None
+            return
+        sq = torch.zeros((), dtype=torch.float64)
+        for unit in self.units:
+            sq += unit.grad_shard.double().pow(2).sum().cpu()
+        total = math.sqrt(self.comm.all_reduce_sum(sq.to(self.units[0].grad_shard.device)).item())
+        self._global_grad_norm = total
+        # torch.nn.utils.clip_grad_norm_: coefficient clamped at 1, applied always
+        coef = min(clip / (total + 1e-6), 1.0)
+        for unit in self.units:
+            unit.grad_shard.mul_(coef)
+
+    # ---- weights ------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def full_parameters(self) -> dict[str, torch.Tensor]:
+        """Every parameter of the model, whole, as new tensors, by name (tied ones once). A collective: every rank
+        calls it. In stage 3 each unit is gathered and freed in turn."""
+        out: dict[str, torch.Tensor] = {}
+        by_id: dict[int, torch.Tensor] = {}
+        for unit in self.units:
+            was = unit.gathered
+            unit.gather()
+            for p in unit.params:
+                by_id[id(p)] = p.detach().clone()
+            if not was:
+                unit.free()
+        for name, p in self.module.named_parameters():
+            out[name] = by_id[id(p)] if id(p) in by_id else p.detach().clone()
+        return out
+
+    def __repr__(self) -> str:
+        return (f"ZeroEngine(stage={self.stage}, units={len(self.units)}, world_size={self.comm.world_size}, "
+                f"optimizer={self.optimizer.type})")
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {tuple(x.shape)}"
+    return f"a {type(x).__name__}"

@@ -1,0 +1,116 @@
+"""The hooks that drive the units through forward and backward.
+
+Stage 3 (``install_stage3_hooks``), per unit module:
+
+* forward pre-hook: ``unit.gather()`` — all-gather the shards (qwZ when on) into the whole parameters;
+* forward post-hook: ``unit.free()`` (the root unit stays whole until the end of backward, unless the forward ran
+  without grad), and wrap the module's output tensors in ``_RegatherBeforeBackward``, an identity autograd
+  function whose backward runs when the gradient of the unit's output arrives — just before autograd enters the
+  unit's own backward — and calls ``unit.gather()`` again (from the hpZ secondary shards once hpZ is on). Inside
+  backward (activation-checkpoint recomputation) the post-hook does not free.
+
+All stages 2 and 3 (``GradientReadiness``): a post-accumulate-grad hook on every parameter of the unit counts the
+parameters whose gradient autograd has finished accumulating in this backward (autograd runs a leaf's
+``AccumulateGrad`` once per backward, after all uses of the leaf, even for a module called twice). When the count
+reaches the unit's parameter count the unit's gradients are complete, and ``on_ready(unit)`` reduce-scatters them
+(and frees the unit in stage 3) while autograd goes on with the rest of the model. Units that are not complete at
+the end of backward (a parameter got no gradient) are finished by the engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils.hooks import RemovableHandle
+
+from .unit import Unit
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class _RegatherBeforeBackward(torch.autograd.Function):
+    """Identity on the unit's outputs; its backward gathers the unit before autograd runs the unit's backward."""
+
+    @staticmethod
+    def forward(ctx: Any, unit: Unit, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.unit = unit
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.unit.gather()
+        return (None, *grads)
+
+
+def _wrap_outputs(unit: Unit, output: Any) -> Any:
+    leaves, spec = pytree.tree_flatten(output)
+    picks = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not picks:
+        return output
+    wrapped = _RegatherBeforeBackward.apply(unit, *(leaves[i] for i in picks))
+    for i, t in zip(picks, wrapped):
+        leaves[i] = t
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def install_stage3_hooks(unit: Unit, module: nn.Module, *, root: bool) -> list[RemovableHandle]:
+    """Forward pre/post hooks of a stage-3 unit on its module (see the module docstring)."""
+
+    def pre_forward(_module: nn.Module, _args: Any) -> None:
+        unit.gather()
+
+    def post_forward(_module: nn.Module, _args: Any, output: Any) -> Any:
+        if not torch.is_grad_enabled():
+            if not _in_backward():
+                unit.free()
+            return output
+        if not root:
+            if not _in_backward():
+                unit.free()
+            return _wrap_outputs(unit, output)
+        return output  # the root unit stays whole until the engine finishes backward
+
+    return [module.register_forward_pre_hook(pre_forward), module.register_forward_hook(post_forward)]
+
+
+class GradientReadiness:
+    """Counts, per unit, the parameters whose gradient is complete in the current backward; calls
+    ``on_ready(unit)`` once all of them are."""
+
+    def __init__(self, units: list[Unit], on_ready: Callable[[Unit], None]) -> None:
+        self.on_ready = on_ready
+        self.counts = {id(u): 0 for u in units}
+        self.done: set[int] = set()
+        self.handles: list[RemovableHandle] = []
+        for unit in units:
+            for p in unit.params:
+                self.handles.append(p.register_post_accumulate_grad_hook(self._hook(unit)))
+
+    def _hook(self, unit: Unit) -> Callable[[torch.Tensor], None]:
+        def hook(_param: torch.Tensor) -> None:
+            self.counts[id(unit)] += 1
+            if self.counts[id(unit)] == len(unit.params):
+                self.done.add(id(unit))
+                self.on_ready(unit)
+
+        return hook
+
+    def reset(self) -> None:
+        """Start counting a new backward."""
+        for key in self.counts:
+            self.counts[key] = 0
+        self.done.clear()
+
+    def is_done(self, unit: Unit) -> bool:
+        return id(unit) in self.done
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()

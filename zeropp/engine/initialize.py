@@ -1,0 +1,91 @@
+"""``zeropp.initialize``: DeepSpeed's entry point — validate the config, build the engine and its optimizer."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from .. import comm
+from ..config import Config, ConfigError, load_config
+from .engine import ZeroEngine
+from .policy import UnitPolicy
+
+
+def initialize(
+    model: nn.Module,
+    model_parameters: Iterable[Any] | None = None,
+    config: Mapping[str, Any] | str | os.PathLike[str] | Config | None = None,
+    *,
+    optimizer: Any = None,
+    training_data: Any = None,
+    lr_scheduler: Any = None,
+    topology: comm.Topology | None = None,
+    unit_policy: UnitPolicy | None = None,
+) -> tuple[ZeroEngine, Any, None, None]:
+    """Wrap ``model`` for ZeRO training; returns ``(engine, optimizer, None, None)`` like ``deepspeed.initialize``.
+
+    Collective: every rank of the data-parallel group calls it with the same model structure and config. The
+    first rank's initial weights are broadcast to the others.
+
+    Args:
+        model: the model, on its device, every trainable parameter of one floating dtype.
+        model_parameters: the parameters to optimize (default: every parameter that requires grad), or parameter
+            groups (dicts with ``params`` and per-group hyperparameters). Freeze the others with
+            ``requires_grad_(False)``.
+        config: a dict, the path of a JSON file, or a ``Config`` (see ``zeropp.config``). It must have an
+            ``optimizer`` block.
+        optimizer, training_data, lr_scheduler: DeepSpeed's client objects; not supported (must be None).
+        topology: the data-parallel group and node layout (default: the world, ``comm.get_default_topology()``).
+        unit_policy: which modules become units (default: each child of each outermost ``nn.ModuleList``;
+            see ``zeropp.engine.policy``).
+
+    Raises:
+        ConfigError: a bad config, or a setting this engine does not implement yet; nothing is raised mid-run
+            for configuration reasons.
+    """
+    if config is None:
+        raise ConfigError("initialize needs config=: a dict or the path of a JSON file (see zeropp.config)")
+    for name, value, hint in (
+        ("optimizer", optimizer, "set the config's optimizer block (AdamW, Adam or SGD)"),
+        ("training_data", training_data, "build your own DataLoader over this rank's slice of the data"),
+        ("lr_scheduler", lr_scheduler, "set optimizer.param_groups[i]['lr'] yourself"),
+    ):
+        if value is not None:
+            raise ConfigError(f"initialize({name}=...) is not supported: {hint}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "zeropp.initialize needs torch.distributed: call torch.distributed.init_process_group(...) first "
+            "(under torchrun, or with world_size=1 for a single process)"
+        )
+    topo = topology if topology is not None else comm.get_default_topology()
+    cfg = load_config(config, world_size=topo.world_size)
+    _check_phase1(cfg)
+    if model_parameters is None:
+        model_parameters = [p for p in model.parameters() if p.requires_grad]
+    engine = ZeroEngine(model, cfg, model_parameters, topology=topo, unit_policy=unit_policy)
+    return engine, engine.optimizer, None, None
+
+
+def _check_phase1(cfg: Config) -> None:
+    """Reject, at initialize, the valid settings this engine does not implement yet."""
+    z = cfg.zero_optimization
+    missing = [
+        ("bf16.enabled", cfg.bf16.enabled),
+        ("fp16.enabled", cfg.fp16.enabled),
+        ("zero_optimization.zero_quantized_weights", z.zero_quantized_weights),
+        ("zero_optimization.zero_quantized_gradients", z.zero_quantized_gradients),
+        ("zero_optimization.zero_hpz_partition_size > 1", z.hpz),
+    ]
+    for name, on in missing:
+        if on:
+            raise ConfigError(f"{name} is a valid setting that this version of the engine does not implement yet "
+                              "(fp32 training with exact collectives only)")
+    if cfg.optimizer is None:
+        raise ConfigError("the config has no optimizer block; add e.g. "
+                          '{"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}')

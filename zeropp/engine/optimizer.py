@@ -1,0 +1,171 @@
+"""Partitioned AdamW / Adam / SGD: each rank steps only the fp32 master shards it owns.
+
+The update of every element depends on that element alone, so stepping the shards is the same computation as
+stepping whole tensors. The arithmetic below is torch.optim's single-tensor implementation
+(``torch/optim/adam.py`` and ``sgd.py``, ``foreach=False``) operation for operation, so a sharded run matches a
+single-process ``torch.optim`` run to rounding.
+
+Parameter groups work as in torch.optim: ``param_groups`` is a list of dicts holding ``params`` (the original
+``nn.Parameter`` objects) and the hyperparameters, read again at every step (so a learning-rate schedule may set
+``group["lr"]``). A unit's shard may span parameters of several groups: it is cut into *segments*, runs of
+consecutive elements of one group, and each segment is stepped with its group's hyperparameters.
+
+Differences from torch.optim, shared with DeepSpeed: a trainable parameter that got no gradient in a step is
+stepped with a zero gradient (torch.optim skips it); the step count is per group, not per parameter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..config import ConfigError, OptimizerConfig
+from .unit import Unit
+
+_HYPER = {
+    "AdamW": ("lr", "betas", "eps", "weight_decay"),
+    "Adam": ("lr", "betas", "eps", "weight_decay", "adam_w_mode"),
+    "SGD": ("lr", "momentum", "dampening", "weight_decay", "nesterov"),
+}
+
+
+@dataclass
+class _Segment:
+    """Elements ``[start, stop)`` of one unit's shard, all in parameter group ``group``."""
+
+    unit: Unit
+    group: int
+    start: int
+    stop: int
+
+
+class PartitionedOptimizer:
+    """AdamW, Adam or SGD over the units' master shards.
+
+    Args:
+        config: the ``optimizer`` block (type and default hyperparameters).
+        units: the engine's units.
+        param_groups: ``model_parameters`` as given to ``initialize``: an iterable of parameters, or of dicts with
+            ``params`` and per-group hyperparameter overrides. Every parameter that requires grad in the units
+            must appear exactly once.
+    """
+
+    def __init__(self, config: OptimizerConfig, units: list[Unit], param_groups: Iterable[Any]) -> None:
+        self.type = config.type
+        self.defaults: dict[str, Any] = dict(config.params)
+        self.units = units
+        self.param_groups = _make_groups(param_groups, self.defaults, self.type)
+        group_of: dict[int, int] = {}
+        for g, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if id(p) in group_of:
+                    raise ValueError("a parameter appears in more than one parameter group")
+                group_of[id(p)] = g
+        owned = {id(p) for unit in units for p in unit.params}
+        for unit in units:
+            for name, p in zip(unit.param_names, unit.params):
+                if id(p) not in group_of:
+                    raise ValueError(
+                        f"parameter {name!r} requires grad but is not in model_parameters; pass it, or freeze it "
+                        "with requires_grad_(False) before initialize"
+                    )
+        for group in self.param_groups:
+            for p in group["params"]:
+                if id(p) not in owned:
+                    raise ValueError(
+                        "model_parameters holds a parameter that is not a trainable parameter of the model "
+                        f"(shape {tuple(p.shape)}, requires_grad={p.requires_grad})"
+                    )
+        self.segments: list[_Segment] = []
+        for unit in units:
+            for i, a, b in unit.param_ranges():
+                g = group_of[id(unit.params[i])]
+                last = self.segments[-1] if self.segments else None
+                if last is not None and last.unit is unit and last.group == g and last.stop == a:
+                    last.stop = b
+                else:
+                    self.segments.append(_Segment(unit, g, a, b))
+        # optimizer state, one fp32 shard per unit and kind
+        kinds = ("exp_avg", "exp_avg_sq") if self.type != "SGD" else ("momentum_buffer",)
+        self.state: dict[str, list[torch.Tensor]] = {
+            k: [torch.zeros_like(u.master) for u in units] for k in kinds
+        }
+        self._unit_index = {id(u): i for i, u in enumerate(units)}
+        self.steps = [0 for _ in self.param_groups]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One update of every master shard from its gradient shard (``Unit.grad_shard``)."""
+        for g in range(len(self.param_groups)):
+            self.steps[g] += 1
+        for seg in self.segments:
+            group = self.param_groups[seg.group]
+            u = self._unit_index[id(seg.unit)]
+            param = seg.unit.master[seg.start : seg.stop]
+            grad = seg.unit.grad_shard[seg.start : seg.stop]
+            view = {k: v[u][seg.start : seg.stop] for k, v in self.state.items()}
+            if self.type == "SGD":
+                _sgd(param, grad, view["momentum_buffer"], group, first=self.steps[seg.group] == 1)
+            else:
+                decoupled = self.type == "AdamW" or group["adam_w_mode"]
+                _adam(param, grad, view["exp_avg"], view["exp_avg_sq"], group, self.steps[seg.group], decoupled)
+
+    def __repr__(self) -> str:
+        return f"PartitionedOptimizer({self.type}, groups={len(self.param_groups)}, segments={len(self.segments)})"
+
+
+def _make_groups(given: Iterable[Any], defaults: Mapping[str, Any], kind: str) -> list[dict[str, Any]]:
+    items = list(given)
+    if not items:
+        raise ValueError("model_parameters is empty: there is nothing to optimize")
+    if all(isinstance(x, torch.Tensor) for x in items):
+        items = [{"params": items}]
+    groups = []
+    for i, item in enumerate(items):
+        if not isinstance(item, Mapping) or "params" not in item:
+            raise TypeError("model_parameters must be an iterable of parameters or of dicts with a 'params' key "
+                            f"(item {i} is a {type(item).__name__})")
+        extra = set(item) - {"params", *_HYPER[kind]}
+        if extra:
+            raise ConfigError(f"parameter group {i} sets {sorted(extra)}, which {kind} does not take; valid: "
+                              f"{list(_HYPER[kind])}")
+        params = item["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        groups.append({**defaults, **{k: v for k, v in item.items() if k != "params"}, "params": params})
+    return groups
+
+
+def _adam(param, grad, exp_avg, exp_avg_sq, group, step: int, decoupled: bool) -> None:
+    """torch.optim's ``_single_tensor_adam`` (amsgrad, maximize, capturable off) on one segment."""
+    lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+    if wd != 0:
+        if decoupled:
+            param.mul_(1 - lr * wd)
+        else:
+            grad = grad.add(param, alpha=wd)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    step_f = float(step)
+    bias_correction1 = 1 - beta1**step_f
+    bias_correction2 = 1 - beta2**step_f
+    step_size = lr / bias_correction1
+    bias_correction2_sqrt = bias_correction2**0.5
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
+
+
+def _sgd(param, grad, buf, group, first: bool) -> None:
+    """torch.optim's ``_single_tensor_sgd`` (maximize off) on one segment."""
+    lr, momentum, dampening, wd = group["lr"], group["momentum"], group["dampening"], group["weight_decay"]
+    if wd != 0:
+        grad = grad.add(param, alpha=wd)
+    if momentum != 0:
+        if first:
+            buf.copy_(grad)
+        else:
+            buf.mul_(momentum).add_(grad, alpha=1 - dampening)
+        grad = grad.add(buf, alpha=momentum) if group["nesterov"] else buf
+    param.add_(grad, alpha=-lr)

@@ -1,0 +1,150 @@
+"""``Unit``: one group of parameters sharded and communicated together, with its fp32 master and gradient shards.
+
+Layout. The unit's trainable parameters are laid end to end in one flat buffer of ``numel`` elements, padded to
+``P * S`` (``P`` ranks, ``S = ceil(numel / P)``). Rank ``r`` owns elements ``[r * S, (r + 1) * S)`` — the slice
+``zeropp.comm.reduce_scatter`` gives it — and keeps for them:
+
+* ``shard``: the compute-dtype values (what the all-gather sends);
+* ``master``: the fp32 master values the optimizer updates;
+* ``grad_shard``: the fp32 gradient, averaged over the ranks and summed over the accumulation steps.
+
+``full`` is the whole flat buffer in the compute dtype. The module's ``nn.Parameter`` objects are kept (their
+identity matters: tied weights, user references) and point into it: ``param.data`` is a view of ``full``.
+
+* Stages 1 and 2: ``full`` lives for the whole run; parameters are always whole.
+* Stage 3: ``gather()`` gives ``full`` its storage back, all-gathers the shards into it and re-points the
+  parameters; ``free()`` releases the storage (``untyped_storage().resize_(0)``, as FSDP2 does) and leaves the
+  parameters empty. Releasing the *storage* rather than dropping the tensor matters: autograd may have saved views
+  of a weight (``weight.t()`` inside ``F.linear``), and those views see the re-gathered values in backward.
+
+Gradients arrive in the parameters' ``.grad`` (autograd's normal accumulation); ``reduce_gradients()`` packs them
+into one flat buffer (zeros where a parameter got no gradient), reduce-scatters it and adds this rank's slice to
+``grad_shard``, then drops the ``.grad`` tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .collectives import Collectives
+
+
+class Unit:
+    """The flat sharded parameter group of one module (see the module docstring).
+
+    Args:
+        name: qualified name of the unit's module (``""`` for the root unit).
+        params: ``(qualified name, parameter)`` pairs, trainable, one floating dtype and device.
+        comm: the engine's collectives.
+        sharded: stage 3 (parameters freed between uses) when true; stages 1 and 2 keep them whole.
+    """
+
+    def __init__(
+        self, name: str, params: list[tuple[str, nn.Parameter]], comm: Collectives, *, sharded: bool
+    ) -> None:
+        self.name = name
+        self.param_names = [n for n, _ in params]
+        self.params = [p for _, p in params]
+        self.comm = comm
+        self.sharded = sharded
+        dtypes = {p.dtype for p in self.params}
+        devices = {p.device for p in self.params}
+        if len(dtypes) > 1 or len(devices) > 1:
+            raise ValueError(
+                f"unit {name or '<root>'!r} mixes dtypes {sorted(map(str, dtypes))} or devices "
+                f"{sorted(map(str, devices))}; give all trainable parameters one dtype and device"
+            )
+        dtype = next(iter(dtypes), torch.float32)
+        device = next(iter(devices), torch.device("cpu"))
+        if not dtype.is_floating_point:
+            raise TypeError(f"unit {name or '<root>'!r}: parameters of dtype {dtype} cannot be trained")
+        self.shapes = [p.shape for p in self.params]
+        self.offsets: list[int] = []
+        numel = 0
+        for p in self.params:
+            self.offsets.append(numel)
+            numel += p.numel()
+        self.numel = numel
+        world, rank = comm.world_size, comm.rank
+        self.shard_numel = -(-numel // world) if numel else 0
+        self.start = rank * self.shard_numel  # this rank's slice of the padded flat buffer
+        padded = world * self.shard_numel
+
+        self.full = torch.zeros(padded, dtype=dtype, device=device)
+        with torch.no_grad():
+            for p, off in zip(self.params, self.offsets):
+                self.full[off : off + p.numel()].copy_(p.detach().reshape(-1))
+        comm.broadcast_from_first(self.full)  # every rank starts from the first rank's weights
+        local = self.full[self.start : self.start + self.shard_numel]
+        self.shard = local.clone()
+        self.master = local.to(torch.float32, copy=True)
+        self.grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
+        self._full_nbytes = self.full.untyped_storage().nbytes()
+        self.gathered = True
+        self._bind()
+        if sharded:
+            self.free()
+
+    def __repr__(self) -> str:
+        return (f"Unit({self.name or '<root>'!r}, params={len(self.params)}, numel={self.numel}, "
+                f"shard={self.shard_numel}, gathered={self.gathered})")
+
+    # ---- parameters -----------------------------------------------------------------------------------------
+
+    def _bind(self) -> None:
+        """Point every parameter at its slice of ``full``."""
+        for p, off, shape in zip(self.params, self.offsets, self.shapes):
+            p.data = self.full[off : off + shape.numel()].view(shape)
+
+    def gather(self) -> None:
+        """Stage 3: make the parameters whole (all-gather the shards into ``full``). No-op if already whole."""
+        if self.gathered:
+            return
+        self.full.untyped_storage().resize_(self._full_nbytes)
+        self.comm.gather_params(self.shard, self.full)
+        self._bind()
+        self.gathered = True
+
+    def free(self) -> None:
+        """Stage 3: release ``full``'s memory and leave the parameters empty. No-op in stages 1 and 2."""
+        if not self.sharded or not self.gathered:
+            return
+        for p in self.params:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    def publish(self) -> None:
+        """After an optimizer step: copy the master shard into ``shard`` and, in stages 1 and 2, all-gather it so
+        every rank's whole parameters hold the new values (stage 3 gathers at the next use)."""
+        if self.sharded:
+            self.free()
+        self.shard.copy_(self.master)
+        if not self.sharded:
+            self.comm.gather_params(self.shard, self.full)
+
+    # ---- gradients ------------------------------------------------------------------------------------------
+
+    def reduce_gradients(self) -> None:
+        """Reduce-scatter the parameters' ``.grad`` (averaged over ranks) and add this rank's slice to
+        ``grad_shard``; the ``.grad`` tensors are dropped."""
+        flat = torch.zeros(self.full.numel(), dtype=torch.float32, device=self.full.device)
+        for p, off in zip(self.params, self.offsets):
+            if p.grad is not None:
+                flat[off : off + p.numel()].copy_(p.grad.reshape(-1))
+                p.grad = None
+        received = torch.empty(self.shard_numel, dtype=torch.float32, device=flat.device)
+        self.comm.reduce_scatter_grads(flat, received)
+        self.grad_shard.add_(received)
+
+    def param_ranges(self) -> list[tuple[int, int, int]]:
+        """``(parameter index, start, stop)`` for each parameter overlapping this rank's shard, ``start``/``stop``
+        relative to the shard."""
+        out = []
+        lo, hi = self.start, self.start + self.shard_numel
+        for i, (off, shape) in enumerate(zip(self.offsets, self.shapes)):
+            a, b = max(off, lo), min(off + shape.numel(), hi)
+            if a < b:
+                out.append((i, a - lo, b - lo))
+        return out
