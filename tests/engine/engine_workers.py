@@ -184,24 +184,37 @@ def usage_errors(rank: int, world: int) -> dict[str, str]:
     return messages
 
 
+class _Layer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.spare = torch.nn.Linear(8, 8)  # never used: its gradient stays None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+class Twice(torch.nn.Module):
+    """Two units; layer 0 runs twice per forward (weights shared along the depth); each has an unused Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_Layer() for _ in range(2))
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in (self.layers[0], self.layers[1], self.layers[0]):
+            x = layer(x)
+        return x.pow(2).mean()
+
+
 def module_called_twice(rank: int, world: int, stage: int) -> float:
-    """A unit whose module runs twice in one forward (weights shared along the depth) under the engine matches
-    the reference: its gradient is complete once, after both uses."""
-
-    class Twice(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            g = torch.Generator().manual_seed(0)
-            self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))
-            with torch.no_grad():
-                for p in self.parameters():
-                    p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-
-        def forward(self, x):
-            for layer in (self.layers[0], self.layers[1], self.layers[0]):
-                x = torch.tanh(layer(x))
-            return x.pow(2).mean()
-
+    """``Twice`` under the engine matches the reference: a unit's gradient is complete once, after both uses of
+    its module; a unit with a parameter that got no gradient is reduced at the end of backward (SGD without
+    weight decay leaves that parameter unchanged, as torch.optim does by skipping it)."""
     model, ref = Twice(), Twice()
     config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1,
               "momentum": 0.9}}, "zero_optimization": {"stage": stage}}
@@ -218,11 +231,42 @@ def module_called_twice(rank: int, world: int, stage: int) -> float:
     return max(max(e) for e in relative_errors(engine.full_parameters(), ref).values())
 
 
+class CheckpointedGPT(GPT):
+    """The GPT with every block under non-reentrant activation checkpointing (recomputed in backward)."""
+
+    def forward(self, idx, targets=None):
+        B, T = idx.shape
+        x = self.drop(self.wte(idx) + self.wpe(torch.arange(T)))
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        logits = self.lm_head(self.ln_f(x))
+        loss = torch.nn.functional.cross_entropy(logits.view(B * T, -1), targets.reshape(B * T))
+        return logits, loss
+
+
+def activation_checkpointing(rank: int, world: int, stage: int, steps: int = 3) -> float:
+    """Blocks recomputed in backward (the stage-3 post-forward hook must not free a unit during recomputation)
+    match the reference trained without checkpointing."""
+    model, ref = CheckpointedGPT(MODEL, seed=0), GPT(MODEL, seed=0)
+    optimizer = {"type": "AdamW", "params": {"lr": 1e-3}}
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": optimizer, "zero_optimization": {"stage": stage}}
+    engine, _, _, _ = zeropp.initialize(model=model, config=config)
+    ref_opt = torch_optimizer(optimizer, list(ref.parameters()))
+    for inputs, targets in batches(steps, 2 * world):
+        _, loss = engine(inputs[2 * rank : 2 * rank + 2], targets[2 * rank : 2 * rank + 2])
+        engine.backward(loss)
+        engine.step()
+        ref(inputs, targets)[1].backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return max(e[0] for e in relative_errors(engine.full_parameters(), ref).values())
 
 
 def misc(rank: int, world: int) -> dict:
-    """The usage errors, then a module called twice per forward at each stage (one process group for all)."""
+    """The usage errors, a module called twice per forward and activation checkpointing at each stage (one
+    process group for all)."""
     return {
         "messages": usage_errors(rank, world),
         "twice": {stage: module_called_twice(rank, world, stage) for stage in (1, 2, 3)},
+        "checkpointing": {stage: activation_checkpointing(rank, world, stage) for stage in (1, 2, 3)},
     }

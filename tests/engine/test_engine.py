@@ -1,7 +1,8 @@
 """The ZeRO engine on real gloo processes against plain single-process training (see engine_workers.py).
 
 Three launched jobs keep the suite short: the training comparison at world sizes 2 and 4 (4 as 2 emulated nodes
-of 2 ranks), and one job for bad usage, bad configs at initialize and a module called twice.
+of 2 ranks), and one job for bad usage, bad configs at initialize, a module called twice (with an unused
+parameter) and activation checkpointing.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def test_stages_match_single_process_training(tmp_path, world, env):
     assert all(r == results[0] for r in results)
 
 
-def test_usage_errors_and_module_called_twice(tmp_path):
+def test_usage_errors_module_called_twice_and_checkpointing(tmp_path):
     result = launch("engine_workers:misc", 2, tmp_path, timeout=240)[0]
     m = result["messages"]
     assert "bf16.enabled" in m["bf16"] and "not implement yet" in m["bf16"]
@@ -55,4 +56,6 @@ def test_usage_errors_and_module_called_twice(tmp_path):
     assert "twice without step()" in m["backward_twice"]
     assert "forward() after backward() without step()" in m["forward_before_step"]
     for stage, error in result["twice"].items():
+        assert error < 1e-5, (stage, error)
+    for stage, error in result["checkpointing"].items():
         assert error < 1e-5, (stage, error)

@@ -6,8 +6,12 @@ Stage 3 (``install_stage3_hooks``), per unit module:
 * forward post-hook: ``unit.free()`` (the root unit stays whole until the end of backward, unless the forward ran
   without grad), and wrap the module's output tensors in ``_RegatherBeforeBackward``, an identity autograd
   function whose backward runs when the gradient of the unit's output arrives — just before autograd enters the
-  unit's own backward — and calls ``unit.gather()`` again (from the hpZ secondary shards once hpZ is on). Inside
-  backward (activation-checkpoint recomputation) the post-hook does not free.
+  unit's own backward — and calls ``unit.gather()`` again (from the hpZ secondary shards once hpZ is on).
+
+Activation checkpointing (``torch.utils.checkpoint``, non-reentrant) recomputes a unit's forward inside its
+backward, after ``_RegatherBeforeBackward`` has gathered it, so the recomputation finds the parameters whole.
+torch 2.13 runs no module hooks during that recomputation; should a version run them, the post-hook does not free
+a unit while autograd is running a backward.
 
 All stages 2 and 3 (``GradientReadiness``): a post-accumulate-grad hook on every parameter of the unit counts the
 parameters whose gradient autograd has finished accumulating in this backward (autograd runs a leaf's
