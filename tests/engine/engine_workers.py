@@ -157,6 +157,7 @@ def usage_errors(rank: int, world: int) -> dict[str, str]:
         model=GPT(MODEL), config={"train_micro_batch_size_per_gpu": 2}))
     expect(ConfigError, "client_optimizer", lambda: zeropp.initialize(
         model=GPT(MODEL), config=good, optimizer=torch.optim.SGD(GPT(MODEL).parameters(), lr=0.1)))
+    expect(ConfigError, "bf16_model", lambda: zeropp.initialize(model=GPT(MODEL).bfloat16(), config=good))
     m = GPT(MODEL)
     expect(ValueError, "missing_param", lambda: zeropp.initialize(
         model=m, model_parameters=[p for n, p in m.named_parameters() if n != "wpe.weight"], config=good))

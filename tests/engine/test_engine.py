@@ -46,6 +46,7 @@ def test_usage_errors_module_called_twice_and_checkpointing(tmp_path):
     assert "zero_quantized_weights" in m["qwz"]
     assert "'fp61'" in m["unknown"] and "fp16" in m["unknown"]
     assert "no optimizer block" in m["no_optimizer"]
+    assert "torch.bfloat16" in m["bf16_model"] and "float32" in m["bf16_model"]
     assert "initialize(optimizer=...) is not supported" in m["client_optimizer"]
     assert "'wpe.weight'" in m["missing_param"] and "requires_grad_(False)" in m["missing_param"]
     assert "without a forward" in m["backward_before_forward"]

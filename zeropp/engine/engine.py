@@ -92,7 +92,7 @@ class ZeroEngine:
         modules = {plan.name: plan.module for plan in plans}
         assert config.optimizer is not None
         self.optimizer = PartitionedOptimizer(config.optimizer, self.units, model_parameters)
-        self._hooks = []
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         if sharded:
             for unit in self.units:
                 self._hooks += install_stage3_hooks(unit, modules[unit.name], root=unit.name == "")
@@ -122,8 +122,9 @@ class ZeroEngine:
             self._forward_pending = True
         return out
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of ``loss / gradient_accumulation_steps``; gradients end up in the units' fp32 shards."""
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backward of ``loss / gradient_accumulation_steps``; gradients end up in the units' fp32 shards (in
+        stage 1 at the last micro-batch of the accumulation window). Returns ``loss``, as DeepSpeed does."""
         if self._backward_pending:
             raise EngineUsageError(
                 "backward() called twice without step(): call engine.step() after every engine.backward()"
@@ -146,6 +147,7 @@ class ZeroEngine:
         (loss / self.gradient_accumulation_steps).backward()
         self._finish_backward()
         self._backward_pending = True
+        return loss
 
     def step(self) -> None:
         """End a micro-batch; at the accumulation boundary clip, step the optimizer and publish the weights."""

@@ -6,6 +6,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -66,6 +67,11 @@ def initialize(
     topo = topology if topology is not None else comm.get_default_topology()
     cfg = load_config(config, world_size=topo.world_size)
     _check_phase1(cfg)
+    wrong = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad and p.dtype != torch.float32})
+    if wrong:
+        raise ConfigError(f"the model has trainable parameters of dtype {', '.join(wrong)}; this version of the "
+                          "engine trains float32 parameters only (keep the model in float32; bf16/fp16 mixed "
+                          "precision is not implemented yet)")
     if model_parameters is None:
         model_parameters = [p for p in model.parameters() if p.requires_grad]
     engine = ZeroEngine(model, cfg, model_parameters, topology=topo, unit_policy=unit_policy)
