@@ -4,12 +4,13 @@ Stage 3 (``install_stage3_hooks``), per unit module:
 
 * forward pre-hook: ``unit.gather()`` — all-gather the shards (qwZ when on) into the whole parameters;
 * forward post-hook: ``unit.free()`` (the root unit stays whole until the end of backward, unless the forward ran
-  without grad), and wrap the module's output tensors in ``_RegatherBeforeBackward``, an identity autograd
-  function whose backward runs when the gradient of the unit's output arrives — just before autograd enters the
-  unit's own backward — and calls ``unit.gather()`` again (from the hpZ secondary shards once hpZ is on).
+  without grad), and a gradient hook on the module's output tensors (``register_multi_grad_hook``, mode "any"):
+  it runs when the gradient of the unit's output arrives — before autograd enters the unit's own backward — and
+  calls ``unit.gather()`` again (from the hpZ secondary shards once hpZ is on). The outputs themselves are
+  returned unchanged (no wrapping autograd function, no views).
 
 Activation checkpointing (``torch.utils.checkpoint``, non-reentrant) recomputes a unit's forward inside its
-backward, after ``_RegatherBeforeBackward`` has gathered it, so the recomputation finds the parameters whole.
+backward, after the output's gradient hook has gathered it, so the recomputation finds the parameters whole.
 torch 2.13 runs no module hooks during that recomputation; should a version run them, the post-hook does not free
 a unit while autograd is running a backward.
 
@@ -28,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
@@ -38,29 +40,12 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-class _RegatherBeforeBackward(torch.autograd.Function):
-    """Identity on the unit's outputs; its backward gathers the unit before autograd runs the unit's backward."""
-
-    @staticmethod
-    def forward(ctx: Any, unit: Unit, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.unit = unit
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.unit.gather()
-        return (None, *grads)
-
-
-def _wrap_outputs(unit: Unit, output: Any) -> Any:
-    leaves, spec = pytree.tree_flatten(output)
-    picks = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.requires_grad]
-    if not picks:
-        return output
-    wrapped = _RegatherBeforeBackward.apply(unit, *(leaves[i] for i in picks))
-    for i, t in zip(picks, wrapped):
-        leaves[i] = t
-    return pytree.tree_unflatten(leaves, spec)
+def _gather_before_backward(unit: Unit, output: Any) -> None:
+    """Gather ``unit`` when autograd computes the gradient of any of its output tensors: that is before autograd
+    runs the unit's own backward (a tensor's gradient hooks run before its ``grad_fn`` consumes the gradient)."""
+    tensors = [x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if tensors:
+        register_multi_grad_hook(tensors, lambda _grad: unit.gather(), mode="any")
 
 
 def install_stage3_hooks(unit: Unit, module: nn.Module, *, root: bool) -> list[RemovableHandle]:
@@ -77,7 +62,7 @@ def install_stage3_hooks(unit: Unit, module: nn.Module, *, root: bool) -> list[R
         if not root:
             if not _in_backward():
                 unit.free()
-            return _wrap_outputs(unit, output)
+            _gather_before_backward(unit, output)
         return output  # the root unit stays whole until the engine finishes backward
 
     return [module.register_forward_pre_hook(pre_forward), module.register_forward_hook(post_forward)]
