@@ -28,9 +28,11 @@ Every stage: the optimizer steps the fp32 master shards (N / P elements each), t
 compute-dtype shards, and in stages 1 and 2 all-gathered into the whole parameters. Gradient clipping by global
 norm reads the norm from the gradient shards (one all-reduce of a scalar).
 
-Phase 1 limits (rejected at ``initialize``): fp32 only (no bf16/fp16), qwZ/qgZ/hpZ off, no prefetch or overlap,
-no checkpoints. Frozen parameters stay whole on every rank. In stage 3, outside the engine's forward and backward
-the module's trainable parameters are empty tensors: read the weights with ``engine.full_parameters()``.
+Phase 1 limits: fp32 only and qwZ/qgZ/hpZ off (other settings are rejected at ``initialize``);
+``reduce_bucket_size``, ``stage3_prefetch_bucket_size`` and ``overlap_comm`` are validated but change nothing yet
+(one collective per unit, issued synchronously, no prefetch); ``save_checkpoint``/``load_checkpoint`` raise
+``NotImplementedError``. Frozen parameters stay whole on every rank. In stage 3, outside the engine's forward and
+backward the module's trainable parameters are empty tensors: read the weights with ``engine.full_parameters()``.
 """
 
 from __future__ import annotations
@@ -234,6 +236,12 @@ class ZeroEngine:
         for name, p in self.module.named_parameters():
             out[name] = by_id[id(p)] if id(p) in by_id else p.detach().clone()
         return out
+
+    def save_checkpoint(self, save_dir: str, tag: str | None = None) -> None:
+        raise NotImplementedError("checkpoints (torch.distributed.checkpoint) are not implemented in this version")
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None) -> None:
+        raise NotImplementedError("checkpoints (torch.distributed.checkpoint) are not implemented in this version")
 
     def __repr__(self) -> str:
         return (f"ZeroEngine(stage={self.stage}, units={len(self.units)}, world_size={self.comm.world_size}, "
