@@ -13,8 +13,9 @@ import torch
 
 import zeropp
 from zeropp.config import ConfigError
-from zeropp.engine import EngineUsageError
+from zeropp.engine import EngineUsageError, units_of_type
 from zeropp.models import GPT, GPTConfig
+from zeropp.models.gpt import Block
 
 SEQ = 16
 # Without biases: the attention's key bias has an identically zero gradient (softmax ignores a shift shared by all
@@ -85,9 +86,12 @@ def train_matches_reference(
             for name in run.get("frozen", []):
                 m.get_parameter(name).requires_grad_(False)
         frozen_before = {n: p.detach().clone() for n, p in ref.named_parameters() if not p.requires_grad}
+        policy = units_of_type(Block, torch.nn.LayerNorm) if run.get("policy") == "nested" else None
         engine, _, _, _ = zeropp.initialize(
-            model=model, model_parameters=param_groups(model, run.get("groups")), config=config
+            model=model, model_parameters=param_groups(model, run.get("groups")), config=config, unit_policy=policy
         )
+        if policy is not None:  # block units with LayerNorm units inside them, and ln_f
+            assert len(engine.units) == 1 + 3 * MODEL.n_layer + 1
         assert engine.config.train_batch_size == batch
         ref_opt = torch_optimizer(optimizer, param_groups(ref, run.get("groups")))
         norms = []
@@ -126,7 +130,8 @@ def train_matches_reference(
         assert all(not u.gathered for u in engine.units) or run["stage"] != 3
         logit_error = ((logits - ref_logits).abs().max() / ref_logits.abs().max()).item()
         key = f"stage{run['stage']}-m{micro}-a{accum}-clip{run.get('clip', 0)}-{optimizer['type']}" + (
-            "-frozen" if run.get("frozen") else "") + ("-groups" if run.get("groups") else "")
+            "-frozen" if run.get("frozen") else "") + ("-groups" if run.get("groups") else "") + (
+            "-nested" if run.get("policy") else "")
         worst[key] = {
             "norm": max(e[0] for e in errors.values()),
             "max": max(e[1] for e in errors.values()),

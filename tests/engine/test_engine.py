@@ -20,6 +20,7 @@ RUNS = [
                                                                                    "nesterov": True}}},
     {"stage": 3, "micro": 2, "accum": 2, "clip": 0.5, "frozen": ["wpe.weight"]},
     {"stage": 3, "micro": 1, "groups": "decay"},
+    {"stage": 3, "micro": 1, "accum": 2, "policy": "nested"},  # LayerNorm units inside block units
 ]
 
 
