@@ -23,11 +23,19 @@ floating-point contraction (no FMA, every float add/sub/mul correctly rounded ``
 them either, fusion off in the options, which also gives ``ptxas --fmad=false``), IEEE division (``div.rn.f32``)
 wherever a kernel divides and no approximate division anywhere, and no flush-to-zero of subnormals.
 
+And the cubin is checked for register spills: none in any specialization (0 bytes of spill stores and loads in
+the ``ptxas -v`` log that Triton writes when ``TRITON_DUMP_PTXAS_LOG`` is set, and a stack frame of 0 bytes in
+``cuobjdump -res-usage``, the wheel's own, read off the cubin itself). A kernel that spills moves its per-row
+values through local memory, which a tile heuristic must not cause (see ``launch_shape``). Run as
+``python tests/quant/test_triton_compile.py --report`` this file prints the registers and spills of every case.
+
 If the toolchain cannot run here (no NVIDIA backend in triton, no ``ptxas``), the tests skip and say what is missing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -47,7 +55,11 @@ WORKER_TIMEOUT_S = 900
 # ``one_pack`` is the ONE_PACK the launcher is expected to choose, so the cover of both values is checked.
 # Between them the cases give every (op, bits) each dtype, and each of block sizes 16, DEFAULT_BLOCK_SIZE and
 # 2048 with ONE_PACK True and False; GROUPS of the reductions are 1, 2, 4 and 8. Block size 8192 (the largest)
-# is the one tile of more than 4096 elements: one block per program and 8 warps.
+# is the one tile of more than 4096 elements: one block per program and 8 warps. The register-pressure cases
+# (odd sizes, so nothing is vectorized and every thread holds every row of a block-128 tile, across packs) include
+# ones that spilled before ``launch_shape`` bounded the rows per thread: blocks 32, 64 and 128 over several packs,
+# and ``blocks_per_pack == 1`` (a constant to Triton). Packs shorter than a tile need no case of their own: the
+# pack arithmetic (``divmod_from``) has no branch, so they run the same kernel as long packs.
 _BIG = 5 * 2**30 + 3  # past int32: exercises the int64 offsets
 CASES: list[dict] = [
     # quantize: x (dtype) -> chunked packs; ONE_PACK iff chunks == 1
@@ -69,6 +81,8 @@ CASES: list[dict] = [
     dict(op="quantize", bits=4, block_size=2048, dtype="bfloat16", numel=999_999, chunks=8, nodes=2,
          one_pack=False, offset=3),
     dict(op="quantize", bits=8, block_size=8192, dtype="bfloat16", numel=2**20, chunks=2, nodes=2, one_pack=False),
+    dict(op="quantize", bits=8, block_size=64, dtype="bfloat16", numel=100_003, chunks=4, nodes=2, one_pack=False),
+    dict(op="quantize", bits=4, block_size=32, dtype="float16", numel=100_003, chunks=8, nodes=2, one_pack=False),
     # dequantize: chunked packs -> out (dtype); ONE_PACK iff out lies in the first pack
     dict(op="dequantize", bits=8, block_size=16, dtype="float32", chunks=1, chunk_numel=2**20, out_numel=2**20,
          one_pack=True),
@@ -86,6 +100,10 @@ CASES: list[dict] = [
          out_numel=2**20, one_pack=True, offset=5),
     dict(op="dequantize", bits=4, block_size=8192, dtype="float16", chunks=1, chunk_numel=2**20, out_numel=2**20,
          one_pack=True),
+    dict(op="dequantize", bits=4, block_size="default", dtype="bfloat16", chunks=4, chunk_numel=100_001,
+         out_numel=400_001, one_pack=False),
+    dict(op="dequantize", bits=8, block_size=2048, dtype="float32", chunks=3, chunk_numel=1001, out_numel=3000,
+         one_pack=False),
     # reduce_requantize: groups runs of chunks packs -> chunks packs; ONE_PACK iff chunks == 1
     dict(op="reduce_requantize", bits=8, block_size=16, groups=2, chunks=1, chunk_numel=2**20, one_pack=True),
     dict(op="reduce_requantize", bits=8, block_size="default", groups=8, chunks=4, chunk_numel=2**20,
@@ -96,6 +114,8 @@ CASES: list[dict] = [
          one_pack=True),
     dict(op="reduce_requantize", bits=4, block_size=2048, groups=2, chunks=8, chunk_numel=2**20, one_pack=False),
     dict(op="reduce_requantize", bits=4, block_size=8192, groups=2, chunks=2, chunk_numel=2**20, one_pack=False),
+    dict(op="reduce_requantize", bits=4, block_size="default", groups=8, chunks=2, chunk_numel=100_001,
+         one_pack=False),
     # reduce_dequantize: groups packs -> out (dtype), divided by divisor; every block is in the first pack
     dict(op="reduce_dequantize", bits=8, block_size=16, dtype="float32", groups=1, chunk_numel=2**20,
          out_numel=2**20, divisor=1.0),
@@ -195,6 +215,37 @@ def _toolchain_problem(target) -> str | None:
     return None
 
 
+_PTXAS_SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_REGS = re.compile(r"Used (\d+) registers")
+
+
+def _ptxas_usage(log: str, kernel: str) -> dict | None:
+    """Registers, stack frame and spill bytes of ``kernel`` from the ``ptxas -v`` log, or None without a log."""
+    start = log.find(f"Compiling entry function '{kernel}'")
+    if start < 0:
+        return None
+    spills, regs = _PTXAS_SPILLS.search(log, start), _PTXAS_REGS.search(log, start)
+    if not spills or not regs:
+        return None
+    frame, stores, loads = map(int, spills.groups())
+    return {"registers": int(regs.group(1)), "stack_frame": frame, "spill_stores": stores, "spill_loads": loads}
+
+
+def _res_usage(cubin: Path, kernel: str) -> dict | str:
+    """``REG`` and ``STACK`` of ``kernel`` as ``cuobjdump -res-usage`` reads them off the cubin, or why not."""
+    try:
+        from triton import knobs
+
+        tool = knobs.nvidia.cuobjdump.path  # the wheel's triton/backends/nvidia/bin/cuobjdump, or $TRITON_..._PATH
+    except Exception as e:  # noqa: BLE001 - another triton: reported by the spill test
+        return f"no cuobjdump: {e!r}"
+    proc = subprocess.run([tool, "-res-usage", str(cubin)], capture_output=True, text=True, check=False)
+    found = re.search(rf"Function {re.escape(kernel)}:\s*\n\s*REG:(\d+) STACK:(\d+)", proc.stdout)
+    if proc.returncode != 0 or not found:
+        return f"cuobjdump -res-usage failed (exit {proc.returncode}): {proc.stdout[-500:]}{proc.stderr[-500:]}"
+    return {"registers": int(found.group(1)), "stack": int(found.group(2))}
+
+
 def _compile_all(out_dir: Path) -> dict:
     assert "TRITON_INTERPRET" not in os.environ, "the compile subprocess must not run under the interpreter"
     import importlib
@@ -244,8 +295,10 @@ def _compile_all(out_dir: Path) -> dict:
 
         def __getitem__(self, grid):
             def launch(*args, **kwargs):
-                kernel = self.fn.warmup(*args, grid=grid, **kwargs)
-                compiled.append((self.fn.__name__, kernel, kwargs))
+                log = io.StringIO()  # triton prints the ptxas -v log of each compilation (TRITON_DUMP_PTXAS_LOG)
+                with contextlib.redirect_stdout(log):
+                    kernel = self.fn.warmup(*args, grid=grid, **kwargs)
+                compiled.append((self.fn.__name__, kernel, kwargs, log.getvalue()))
 
             return launch
 
@@ -254,14 +307,15 @@ def _compile_all(out_dir: Path) -> dict:
         setattr(module, fn.__name__, CompileOnLaunch(fn))
 
     results = {}
+    usage_by_hash = {}  # a kernel Triton already compiled is not compiled (nor logged) again
     for case in CASES:
         cid = case_id(case)
         del compiled[:]
         try:
             _launch_case(case)
             if len(compiled) != 1:
-                raise AssertionError(f"expected one kernel launch, got {[name for name, _, _ in compiled]}")
-            name, kernel, kwargs = compiled[0]
+                raise AssertionError(f"expected one kernel launch, got {[c[0] for c in compiled]}")
+            name, kernel, kwargs, ptxas_log = compiled[0]
             (out_dir / f"{cid}.ptx").write_text(kernel.asm["ptx"])
             (out_dir / f"{cid}.cubin").write_bytes(kernel.asm["cubin"])
             src = kernel.src
@@ -274,6 +328,8 @@ def _compile_all(out_dir: Path) -> dict:
                 "num_warps": kernel.metadata.num_warps,
                 "enable_fp_fusion": kernel.metadata.enable_fp_fusion,
                 "target": [kernel.metadata.target.backend, kernel.metadata.target.arch],
+                "ptxas": usage_by_hash.setdefault(kernel.hash, _ptxas_usage(ptxas_log, name)),
+                "res_usage": _res_usage(out_dir / f"{cid}.cubin", name),
             }
         except Exception:  # noqa: BLE001 - reported by that case's tests, the other cases still compile
             results[cid] = {"error": traceback.format_exc(limit=-6)}
@@ -300,6 +356,7 @@ def compiled(tmp_path_factory) -> tuple[Path, dict]:
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "ZEROPP_QUANT_BACKEND")}
     env["TRITON_CACHE_DIR"] = str(out / "triton_cache")  # a fresh cache: really compile, leave ~/.triton alone
     env["TRITON_HOME"] = str(out / "triton_home")
+    env["TRITON_DUMP_PTXAS_LOG"] = "1"  # triton prints each ptxas -v log: registers and spills
     repo_root = str(Path(zeropp.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH")) if p)
     proc = subprocess.run(
@@ -346,7 +403,7 @@ def test_every_launched_kernel_is_covered(compiled):
     for op in KERNELS:  # the advertised cover of the specializations
         cases = [c for c in CASES if c["op"] == op]
         assert {c["bits"] for c in cases} == {8, 4}
-        assert {c["block_size"] for c in cases} == {16, "default", 2048, 8192}
+        assert {c["block_size"] for c in cases} >= {16, "default", 2048, 8192}
         if op != "reduce_requantize":
             assert {c["dtype"] for c in cases} == {"float32", "bfloat16", "float16"}
         if op != "reduce_dequantize":
@@ -425,5 +482,55 @@ def test_ieee_division_and_no_flush_to_zero(compiled, case):
     assert not ftz, f"flush-to-zero float instructions: {ftz}"
 
 
+def _resources(entry: dict) -> dict:
+    """Registers, stack and spill bytes of a compiled case: the ptxas log's figures, checked against the cubin's."""
+    usage, cubin = entry["ptxas"], entry["res_usage"]
+    if isinstance(cubin, str):
+        pytest.fail(cubin, pytrace=False)
+    if usage is None:
+        pytest.fail("no ptxas -v log captured for this case (TRITON_DUMP_PTXAS_LOG): the capture is stale")
+    assert usage["registers"] == cubin["registers"], f"ptxas log {usage} does not match the cubin {cubin}"
+    assert usage["stack_frame"] == cubin["stack"], f"ptxas log {usage} does not match the cubin {cubin}"
+    return usage
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_no_register_spills(compiled, case):
+    """Nothing spills to local memory: 0 bytes of spill stores and loads, and no stack frame at all (the kernels
+    have no local arrays and call nothing that needs one), whatever the tile shape ``launch_shape`` picks."""
+    entry = _case(compiled, case_id(case))
+    usage = _resources(entry)
+    shape = f"BLOCKS={entry['constexprs']['BLOCKS']}, num_warps={entry['num_warps']}"
+    assert (usage["spill_stores"], usage["spill_loads"], usage["stack_frame"]) == (0, 0, 0), (
+        f"register spills ({shape}): {usage}"
+    )
+
+
+def _report() -> int:
+    """Compile every case into a temporary folder and print registers and spills per case."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "ZEROPP_QUANT_BACKEND")}
+        env.update(TRITON_CACHE_DIR=f"{tmp}/triton_cache", TRITON_HOME=f"{tmp}/triton_home", TRITON_DUMP_PTXAS_LOG="1")
+        repo_root = str(Path(__file__).resolve().parents[2])  # this checkout's zeropp, not an installed one
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH")) if p)
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), tmp], env=env, check=True)
+        result = json.loads((Path(tmp) / "result.json").read_text())
+    if "skip" in result:
+        print(result["skip"])
+        return 0
+    print(f"{'case':58} {'BLOCKS':>6} {'warps':>5} {'regs':>4} {'stack':>5} {'spill st':>8} {'spill ld':>8}")
+    for cid, entry in result["cases"].items():
+        if "error" in entry:
+            print(f"{cid:58} did not compile")
+            continue
+        u, c = entry["ptxas"] or {}, entry["res_usage"]
+        c = c if isinstance(c, dict) else {}
+        print(f"{cid:58} {entry['constexprs']['BLOCKS']:>6} {entry['num_warps']:>5} {c.get('registers', '?'):>4} "
+              f"{c.get('stack', '?'):>5} {u.get('spill_stores', '?'):>8} {u.get('spill_loads', '?'):>8}")
+    return 0
+
+
 if __name__ == "__main__":
-    sys.exit(_worker_main(sys.argv[1]))
+    sys.exit(_report() if sys.argv[1:] == ["--report"] else _worker_main(sys.argv[1]))

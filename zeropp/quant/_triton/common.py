@@ -26,7 +26,16 @@ TILE_ELEMENTS: dict[str, int] = {
     "reduce_requantize": 4096,
     "reduce_dequantize": 4096,
 }
-"""Elements per program for each op (at least one block). The one knob to tune on a GPU."""
+"""Elements per program for each op (at least one block), as far as ``MAX_ROWS_PER_THREAD`` allows. The knob to
+tune on a GPU."""
+
+MAX_ROWS_PER_THREAD = 16
+"""At most this many of a program's blocks (tile rows) per thread, counted where the elements are not vectorized
+(one element per thread per row: odd sizes, misaligned tensors). Every thread that holds part of a row holds that
+row's indices, offsets, mask and scale, and for a block of at least ``32 * num_warps`` elements that is every thread
+of the program: 32 rows per thread (block 128, 4096 elements) spilled registers once the tile crosses packs, 256
+(block 16) spilled in every multi-pack kernel. With 16 the worst kernel compiled for sm_90 (``tests/quant/
+test_triton_compile.py``) uses about 200 of its 255 registers and none spills."""
 
 
 @dataclass(frozen=True)
@@ -38,9 +47,20 @@ class LaunchShape:
 
 
 def launch_shape(op: str, block_size: int) -> LaunchShape:
-    """The tile of ``op`` for ``block_size``: ``TILE_ELEMENTS[op]`` elements (or one block if larger)."""
+    """The tile of ``op`` for ``block_size``: ``TILE_ELEMENTS[op]`` elements (or one block if larger), 4 warps (8
+    past 4096 elements), and no more blocks than keeps ``MAX_ROWS_PER_THREAD``.
+
+    A row of ``block_size`` elements, one per thread, spans ``min(block_size, threads)`` threads, so each thread
+    holds ``blocks * min(block_size, threads) / threads`` rows. With the defaults (4096, 16, 4 warps) blocks of 16,
+    32, 64 and 128 elements get 2048-element tiles (128, 64, 32 and 16 blocks), larger blocks 4096 elements.
+    """
     elements = max(block_size, TILE_ELEMENTS[op])
-    return LaunchShape(elements // block_size, 4 if elements <= 4096 else 8)
+    num_warps = 4 if elements <= 4096 else 8
+    threads = 32 * num_warps
+    max_blocks = max(1, MAX_ROWS_PER_THREAD * threads // min(block_size, threads))
+    blocks = min(elements // block_size, max_blocks)
+    assert blocks & (blocks - 1) == 0 and blocks < 2**15, "BLOCKS must be a power of two below 2**15 (divmod_from)"
+    return LaunchShape(blocks, num_warps)
 
 
 def grid(num_blocks: int, shape: LaunchShape) -> tuple[int]:
@@ -49,26 +69,78 @@ def grid(num_blocks: int, shape: LaunchShape) -> tuple[int]:
 
 
 @triton.jit
+def divmod_from(start, r, divisor, R_MAX: tl.constexpr):
+    """``((start + r) // divisor - start // divisor, (start + r) % divisor)`` for int32 ``r`` in ``[0, R_MAX]``
+    (``R_MAX < 2**15``) and int64 scalars ``start >= 0``, ``divisor >= 1``: int32 and int64 tensors shaped as ``r``.
+
+    Per-row values are held by every thread that holds part of the row (all of them when a block spans the
+    program's threads), so per-row int64 division is repeated in every thread and is what made the kernels spill.
+    Here the only division is on scalars: past the first multiple of ``divisor`` after ``start`` (``first`` rows
+    away), ``n // step`` with ``n < R_MAX`` and ``step = min(divisor, R_MAX + 1)`` is one multiply and shift by
+    ``ceil(2**32 / step)``, exact because ``n * step < 2**32``; it is 0 when ``divisor > R_MAX``, the usual case.
+    """
+    divisor = tl.cast(divisor, tl.int64)  # an int32 argument, or the constant 1 when Triton specializes it
+    base = start // divisor
+    rem0 = start - base * divisor
+    first = tl.minimum(divisor - rem0, R_MAX + 1).to(tl.int32)
+    step = tl.minimum(divisor, R_MAX + 1)
+    magic = 4294967295 // step + 1  # ceil(2**32 / step), at most 2**32
+    after = r >= first
+    n = tl.maximum(r - first, 0)
+    k = ((n.to(tl.int64) * magic) >> 32).to(tl.int32)  # n // step
+    q = tl.where(after, k + 1, 0)
+    rem = tl.where(after, (n - k * step.to(tl.int32)).to(tl.int64), rem0 + r)
+    return q, rem
+
+
+@triton.jit
+def tile_packs(blocks_per_pack, BLOCKS: tl.constexpr, ONE_PACK: tl.constexpr):
+    """This program's global blocks ``g`` (int64 [BLOCKS]) as pack ``p0 + q`` and index ``b`` in the pack: the
+    tile's first pack ``p0`` (an int64 scalar), ``q`` (int32 [BLOCKS]) and ``b`` (int64 [BLOCKS]); see
+    ``divmod_from``. ``ONE_PACK`` (every block in pack 0) skips even that and lets the compiler see that offsets
+    are multiples of the block size, so it can vectorize the loads and stores.
+    """
+    g0 = tl.program_id(0).to(tl.int64) * BLOCKS
+    r = tl.arange(0, BLOCKS)
+    g = g0 + r
+    if ONE_PACK:
+        p0 = g0 * 0
+        q = r * 0
+        b = g
+    else:
+        p0 = g0 // blocks_per_pack
+        q, b = divmod_from(g0, r, blocks_per_pack, BLOCKS)
+    return g, p0, q, b
+
+
+@triton.jit
 def tile_blocks(
     blocks_per_pack, pack_bytes, BLOCKS: tl.constexpr, BLOCK_CODE_BYTES: tl.constexpr, ONE_PACK: tl.constexpr
 ):
     """This program's global blocks ``g`` and, per block, its pack ``p``, its index ``b`` in the pack and the
     byte offsets of its codes and of its float32 scale in a buffer of whole packs. All int64 of shape [BLOCKS].
-
-    ``ONE_PACK`` (every block in pack 0) skips the division and lets the compiler see that the offsets are
-    multiples of the block size, so it can vectorize the loads and stores.
+    See ``tile_packs`` for how ``p`` and ``b`` are found without per-row int64 division.
     """
-    g = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
-    if ONE_PACK:
-        p = tl.zeros_like(g)
-        b = g
-    else:
-        p = g // blocks_per_pack
-        b = g - p * blocks_per_pack
+    g, p0, q, b = tile_packs(blocks_per_pack, BLOCKS, ONE_PACK)
+    p = p0 + q
     pack = p * pack_bytes
     code_offset = pack + b * BLOCK_CODE_BYTES
     scale_offset = pack + blocks_per_pack * BLOCK_CODE_BYTES + b * 4
     return g, p, b, code_offset, scale_offset
+
+
+@triton.jit
+def swizzled_sources(p, blocks_per_pack, nodes, ranks_per_node, BLOCKS: tl.constexpr, ONE_PACK: tl.constexpr):
+    """Per block of ``tile_blocks``' pack ``p``: the input slice it holds, ``(p % nodes) * ranks_per_node +
+    p // nodes`` (``format.swizzle_source``), found as ``tile_packs`` finds ``p``: int64 division on scalars only."""
+    if ONE_PACK:
+        source = p
+    else:
+        p0 = (tl.program_id(0).to(tl.int64) * BLOCKS) // blocks_per_pack  # the same scalar as in tile_packs
+        q = (p - p0).to(tl.int32)  # in [0, BLOCKS]
+        wrap, m = divmod_from(p0, q, nodes, BLOCKS)
+        source = m * ranks_per_node + (p0 // nodes + wrap)
+    return source
 
 
 @triton.jit
@@ -168,6 +240,7 @@ def load_rows(x_ptr, start, count, WIDTH: tl.constexpr):
     """
     cols = tl.arange(0, WIDTH)[None, :]
     ptrs = x_ptr + start[:, None] + cols
+    count = tl.minimum(tl.maximum(count, 0), WIDTH).to(tl.int32)  # one register per row, not two
     if tl.min(count, axis=0) >= WIDTH:
         v = tl.load(ptrs)
     else:
@@ -181,6 +254,7 @@ def store_rows(out_ptr, start, count, v):
     element type of ``out_ptr``; unmasked (vectorizable) when every row is whole."""
     cols = tl.arange(0, v.shape[1])[None, :]
     ptrs = out_ptr + start[:, None] + cols
+    count = tl.minimum(tl.maximum(count, 0), v.shape[1]).to(tl.int32)  # one register per row, not two
     y = to_output(v, out_ptr)
     if tl.min(count, axis=0) >= v.shape[1]:
         tl.store(ptrs, y)

@@ -11,7 +11,15 @@ import triton
 import triton.language as tl
 
 from ..format import BlockFormat
-from .common import grid, launch_shape, load_rows, store_int4_blocks, store_int8_blocks, tile_blocks
+from .common import (
+    grid,
+    launch_shape,
+    load_rows,
+    store_int4_blocks,
+    store_int8_blocks,
+    swizzled_sources,
+    tile_blocks,
+)
 
 
 @triton.jit
@@ -39,7 +47,7 @@ def _quantize_kernel(
         blocks_per_pack, pack_bytes, BLOCKS, BLOCK_SIZE * BITS // 8, ONE_PACK
     )
     row_mask = g < num_blocks
-    source = (p % nodes) * ranks_per_node + p // nodes
+    source = swizzled_sources(p, blocks_per_pack, nodes, ranks_per_node, BLOCKS, ONE_PACK)
     # Index of each block's first element in its slice and in x; its elements must be inside both.
     in_slice = b * BLOCK_SIZE
     start = source * chunk_numel + in_slice
