@@ -3,6 +3,12 @@
 It runs on any device and is the CPU backend. Inputs are assumed validated by ``zeropp.quant.ops``; layouts are
 described in ``zeropp.quant.format``. Arithmetic is float32 throughout, in the order the kernels use, so integer
 codes agree bit for bit.
+
+The arithmetic of a block is in ``quantize_blocks`` and ``dequantize_blocks``. The chunked ops walk each pack a
+piece of about ``PIECE_NUMEL`` elements at a time, in place in a few piece-sized buffers (``_Scratch``) that stay
+in the CPU's caches, and write codes, scales and values straight into the output: full-size float32 temporaries
+made these ops several times slower. A piece is made of whole blocks and a block's result depends on its own
+elements only, so the piece size changes the speed, never a bit of the result.
 """
 
 from __future__ import annotations
@@ -13,86 +19,121 @@ from .format import BlockFormat, swizzle_source
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
+PIECE_NUMEL = 1 << 18
+"""Elements processed at a time (rounded to whole blocks): 1 MiB per float32 temporary."""
 
-def quantize_blocks(blocks: torch.Tensor, fmt: BlockFormat) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize float32 ``blocks`` of shape ``(num_blocks, block_size)``.
 
-    Returns ``(codes, scales)``: uint8 codes of shape ``(num_blocks, block_code_bytes)`` and float32 scales of
-    shape ``(num_blocks,)``.
+class _Scratch:
+    """Piece-sized work buffers for packs of ``blocks`` blocks, allocated once per call: ``values`` and ``other``
+    float32 and, for int4, int8 ``half_codes`` of half a piece (one nibble of each code byte)."""
+
+    def __init__(self, fmt: BlockFormat, blocks: int, device: torch.device) -> None:
+        self.blocks = max(1, min(PIECE_NUMEL // fmt.block_size, blocks))
+        shape = (self.blocks, fmt.block_size)
+        self.values = torch.empty(shape, dtype=torch.float32, device=device)
+        self.other = torch.empty(shape, dtype=torch.float32, device=device)
+        if fmt.bits == 4:
+            self.half_codes = torch.empty(self.blocks, fmt.block_code_bytes, dtype=torch.int8, device=device)
+
+    def pieces(self, blocks: int) -> list[tuple[int, int]]:
+        """``(first, end)`` block ranges of at most ``self.blocks`` blocks covering ``range(blocks)``."""
+        return [(b, min(b + self.blocks, blocks)) for b in range(0, blocks, self.blocks)]
+
+
+def quantize_blocks(
+    values: torch.Tensor, fmt: BlockFormat, codes: torch.Tensor, scales: torch.Tensor, scratch: _Scratch
+) -> None:
+    """Quantize float32 ``values`` of shape ``(n, block_size)``: uint8 codes into ``codes`` (``(n,
+    block_code_bytes)``) and float32 scales into ``scales`` (``(n,)``).
+
+    ``values`` is overwritten (it holds the quotients), and so is ``scratch.other[:n]``.
     """
+    n = values.shape[0]
     qmax = fmt.qmax
-    scales = blocks.abs().amax(dim=1) / qmax
+    torch.amax(torch.abs(values, out=scratch.other[:n]), dim=1, out=scales)
+    scales.div_(qmax)  # scale = absmax / qmax: NaN for a block holding a NaN, Inf for one holding an Inf
     finite = torch.isfinite(scales)
-    divisor = torch.where(finite & (scales > 0), scales, torch.ones_like(scales))
-    q = torch.round(blocks / divisor[:, None]).clamp_(-qmax, qmax)
-    q = torch.where(finite[:, None], q, torch.zeros_like(q)).to(torch.int16)
-    if fmt.bits == 4:
-        q = (q[:, 0::2] & 0xF) | ((q[:, 1::2] & 0xF) << 4)
-    codes = (q & 0xFF).to(torch.uint8)
-    return codes, scales
+    # per block: an all-zero block divides by 1 (its codes are 0), so does a non-finite one (zeroed below)
+    divisor = torch.where(finite & (scales > 0), scales, 1.0)
+    # IEEE division x / scale (not a multiplication by 1 / scale, which rounds differently), round half to even
+    q = values.div_(divisor[:, None]).round_().clamp_(-qmax, qmax)
+    if not finite.all():
+        q[~finite] = 0  # the codes of a NaN or Inf block are 0
+    if fmt.bits == 8:
+        codes.view(torch.int8).copy_(q)  # two's-complement bytes
+        return
+    # int4: byte k = (q[2k] & 0xF) | (q[2k + 1] << 4), element 2k in the low nibble and 2k + 1 in the high one, each
+    # 4-bit two's complement (|q| <= 7, so q << 4 fits an int8 and has the high nibble's bits)
+    packed = codes.view(torch.int8)
+    low = scratch.half_codes[:n]
+    packed.copy_(q[:, 1::2]).bitwise_left_shift_(4)
+    packed.bitwise_or_(low.copy_(q[:, 0::2]).bitwise_and_(0xF))
 
 
-def dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
-    """Float32 values of shape ``(num_blocks, block_size)`` from uint8 ``codes`` and float32 ``scales``.
+def dequantize_blocks(
+    codes: torch.Tensor, scales: torch.Tensor, fmt: BlockFormat, values: torch.Tensor, scratch: _Scratch
+) -> torch.Tensor:
+    """Float32 values of shape ``(n, block_size)`` from uint8 ``codes`` and float32 ``scales``, written into
+    ``values`` (returned).
 
     ``code * scale``, clamped to the finite float32 range (NaN stays NaN: a block with a non-finite scale comes
     out all NaN).
     """
-    c = codes.to(torch.int16)
+    n = codes.shape[0]
+    c = codes.view(torch.int8)  # int8 codes are two's-complement bytes
     if fmt.bits == 8:
-        q = (c ^ 0x80) - 0x80
+        values.copy_(c)
     else:
-        lo = ((c & 0xF) ^ 8) - 8
-        hi = (((c >> 4) & 0xF) ^ 8) - 8
-        q = torch.stack((lo, hi), dim=2).view(c.shape[0], fmt.block_size)
+        # the signed nibbles by arithmetic shifts, low = (c << 4) >> 4 and high = c >> 4, into alternate elements
+        nibbles = scratch.half_codes[:n]
+        values[:, 0::2].copy_(torch.bitwise_left_shift(c, 4, out=nibbles).bitwise_right_shift_(4))
+        values[:, 1::2].copy_(torch.bitwise_right_shift(c, 4, out=nibbles))
+    values.mul_(scales[:, None])
     # code * scale can round past the float32 range when the block's absmax is within an ulp of it
-    return torch.clamp(q.to(torch.float32) * scales[:, None], -FLOAT32_MAX, FLOAT32_MAX)
+    return values.clamp_(-FLOAT32_MAX, FLOAT32_MAX)
 
 
-def _split_pack(packs: torch.Tensor, fmt: BlockFormat, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Codes ``(rows * blocks, block_code_bytes)`` and scales ``(rows * blocks,)`` of ``(rows, pack_bytes)`` packs."""
-    rows = packs.shape[0]
+def _pack_parts(pack: torch.Tensor, fmt: BlockFormat, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The codes ``(blocks, block_code_bytes)`` (a view) and the uint8 bytes of the scales (a view) of a pack."""
     split = blocks * fmt.block_code_bytes
-    codes = packs[:, :split].reshape(rows * blocks, fmt.block_code_bytes)
-    scales = packs[:, split:].contiguous().view(torch.float32).reshape(rows * blocks)
-    return codes, scales
+    return pack[:split].view(blocks, fmt.block_code_bytes), pack[split:]
 
 
-def _dequantize_packs(packs: torch.Tensor, fmt: BlockFormat, blocks: int) -> torch.Tensor:
-    """Float32 ``(rows, blocks * block_size)`` values of ``(rows, pack_bytes)`` packs."""
-    codes, scales = _split_pack(packs, fmt, blocks)
-    return dequantize_blocks(codes, scales, fmt).view(packs.shape[0], blocks * fmt.block_size)
-
-
-def _write_packs(rows: torch.Tensor, fmt: BlockFormat, out: torch.Tensor) -> None:
-    """Quantize float32 ``rows`` of shape ``(r, blocks * block_size)`` into ``r`` packs in the uint8 ``out``."""
-    r, width = rows.shape
-    blocks = width // fmt.block_size
-    codes, scales = quantize_blocks(rows.reshape(r * blocks, fmt.block_size), fmt)
-    packs = out.view(r, -1)
-    split = blocks * fmt.block_code_bytes
-    packs[:, :split] = codes.view(r, split)
-    packs[:, split:] = scales.view(r, blocks).view(torch.uint8)
+def _dequantize_piece(
+    pack: torch.Tensor, fmt: BlockFormat, blocks: int, first: int, end: int, values: torch.Tensor, scratch: _Scratch
+) -> torch.Tensor:
+    """Float32 values ``(end - first, block_size)`` of blocks ``first:end`` of a pack, into ``values``."""
+    codes, scale_bytes = _pack_parts(pack, fmt, blocks)
+    scales = scale_bytes[4 * first : 4 * end].clone().view(torch.float32)  # a copy: any alignment will do
+    return dequantize_blocks(codes[first:end], scales, fmt, values, scratch)
 
 
 def quantize_chunks(x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, out: torch.Tensor) -> None:
-    """Pack flat ``x`` as ``chunks`` slices into ``out``, slices reordered by the qgZ swizzle when ``nodes > 1``."""
+    """Pack flat ``x`` as ``chunks`` slices into ``out``, slices reordered by the qgZ swizzle when ``nodes > 1``.
+
+    Each slice is taken as float32 and zero-padded to whole blocks.
+    """
     numel = x.numel()
     if numel == 0:
         return
     slice_numel = -(-numel // chunks)
     blocks = fmt.num_blocks(slice_numel)
-    rows = torch.zeros(chunks, blocks * fmt.block_size, dtype=torch.float32, device=x.device)
-    full = numel // slice_numel
-    rows[:full, :slice_numel] = x[: full * slice_numel].view(full, slice_numel)
-    rest = numel - full * slice_numel
-    if rest:
-        rows[full, :rest] = x[full * slice_numel :]
-    if nodes > 1:
-        ranks_per_node = chunks // nodes
-        order = [swizzle_source(p, nodes, ranks_per_node) for p in range(chunks)]
-        rows = rows[torch.tensor(order, device=x.device)]
-    _write_packs(rows, fmt, out)
+    bs = fmt.block_size
+    scratch = _Scratch(fmt, blocks, x.device)
+    scales = torch.empty(blocks, dtype=torch.float32, device=x.device)
+    packs = out.view(chunks, -1)
+    for position in range(chunks):
+        source = swizzle_source(position, nodes, chunks // nodes)  # the identity when nodes == 1
+        slice_of_x = x[source * slice_numel : min((source + 1) * slice_numel, numel)]  # may be short or empty
+        codes, scale_bytes = _pack_parts(packs[position], fmt, blocks)
+        for first, end in scratch.pieces(blocks):
+            values = scratch.values[: end - first]
+            flat = values.view(-1)
+            src = slice_of_x[first * bs : end * bs]
+            flat[: src.numel()].copy_(src)
+            flat[src.numel() :].zero_()
+            quantize_blocks(values, fmt, codes[first:end], scales[first:end], scratch)
+        scale_bytes.copy_(scales.view(torch.uint8))
 
 
 def dequantize_chunks(
@@ -102,27 +143,55 @@ def dequantize_chunks(
     if out.numel() == 0:
         return
     blocks = fmt.num_blocks(chunk_numel)
-    values = _dequantize_packs(buf.view(chunks, -1), fmt, blocks)[:, :chunk_numel]
-    out.copy_(values.reshape(-1)[: out.numel()])
+    bs = fmt.block_size
+    scratch = _Scratch(fmt, blocks, buf.device)
+    packs = buf.view(chunks, -1)
+    for k in range(chunks):
+        # chunk k fills out[k * chunk_numel : (k + 1) * chunk_numel]; its padding, and whatever lies past the end
+        # of out, is dropped
+        dest = out[k * chunk_numel : min((k + 1) * chunk_numel, out.numel())]
+        for first, end in scratch.pieces(blocks):
+            piece = dest[first * bs : end * bs]
+            if piece.numel() == 0:
+                break
+            direct = piece.dtype == torch.float32 and piece.is_contiguous() and piece.numel() == (end - first) * bs
+            values = piece.view(end - first, bs) if direct else scratch.values[: end - first]
+            _dequantize_piece(packs[k], fmt, blocks, first, end, values, scratch)
+            if not direct:  # round to out's dtype, drop the padding
+                piece.copy_(values.view(-1)[: piece.numel()])
 
 
-def _sum_groups(buf: torch.Tensor, fmt: BlockFormat, groups: int, chunks: int, chunk_numel: int) -> torch.Tensor:
-    """Float32 ``(chunks, blocks * block_size)``: chunk ``m`` is the sum over ``i`` of pack ``i * chunks + m``."""
-    blocks = fmt.num_blocks(chunk_numel)
-    packs = buf.view(groups, chunks, -1)
-    acc = torch.zeros(chunks, blocks * fmt.block_size, dtype=torch.float32, device=buf.device)
-    for i in range(groups):
-        acc += _dequantize_packs(packs[i], fmt, blocks)
+def _sum_piece(
+    packs: torch.Tensor, fmt: BlockFormat, blocks: int, first: int, end: int, scratch: _Scratch
+) -> torch.Tensor:
+    """Float32 ``(end - first, block_size)`` sum of blocks ``first:end`` of the packs in ``packs`` (one per row),
+    into ``scratch.values``: ``acc = 0``, then ``acc += pack 0``, ``acc += pack 1``, ... in float32."""
+    acc = scratch.values[: end - first].zero_()
+    for pack in packs:
+        acc.add_(_dequantize_piece(pack, fmt, blocks, first, end, scratch.other[: end - first], scratch))
     return acc
 
 
 def reduce_requantize(
     buf: torch.Tensor, fmt: BlockFormat, groups: int, chunks: int, chunk_numel: int, out: torch.Tensor
 ) -> None:
-    """Sum ``groups`` runs of ``chunks`` packs pack-wise in float32 and pack the ``chunks`` sums into ``out``."""
+    """Sum ``groups`` runs of ``chunks`` packs pack-wise in float32 and pack the ``chunks`` sums into ``out``.
+
+    Pack ``m`` of ``out`` is the sum over ``i`` of pack ``i * chunks + m``, whole blocks (padding included).
+    """
     if chunk_numel == 0:
         return
-    _write_packs(_sum_groups(buf, fmt, groups, chunks, chunk_numel), fmt, out)
+    blocks = fmt.num_blocks(chunk_numel)
+    scratch = _Scratch(fmt, blocks, buf.device)
+    scales = torch.empty(blocks, dtype=torch.float32, device=buf.device)
+    packs = buf.view(groups, chunks, -1)
+    out_packs = out.view(chunks, -1)
+    for m in range(chunks):
+        codes, scale_bytes = _pack_parts(out_packs[m], fmt, blocks)
+        for first, end in scratch.pieces(blocks):
+            acc = _sum_piece(packs[:, m], fmt, blocks, first, end, scratch)
+            quantize_blocks(acc, fmt, codes[first:end], scales[first:end], scratch)
+        scale_bytes.copy_(scales.view(torch.uint8))
 
 
 def reduce_dequantize(
@@ -131,6 +200,18 @@ def reduce_dequantize(
     """Sum ``groups`` packs in float32, divide by ``divisor`` and write the first ``out.numel()`` values."""
     if out.numel() == 0:
         return
-    acc = _sum_groups(buf, fmt, groups, 1, chunk_numel)[0, : out.numel()]
+    blocks = fmt.num_blocks(chunk_numel)
+    bs = fmt.block_size
+    scratch = _Scratch(fmt, fmt.num_blocks(out.numel()), buf.device)
+    packs = buf.view(groups, -1)
     # A tensor divisor, not a Python scalar: on CUDA torch turns division by a scalar into a reciprocal multiply.
-    out.copy_(acc / torch.tensor(divisor, dtype=torch.float32, device=acc.device))
+    divisor_t = torch.tensor(divisor, dtype=torch.float32, device=buf.device)
+    for first, end in scratch.pieces(blocks):
+        piece = out[first * bs : end * bs]
+        if piece.numel() == 0:
+            break
+        acc = _sum_piece(packs, fmt, blocks, first, end, scratch)
+        if piece.dtype == torch.float32 and piece.is_contiguous() and piece.numel() == acc.numel():
+            torch.div(acc, divisor_t, out=piece.view_as(acc))
+        else:
+            piece.copy_(acc.div_(divisor_t).view(-1)[: piece.numel()])
