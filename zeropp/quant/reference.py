@@ -25,10 +25,13 @@ PIECE_NUMEL = 1 << 18
 
 class _Scratch:
     """Piece-sized work buffers for packs of ``blocks`` blocks, allocated once per call: ``values`` and ``other``
-    float32 and, for int4, int8 ``half_codes`` of half a piece (one nibble of each code byte)."""
+    float32 and, for int4, int8 ``half_codes`` of half a piece (one nibble of each code byte); ``qmax`` as a
+    float32 tensor on the device."""
 
     def __init__(self, fmt: BlockFormat, blocks: int, device: torch.device) -> None:
         self.blocks = max(1, min(PIECE_NUMEL // fmt.block_size, blocks))
+        # a tensor, not a Python scalar: on CUDA torch turns division by a scalar into a reciprocal multiply
+        self.qmax = torch.tensor(float(fmt.qmax), dtype=torch.float32, device=device)
         shape = (self.blocks, fmt.block_size)
         self.values = torch.empty(shape, dtype=torch.float32, device=device)
         self.other = torch.empty(shape, dtype=torch.float32, device=device)
@@ -51,7 +54,7 @@ def quantize_blocks(
     n = values.shape[0]
     qmax = fmt.qmax
     torch.amax(torch.abs(values, out=scratch.other[:n]), dim=1, out=scales)
-    scales.div_(qmax)  # scale = absmax / qmax: NaN for a block holding a NaN, Inf for one holding an Inf
+    scales.div_(scratch.qmax)  # scale = absmax / qmax: NaN for a block holding a NaN, Inf for one holding an Inf
     finite = torch.isfinite(scales)
     # per block: an all-zero block divides by 1 (its codes are 0), so does a non-finite one (zeroed below)
     divisor = torch.where(finite & (scales > 0), scales, 1.0)
