@@ -21,7 +21,6 @@ two distributions.
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import os
 import sys
@@ -29,6 +28,8 @@ import time
 
 import numpy as np
 import torch
+
+from zeropp.bench.report import write_csv
 
 BLOCK_SIZES = (32, 64, 128, 256, 512, 1024, 2048)
 
@@ -139,12 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     print(f"\n({time.perf_counter() - t0:.1f}s)")
     if args.csv:
-        out = sys.stdout if args.csv == "-" else open(args.csv, "w", newline="")
-        writer = csv.DictWriter(out, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-        if out is not sys.stdout:
-            out.close()
+        write_csv(rows, args.csv)
     return 0
 
 

@@ -29,7 +29,6 @@ reports per-test statistics, which fits neither.
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import platform
 import statistics
@@ -39,6 +38,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from zeropp.bench.report import write_csv
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -362,13 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print_table(rows, with_ds=ds is not None)
     if args.csv:
-        out = sys.stdout if args.csv == "-" else open(args.csv, "w", newline="")
-        keys = list(dict.fromkeys(k for r in rows for k in r))
-        writer = csv.DictWriter(out, fieldnames=keys)
-        writer.writeheader()
-        writer.writerows(rows)
-        if out is not sys.stdout:
-            out.close()
+        write_csv(rows, args.csv)
     return 0
 
 

@@ -22,7 +22,6 @@ Bandwidths are in GB/s (1e9 bytes per second).
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import sys
 import time
@@ -32,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from zeropp import comm
+from zeropp.bench.report import write_csv
 from zeropp.quant import DEFAULT_BLOCK_SIZE, backend_name
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -241,10 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                     if rank0:
                         print(format_row(row), flush=True)
         if rank0 and args.csv:
-            with open(args.csv, "w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=list(asdict(rows[0]).keys()))
-                w.writeheader()
-                w.writerows(asdict(r) for r in rows)
+            write_csv([asdict(r) for r in rows], args.csv)
         if rank0 and args.plot:
             plot(rows, args.plot, title)
         return 0
