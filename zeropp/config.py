@@ -15,9 +15,10 @@ Keys are spelled as DeepSpeed spells them::
                                                  "weight_decay": 0.01}},
       "zero_optimization": {
         "stage": 3,                               # 1, 2 or 3
-        "zero_quantized_weights": false,          # qwZ
-        "zero_quantized_gradients": false,        # qgZ
-        "zero_hpz_partition_size": 1,             # hpZ: ranks holding the secondary shard (1 = off)
+        "zero_quantized_weights": false,          # qwZ (stages 1-3: every weight all-gather)
+        "zero_quantized_gradients": false,        # qgZ (stages 1-3: every gradient reduce-scatter)
+        "zero_hpz_partition_size": 1,             # hpZ, stage 3: ranks holding the secondary shard (1 = off);
+                                                  # must divide the ranks per node (checked at initialize)
         "reduce_bucket_size": 500000000,
         "stage3_prefetch_bucket_size": 50000000,
         "overlap_comm": false,
@@ -413,9 +414,9 @@ class ZeroConfig:
         qw = _bool(block, "zero_quantized_weights", where, False)
         qg = _bool(block, "zero_quantized_gradients", where, False)
         hpz = _int(block.get("zero_hpz_partition_size", 1), f"{where}.zero_hpz_partition_size", minimum=1)
-        if (qw or hpz > 1) and stage != 3:
-            which = "zero_quantized_weights" if qw else "zero_hpz_partition_size"
-            raise ConfigError(f"{where}.{which} applies to the stage-3 weight all-gather; set stage to 3")
+        if hpz > 1 and stage != 3:
+            raise ConfigError(f"{where}.zero_hpz_partition_size={hpz} applies to the stage-3 backward weight "
+                              "all-gather; set stage to 3 (or the size to 1)")
         zeropp = ZeroppConfig.parse(_block(block, "zeropp", where))
         if zeropp.error_feedback and not qg:
             raise ConfigError(f"{where}.zeropp.error_feedback=true needs {where}.zero_quantized_gradients=true")

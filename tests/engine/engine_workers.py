@@ -155,8 +155,10 @@ def usage_errors(rank: int, world: int) -> dict[str, str]:
 
     # at initialize
     expect(ConfigError, "bf16", lambda: zeropp.initialize(model=GPT(MODEL), config={**good, "bf16": {"enabled": True}}))
-    expect(ConfigError, "qwz", lambda: zeropp.initialize(
-        model=GPT(MODEL), config={**good, "zero_optimization": {"stage": 3, "zero_quantized_weights": True}}))
+    expect(ConfigError, "hpz_divides", lambda: zeropp.initialize(
+        model=GPT(MODEL), config={**good, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2 * world}}))
+    expect(ConfigError, "hpz_stage", lambda: zeropp.initialize(
+        model=GPT(MODEL), config={**good, "zero_optimization": {"stage": 2, "zero_hpz_partition_size": 2}}))
     expect(ConfigError, "unknown", lambda: zeropp.initialize(model=GPT(MODEL), config={**good, "fp61": {}}))
     expect(ConfigError, "no_optimizer", lambda: zeropp.initialize(
         model=GPT(MODEL), config={"train_micro_batch_size_per_gpu": 2}))
@@ -217,13 +219,13 @@ class Twice(torch.nn.Module):
         return x.pow(2).mean()
 
 
-def module_called_twice(rank: int, world: int, stage: int) -> float:
+def module_called_twice(rank: int, world: int, stage: int, zero: dict | None = None) -> float:
     """``Twice`` under the engine matches the reference: a unit's gradient is complete once, after both uses of
     its module; a unit with a parameter that got no gradient is reduced at the end of backward (SGD without
     weight decay leaves that parameter unchanged, as torch.optim does by skipping it)."""
     model, ref = Twice(), Twice()
     config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1,
-              "momentum": 0.9}}, "zero_optimization": {"stage": stage}}
+              "momentum": 0.9}}, "zero_optimization": {"stage": stage, **(zero or {})}}
     engine, _, _, _ = zeropp.initialize(model=model, config=config)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, foreach=False)
     g = torch.Generator().manual_seed(5)
@@ -250,12 +252,13 @@ class CheckpointedGPT(GPT):
         return logits, loss
 
 
-def activation_checkpointing(rank: int, world: int, stage: int, steps: int = 3) -> float:
+def activation_checkpointing(rank: int, world: int, stage: int, steps: int = 3, zero: dict | None = None) -> float:
     """Blocks recomputed in backward (the stage-3 post-forward hook must not free a unit during recomputation)
     match the reference trained without checkpointing."""
     model, ref = CheckpointedGPT(MODEL, seed=0), GPT(MODEL, seed=0)
     optimizer = {"type": "AdamW", "params": {"lr": 1e-3}}
-    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": optimizer, "zero_optimization": {"stage": stage}}
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": optimizer,
+              "zero_optimization": {"stage": stage, **(zero or {})}}
     engine, _, _, _ = zeropp.initialize(model=model, config=config)
     ref_opt = torch_optimizer(optimizer, list(ref.parameters()))
     for inputs, targets in batches(steps, 2 * world):
@@ -269,10 +272,107 @@ def activation_checkpointing(rank: int, world: int, stage: int, steps: int = 3) 
 
 
 def misc(rank: int, world: int) -> dict:
-    """The usage errors, a module called twice per forward and activation checkpointing at each stage (one
-    process group for all)."""
+    """The usage errors, a module called twice per forward and activation checkpointing at each stage, and at
+    stage 3 with hpZ (exact, so held to the same bar: the second call and the recomputation gather from the
+    secondary shards) (one process group for all)."""
+    hpz = {"zero_hpz_partition_size": world}
     return {
         "messages": usage_errors(rank, world),
-        "twice": {stage: module_called_twice(rank, world, stage) for stage in (1, 2, 3)},
-        "checkpointing": {stage: activation_checkpointing(rank, world, stage) for stage in (1, 2, 3)},
+        "twice": {**{stage: module_called_twice(rank, world, stage) for stage in (1, 2, 3)},
+                  "3-hpz": module_called_twice(rank, world, 3, hpz)},
+        "checkpointing": {**{stage: activation_checkpointing(rank, world, stage) for stage in (1, 2, 3)},
+                          "3-hpz": activation_checkpointing(rank, world, 3, zero=hpz)},
     }
+
+
+# ---- ZeRO++ (issue 4, phase 2) ------------------------------------------------------------------------------
+
+
+TEXT = (
+    "ZeRO++ cuts the bytes that cross the slow links between nodes: the weights travel as int8 codes with one "
+    "scale per block, the backward gathers them inside the node from secondary shards, and the gradients are "
+    "averaged by two all-to-alls of int4 codes, first inside the node and then across the nodes. "
+)
+
+
+def text_batches(steps: int, batch: int, seed: int = 4321) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``steps`` global batches of random crops of a repeated English text (learnable: the loss falls fast, so a
+    comparison of losses says something, unlike on random bytes where every run sits at ln(256))."""
+    data = torch.tensor(list((TEXT * 4).encode("utf-8")), dtype=torch.long)
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        starts = torch.randint(0, data.numel() - SEQ - 1, (batch,), generator=g)
+        tokens = torch.stack([data[s : s + SEQ + 1] for s in starts.tolist()])
+        out.append((tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()))
+    return out
+
+
+def zeropp_runs(rank: int, world: int, runs: dict[str, dict], steps: int = 10) -> dict[str, dict]:
+    """Train each run (ZeRO++ flags on top of a stage, micro batch, accumulation, clipping) ``steps`` steps from the
+    same weights and data; the first run is the exact reference. Per run return the losses, the bytes of the last
+    step (``comm.stats()`` reset before its first forward, read after its ``step()``), the units' layout and, for the
+    others, the distance of the final parameters (exact fp32 master shards, gathered exactly) to the reference's."""
+    out: dict[str, dict] = {}
+    init = {n: p.detach().clone() for n, p in GPT(MODEL, seed=0).named_parameters()}
+    reference: dict[str, torch.Tensor] | None = None
+    for name, run in runs.items():
+        micro, accum = run.get("micro", 2), run.get("accum", 1)
+        zero = {"stage": run.get("stage", 3), **run.get("zero", {})}
+        config = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": accum,
+                  "gradient_clipping": run.get("clip", 0.0), "zero_optimization": zero,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}}}
+        model = GPT(MODEL, seed=0)
+        engine, _, _, _ = zeropp.initialize(model=model, config=config)
+        hpz = engine.comm.hpz
+        losses, traffic, secondaries = [], {}, []
+        for step, (inputs, targets) in enumerate(text_batches(steps, micro * accum * world)):
+            last = step == steps - 1
+            if last:
+                zeropp.comm.reset_stats()
+            step_loss = 0.0
+            for k in range(accum):
+                lo = (k * world + rank) * micro
+                _, loss = engine(inputs[lo : lo + micro], targets[lo : lo + micro])
+                if hpz > 1:  # the forward left a secondary shard of 1/hpz of the unit on every unit
+                    secondaries.append(all(u.secondary is not None and u.secondary.numel() * hpz == u.full.numel()
+                                           for u in engine.units))
+                engine.backward(loss)
+                engine.step()
+                step_loss += loss.item() / accum
+            if hpz > 1:  # dropped by the optimizer step
+                assert all(u.secondary is None for u in engine.units)
+            if last:
+                traffic = zeropp.comm.stats()
+            mean = torch.tensor([step_loss])
+            engine.comm.all_reduce_sum(mean)
+            losses.append(mean.item() / world)
+        assert not secondaries or all(secondaries)
+        # the exact fp32 values the optimizer holds (the compute weights are their dequantized copy under qwZ)
+        masters = {}
+        for unit in engine.units:
+            full = torch.empty(unit.full.numel())
+            zeropp.comm.all_gather(unit.master, topology=engine.topology, out=full)
+            for pname, off, shape in zip(unit.param_names, unit.offsets, unit.shapes):
+                masters[pname] = full[off : off + shape.numel()].view(shape).clone()
+            if unit.align > 1:  # padding stays zero in every buffer
+                keep = torch.zeros_like(full, dtype=torch.bool)
+                for off, shape in zip(unit.offsets, unit.shapes):
+                    keep[off : off + shape.numel()] = True
+                assert torch.all(full[~keep] == 0), (name, unit.name)
+        result = {
+            "losses": losses,
+            "traffic": traffic,
+            "units": [{"name": u.name, "numel": u.numel, "shard": u.shard_numel, "align": u.align,
+                       "offsets": list(u.offsets), "sizes": [s.numel() for s in u.shapes]} for u in engine.units],
+            "hpz": hpz,
+        }
+        if reference is None:
+            reference = masters
+        else:
+            got, want, start = (torch.cat([d[n].reshape(-1) for n in sorted(d)]) for d in (masters, reference, init))
+            # distance to the exact run, against how far the exact run moved the parameters
+            result["rel_to_update"] = ((got - want).norm() / (want - start).norm()).item()
+            result["rel_to_params"] = ((got - want).norm() / want.norm()).item()
+        out[name] = result
+    return out

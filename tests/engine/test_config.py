@@ -126,8 +126,6 @@ def err(config, world: int = 1) -> str:
         # bad values
         ({**BASE, "zero_optimization": {"stage": 4}}, 1, ["stage=4", "1, 2 or 3"]),
         ({**BASE, "zero_optimization": {"stage": "3"}}, 1, ["stage='3'", "integer"]),
-        ({**BASE, "zero_optimization": {"stage": 2, "zero_quantized_weights": True}}, 1,
-         ["zero_quantized_weights", "stage to 3"]),
         ({**BASE, "zero_optimization": {"stage": 1, "zero_hpz_partition_size": 2}}, 1,
          ["zero_hpz_partition_size", "stage to 3"]),
         ({**BASE, "zero_optimization": {"zero_hpz_partition_size": 0}}, 1, ["zero_hpz_partition_size=0", ">= 1"]),
@@ -177,3 +175,13 @@ def test_file_errors(tmp_path):
     bad.write_text("{not json")
     assert "not valid JSON" in err(bad)
     assert "world_size=0" in err(BASE, world=0)
+
+
+def test_quantized_collectives_at_every_stage_hpz_at_stage_3_only():
+    """qwZ and qgZ quantize stage 1/2's post-step gather and reduce-scatter too; hpZ needs stage 3's re-gather."""
+    for stage in (1, 2, 3):
+        z = cfg(zero_optimization={"stage": stage, "zero_quantized_weights": True,
+                                   "zero_quantized_gradients": True}).zero
+        assert (z.weight_bits, z.gradient_bits) == (8, 4)
+    with pytest.raises(ConfigError, match="zero_hpz_partition_size=2 applies to the stage-3"):
+        cfg(zero_optimization={"stage": 2, "zero_hpz_partition_size": 2})

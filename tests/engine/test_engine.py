@@ -44,7 +44,8 @@ def test_usage_errors_module_called_twice_and_checkpointing(tmp_path):
     result = launch("engine_workers:misc", 2, tmp_path, timeout=240)[0]
     m = result["messages"]
     assert "bf16.enabled" in m["bf16"] and "not implement yet" in m["bf16"]
-    assert "zero_quantized_weights" in m["qwz"]
+    assert "zero_hpz_partition_size=4" in m["hpz_divides"] and "ranks per node (2 here" in m["hpz_divides"]
+    assert "set stage to 3" in m["hpz_stage"]
     assert "'fp61'" in m["unknown"] and "fp16" in m["unknown"]
     assert "no optimizer block" in m["no_optimizer"]
     assert "torch.bfloat16" in m["bf16_model"] and "float32" in m["bf16_model"]
@@ -57,6 +58,7 @@ def test_usage_errors_module_called_twice_and_checkpointing(tmp_path):
     assert "does not require grad" in m["loss_without_grad"]
     assert "twice without step()" in m["backward_twice"]
     assert "forward() after backward() without step()" in m["forward_before_step"]
+    assert set(result["twice"]) == set(result["checkpointing"]) == {1, 2, 3, "3-hpz"}
     for stage, error in result["twice"].items():
         assert error < 1e-5, (stage, error)
     for stage, error in result["checkpointing"].items():

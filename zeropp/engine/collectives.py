@@ -24,6 +24,8 @@ class Collectives:
         weight_bits: ``None`` (exact) or 8/4 for the qwZ weight all-gather.
         gradient_bits: ``None`` (exact) or 8/4 for the qgZ gradient reduce-scatter.
         block_size: elements per quantization block.
+        hpz: hpZ partition size (1: off), a divisor of ``topology.ranks_per_node``; its group is created here.
+        error_feedback: whether units keep a qgZ ``ErrorFeedback`` (needs ``gradient_bits``).
     """
 
     def __init__(
@@ -33,11 +35,29 @@ class Collectives:
         weight_bits: int | None = None,
         gradient_bits: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
+        hpz: int = 1,
+        error_feedback: bool = False,
     ) -> None:
+        if error_feedback and gradient_bits is None:
+            raise ValueError("error_feedback needs quantized gradients (gradient_bits 8 or 4)")
         self.topology = topology
         self.weight_bits = weight_bits
         self.gradient_bits = gradient_bits
         self.block_size = block_size
+        self.hpz = hpz
+        self.error_feedback = error_feedback
+        self.partition_rank = 0
+        self.partition_group = None
+        if hpz > 1:
+            ranks = topology.partition_ranks(hpz)  # raises if hpz does not divide ranks_per_node
+            self.partition_rank = ranks.index(topology.global_rank)  # the group's order: ascending global rank
+            self.partition_group = topology.partition_group(hpz)
+
+    @property
+    def alignment(self) -> int:
+        """Elements each unit's parameter offsets and shard size are multiples of: the block size when anything
+        is quantized (blocks then never straddle two parameters), else 1 (see ``zeropp.engine.unit``)."""
+        return self.block_size if self.weight_bits is not None or self.gradient_bits is not None else 1
 
     @property
     def world_size(self) -> int:
@@ -52,11 +72,19 @@ class Collectives:
         """All-gather every rank's parameter ``shard`` into the flat ``out`` (``world_size * shard.numel()``)."""
         comm.all_gather(shard, bits=self.weight_bits, topology=self.topology, out=out, block_size=self.block_size)
 
-    def reduce_scatter_grads(self, full: torch.Tensor, out: torch.Tensor) -> None:
-        """Average the flat gradient ``full`` over the ranks; this rank's slice (``comm.shard_range``) into ``out``."""
+    def gather_secondary(self, secondary: torch.Tensor, out: torch.Tensor) -> None:
+        """hpZ: all-gather the partition's secondary shards into ``out`` (``hpz * secondary.numel()``), exact and
+        inside the node: the secondaries already hold the (dequantized) values of the data-parallel gather."""
+        comm.all_gather(secondary, bits=None, group=self.partition_group, topology=self.topology, out=out)
+
+    def reduce_scatter_grads(
+        self, full: torch.Tensor, out: torch.Tensor, error_feedback: comm.ErrorFeedback | None = None
+    ) -> None:
+        """Average the flat gradient ``full`` over the ranks; this rank's slice (``comm.shard_range``) into ``out``
+        (qgZ when ``gradient_bits`` is set, with ``error_feedback``'s residuals when given)."""
         comm.reduce_scatter(
             full, bits=self.gradient_bits, op=comm.ReduceOp.AVG, topology=self.topology, out=out,
-            block_size=self.block_size,
+            block_size=self.block_size, error_feedback=error_feedback,
         )
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:

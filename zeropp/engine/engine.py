@@ -28,7 +28,19 @@ Every stage: the optimizer steps the fp32 master shards (N / P elements each), t
 compute-dtype shards, and in stages 1 and 2 all-gathered into the whole parameters. Gradient clipping by global
 norm reads the norm from the gradient shards (one all-reduce of a scalar).
 
-Phase 1 limits: fp32 only and qwZ/qgZ/hpZ off (other settings are rejected at ``initialize``);
+ZeRO++ (``Collectives`` holds the settings, ``Unit`` the layout and the hpZ secondary shard):
+
+* ``zero_quantized_weights`` (qwZ): every weight all-gather over the data-parallel group — stage 3's forward
+  gather, its backward re-gather without hpZ, and the post-step gather of stages 1 and 2 — sends
+  ``weight_bits`` codes and per-block scales; every rank, its own shard included, computes with the dequantized
+  values, while the optimizer keeps the exact fp32 master shard;
+* ``zero_quantized_gradients`` (qgZ): every gradient reduce-scatter is the two-hop quantized one at
+  ``gradient_bits``, with one ``comm.ErrorFeedback`` per unit when ``zeropp.error_feedback``;
+* ``zero_hpz_partition_size`` (hpZ, stage 3): the forward gather leaves a secondary shard; the backward
+  re-gather (and any gather before the next step) is an exact all-gather of secondaries inside the node.
+
+With qwZ or qgZ on, units are laid out so that no quantization block straddles two parameters (``zeropp.engine.
+unit``). Limits: fp32 only (bf16/fp16 are rejected at ``initialize``);
 ``reduce_bucket_size``, ``stage3_prefetch_bucket_size`` and ``overlap_comm`` are validated but change nothing yet
 (one collective per unit, issued synchronously, no prefetch); ``save_checkpoint``/``load_checkpoint`` raise
 ``NotImplementedError``. Frozen parameters stay whole on every rank. In stage 3, outside the engine's forward and
@@ -84,9 +96,11 @@ class ZeroEngine:
         self.stage = zero.stage
         self.comm = Collectives(
             topology,
-            weight_bits=None,  # phase 1: exact collectives; zero.weight_bits / gradient_bits come next
-            gradient_bits=None,
+            weight_bits=zero.weight_bits,
+            gradient_bits=zero.gradient_bits,
             block_size=zero.zeropp.block_size,
+            hpz=zero.zero_hpz_partition_size if self.stage == 3 else 1,
+            error_feedback=zero.zeropp.error_feedback,
         )
         sharded = self.stage == 3
         plans = [plan for plan in plan_units(module, unit_policy) if plan.params]

@@ -66,7 +66,7 @@ def initialize(
         )
     topo = topology if topology is not None else comm.get_default_topology()
     cfg = load_config(config, world_size=topo.world_size)
-    _check_phase1(cfg)
+    _check_supported(cfg, topo)
     wrong = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad and p.dtype != torch.float32})
     if wrong:
         raise ConfigError(f"the model has trainable parameters of dtype {', '.join(wrong)}; this version of the "
@@ -78,20 +78,25 @@ def initialize(
     return engine, engine.optimizer, None, None
 
 
-def _check_phase1(cfg: Config) -> None:
-    """Reject, at initialize, the valid settings this engine does not implement yet."""
+def _check_supported(cfg: Config, topo: comm.Topology) -> None:
+    """Reject, at initialize, the valid settings this engine does not implement yet, and the ZeRO++ settings that
+    do not fit the topology."""
     z = cfg.zero_optimization
     missing = [
         ("bf16.enabled", cfg.bf16.enabled),
         ("fp16.enabled", cfg.fp16.enabled),
-        ("zero_optimization.zero_quantized_weights", z.zero_quantized_weights),
-        ("zero_optimization.zero_quantized_gradients", z.zero_quantized_gradients),
-        ("zero_optimization.zero_hpz_partition_size > 1", z.hpz),
     ]
     for name, on in missing:
         if on:
             raise ConfigError(f"{name} is a valid setting that this version of the engine does not implement yet "
-                              "(fp32 training with exact collectives only)")
+                              "(fp32 training only; bf16/fp16 mixed precision comes later)")
+    hpz, d = z.zero_hpz_partition_size, topo.ranks_per_node
+    if hpz > 1 and d % hpz:
+        divisors = [s for s in range(1, d + 1) if d % s == 0]
+        raise ConfigError(
+            f"zero_optimization.zero_hpz_partition_size={hpz} must divide the ranks per node ({d} here: "
+            f"{topo.num_nodes} node(s) of {d} ranks, set by ${comm.ENV_RANKS_PER_NODE} or the hosts); use one of "
+            f"{divisors}")
     if cfg.optimizer is None:
         raise ConfigError("the config has no optimizer block; add e.g. "
                           '{"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}')
