@@ -1,0 +1,128 @@
+"""ZeRO++ in the engine (issue 4, phase 2): qwZ, hpZ and qgZ, alone and together, on 4 real gloo ranks as 2 emulated
+nodes of 2 (``ZEROPP_RANKS_PER_NODE=2``), against the exact ZeRO-3 run of the same job (one launched job, see
+``engine_workers.zeropp_runs``).
+
+Accuracy. Each run trains the tiny GPT (no biases) 10 AdamW steps (lr 3e-3) on crops of an English text, where the
+loss falls from 5.57 to about 3.55, so a loss comparison means something. The yardstick for the parameters is the
+exact run's own displacement ``||theta_exact - theta_0||``: a quantized run is compared by
+``||theta - theta_exact|| / ||theta_exact - theta_0||`` (fp32 master weights). Measured (torch 2.13 CPU): qwZ int8
+0.050, hpZ 0 (bit-identical: secondaries are exact copies of the gathered values), qgZ int4 0.264, with error
+feedback 0.206, all three 0.275, all three with error feedback and 2 accumulation steps 0.155, stage 2 with qwZ and
+qgZ 0.264. int4 gradients carry ~12% relative error per block, and Adam turns the error of small gradient elements
+into O(lr) steps, hence the larger qgZ figure; an unrelated update would give ~1.4. Bounds: 0.1 for qwZ alone, 0.35
+with qgZ, 0 for hpZ alone; losses within 1% of the exact run's at every step, and the final loss drop at least 97%
+of the exact run's (measured: worst 98.9%).
+
+Bytes. Per step (forward, backward, step; ``comm.stats()`` of the last step) the cross-node bytes are compared
+with the formulas of ``zeropp.comm.accounting`` evaluated by hand from each unit's shard size ``S`` (elements, a
+multiple of the block size when anything is quantized): an exact gather or reduce-scatter of fp32 sends
+``(P - d) * 4 S`` bytes across nodes; a qwZ gather ``(P - d) * (S * bits / 8 + 4 S / block)``; qgZ's second hop
+``(n - 1) * (S * bits / 8 + 4 S / block)``; an hpZ backward gather ``0`` (and ``(h - 1) * 4 P S / h`` inside the
+node). Stage 3 gathers the root unit once per micro-batch (it stays whole through backward), the others twice.
+"""
+
+from __future__ import annotations
+
+from engine_launch import launch
+
+P, D, N, BLOCK = 4, 2, 2, 128
+QW = {"zero_quantized_weights": True}
+QG = {"zero_quantized_gradients": True}
+HPZ = {"zero_hpz_partition_size": 2}
+EF = {"zeropp": {"error_feedback": True}}
+RUNS = {
+    "exact": {},
+    "qwz": {"zero": QW},
+    "hpz": {"zero": HPZ},
+    "qgz": {"zero": QG},
+    "qgz-ef": {"zero": {**QG, **EF}},
+    "all": {"zero": {**QW, **HPZ, **QG}},
+    "all-ef-accum2": {"micro": 1, "accum": 2, "zero": {**QW, **HPZ, **QG, **EF}},
+    "stage2-qwz-qgz": {"stage": 2, "zero": {**QW, **QG}},
+}
+
+
+def packed(s: int, bits: int) -> int:
+    """Bytes of one pack of ``s`` elements (a multiple of the block): codes then one fp32 scale per block."""
+    assert s % BLOCK == 0
+    return s * bits // 8 + 4 * (s // BLOCK)
+
+
+def expected_inter(run: dict, units: list[dict]) -> dict[str, int]:
+    """Cross-node bytes this rank sends in one optimizer step of ``run``, by collective kind."""
+    zero, stage, accum = run.get("zero", {}), run.get("stage", 3), run.get("accum", 1)
+    hpz = zero.get("zero_hpz_partition_size", 1) > 1
+    qw = 8 if zero.get("zero_quantized_weights") else None
+    qg = 4 if zero.get("zero_quantized_gradients") else None
+
+    def gather(s: int) -> int:  # one all-gather over the DP group
+        return (P - D) * (packed(s, qw) if qw else 4 * s)
+
+    ag = rs = 0
+    for u in units:
+        s = u["shard"]
+        if stage == 3:
+            # first micro-batch: forward gather, then (non-root) the backward re-gather, from secondaries with hpZ;
+            # later micro-batches gather from secondaries with hpZ, else over the DP group again
+            per_micro = 1 + (u["name"] != "")
+            ag += gather(s) * (1 if hpz else per_micro * accum)
+        else:
+            ag += gather(s)  # the post-step gather
+        rs += accum * ((N - 1) * packed(s, qg) if qg else (P - D) * 4 * s)
+    return {"all_gather": ag, "reduce_scatter": rs}
+
+
+def test_zeropp_flags_accuracy_and_cross_node_bytes(tmp_path):
+    results = launch("engine_workers:zeropp_runs", P, tmp_path, env={"ZEROPP_RANKS_PER_NODE": str(D)},
+                     timeout=300, runs=RUNS)
+    for r in results[1:]:  # the losses are all-reduced, the layouts and the symmetric byte counts are the same
+        assert r == results[0] or all(r[k]["losses"] == results[0][k]["losses"] for k in RUNS)
+    res = results[0]
+    exact = res["exact"]["losses"]
+    drop = exact[0] - exact[-1]
+    assert drop > 1.5, exact  # the job learns
+    inter = {}
+    for name, run in RUNS.items():
+        r = res[name]
+        quantized = bool({"zero_quantized_weights", "zero_quantized_gradients"} & set(run.get("zero", {})))
+        assert all(u["align"] == (BLOCK if quantized else 1) for u in r["units"]), name
+        # accuracy against the exact run
+        if name != "exact":
+            for got, want in zip(r["losses"], exact):
+                assert abs(got - want) <= 0.01 * want, (name, r["losses"], exact)
+            assert r["losses"][0] - r["losses"][-1] >= 0.97 * drop, (name, r["losses"], exact)
+            bound = 0.0 if name == "hpz" else 0.1 if name == "qwz" else 0.35
+            assert r["rel_to_update"] <= bound, (name, r["rel_to_update"])
+        # bytes against the formulas
+        t = r["traffic"]
+        want = expected_inter(run, r["units"])
+        got = {kind: t[kind]["sent_inter"] for kind in want}
+        assert got == want, (name, got, want)
+        assert all(t[k]["sent_inter"] == t[k]["recv_inter"] for k in want), name
+        inter[name] = got
+    assert res["hpz"]["losses"] == exact and res["hpz"]["rel_to_update"] == 0.0  # hpZ is exact
+    assert res["qgz-ef"]["rel_to_update"] < res["qgz"]["rel_to_update"]  # error feedback helps
+
+    total = {name: sum(v.values()) for name, v in inter.items()}
+    e = inter["exact"]
+    # full ZeRO++ moves at most 0.27x (measured 0.116x: fp32 here, not bf16) of exact ZeRO-3's cross-node bytes
+    assert total["all"] <= 0.27 * total["exact"], total
+    # each flag moves its own collective only, by its ratio (padding to the block grid costs ~1% of S);
+    # qwZ int8 vs an exact fp32 gather: S + 4 S / block against 4 S bytes
+    assert inter["qwz"]["reduce_scatter"] <= 1.02 * e["reduce_scatter"]
+    assert 0.99 * (1 + 4 / BLOCK) / 4 <= inter["qwz"]["all_gather"] / e["all_gather"] <= 1.02 * (1 + 4 / BLOCK) / 4
+    assert inter["hpz"]["reduce_scatter"] == e["reduce_scatter"]
+    # hpZ: only the forward gathers cross nodes (root 1 of 1 gathers, others 1 of 2)
+    fwd = sum((P - D) * 4 * u["shard"] for u in res["exact"]["units"])
+    assert inter["hpz"]["all_gather"] == fwd and 0.5 < fwd / e["all_gather"] < 0.6
+    assert inter["qgz"]["all_gather"] <= 1.02 * e["all_gather"]
+    # qgZ int4 vs an exact fp32 reduce-scatter: (n - 1) (S / 2 + S / 32) against (P - d) 4 S bytes = 1 / 15.06
+    ratio = inter["qgz"]["reduce_scatter"] / e["reduce_scatter"]
+    assert 0.99 * (0.5 + 4 / BLOCK) / 8 <= ratio <= 1.02 * (0.5 + 4 / BLOCK) / 8, ratio
+    # with hpZ and accumulation only the first forward of a step crosses nodes
+    assert inter["all-ef-accum2"]["all_gather"] == inter["all"]["all_gather"]
+    # hpZ's backward gathers stay inside the node: exact fp32, (h - 1) * 4 P S / h bytes each
+    t = res["hpz"]["traffic"]["all_gather"]
+    units = res["hpz"]["units"]
+    assert t["sent_intra"] == sum((D - 1) * 4 * u["shard"] for u in units) + sum(
+        4 * P * u["shard"] // 2 for u in units if u["name"])
