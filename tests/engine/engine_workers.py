@@ -323,7 +323,11 @@ def zeropp_runs(rank: int, world: int, runs: dict[str, dict], steps: int = 10) -
                   "gradient_clipping": run.get("clip", 0.0), "zero_optimization": zero,
                   "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}}}
         model = GPT(MODEL, seed=0)
-        engine, _, _, _ = zeropp.initialize(model=model, config=config)
+        topology = None
+        if run.get("interleaved"):  # nodes {0, 2} and {1, 3}: not node-contiguous, made-up host names
+            topology = zeropp.comm.Topology(host=f"host{rank % 2}")
+            assert not topology.is_node_contiguous
+        engine, _, _, _ = zeropp.initialize(model=model, config=config, topology=topology)
         hpz = engine.comm.hpz
         losses, traffic, secondaries = [], {}, []
         for step, (inputs, targets) in enumerate(text_batches(steps, micro * accum * world)):

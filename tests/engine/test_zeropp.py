@@ -4,15 +4,15 @@ nodes of 2 (``ZEROPP_RANKS_PER_NODE=2``), against the exact ZeRO-3 run of the sa
 
 Accuracy. Each run trains the tiny GPT (no biases) 10 AdamW steps (lr 3e-3) on crops of an English text, where the
 loss falls from 5.57 to about 3.55, so a loss comparison means something. The yardstick for the parameters is the
-exact run's own displacement ``||theta_exact - theta_0||``: a quantized run is compared by
-``||theta - theta_exact|| / ||theta_exact - theta_0||`` (fp32 master weights). Measured (torch 2.13 CPU): qwZ int8
-0.050, hpZ 0 (bit-identical: secondaries are exact copies of the gathered values), qgZ int4 0.264, with error
-feedback 0.206, all three 0.275, all three with error feedback and 2 accumulation steps 0.155, stage 2 with qwZ and
-qgZ 0.264, int4 weights with int8 gradients (and hpZ) 0.381. int4 codes carry ~12% relative error per block, and
-Adam turns the error of small gradient elements into O(lr) steps, hence the larger qgZ figure; int4 weights
-perturb every forward and backward too. An unrelated update would give ~1.4. Bounds: 0.1 for qwZ alone, 0.35 with
-int4 qgZ, 0.5 with int4 qwZ, 0 for hpZ alone; losses within 1% of the exact run's at every step, and the final loss drop at least 97%
-of the exact run's (measured: worst 98.7%, all three flags).
+exact run's own displacement ``||theta_exact - theta_0||``: a quantized run is compared by ``||theta - theta_exact||
+/ ||theta_exact - theta_0||`` (fp32 master weights). Measured (torch 2.13 CPU): qwZ int8 0.050, hpZ 0
+(bit-identical: secondaries are exact copies of the gathered values), qgZ int4 0.264, with error feedback 0.206, all
+three 0.275, all three with error feedback and 2 accumulation steps 0.155, stage 2 with qwZ and qgZ 0.264, all three
+on interleaved nodes ({0, 2}, {1, 3}) 0.261, int4 weights with int8 gradients (and hpZ) 0.381. int4 codes carry ~12%
+relative error per block, and Adam turns the error of small gradient elements into O(lr) steps, hence the larger qgZ
+figure; int4 weights perturb every forward and backward too. An unrelated update would give ~1.4. Bounds: 0.1 for
+qwZ alone, 0.35 with int4 qgZ, 0.5 with int4 qwZ, 0 for hpZ alone; losses within 1% of the exact run's at every
+step, and the final loss drop at least 97% of the exact run's (measured: worst 98.7%, all three flags).
 
 Bytes. Per step (forward, backward, step; ``comm.stats()`` of the last step) the cross-node bytes are compared
 with the formulas of ``zeropp.comm.accounting`` evaluated by hand from each unit's shard size ``S`` (elements, a
@@ -40,6 +40,7 @@ RUNS = {
     "all": {"zero": {**QW, **HPZ, **QG}},
     "all-ef-accum2": {"micro": 1, "accum": 2, "zero": {**QW, **HPZ, **QG, **EF}},
     "stage2-qwz-qgz": {"stage": 2, "zero": {**QW, **QG}},
+    "all-interleaved": {"interleaved": True, "zero": {**QW, **HPZ, **QG}},  # nodes {0, 2} and {1, 3}
     "all-w4-g8": {"zero": {**QW, **HPZ, **QG, "zeropp": {"weight_bits": 4, "gradient_bits": 8}}},
 }
 

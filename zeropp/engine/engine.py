@@ -237,7 +237,8 @@ class ZeroEngine:
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter of the model, whole, as new tensors, by name (tied ones once). A collective: every rank
-        calls it. In stage 3 each unit is gathered and freed in turn."""
+        calls it. In stage 3 each unit is gathered and freed in turn. These are the weights the model computes
+        with: under qwZ, the dequantized copy of the fp32 master shards the optimizer keeps."""
         out: dict[str, torch.Tensor] = {}
         by_id: dict[int, torch.Tensor] = {}
         for unit in self.units:
