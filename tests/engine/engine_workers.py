@@ -154,7 +154,14 @@ def usage_errors(rank: int, world: int) -> dict[str, str]:
             raise AssertionError(f"{key}: no {kind.__name__}")
 
     # at initialize
-    expect(ConfigError, "bf16", lambda: zeropp.initialize(model=GPT(MODEL), config={**good, "bf16": {"enabled": True}}))
+    bf16, fp16 = {"bf16": {"enabled": True}}, {"fp16": {"enabled": True}}
+    expect(ConfigError, "bf16_and_fp16", lambda: zeropp.initialize(model=GPT(MODEL), config={**good, **bf16, **fp16}))
+    expect(ConfigError, "fp16_model_bf16_config", lambda: zeropp.initialize(model=GPT(MODEL).half(),
+                                                                           config={**good, **bf16}))
+    expect(ConfigError, "bf16_model_fp16_config", lambda: zeropp.initialize(model=GPT(MODEL).bfloat16(),
+                                                                           config={**good, **fp16}))
+    expect(ConfigError, "fp64_model_bf16_config", lambda: zeropp.initialize(model=GPT(MODEL).double(),
+                                                                           config={**good, **bf16}))
     expect(ConfigError, "hpz_divides", lambda: zeropp.initialize(
         model=GPT(MODEL), config={**good, "zero_optimization": {"stage": 3, "zero_hpz_partition_size": 2 * world}}))
     expect(ConfigError, "hpz_stage", lambda: zeropp.initialize(

@@ -6,6 +6,7 @@ One file per responsibility:
 * ``unit.py``: ``Unit``, a unit's flat sharded parameters with its fp32 master and gradient shards;
 * ``collectives.py``: ``Collectives``, the only place the engine communicates (through ``zeropp.comm``);
 * ``hooks.py``: the stage-3 gather/free state machine and the "unit's gradients are complete" trigger;
+* ``loss_scaler.py``: ``LossScaler``, fp16 dynamic loss scaling (DeepSpeed's rules);
 * ``optimizer.py``: ``PartitionedOptimizer``, AdamW/Adam/SGD on the shards, torch.optim's arithmetic;
 * ``engine.py``: ``ZeroEngine``, the forward/backward/step protocol;
 * ``initialize.py``: ``initialize``, the entry point (also ``zeropp.initialize``).
@@ -13,12 +14,14 @@ One file per responsibility:
 
 from .engine import EngineUsageError, ZeroEngine
 from .initialize import initialize
+from .loss_scaler import LossScaler
 from .optimizer import PartitionedOptimizer
 from .policy import UnitPlan, UnitPolicy, default_unit_modules, plan_units, units_of_type
 from .unit import Unit
 
 __all__ = [
     "EngineUsageError",
+    "LossScaler",
     "PartitionedOptimizer",
     "Unit",
     "UnitPlan",

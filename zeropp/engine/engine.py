@@ -40,9 +40,43 @@ ZeRO++ (``Collectives`` holds the settings, ``Unit`` the layout and the hpZ seco
   re-gather (and any gather before the next step) is an exact all-gather of secondaries inside the node.
 
 With qwZ or qgZ on, units are laid out so that no quantization block straddles two parameters (``zeropp.engine.
-unit``). Limits: fp32 only (bf16/fp16 are rejected at ``initialize``);
-``reduce_bucket_size``, ``stage3_prefetch_bucket_size`` and ``overlap_comm`` are validated but change nothing yet
-(one collective per unit, issued synchronously, no prefetch); ``save_checkpoint``/``load_checkpoint`` raise
+unit``).
+
+Mixed precision (``bf16.enabled`` or ``fp16.enabled``; DeepSpeed's semantics). ``initialize`` casts the model to
+the compute dtype (``model.to``: every floating parameter and buffer; a model already in that dtype is taken as is;
+a trainable parameter of any other dtype is a ``ConfigError``). Buffers, per unit of ``N`` elements on ``P`` ranks:
+
+==================  ==========  =========================================================================
+buffer              dtype       notes
+==================  ==========  =========================================================================
+``full``, params    compute     whole in stages 1/2; in stage 3 only while gathered (and hpZ secondary)
+``shard``           compute     ``N / P``; what the weight all-gather (qwZ: quantizes) sends
+``.grad``           compute     autograd's; stage 1 accumulates micro-batches in it (as DeepSpeed)
+reduce buffer       fp32        transient, ``N``: the ``.grad`` upcast, then reduce-scattered in fp32
+``grad_shard``      fp32        ``N / P``; accumulates micro-batches
+``master``          fp32        ``N / P``; the optimizer's weights, copied down to ``shard`` after a step
+optimizer state     fp32        ``N / P`` each (Adam: 2, SGD momentum: 1)
+==================  ==========  =========================================================================
+
+The exact gradient reduce-scatter runs in fp32 (not in the compute dtype): the ``P``-term average then rounds
+once, in fp32, at twice the bytes of a bf16 reduce-scatter; qgZ always quantizes from and sums in fp32, so it
+sends the same bytes in every precision. Per rank at stage 3 with AdamW this is ``(2 + 4 + 12) * Psi / P`` bytes
+(compute shard, fp32 gradient shard, master and two moments) against DeepSpeed's ``(2 + 2 + 12)``: the gradient
+shard is kept in fp32 (no rounding of the accumulated gradient); plus the transient reduce buffer of one unit.
+
+fp16 loss scaling (``zeropp.engine.loss_scaler``, DeepSpeed's rules): ``backward`` differentiates
+``loss.float() / gradient_accumulation_steps * scale``. At the boundary ``step`` divides every ``grad_shard`` by
+the scale and checks it for Inf/NaN (``_unscale_and_check_overflow``: this rank's reduced fp32 shards; under qgZ
+an Inf/NaN block dequantizes to NaN there), then all-reduces one fp32 flag over the data-parallel group. On an
+overflow the step is skipped on every rank — no change to masters, shards, parameters, optimizer state or its
+step count; ``global_steps`` still advances and ``skipped_steps`` counts it — the gradient shards are zeroed and
+the scaler lowers the scale; after ``loss_scale_window`` clean steps it doubles. With qgZ error feedback, the
+residuals are in scaled units and are multiplied by the ratio whenever the scale changes; on an overflowing step
+they keep what the reduction left (non-finite residuals are zeroed by ``comm.ErrorFeedback``). bf16 has no loss
+scale and no overflow check (as DeepSpeed).
+
+Limits: ``reduce_bucket_size``, ``stage3_prefetch_bucket_size`` and ``overlap_comm`` are validated but change
+nothing yet (one collective per unit, issued synchronously, no prefetch); ``save_checkpoint``/``load_checkpoint`` raise
 ``NotImplementedError``. Frozen parameters stay whole on every rank. In stage 3, outside the engine's forward and
 backward the module's trainable parameters are empty tensors: read the weights with ``engine.full_parameters()``.
 """
@@ -60,6 +94,7 @@ from .. import comm
 from ..config import Config
 from .collectives import Collectives
 from .hooks import GradientReadiness, install_stage3_hooks
+from .loss_scaler import LossScaler
 from .optimizer import PartitionedOptimizer
 from .policy import UnitPolicy, plan_units
 from .unit import Unit
@@ -77,7 +112,9 @@ class ZeroEngine:
         config: the validated ``Config``.
         optimizer: the ``PartitionedOptimizer``.
         units: the ``Unit`` list, the root unit first.
-        micro_steps: micro-batches stepped so far; ``global_steps``: optimizer steps so far.
+        micro_steps: micro-batches stepped so far; ``global_steps``: accumulation boundaries so far (optimizer
+            steps taken or, fp16, skipped); ``skipped_steps``: those skipped for an fp16 overflow; ``overflow``:
+            whether the last boundary overflowed; ``loss_scale``: the fp16 loss scale (1.0 otherwise).
     """
 
     def __init__(
@@ -115,8 +152,12 @@ class ZeroEngine:
         self._readiness = GradientReadiness(self.units, self._on_unit_ready) if self.stage >= 2 else None
 
         self.gradient_accumulation_steps = config.gradient_accumulation_steps
+        self.compute_dtype = compute_dtype(config)
+        self.loss_scaler = LossScaler(config.fp16) if config.fp16.enabled else None
         self.micro_steps = 0
         self.global_steps = 0
+        self.skipped_steps = 0  # fp16: boundaries whose step was skipped for an overflow (counted in global_steps)
+        self.overflow = False  # fp16: whether the last boundary overflowed
         self._global_grad_norm: float | None = None
         self._forward_pending = False  # a forward with grad ran and awaits its backward
         self._backward_pending = False  # a backward ran and awaits its step()
@@ -139,8 +180,9 @@ class ZeroEngine:
         return out
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
-        """Backward of ``loss / gradient_accumulation_steps``; gradients end up in the units' fp32 shards (in
-        stage 1 at the last micro-batch of the accumulation window). Returns ``loss``, as DeepSpeed does."""
+        """Backward of ``loss / gradient_accumulation_steps`` (in fp32; times the loss scale under fp16); gradients
+        end up in the units' fp32 shards (in stage 1 at the last micro-batch of the accumulation window). Returns
+        ``loss``, as DeepSpeed does."""
         if self._backward_pending:
             raise EngineUsageError(
                 "backward() called twice without step(): call engine.step() after every engine.backward()"
@@ -160,7 +202,10 @@ class ZeroEngine:
         self._forward_pending = False
         if self._readiness is not None:
             self._readiness.reset()
-        (loss / self.gradient_accumulation_steps).backward()
+        scaled = loss.float() / self.gradient_accumulation_steps
+        if self.loss_scaler is not None:
+            scaled = scaled * self.loss_scaler.scale
+        scaled.backward()
         self._finish_backward()
         self._backward_pending = True
         return loss
@@ -177,10 +222,28 @@ class ZeroEngine:
         self.micro_steps += 1
         if not boundary:
             return
-        self._clip_gradients()
-        self.optimizer.step()
+        self.overflow = False
+        if self.loss_scaler is not None:
+            self.overflow = self._unscale_and_check_overflow()
+            old = self.loss_scaler.scale
+            self.loss_scaler.update(self.overflow)
+            if self.loss_scaler.scale != old:  # qgZ residuals are in scaled units: keep them in step with the scale
+                for unit in self.units:
+                    ef = unit.error_feedback
+                    for res in (ef.residual, ef.partial_residual) if ef is not None else ():
+                        if res is not None:
+                            res.mul_(self.loss_scaler.scale / old)
+        if self.overflow:
+            # skipped: no master, optimizer-state or parameter change (the compute shards, whole parameters and
+            # hpZ secondaries still hold the current weights)
+            self.skipped_steps += 1
+            self._global_grad_norm = None
+        else:
+            self._clip_gradients()
+            self.optimizer.step()
+            for unit in self.units:
+                unit.publish()
         for unit in self.units:
-            unit.publish()
             unit.grad_shard.zero_()
         self.global_steps += 1
 
@@ -194,6 +257,11 @@ class ZeroEngine:
 
     def eval(self) -> ZeroEngine:
         return self.train(False)
+
+    @property
+    def loss_scale(self) -> float:
+        """fp16: the current loss scale; 1.0 otherwise."""
+        return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
 
     def get_global_grad_norm(self) -> float | None:
         """The global gradient norm of the last optimizer step (before clipping), when clipping is on."""
@@ -216,6 +284,20 @@ class ZeroEngine:
             elif self._readiness is not None and not self._readiness.is_done(unit):
                 unit.reduce_gradients()
             unit.free()
+
+    def _unscale_and_check_overflow(self) -> bool:
+        """fp16, at the boundary: divide the gradient shards by the loss scale and say whether any rank's shard
+        holds an Inf or NaN. Read: every element of this rank's fp32 ``grad_shard`` of every unit, after the
+        reduce-scatter (exact: an Inf/NaN anywhere in a unit's gradient on any rank lands in the owning rank's shard;
+        qgZ: a block holding one gets a non-finite scale and dequantizes to NaN in the owning rank's shard). Then one
+        all-reduce (sum) of a one-element fp32 flag over the data-parallel group, so every rank decides alike."""
+        inv = 1.0 / self.loss_scaler.scale
+        bad = False
+        for unit in self.units:
+            unit.grad_shard.mul_(inv)
+            bad = bad or not bool(torch.isfinite(unit.grad_shard).all())
+        flag = torch.tensor([1.0 if bad else 0.0], device=self.units[0].grad_shard.device)
+        return bool(self.comm.all_reduce_sum(flag).item() > 0)
 
     def _clip_gradients(self) -> None:
         clip = self.config.gradient_clipping
@@ -261,6 +343,16 @@ class ZeroEngine:
     def __repr__(self) -> str:
         return (f"ZeroEngine(stage={self.stage}, units={len(self.units)}, world_size={self.comm.world_size}, "
                 f"optimizer={self.optimizer.type})")
+
+
+def compute_dtype(config: Config) -> torch.dtype:
+    """The dtype the model's parameters are held and computed in: bfloat16 (``bf16.enabled``), float16
+    (``fp16.enabled``) or float32."""
+    if config.bf16.enabled:
+        return torch.bfloat16
+    if config.fp16.enabled:
+        return torch.float16
+    return torch.float32
 
 
 def _describe(x: Any) -> str:

@@ -12,7 +12,7 @@ from torch import nn
 
 from .. import comm
 from ..config import Config, ConfigError, load_config
-from .engine import ZeroEngine
+from .engine import ZeroEngine, compute_dtype
 from .policy import UnitPolicy
 
 
@@ -33,7 +33,9 @@ def initialize(
     first rank's initial weights are broadcast to the others.
 
     Args:
-        model: the model, on its device, every trainable parameter of one floating dtype.
+        model: the model, on its device, every trainable parameter float32 or the config's compute dtype
+            (bfloat16 with ``bf16.enabled``, float16 with ``fp16.enabled``); with bf16/fp16 it is cast in place to
+            the compute dtype (``model.to``), as DeepSpeed does.
         model_parameters: the parameters to optimize (default: every parameter that requires grad), or parameter
             groups (dicts with ``params`` and per-group hyperparameters). Freeze the others with
             ``requires_grad_(False)``.
@@ -67,11 +69,17 @@ def initialize(
     topo = topology if topology is not None else comm.get_default_topology()
     cfg = load_config(config, world_size=topo.world_size)
     _check_supported(cfg, topo)
-    wrong = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad and p.dtype != torch.float32})
+    dtype = compute_dtype(cfg)
+    allowed = {torch.float32, dtype}
+    wrong = sorted({str(p.dtype) for p in model.parameters() if p.requires_grad and p.dtype not in allowed})
     if wrong:
-        raise ConfigError(f"the model has trainable parameters of dtype {', '.join(wrong)}; this version of the "
-                          "engine trains float32 parameters only (keep the model in float32; bf16/fp16 mixed "
-                          "precision is not implemented yet)")
+        mode = {torch.bfloat16: "bf16.enabled", torch.float16: "fp16.enabled"}.get(dtype)
+        what = f"the config computes in {dtype} ({mode})" if mode else "the config computes in torch.float32 " \
+            "(neither bf16.enabled nor fp16.enabled)"
+        raise ConfigError(f"the model has trainable parameters of dtype {', '.join(wrong)} but {what}; pass a "
+                          f"float32 model (the engine casts it) or one in {dtype}, or change the config")
+    if dtype != torch.float32:
+        model.to(dtype)  # as DeepSpeed: every floating parameter and buffer, frozen ones included
     if model_parameters is None:
         model_parameters = [p for p in model.parameters() if p.requires_grad]
     engine = ZeroEngine(model, cfg, model_parameters, topology=topo, unit_policy=unit_policy)
@@ -82,14 +90,6 @@ def _check_supported(cfg: Config, topo: comm.Topology) -> None:
     """Reject, at initialize, the valid settings this engine does not implement yet, and the ZeRO++ settings that
     do not fit the topology."""
     z = cfg.zero_optimization
-    missing = [
-        ("bf16.enabled", cfg.bf16.enabled),
-        ("fp16.enabled", cfg.fp16.enabled),
-    ]
-    for name, on in missing:
-        if on:
-            raise ConfigError(f"{name} is a valid setting that this version of the engine does not implement yet "
-                              "(fp32 training only; bf16/fp16 mixed precision comes later)")
     hpz, d = z.zero_hpz_partition_size, topo.ranks_per_node
     if hpz > 1 and d % hpz:
         divisors = [s for s in range(1, d + 1) if d % s == 0]

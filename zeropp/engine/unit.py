@@ -38,8 +38,9 @@ identity matters: tied weights, user references) and point into it: ``param.data
   of a weight (``weight.t()`` inside ``F.linear``), and those views see the re-gathered values in backward.
 
 Gradients arrive in the parameters' ``.grad`` (autograd's normal accumulation); ``reduce_gradients()`` packs them
-into one flat buffer (zeros where a parameter got no gradient), reduce-scatters it (qgZ when on, with this unit's
-``ErrorFeedback`` when configured) and adds this rank's slice to ``grad_shard``, then drops the ``.grad`` tensors.
+into one flat fp32 buffer (zeros where a parameter got no gradient; bf16/fp16 gradients upcast), reduce-scatters it
+(qgZ when on, with this unit's ``ErrorFeedback`` when configured) and adds this rank's slice to ``grad_shard``, then
+drops the ``.grad`` tensors.
 """
 
 from __future__ import annotations
