@@ -152,51 +152,72 @@ def _same(a: dict, b: dict) -> bool:
 
 def fp16_runs(rank: int, world: int, runs: dict[str, dict], steps: int = 10) -> dict:
     """fp16 with dynamic loss scaling; at the steps listed in ``run["inject"]`` one rank (``run["rank"]``) spoils
-    its gradient: ``"inf"`` puts an Inf into one element of one weight's gradient (a tensor hook), ``"huge"`` passes
-    ``loss * 1e38`` to backward (the scaled loss overflows fp32, every gradient of that rank is Inf/NaN). Checks, on
-    every rank: the injected steps and only they are skipped with the state unchanged bit for bit, the others change
-    it. Returns per run the losses, the loss scale after each step and the counters."""
+    its gradient in the step's first micro-batch: ``"inf"`` puts an Inf into one element of one weight's gradient
+    (a tensor hook), ``"huge"`` passes ``loss * 1e38`` to backward (the scaled loss overflows fp32, every gradient of
+    that rank is Inf/NaN). Checks, on every rank: the injected steps and only they are skipped with the state
+    unchanged bit for bit, the others change it. Returns per run the losses, the loss scale after each step, the
+    counters, the non-finite gradient elements seen and, with clipping, the gradient norm of the first step next to
+    the fp32 engine's."""
     out = {}
     for name, run in runs.items():
+        micro, accum = run.get("micro", 2), run.get("accum", 1)
         fp16 = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": run.get("window", 4),
                 "hysteresis": run.get("hysteresis", 2)}
+        extra = {"gradient_accumulation_steps": accum, "train_micro_batch_size_per_gpu": micro,
+                 "gradient_clipping": run.get("clip", 0.0)}
         engine, opt, _, _ = zeropp.initialize(model=GPT(MODEL, seed=0),
-                                              config=_config(run["stage"], run.get("zero"), fp16=fp16))
+                                              config=_config(run["stage"], run.get("zero"), fp16=fp16, **extra))
         assert all(u.shard.dtype == torch.float16 and u.master.dtype == torch.float32 for u in engine.units)
         weight = dict(engine.module.named_parameters())["blocks.0.mlp.c_fc.weight"]
-        losses, scales, skipped, nonfinite = [], [], [], []
-        for step, (inputs, targets) in enumerate(text_batches(steps, 2 * world)):
-            _, loss = engine(inputs[2 * rank : 2 * rank + 2], targets[2 * rank : 2 * rank + 2])
-            losses.append(_mean_over_ranks(engine, loss.item()))
-            spoil = step in run.get("inject", ()) and rank == run.get("rank", 1)
-            handle = None
-            if spoil and run.get("how", "inf") == "inf":
-                def hook(g):
-                    g = g.clone()
-                    g.view(-1)[3] = float("inf")
-                    return g
-                handle = weight.register_hook(hook)
-            engine.backward(loss * 1e38 if spoil and run.get("how") == "huge" else loss)
-            if handle is not None:
-                handle.remove()
+        losses, scales, skipped, nonfinite, norms = [], [], [], [], []
+        for step, (inputs, targets) in enumerate(text_batches(steps, micro * accum * world)):
+            step_loss = 0.0
+            for k in range(accum):
+                lo = (k * world + rank) * micro
+                _, loss = engine(inputs[lo : lo + micro], targets[lo : lo + micro])
+                step_loss += loss.item() / accum
+                spoil = step in run.get("inject", ()) and rank == run.get("rank", 1) and k == 0
+                handle = None
+                if spoil and run.get("how", "inf") == "inf":
+                    def hook(g):
+                        g = g.clone()
+                        g.view(-1)[3] = float("inf")
+                        return g
+                    handle = weight.register_hook(hook)
+                engine.backward(loss * 1e38 if spoil and run.get("how") == "huge" else loss)
+                if handle is not None:
+                    handle.remove()
+                if k < accum - 1:
+                    engine.step()
+            losses.append(_mean_over_ranks(engine, step_loss))
             # what the overflow check reads: the reduced fp32 gradient shards (per rank, before step() unscales them)
             bad = torch.tensor([float(sum((~torch.isfinite(u.grad_shard)).sum() for u in engine.units)),
                                 float(sum(torch.isnan(u.grad_shard).sum() for u in engine.units)),
                                 float(any((~torch.isfinite(u.grad_shard)).any() for u in engine.units))])
             engine.comm.all_reduce_sum(bad)
-            if spoil or bad.any():
+            if bad.any():
                 nonfinite.append({"step": step, "elements": int(bad[0]), "nan": int(bad[1]), "ranks": int(bad[2])})
             before = _snapshot(engine, opt)
-            engine.step()
+            engine.step()  # the boundary
             after = _snapshot(engine, opt)
             if engine.overflow:
                 assert _same(before, after), (name, step)
+                assert engine.get_global_grad_norm() is None
             else:
                 assert not _same(before, after), (name, step)
             skipped.append(engine.overflow)
             scales.append(engine.loss_scale)
+            norms.append(engine.get_global_grad_norm())
         assert all(torch.isfinite(u.master).all() for u in engine.units)
         out[name] = {"losses": losses, "scales": scales, "nonfinite": nonfinite, "skipped": skipped,
-                     "global_steps": engine.global_steps,
-                     "skipped_steps": engine.skipped_steps, "optimizer_steps": list(opt.steps)}
+                     "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
+                     "skipped_steps": engine.skipped_steps, "optimizer_steps": list(opt.steps), "norms": norms}
+        if run.get("clip"):  # the fp32 engine's first-step norm: the fp16 one must be unscaled
+            ref, _, _, _ = zeropp.initialize(model=GPT(MODEL, seed=0), config=_config(run["stage"], **extra))
+            inputs, targets = text_batches(1, micro * accum * world)[0]
+            for k in range(accum):
+                lo = (k * world + rank) * micro
+                ref.backward(ref(inputs[lo : lo + micro], targets[lo : lo + micro])[1])
+                ref.step()
+            out[name]["fp32_norm"] = ref.get_global_grad_norm()
     return out
