@@ -170,6 +170,7 @@ def fp16_runs(rank: int, world: int, runs: dict[str, dict], steps: int = 10) -> 
         assert all(u.shard.dtype == torch.float16 and u.master.dtype == torch.float32 for u in engine.units)
         weight = dict(engine.module.named_parameters())["blocks.0.mlp.c_fc.weight"]
         losses, scales, skipped, nonfinite, norms = [], [], [], [], []
+        ef_checked = 0  # residual checks across a scale change
         for step, (inputs, targets) in enumerate(text_batches(steps, micro * accum * world)):
             step_loss = 0.0
             for k in range(accum):
@@ -198,8 +199,17 @@ def fp16_runs(rank: int, world: int, runs: dict[str, dict], steps: int = 10) -> 
             if bad.any():
                 nonfinite.append({"step": step, "elements": int(bad[0]), "nan": int(bad[1]), "ranks": int(bad[2])})
             before = _snapshot(engine, opt)
+            efs = [u.error_feedback for u in engine.units if u.error_feedback is not None]
+            residuals = [(ef.residual.clone(), ef.partial_residual.clone()) for ef in efs]
+            scale = engine.loss_scale
             engine.step()  # the boundary
             after = _snapshot(engine, opt)
+            # qgZ error feedback: the residuals (finite, in scaled units) follow the scale exactly (powers of 2)
+            for ef, (res, part) in zip(efs, residuals):
+                assert torch.isfinite(res).all() and torch.isfinite(part).all()
+                assert torch.equal(ef.residual, res * (engine.loss_scale / scale)), (name, step)
+                assert torch.equal(ef.partial_residual, part * (engine.loss_scale / scale)), (name, step)
+                ef_checked += engine.loss_scale != scale
             if engine.overflow:
                 assert _same(before, after), (name, step)
                 assert engine.get_global_grad_norm() is None
@@ -211,7 +221,8 @@ def fp16_runs(rank: int, world: int, runs: dict[str, dict], steps: int = 10) -> 
         assert all(torch.isfinite(u.master).all() for u in engine.units)
         out[name] = {"losses": losses, "scales": scales, "nonfinite": nonfinite, "skipped": skipped,
                      "global_steps": engine.global_steps, "micro_steps": engine.micro_steps,
-                     "skipped_steps": engine.skipped_steps, "optimizer_steps": list(opt.steps), "norms": norms}
+                     "skipped_steps": engine.skipped_steps, "optimizer_steps": list(opt.steps), "norms": norms,
+                     "ef_scale_changes": int(ef_checked)}
         if run.get("clip"):  # the fp32 engine's first-step norm: the fp16 one must be unscaled
             ref, _, _, _ = zeropp.initialize(model=GPT(MODEL, seed=0), config=_config(run["stage"], **extra))
             inputs, targets = text_batches(1, micro * accum * world)[0]

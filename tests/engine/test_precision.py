@@ -99,6 +99,7 @@ def test_fp16_dynamic_loss_scaling_skips_overflowing_steps(tmp_path):
     two = [256.0] * 4 + [128.0] * 4 + [256.0] * 2
     assert res["stage1-inf"]["scales"] == res["stage3-huge-loss"]["scales"] == two
     assert res["stage3-all-ef-inf"]["scales"] == res["stage2-accum2-clip-inf"]["scales"] == two
+    assert res["stage3-all-ef-inf"]["ef_scale_changes"] > 0  # residuals rescaled with the loss scale (worker)
     # clipping under fp16 sees the unscaled norm (the fp32 engine's at the first step within 1e-3; measured
     # 1.7e-5); a skipped step reports none
     r = res["stage2-accum2-clip-inf"]
