@@ -302,6 +302,19 @@ TEXT = (
 )
 
 
+def gather_masters(engine) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+    """The fp32 master weights, whole (an exact all-gather of each unit's master shards): by parameter name, and
+    each unit's whole flat buffer (padding included)."""
+    masters, buffers = {}, []
+    for unit in engine.units:
+        full = torch.empty(unit.full.numel())
+        zeropp.comm.all_gather(unit.master, topology=engine.topology, out=full)
+        for pname, off, shape in zip(unit.param_names, unit.offsets, unit.shapes):
+            masters[pname] = full[off : off + shape.numel()].view(shape).clone()
+        buffers.append(full)
+    return masters, buffers
+
+
 def text_batches(steps: int, batch: int, seed: int = 4321) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """``steps`` global batches of random crops of a repeated English text (learnable: the loss falls fast, so a
     comparison of losses says something, unlike on random bytes where every run sits at ln(256))."""
@@ -360,12 +373,8 @@ def zeropp_runs(rank: int, world: int, runs: dict[str, dict], steps: int = 10) -
             losses.append(mean.item() / world)
         assert not secondaries or all(secondaries)
         # the exact fp32 values the optimizer holds (the compute weights are their dequantized copy under qwZ)
-        masters = {}
-        for unit in engine.units:
-            full = torch.empty(unit.full.numel())
-            zeropp.comm.all_gather(unit.master, topology=engine.topology, out=full)
-            for pname, off, shape in zip(unit.param_names, unit.offsets, unit.shapes):
-                masters[pname] = full[off : off + shape.numel()].view(shape).clone()
+        masters, buffers = gather_masters(engine)
+        for unit, full in zip(engine.units, buffers):
             if unit.align > 1:  # padding stays zero in every buffer
                 keep = torch.zeros_like(full, dtype=torch.bool)
                 for off, shape in zip(unit.offsets, unit.shapes):

@@ -17,7 +17,7 @@ the fp32 sums (gloo's reduce-scatter against ``sum`` here) and what they flip do
 from __future__ import annotations
 
 import torch
-from engine_workers import MODEL, text_batches
+from engine_workers import MODEL, gather_masters, text_batches
 
 import zeropp
 from zeropp.models import GPT
@@ -28,17 +28,6 @@ ADAMW = {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}}
 def _config(stage: int, zero: dict | None = None, **extra) -> dict:
     return {"train_micro_batch_size_per_gpu": 2, "optimizer": ADAMW,
             "zero_optimization": {"stage": stage, **(zero or {})}, **extra}
-
-
-def _masters(engine) -> dict[str, torch.Tensor]:
-    """The fp32 master weights, whole (an exact all-gather of each unit's master shard)."""
-    out = {}
-    for unit in engine.units:
-        full = torch.empty(unit.full.numel())
-        zeropp.comm.all_gather(unit.master, topology=engine.topology, out=full)
-        for name, off, shape in zip(unit.param_names, unit.offsets, unit.shapes):
-            out[name] = full[off : off + shape.numel()].view(shape).clone()
-    return out
 
 
 def _flat(d: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -106,11 +95,11 @@ def bf16_runs(rank: int, world: int, runs: dict[str, dict], steps: int = 10) -> 
                                                                          bf16={"enabled": True}))
         assert all(p.dtype == torch.bfloat16 for p in model.parameters())  # the engine cast the fp32 model
         losses = _train(engine, rank, world, steps)
-        got = _flat(_masters(engine))
+        got = _flat(gather_masters(engine)[0])
         full = engine.full_parameters()
         assert all(t.dtype == torch.bfloat16 for t in full.values())
         if not run.get("zero"):  # exact: the compute weights are the masters rounded to bf16
-            masters = _masters(engine)
+            masters = gather_masters(engine)[0]
             assert all(torch.equal(full[n], masters[n].bfloat16()) for n in masters)
         # bytes per rank: compute shard (bf16), master, gradient shard, Adam's two moments (fp32)
         nbytes = {"shard": sum(u.shard.nbytes for u in engine.units),
