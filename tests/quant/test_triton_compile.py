@@ -274,7 +274,8 @@ def _compile_all(out_dir: Path) -> dict:
         def get_current_stream(self, device=None):
             return 0
 
-    # The kernels the launchers launch: jitted functions of the package's modules that are subscripted with a grid.
+    # The kernels the launchers launch: jitted functions of the package's modules that are subscripted with a grid
+    # or handed to ``common.launch``.
     import zeropp.quant._triton as package
 
     launched = {}  # name -> (module, JITFunction)
@@ -282,7 +283,8 @@ def _compile_all(out_dir: Path) -> dict:
         module = importlib.import_module(f"{package.__name__}.{info.name}")
         source = inspect.getsource(module)
         for name, obj in vars(module).items():
-            if isinstance(obj, JITFunction) and obj.module == module.__name__ and f"{name}[" in source:
+            launches = f"{name}[" in source or re.search(rf"\blaunch\(\s*{name}\b", source)
+            if isinstance(obj, JITFunction) and obj.module == module.__name__ and launches:
                 launched[name] = (module, obj)
 
     compiled: list = []

@@ -9,16 +9,19 @@ crosses a pack boundary. Offsets are int64 throughout, so buffers above 2**31 by
 applied in tiles that need them (``load_rows``, ``store_rows``), so the common full tiles vectorize.
 
 The arithmetic mirrors ``zeropp.quant.reference`` operation for operation (float32, IEEE division, round half to
-even); the launchers pass ``enable_fp_fusion=False`` so that ``code * scale`` and the following addition are
+even); ``launch`` passes ``enable_fp_fusion=False`` so that ``code * scale`` and the following addition are
 never contracted into one FMA, which would round differently from the reference.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import triton
 import triton.language as tl
+
+from ..format import BlockFormat
 
 TILE_ELEMENTS: dict[str, int] = {
     "quantize": 4096,
@@ -63,9 +66,20 @@ def launch_shape(op: str, block_size: int) -> LaunchShape:
     return LaunchShape(blocks, num_warps)
 
 
-def grid(num_blocks: int, shape: LaunchShape) -> tuple[int]:
-    """One program per ``shape.blocks_per_program`` blocks; callers never launch for ``num_blocks == 0``."""
-    return (triton.cdiv(num_blocks, shape.blocks_per_program),)
+def launch(kernel: Any, op: str, fmt: BlockFormat, num_blocks: int, *args: Any, **constexprs: Any) -> None:
+    """Launch ``kernel(*args, **constexprs)`` over ``num_blocks`` blocks (> 0) with ``op``'s tile: one program per
+    ``BLOCKS`` blocks, plus the constexprs every kernel takes (``BLOCK_SIZE``, ``BITS``, ``BLOCKS``), its warps,
+    and ``enable_fp_fusion=False``: no FMA contraction, so ``code * scale + acc`` rounds as in the reference."""
+    shape = launch_shape(op, fmt.block_size)
+    kernel[(triton.cdiv(num_blocks, shape.blocks_per_program),)](
+        *args,
+        BLOCK_SIZE=fmt.block_size,
+        BITS=fmt.bits,
+        BLOCKS=shape.blocks_per_program,
+        num_warps=shape.num_warps,
+        enable_fp_fusion=False,
+        **constexprs,
+    )
 
 
 @triton.jit

@@ -9,8 +9,7 @@ import triton.language as tl
 from ..format import BlockFormat
 from .common import (
     decode_int8,
-    grid,
-    launch_shape,
+    launch,
     scale_pointers,
     scaled,
     store_rows,
@@ -71,8 +70,11 @@ def dequantize_chunks(
     # Only the blocks up to the one holding the last output element.
     last_pack, last_in_slice = divmod(out_numel - 1, chunk_numel)
     num_blocks = last_pack * blocks_per_pack + last_in_slice // fmt.block_size + 1
-    shape = launch_shape("dequantize", fmt.block_size)
-    _dequantize_kernel[grid(num_blocks, shape)](
+    launch(
+        _dequantize_kernel,
+        "dequantize",
+        fmt,
+        num_blocks,
         buf,
         out,
         out_numel,
@@ -80,10 +82,5 @@ def dequantize_chunks(
         num_blocks,
         blocks_per_pack,
         fmt.packed_bytes(chunk_numel),
-        BLOCK_SIZE=fmt.block_size,
-        BITS=fmt.bits,
-        BLOCKS=shape.blocks_per_program,
         ONE_PACK=num_blocks <= blocks_per_pack,
-        num_warps=shape.num_warps,
-        enable_fp_fusion=False,
     )

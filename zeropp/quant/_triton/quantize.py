@@ -12,8 +12,7 @@ import triton.language as tl
 
 from ..format import BlockFormat
 from .common import (
-    grid,
-    launch_shape,
+    launch,
     load_rows,
     store_int4_blocks,
     store_int8_blocks,
@@ -73,8 +72,11 @@ def quantize_chunks(x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, 
     slice_numel = triton.cdiv(numel, chunks)
     blocks_per_pack = fmt.num_blocks(slice_numel)
     num_blocks = chunks * blocks_per_pack
-    shape = launch_shape("quantize", fmt.block_size)
-    _quantize_kernel[grid(num_blocks, shape)](
+    launch(
+        _quantize_kernel,
+        "quantize",
+        fmt,
+        num_blocks,
         x,
         out,
         numel,
@@ -84,10 +86,5 @@ def quantize_chunks(x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, 
         num_blocks,
         blocks_per_pack,
         fmt.packed_bytes(slice_numel),
-        BLOCK_SIZE=fmt.block_size,
-        BITS=fmt.bits,
-        BLOCKS=shape.blocks_per_program,
         ONE_PACK=chunks == 1,
-        num_warps=shape.num_warps,
-        enable_fp_fusion=False,
     )

@@ -14,8 +14,7 @@ import triton.language as tl
 from ..format import BlockFormat
 from .common import (
     decode_int8,
-    grid,
-    launch_shape,
+    launch,
     scale_pointers,
     scaled,
     store_int4_blocks,
@@ -136,8 +135,11 @@ def reduce_requantize(
     blocks_per_pack = fmt.num_blocks(chunk_numel)
     num_blocks = chunks * blocks_per_pack
     pack_bytes = fmt.packed_bytes(chunk_numel)
-    shape = launch_shape("reduce_requantize", fmt.block_size)
-    _reduce_requantize_kernel[grid(num_blocks, shape)](
+    launch(
+        _reduce_requantize_kernel,
+        "reduce_requantize",
+        fmt,
+        num_blocks,
         buf,
         out,
         num_blocks,
@@ -145,12 +147,7 @@ def reduce_requantize(
         pack_bytes,
         chunks * pack_bytes,
         GROUPS=groups,
-        BLOCK_SIZE=fmt.block_size,
-        BITS=fmt.bits,
-        BLOCKS=shape.blocks_per_program,
         ONE_PACK=chunks == 1,
-        num_warps=shape.num_warps,
-        enable_fp_fusion=False,
     )
 
 
@@ -163,8 +160,11 @@ def reduce_dequantize(
     if out_numel == 0:
         return
     num_blocks = fmt.num_blocks(out_numel)
-    shape = launch_shape("reduce_dequantize", fmt.block_size)
-    _reduce_dequantize_kernel[grid(num_blocks, shape)](
+    launch(
+        _reduce_dequantize_kernel,
+        "reduce_dequantize",
+        fmt,
+        num_blocks,
         buf,
         out,
         out_numel,
@@ -173,9 +173,4 @@ def reduce_dequantize(
         fmt.packed_bytes(chunk_numel),
         divisor,
         GROUPS=groups,
-        BLOCK_SIZE=fmt.block_size,
-        BITS=fmt.bits,
-        BLOCKS=shape.blocks_per_program,
-        num_warps=shape.num_warps,
-        enable_fp_fusion=False,
     )
