@@ -76,15 +76,21 @@ they keep what the reduction left (non-finite residuals are zeroed by ``comm.Err
 scale and no overflow check (as DeepSpeed).
 
 Limits: ``reduce_bucket_size``, ``stage3_prefetch_bucket_size`` and ``overlap_comm`` are validated but change
-nothing yet (one collective per unit, issued synchronously, no prefetch); ``save_checkpoint``/``load_checkpoint`` raise
-``NotImplementedError``. Frozen parameters stay whole on every rank. In stage 3, outside the engine's forward and
-backward the module's trainable parameters are empty tensors: read the weights with ``engine.full_parameters()``.
+nothing yet (one collective per unit, issued synchronously, no prefetch). Frozen parameters stay whole on every
+rank. In stage 3, outside the engine's forward and backward the module's trainable parameters are empty tensors:
+read the weights with ``engine.full_parameters()`` (the compute weights) or ``engine.consolidated_state_dict()`` (the
+fp32 masters). Checkpoints (``save_checkpoint``/``load_checkpoint``, ``zeropp.engine.checkpoint``) are taken at
+accumulation boundaries only and load at any world size and layout, but the qgZ error-feedback residuals are kept
+only by a load with the same world size and nodes (otherwise they restart at zero), and ranks the save did not have
+keep their own RNG state.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -92,6 +98,7 @@ from torch import nn
 
 from .. import comm
 from ..config import Config
+from . import checkpoint
 from .collectives import Collectives
 from .hooks import GradientReadiness, install_stage3_hooks
 from .loss_scaler import LossScaler
@@ -334,11 +341,46 @@ class ZeroEngine:
             out[name] = by_id[id(p)] if id(p) in by_id else p.detach().clone()
         return out
 
-    def save_checkpoint(self, save_dir: str, tag: str | None = None) -> None:
-        raise NotImplementedError("checkpoints (torch.distributed.checkpoint) are not implemented in this version")
+    def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
+                        client_state: dict[str, Any] | None = None) -> Path:
+        """Save the training state to ``save_dir/tag`` (default tag ``global_step<global_steps>``) with
+        ``torch.distributed.checkpoint``, each rank writing its own shards, and ``tag`` to ``save_dir/latest``
+        (layout and contents: ``zeropp.engine.checkpoint``). ``client_state`` is saved from the first rank and
+        returned by ``load_checkpoint``. A collective; only at an accumulation boundary (after ``step()``). Returns
+        the checkpoint's directory."""
+        if self._backward_pending or self.micro_steps % self.gradient_accumulation_steps != 0:
+            raise EngineUsageError(
+                f"save_checkpoint() in the middle of an accumulation window (micro step {self.micro_steps}, "
+                f"gradient_accumulation_steps {self.gradient_accumulation_steps}"
+                f"{', backward() without step()' if self._backward_pending else ''}): the accumulated gradients are "
+                "not saved; call it after the step() that ends the window"
+            )
+        return checkpoint.save(self, save_dir, tag, client_state)
 
-    def load_checkpoint(self, load_dir: str, tag: str | None = None) -> None:
-        raise NotImplementedError("checkpoints (torch.distributed.checkpoint) are not implemented in this version")
+    def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None) -> tuple[Path, dict[str, Any]]:
+        """Restore the state saved by ``save_checkpoint`` from ``load_dir/tag`` (``tag`` from ``load_dir/latest``
+        when ``None``), at this engine's world size and layout whatever they were at save (the qgZ residuals and the
+        RNG of ranks the save did not have start afresh; see ``zeropp.engine.checkpoint``). A collective; only at an
+        accumulation boundary. Returns ``(checkpoint directory, client_state)``.
+
+        Raises:
+            FileNotFoundError: ``load_dir``, its ``latest`` file or the tag is missing.
+            zeropp.engine.checkpoint.CheckpointError: the checkpoint is of another model (the parameter is named),
+                optimizer type or number of parameter groups.
+        """
+        if self._backward_pending or self.micro_steps % self.gradient_accumulation_steps != 0:
+            raise EngineUsageError(
+                "load_checkpoint() in the middle of an accumulation window would mix its gradients into the loaded "
+                "state; call it before the first micro-batch or after a step() that ends a window"
+            )
+        return checkpoint.load(self, load_dir, tag)
+
+    def consolidated_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+        """The unwrapped model's state dict with the trainable parameters whole from the exact fp32 master weights
+        (buffers and frozen parameters as the module holds them), for ``model.load_state_dict``. A collective (one
+        exact all-gather per unit); with ``rank0_only`` the other ranks get ``{}``. Offline, from a checkpoint:
+        ``zeropp.engine.checkpoint.consolidate``."""
+        return checkpoint.consolidated_state_dict(self, rank0_only=rank0_only)
 
     def __repr__(self) -> str:
         return (f"ZeroEngine(stage={self.stage}, units={len(self.units)}, world_size={self.comm.world_size}, "

@@ -1,0 +1,417 @@
+"""Checkpoints of a ``ZeroEngine`` with ``torch.distributed.checkpoint`` (DCP): sharded save, resharding load, and
+the consolidated (whole, plain) fp32 state dict, online and offline.
+
+Directory (DeepSpeed's): ``save_dir/<tag>/`` is one DCP checkpoint (``.metadata`` and one ``__<rank>_0.distcp``
+file per rank that wrote data); ``save_dir/latest`` holds the tag of the last save. The default tag is
+``global_step<global_steps>``.
+
+What is saved, by DCP key (every rank writes only what it owns; no data moves between ranks):
+
+* ``model.<name>``, trainable parameter ``<name>`` (the name its unit gives it; a tied parameter once): the fp32
+  master weights as a logical 1-D tensor of ``numel`` elements, a ``ShardedTensor`` whose local shards are the
+  pieces of the parameter inside this rank's master shard (``Unit.param_ranges``) at their offsets within the
+  parameter. The layout of the units (world size, alignment to the quantization block, unit policy) is not part of
+  the checkpoint: a load at any world size and alignment reads back exactly the pieces its own shards need.
+* ``optim.<kind>.<name>``: the optimizer state (``exp_avg`` and ``exp_avg_sq`` for Adam/AdamW, ``momentum_buffer``
+  for SGD), fp32, in the master's layout.
+* ``model.<name>`` for persistent buffers and frozen parameters: plain tensors, whole (the same on every rank).
+* ``engine``: one pickled dict (``_engine_state``): optimizer type, per-group hyperparameters and step counts,
+  ``micro_steps`` / ``global_steps`` / ``skipped_steps``, the fp16 ``LossScaler`` state, the parameter shapes and
+  the module's state-dict keys (tied aliases included), the world size.
+* ``rank<r>.rng`` (pickled, one per rank ``r``, its global rank): torch's CPU RNG, the CUDA RNGs when CUDA is
+  initialized, Python's ``random`` and numpy's global RNG when numpy is importable.
+* ``rank<r>.error_feedback.<unit index>.residual`` / ``.partial_residual``: qgZ error-feedback residuals (fp32) of
+  rank ``r``'s units, with ``rank<r>.error_feedback`` (pickled) describing them. Their layout depends on the world
+  size, the node layout and the units' padded size, so they are restored only by a load with the same world size,
+  the same node of every rank and the same unit sizes and qgZ settings; any other load starts them at zero.
+* ``client_state`` (pickled): the caller's dict, from the first rank.
+
+On load, rank ``r`` takes ``rank<r>``'s RNG state when the checkpoint has one (a load at a larger world size leaves
+the new ranks' RNGs as they are); the compute shards (and, in stages 1 and 2, the whole parameters through the
+weight all-gather) are rebuilt from the loaded masters exactly as after an optimizer step (``Unit.publish``), so a
+run resumed at the same world size continues bit for bit.
+
+Pieces used from outside DCP's public API: ``ShardedTensor._init_from_local_shards_and_global_metadata`` (every
+rank computes the global layout itself, so building the ``ShardedTensor`` needs no communication) and the private
+state of ``comm.ErrorFeedback`` (``_state`` sets the residuals' layout key).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
+from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+from .. import comm
+from .unit import Unit
+
+if TYPE_CHECKING:
+    from .engine import ZeroEngine
+
+try:
+    import numpy
+except ImportError:  # numpy is optional: its RNG is saved when it is there
+    numpy = None
+
+FORMAT_VERSION = 1
+LATEST = "latest"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not fit the engine loading it (another model, optimizer or parameter grouping)."""
+
+
+@dataclass
+class _Piece:
+    """Elements ``[lo, hi)`` of one parameter held by data-parallel position ``rank``, at ``shard_start`` in its
+    shard."""
+
+    rank: int
+    lo: int
+    hi: int
+    shard_start: int
+
+
+def _pieces(unit: Unit, index: int) -> list[_Piece]:
+    """Every rank's piece of parameter ``index`` of ``unit`` (non-empty ones, by rank): the unit's layout is the
+    same arithmetic on every rank (``zeropp.engine.unit``), so no communication is needed."""
+    off, numel, s = unit.offsets[index], unit.shapes[index].numel(), unit.shard_numel
+    out = []
+    for q in range(unit.comm.world_size):
+        a, b = max(off, q * s), min(off + numel, (q + 1) * s)
+        if a < b:
+            out.append(_Piece(q, a - off, b - off, a - q * s))
+    return out
+
+
+def _params(engine: ZeroEngine) -> Iterator[tuple[str, Unit, int]]:
+    """``(name, unit, index in the unit)`` of every trainable parameter, tied ones once."""
+    for unit in engine.units:
+        for i, name in enumerate(unit.param_names):
+            yield name, unit, i
+
+
+def _sharded(engine: ZeroEngine, unit: Unit, index: int, local: torch.Tensor) -> ShardedTensor | None:
+    """Parameter ``index`` of ``unit`` as a 1-D fp32 ``ShardedTensor`` whose local shard views ``local`` (a tensor in
+    the layout of this rank's master shard); ``None`` when this rank holds no element of it."""
+    ranks = engine.topology.ranks
+    device = local.device
+    pieces = _pieces(unit, index)
+    metas = [ShardMetadata(shard_offsets=[p.lo], shard_sizes=[p.hi - p.lo], placement=f"rank:{ranks[p.rank]}/{device}")
+             for p in pieces]
+    mine = [(p, m) for p, m in zip(pieces, metas) if p.rank == unit.comm.rank]
+    if not mine:
+        return None
+    shards = [Shard(local[p.shard_start : p.shard_start + p.hi - p.lo], m) for p, m in mine]
+    props = TensorProperties(dtype=torch.float32, layout=torch.strided, requires_grad=False,
+                             memory_format=torch.contiguous_format, pin_memory=False)
+    metadata = ShardedTensorMetadata(shards_metadata=metas, size=torch.Size([unit.shapes[index].numel()]),
+                                     tensor_properties=props)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        shards, metadata, process_group=engine.topology.group)
+
+
+def _aliases(engine: ZeroEngine) -> dict[str, str]:
+    """Every key of ``module.state_dict()`` -> the key its value is saved under: a trainable parameter's unit name,
+    else the first key holding the same tensor."""
+    canonical = {id(unit.params[i]): name for name, unit, i in _params(engine)}
+    out = {}
+    for key, value in engine.module.state_dict(keep_vars=True).items():
+        out[key] = canonical.setdefault(id(value), key)
+    return out
+
+
+def _others(engine: ZeroEngine) -> dict[str, torch.Tensor]:
+    """The persistent buffers and frozen parameters, by the key they are saved under."""
+    trainable = {name for name, _, _ in _params(engine)}
+    values = engine.module.state_dict(keep_vars=True)
+    return {key: values[key].detach() for key in dict.fromkeys(_aliases(engine).values()) if key not in trainable}
+
+
+def _pack(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _unpack(data: bytes) -> Any:
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if numpy is not None:
+        state["numpy"] = numpy.random.get_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available() and len(state["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state and numpy is not None:
+        numpy.random.set_state(state["numpy"])
+
+
+def _engine_state(engine: ZeroEngine) -> dict[str, Any]:
+    opt = engine.optimizer
+    scaler = engine.loss_scaler
+    return {
+        "format_version": FORMAT_VERSION,
+        "optimizer": opt.type,
+        "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+        "group_steps": list(opt.steps),
+        "micro_steps": engine.micro_steps,
+        "global_steps": engine.global_steps,
+        "skipped_steps": engine.skipped_steps,
+        "overflow": engine.overflow,
+        "global_grad_norm": engine.get_global_grad_norm(),
+        "loss_scaler": None if scaler is None else {
+            "scale": scaler.scale, "hysteresis": scaler.hysteresis, "iteration": scaler.iteration,
+            "last_overflow_iteration": scaler.last_overflow_iteration},
+        "shapes": {name: tuple(unit.shapes[i]) for name, unit, i in _params(engine)},
+        "aliases": _aliases(engine),
+        "world_size": engine.comm.world_size,
+    }
+
+
+def _layout_of_nodes(engine: ZeroEngine) -> list[int]:
+    topo = engine.topology
+    return [topo.node_of(g) for g in topo.ranks]
+
+
+def _error_feedback_key(engine: ZeroEngine) -> str:
+    return f"rank{engine.topology.global_rank}.error_feedback"
+
+
+def checkpoint_path(save_dir: str | os.PathLike[str], tag: str | None = None) -> Path:
+    """``save_dir/tag``, the tag read from ``save_dir/latest`` when ``None``. Raises ``FileNotFoundError`` with the
+    path when the directory, ``latest`` or the tag's checkpoint is missing."""
+    root = Path(save_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"checkpoint directory {str(root)!r} does not exist")
+    if tag is None:
+        latest = root / LATEST
+        if not latest.is_file():
+            raise FileNotFoundError(f"no tag given and no {str(latest)!r} file: pass tag= (one of "
+                                    f"{sorted(p.name for p in root.iterdir() if p.is_dir())})")
+        tag = latest.read_text().strip()
+    path = root / tag
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(f"no checkpoint {tag!r} in {str(root)!r} ({str(path / '.metadata')!r} is missing)")
+    return path
+
+
+def _tensors(engine: ZeroEngine) -> dict[str, Any]:
+    """The ``model.*`` and ``optim.*`` entries (module docstring), viewing this rank's tensors: what ``save`` writes
+    and what ``load`` reads into in place."""
+    state: dict[str, Any] = {}
+    for u, unit in enumerate(engine.units):
+        for i, name in enumerate(unit.param_names):
+            master = _sharded(engine, unit, i, unit.master)
+            if master is None:  # no element of this parameter on this rank
+                continue
+            state[f"model.{name}"] = master
+            for kind, shards in engine.optimizer.state.items():
+                state[f"optim.{kind}.{name}"] = _sharded(engine, unit, i, shards[u])
+    for key, value in _others(engine).items():
+        state[f"model.{key}"] = value
+    return state
+
+
+# ---- save ---------------------------------------------------------------------------------------------------
+
+
+def save(engine: ZeroEngine, save_dir: str | os.PathLike[str], tag: str | None = None,
+         client_state: dict[str, Any] | None = None) -> Path:
+    """Write ``engine``'s state (see the module docstring) to ``save_dir/tag`` and ``tag`` to ``save_dir/latest``.
+    A collective over the data-parallel group; call it at an accumulation boundary (``ZeroEngine.save_checkpoint``
+    checks). Returns the checkpoint's directory."""
+    tag = tag if tag is not None else f"global_step{engine.global_steps}"
+    path = Path(save_dir) / tag
+    state: dict[str, Any] = _tensors(engine)
+    state["engine"] = _pack(_engine_state(engine))
+    rank = engine.topology.global_rank
+    state[f"rank{rank}.rng"] = _pack(_rng_state())
+    described = []
+    for u, unit in enumerate(engine.units):
+        ef = unit.error_feedback
+        if ef is None or ef.residual is None:
+            continue
+        state[f"{_error_feedback_key(engine)}.{u}.residual"] = ef.residual
+        state[f"{_error_feedback_key(engine)}.{u}.partial_residual"] = ef.partial_residual
+        described.append({"unit": u, "key": ef._key, "numel": ef.residual.numel(),
+                          "partial_numel": ef.partial_residual.numel()})
+    if described:
+        state[_error_feedback_key(engine)] = _pack({"world_size": engine.comm.world_size,
+                                                    "nodes": _layout_of_nodes(engine), "units": described})
+    if engine.comm.rank == 0:
+        state["client_state"] = _pack(dict(client_state or {}))
+    dcp.save(state, checkpoint_id=path, process_group=engine.topology.group)
+    if engine.comm.rank == 0:
+        tmp = Path(save_dir) / f".{LATEST}.tmp"
+        tmp.write_text(tag)
+        os.replace(tmp, Path(save_dir) / LATEST)
+    engine.comm.all_reduce_sum(torch.zeros(1, device=engine.units[0].master.device))  # `latest` is there for all
+    return path
+
+
+# ---- load ---------------------------------------------------------------------------------------------------
+
+
+def _read_own(path: Path, keys: list[str]) -> dict[str, Any]:
+    """The pickled entries ``keys`` of the checkpoint that exist, read by this process alone (no collective)."""
+    holder: dict[str, Any] = {key: b"" for key in keys}
+    dcp.load(holder, checkpoint_id=path, no_dist=True)
+    return {key: _unpack(value) for key, value in holder.items()}
+
+
+def _check_compatible(engine: ZeroEngine, metadata: dict[str, Any], saved: dict[str, Any], path: Path) -> None:
+    """Raise ``CheckpointError`` naming the first difference between the checkpoint and the engine."""
+    shapes = {name: tuple(unit.shapes[i]) for name, unit, i in _params(engine)}
+    for name, shape in shapes.items():
+        if name not in saved["shapes"]:
+            raise CheckpointError(f"checkpoint {str(path)!r} has no parameter {name!r} (another model?)")
+        if tuple(saved["shapes"][name]) != shape:
+            raise CheckpointError(f"parameter {name!r} has shape {shape} here but {tuple(saved['shapes'][name])} in "
+                                  f"checkpoint {str(path)!r} (another model?)")
+    extra = sorted(set(saved["shapes"]) - set(shapes))
+    if extra:
+        raise CheckpointError(f"checkpoint {str(path)!r} has trainable parameters this model lacks (or holds "
+                              f"frozen): {extra}")
+    for key, value in _others(engine).items():
+        md = metadata.get(f"model.{key}")
+        if not isinstance(md, TensorStorageMetadata) or md.size != value.shape:
+            raise CheckpointError(f"buffer or frozen parameter {key!r} (shape {tuple(value.shape)}) is not in "
+                                  f"checkpoint {str(path)!r} with that shape (another model?)")
+    if saved["optimizer"] != engine.optimizer.type:
+        raise CheckpointError(f"checkpoint {str(path)!r} was saved with optimizer {saved['optimizer']}, this engine "
+                              f"runs {engine.optimizer.type}")
+    if len(saved["param_groups"]) != len(engine.optimizer.param_groups):
+        raise CheckpointError(f"checkpoint {str(path)!r} has {len(saved['param_groups'])} parameter groups, this "
+                              f"engine {len(engine.optimizer.param_groups)}")
+
+
+def _error_feedback_targets(engine: ZeroEngine, info: dict[str, Any] | None) -> dict[str, torch.Tensor]:
+    """Reset every unit's qgZ residuals; when ``info`` (this rank's saved description) says they were saved in this
+    engine's layout (world size, node of every rank, each unit's padded size, bits and block size), allocate them
+    in that layout and return them by DCP key, to be read in place."""
+    for unit in engine.units:
+        if unit.error_feedback is not None:
+            unit.error_feedback.reset()
+    if info is None or info["world_size"] != engine.comm.world_size or info["nodes"] != _layout_of_nodes(engine):
+        return {}
+    for entry in info["units"]:
+        u, (numel, bits, block, size) = entry["unit"], entry["key"]
+        if (u >= len(engine.units) or engine.units[u].error_feedback is None or numel != engine.units[u].full.numel()
+                or (bits, block) != (engine.comm.gradient_bits, engine.comm.block_size)):
+            return {}
+    prefix = _error_feedback_key(engine)
+    out = {}
+    for entry in info["units"]:
+        u, unit = entry["unit"], engine.units[entry["unit"]]
+        ef = unit.error_feedback
+        ef._state(tuple(entry["key"]), entry["numel"], entry["partial_numel"], unit.master.device)
+        out[f"{prefix}.{u}.residual"] = ef.residual
+        out[f"{prefix}.{u}.partial_residual"] = ef.partial_residual
+    return out
+
+
+def load(engine: ZeroEngine, load_dir: str | os.PathLike[str], tag: str | None = None) -> tuple[Path, dict[str, Any]]:
+    """Restore ``engine`` from ``load_dir/tag`` (``tag`` from ``load_dir/latest`` when ``None``), saved at any world
+    size and unit layout. A collective over the data-parallel group. Returns the checkpoint's directory and the
+    ``client_state`` given to ``save``.
+
+    Raises:
+        FileNotFoundError: the directory, ``latest`` or the tag is missing.
+        CheckpointError: another model (a parameter's name or shape), optimizer type or number of groups.
+    """
+    path = checkpoint_path(load_dir, tag)
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    rank = engine.topology.global_rank
+    own = [key for key in ("engine", "client_state", f"rank{rank}.rng", _error_feedback_key(engine))
+           if isinstance(metadata.get(key), BytesStorageMetadata)]
+    saved = _read_own(path, own)
+    _check_compatible(engine, metadata, saved["engine"], path)
+
+    # every tensor is read in place: masters, optimizer state, buffers and frozen parameters, qgZ residuals
+    state = _tensors(engine)
+    state.update(_error_feedback_targets(engine, saved.get(_error_feedback_key(engine))))
+    dcp.load(state, checkpoint_id=path, process_group=engine.topology.group)
+
+    for unit in engine.units:
+        unit.publish()  # compute shard (and stages 1/2: whole parameters) from the masters; stage 3: freed
+    values = saved["engine"]
+    opt = engine.optimizer
+    for group, hyper in zip(opt.param_groups, values["param_groups"]):
+        group.update(hyper)
+    opt.steps = list(values["group_steps"])
+    engine.micro_steps = values["micro_steps"]
+    engine.global_steps = values["global_steps"]
+    engine.skipped_steps = values["skipped_steps"]
+    engine.overflow = values["overflow"]
+    engine._global_grad_norm = values["global_grad_norm"]
+    if engine.loss_scaler is not None and values["loss_scaler"] is not None:
+        for attr, value in values["loss_scaler"].items():
+            setattr(engine.loss_scaler, attr, value)
+    if f"rank{rank}.rng" in saved:
+        _set_rng_state(saved[f"rank{rank}.rng"])
+    return path, saved["client_state"]
+
+
+# ---- consolidated state dict --------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def consolidated_state_dict(engine: ZeroEngine, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    """The model's state dict with every trainable parameter whole, from the fp32 master weights (exact: not the
+    qwZ-dequantized compute copy), shaped as the parameter, fp32; buffers and frozen parameters as the module holds
+    them. Keys and tied aliases are the module's ``state_dict()``'s, so the unwrapped model's ``load_state_dict``
+    takes it. A collective: one exact fp32 all-gather of each unit's master shards in turn (``N`` elements of
+    transient memory for a unit of ``N``). With ``rank0_only`` only the data-parallel group's first rank returns
+    it (the others get ``{}``)."""
+    keep = not rank0_only or engine.comm.rank == 0
+    whole: dict[str, torch.Tensor] = {}
+    for unit in engine.units:
+        full = torch.empty(unit.full.numel(), dtype=torch.float32, device=unit.master.device)
+        comm.all_gather(unit.master, topology=engine.topology, out=full)
+        if keep:
+            for name, off, shape in zip(unit.param_names, unit.offsets, unit.shapes):
+                whole[name] = full[off : off + shape.numel()].view(shape).clone()
+    if not keep:
+        return {}
+    others = {key: value.clone() for key, value in _others(engine).items()}
+    return {key: whole[src] if src in whole else others[src] for key, src in _aliases(engine).items()}
+
+
+def consolidate(checkpoint_dir: str | os.PathLike[str], tag: str | None = None) -> dict[str, torch.Tensor]:
+    """Read a checkpoint written by ``ZeroEngine.save_checkpoint`` in this process alone (no process group needed)
+    into the plain state dict ``consolidated_state_dict`` gives: fp32 master weights whole and shaped, buffers and
+    frozen parameters, tied aliases. ``checkpoint_dir`` is a checkpoint (``save_dir/tag``) or a ``save_dir`` (the
+    tag given or read from ``latest``). Memory: the whole model once."""
+    root = Path(checkpoint_dir)
+    path = root if tag is None and (root / ".metadata").is_file() else checkpoint_path(root, tag)
+    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = _read_own(path, ["engine"])["engine"]
+    state = {f"model.{key}": torch.empty(metadata[f"model.{key}"].size,
+                                         dtype=metadata[f"model.{key}"].properties.dtype)
+             for key in dict.fromkeys(saved["aliases"].values())}
+    dcp.load(state, checkpoint_id=path, no_dist=True)
+    values = {key[len("model."):]: value for key, value in state.items()}
+    for name, shape in saved["shapes"].items():
+        values[name] = values[name].view(shape)
+    return {key: values[src] for key, src in saved["aliases"].items()}
