@@ -1,0 +1,180 @@
+"""The emulated cluster (zeropp.cluster): namespaces built and always removed, links shaped to the rate, torchrun
+across nodes, failure handling, the unshaped fallback.
+
+Tests that build namespaces skip (with the reason) only when this machine cannot: not root, no iproute2, or
+``ip netns add`` refused (an unprivileged container)."""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from zeropp.cluster import (
+    ClusterSpec,
+    ClusterUnavailable,
+    emulated_network,
+    list_namespaces,
+    parse_rate,
+    run,
+    shaping_available,
+    torchrun_args,
+)
+from zeropp.cluster import launch as cluster_launch
+
+HERE = Path(__file__).parent
+WORKER = str(HERE / "allreduce_worker.py")
+TRANSFER = str(HERE / "transfer.py")
+SHAPING, WHY_NOT = shaping_available()
+needs_netns = pytest.mark.skipif(not SHAPING, reason=f"network namespaces unavailable here: {WHY_NOT}")
+# The ranks need no Triton kernels: keep them off the interpreter (see tests/conftest.py).
+RANK_ENV = {"ZEROPP_QUANT_BACKEND": "torch"}
+
+
+def _tc(ns: str, dev: str) -> str:
+    return subprocess.run(["tc", "-n", ns, "qdisc", "show", "dev", dev], capture_output=True, text=True).stdout
+
+
+def _worker_processes() -> list[int]:
+    """Pids of live processes running WORKER (leftover ranks)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if WORKER.encode() in cmdline:
+                pids.append(int(entry))
+    return pids
+
+
+# ---- pure ---------------------------------------------------------------------------------------------------
+
+
+def test_parse_rate():
+    assert parse_rate("1gbit") == 1e9
+    assert parse_rate("10gbit") == 1e10
+    assert parse_rate("500mbit") == 5e8
+    assert parse_rate("2.5Gbit") == 2.5e9
+    assert parse_rate("1mibit") == 2**20
+    assert parse_rate(100e6) == 100e6
+    for bad, match in [("fast", "not understood"), ("1gbps", "byte rates"), ("1GB", "byte rates"),
+                       ("10furlongs", "unknown unit"), ("0gbit", "positive"), ("-1gbit", "not understood"),
+                       ("", "not understood"), ("100bit", "too slow"), (True, "not a rate")]:
+        with pytest.raises(ValueError, match=match):
+            parse_rate(bad)
+    with pytest.raises(ValueError, match="unknown unit"):
+        ClusterSpec(nodes=2, ranks_per_node=2, rate="1 gigabit")
+    with pytest.raises(ValueError, match="nodes"):
+        ClusterSpec(nodes=0, ranks_per_node=2)
+
+
+def test_torchrun_args():
+    assert torchrun_args(["python", "-m", "zeropp.bench.training", "--steps", "20"]) == [
+        "-m", "zeropp.bench.training", "--steps", "20"]
+    assert torchrun_args([sys.executable, "x.py", "-a"]) == ["x.py", "-a"]
+    assert torchrun_args(["python3.11", "-mfoo"]) == ["-m", "foo"]
+    assert torchrun_args(["x.py", "1"]) == ["x.py", "1"]
+    assert torchrun_args(["echo", "hi"]) == ["--no-python", "echo", "hi"]
+    for bad in ([], ["python"], ["python", "-c", "pass"]):
+        with pytest.raises(ValueError):
+            torchrun_args(bad)
+
+
+def test_fallback_error_raises(monkeypatch):
+    monkeypatch.setattr(cluster_launch, "shaping_available", lambda: (False, "no namespaces in this test"))
+    with pytest.raises(ClusterUnavailable, match="no namespaces in this test.*iproute2.*--unshaped"):
+        run(ClusterSpec(2, 2, fallback="error"), ["python", WORKER])
+
+
+# ---- namespaces ---------------------------------------------------------------------------------------------
+
+
+@needs_netns
+def test_network_built_and_removed():
+    spec = ClusterSpec(nodes=2, ranks_per_node=1, rate="100mbit")
+    with emulated_network(spec) as net:
+        names = net.namespaces
+        assert len(names) == 3 and set(names) <= set(list_namespaces())
+        assert [n.address for n in net.nodes] == ["10.213.0.1", "10.213.0.2"]
+        for node in net.nodes:
+            assert "tbf" in _tc(node.namespace, node.interface) and "100Mbit" in _tc(node.namespace, node.interface)
+            assert "tbf" in _tc(net.switch, node.switch_port)
+        ping = subprocess.run(net.nodes[0].exec_prefix() + ["ping", "-c", "1", "-W", "2", "10.213.0.2"],
+                              capture_output=True, text=True)
+        assert ping.returncode == 0 or "not found" in ping.stderr or "No such file" in ping.stderr
+    assert not set(names) & set(list_namespaces())
+
+    with pytest.raises(RuntimeError, match="inside"):
+        with emulated_network(spec) as net:
+            names = net.namespaces
+            assert set(names) <= set(list_namespaces())
+            raise RuntimeError("inside")
+    assert not set(names) & set(list_namespaces())
+
+
+def _transfer(net, src: int, dst_ns: int, dst_addr: str, nbytes: int, port: int) -> float:
+    """Seconds to send nbytes from node src to dst_addr (a server in node dst_ns)."""
+    server = subprocess.Popen(net.nodes[dst_ns].exec_prefix() + [sys.executable, TRANSFER, "serve", dst_addr,
+                              str(port), str(nbytes)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert server.stdout.readline().strip() == "ready"
+        out = subprocess.run(net.nodes[src].exec_prefix() + [sys.executable, TRANSFER, "send", dst_addr,
+                             str(port), str(nbytes)], capture_output=True, text=True, timeout=60, check=True)
+        assert server.wait(timeout=30) == 0
+        return float(out.stdout.strip())
+    finally:
+        server.kill()
+
+
+@needs_netns
+def test_cross_node_traffic_is_rate_limited():
+    rate = 100e6
+    nbytes = 6_000_000  # 0.48 s at 100 Mbit/s
+    with emulated_network(ClusterSpec(nodes=2, ranks_per_node=1, rate="100mbit")) as net:
+        before = net.qdisc_bytes(0)
+        for src, dst in ((0, 1), (1, 0)):
+            secs = _transfer(net, src, dst, net.nodes[dst].address, nbytes, 5000 + src)
+            ratio = nbytes * 8 / secs / rate
+            assert 0.7 <= ratio <= 1.05, f"node {src} -> node {dst}: {ratio:.2f} of the rate"
+        sent, received = (a - b for a, b in zip(net.qdisc_bytes(0), before))
+        assert sent >= nbytes and received >= nbytes, (sent, received)
+        # Inside one node, to the node's own (shaped interface's) address: local delivery, not shaped.
+        before = net.qdisc_bytes(0)
+        secs = _transfer(net, 0, 0, net.nodes[0].address, nbytes, 5002)
+        assert nbytes * 8 / secs > 3 * rate
+        sent, received = (a - b for a, b in zip(net.qdisc_bytes(0), before))
+        assert sent < 100_000 and received < 100_000, (sent, received)
+    # The same link unshaped (veth speed) is much faster.
+    with emulated_network(ClusterSpec(nodes=2, ranks_per_node=1, rate=None)) as net:
+        secs = _transfer(net, 0, 1, net.nodes[1].address, nbytes, 5003)
+        assert nbytes * 8 / secs > 3 * rate
+
+
+# ---- torchrun -----------------------------------------------------------------------------------------------
+
+
+@needs_netns
+def test_run_across_namespaces_and_failure_cleanup():
+    spec = ClusterSpec(nodes=2, ranks_per_node=2, rate="1gbit")
+    before = set(list_namespaces())
+    assert run(spec, ["python", WORKER], env=RANK_ENV, timeout=180) == 0
+    assert set(list_namespaces()) == before
+    # Rank 3 (node 1) fails; node 0's ranks would wait forever in the all-reduce: run stops them.
+    t0 = time.monotonic()
+    rc = run(spec, ["python", WORKER], env={**RANK_ENV, "CLUSTER_TEST_FAIL_RANK": "3"}, timeout=180)
+    assert rc not in (0, 124), rc
+    assert time.monotonic() - t0 < 150
+    assert set(list_namespaces()) == before
+    assert _worker_processes() == []
+
+
+def test_unshaped_fallback_runs_the_same_script(monkeypatch, capsys):
+    monkeypatch.setattr(cluster_launch, "shaping_available", lambda: (False, "pretend: no namespaces"))
+    assert run(ClusterSpec(nodes=2, ranks_per_node=2), ["python", WORKER], env=RANK_ENV, timeout=180) == 0
+    err = capsys.readouterr().err
+    assert "pretend: no namespaces" in err and "falling back to --unshaped" in err
+    assert _worker_processes() == []
