@@ -378,7 +378,7 @@ class ZeroConfig:
     zero_hpz_partition_size: int = 1
     reduce_bucket_size: int = 500_000_000
     stage3_prefetch_bucket_size: int = 50_000_000
-    overlap_comm: bool = False
+    overlap_comm: bool = False  # parse(): DeepSpeed's default, true for stage 3
     zeropp: ZeroppConfig = field(default_factory=ZeroppConfig)
 
     @property
@@ -429,7 +429,7 @@ class ZeroConfig:
                                     f"{where}.reduce_bucket_size", minimum=1),
             stage3_prefetch_bucket_size=_int(block.get("stage3_prefetch_bucket_size", d.stage3_prefetch_bucket_size),
                                              f"{where}.stage3_prefetch_bucket_size", minimum=0),
-            overlap_comm=_bool(block, "overlap_comm", where, False),
+            overlap_comm=_bool(block, "overlap_comm", where, stage == 3),
             zeropp=zeropp,
         )
 

@@ -68,23 +68,30 @@ class Collectives:
         """This rank's position in the data-parallel group: the shard it owns."""
         return self.topology.rank
 
-    def gather_params(self, shard: torch.Tensor, out: torch.Tensor) -> None:
-        """All-gather every rank's parameter ``shard`` into the flat ``out`` (``world_size * shard.numel()``)."""
-        comm.all_gather(shard, bits=self.weight_bits, topology=self.topology, out=out, block_size=self.block_size)
+    def gather_params(self, shard: torch.Tensor, out: torch.Tensor) -> comm.CollectiveWork:
+        """Start the all-gather of every rank's parameter ``shard`` into the flat ``out`` (``world_size *
+        shard.numel()``); ``out`` holds the values once the returned handle's ``wait()`` returns."""
+        return comm.all_gather(
+            shard, bits=self.weight_bits, topology=self.topology, out=out, block_size=self.block_size, async_op=True
+        )
 
-    def gather_secondary(self, secondary: torch.Tensor, out: torch.Tensor) -> None:
-        """hpZ: all-gather the partition's secondary shards into ``out`` (``hpz * secondary.numel()``), exact and
-        inside the node: the secondaries already hold the (dequantized) values of the data-parallel gather."""
-        comm.all_gather(secondary, bits=None, group=self.partition_group, topology=self.topology, out=out)
+    def gather_secondary(self, secondary: torch.Tensor, out: torch.Tensor) -> comm.CollectiveWork:
+        """hpZ: start the all-gather of the partition's secondary shards into ``out`` (``hpz * secondary.numel()``),
+        exact and inside the node: the secondaries already hold the (dequantized) values of the data-parallel
+        gather."""
+        return comm.all_gather(
+            secondary, bits=None, group=self.partition_group, topology=self.topology, out=out, async_op=True
+        )
 
     def reduce_scatter_grads(
         self, full: torch.Tensor, out: torch.Tensor, error_feedback: comm.ErrorFeedback | None = None
-    ) -> None:
-        """Average the flat gradient ``full`` over the ranks; this rank's slice (``comm.shard_range``) into ``out``
-        (qgZ when ``gradient_bits`` is set, with ``error_feedback``'s residuals when given)."""
-        comm.reduce_scatter(
+    ) -> comm.CollectiveWork:
+        """Start averaging the flat gradient ``full`` over the ranks, this rank's slice (``comm.shard_range``) into
+        ``out`` (qgZ when ``gradient_bits`` is set, with ``error_feedback``'s residuals when given). Handles must be
+        waited on in the order they were started, the same on every rank (qgZ's second hop runs inside ``wait()``)."""
+        return comm.reduce_scatter(
             full, bits=self.gradient_bits, op=comm.ReduceOp.AVG, topology=self.topology, out=out,
-            block_size=self.block_size, error_feedback=error_feedback,
+            block_size=self.block_size, error_feedback=error_feedback, async_op=True,
         )
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -75,8 +75,14 @@ residuals are in scaled units and are multiplied by the ratio whenever the scale
 they keep what the reduction left (non-finite residuals are zeroed by ``comm.ErrorFeedback``). bf16 has no loss
 scale and no overflow check (as DeepSpeed).
 
-Limits: ``reduce_bucket_size``, ``stage3_prefetch_bucket_size`` and ``overlap_comm`` are validated but change
-nothing yet (one collective per unit, issued synchronously, no prefetch). Frozen parameters stay whole on every
+Overlap (DeepSpeed's keys and defaults). ``stage3_prefetch_bucket_size`` (elements; 0: off) bounds the stage-3
+look-ahead: after a unit is gathered, the gathers of the units expected next (the previous forward's order; reversed
+in backward) are started asynchronously (``zeropp.engine.prefetch``). ``overlap_comm`` (default true at stage 3, as
+DeepSpeed) lets each unit's gradient reduce-scatter run while autograd goes on, waiting for the oldest ones once the
+flat fp32 buffers in flight exceed ``reduce_bucket_size`` elements, and for all at the end of backward; off, every
+reduce-scatter completes before backward resumes. Either way the values are bit-identical: only the timing changes.
+
+Limits: one reduce-scatter per unit (``reduce_bucket_size`` does not merge units into buckets). Frozen parameters stay whole on every
 rank. In stage 3, outside the engine's forward and backward the module's trainable parameters are empty tensors:
 read the weights with ``engine.full_parameters()`` (the compute weights) or ``engine.consolidated_state_dict()`` (the
 fp32 masters). Checkpoints (``save_checkpoint``/``load_checkpoint``, ``zeropp.engine.checkpoint``) are taken at
@@ -87,6 +93,7 @@ keep their own RNG state.
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 from collections.abc import Iterable
@@ -104,7 +111,8 @@ from .hooks import GradientReadiness, install_stage3_hooks
 from .loss_scaler import LossScaler
 from .optimizer import PartitionedOptimizer
 from .policy import UnitPolicy, plan_units
-from .unit import Unit
+from .prefetch import Prefetcher
+from .unit import GradientReduction, Unit
 
 
 class EngineUsageError(RuntimeError):
@@ -153,9 +161,16 @@ class ZeroEngine:
         assert config.optimizer is not None
         self.optimizer = PartitionedOptimizer(config.optimizer, self.units, model_parameters)
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self.prefetcher = Prefetcher(zero.stage3_prefetch_bucket_size if sharded else 0)
         if sharded:
+            self._hooks.append(module.register_forward_pre_hook(lambda *_: self.prefetcher.begin_forward()))
             for unit in self.units:
-                self._hooks += install_stage3_hooks(unit, modules[unit.name], root=unit.name == "")
+                self._hooks += install_stage3_hooks(
+                    unit, modules[unit.name], root=unit.name == "", prefetcher=self.prefetcher
+                )
+        self.overlap_comm = zero.overlap_comm
+        self.reduce_bucket_size = zero.reduce_bucket_size
+        self._reductions: collections.deque[GradientReduction] = collections.deque()  # in flight, oldest first
         self._readiness = GradientReadiness(self.units, self._on_unit_ready) if self.stage >= 2 else None
 
         self.gradient_accumulation_steps = config.gradient_accumulation_steps
@@ -278,19 +293,34 @@ class ZeroEngine:
 
     def _on_unit_ready(self, unit: Unit) -> None:
         """A unit's gradients are complete (stages 2 and 3): reduce-scatter them now, free the unit."""
-        unit.reduce_gradients()
+        self._reduce(unit)
         unit.free()
 
+    def _reduce(self, unit: Unit) -> None:
+        """Start ``unit``'s gradient reduce-scatter. Without ``overlap_comm`` wait for it at once; with it, let it
+        run while autograd goes on, waiting for the oldest ones only while the flat buffers in flight exceed
+        ``reduce_bucket_size`` elements (every rank waits in the order it started them: qgZ's hop 2 runs inside
+        the wait)."""
+        self._reductions.append(unit.reduce_gradients())
+        if not self.overlap_comm:
+            self._reductions.popleft().wait()
+            return
+        while len(self._reductions) > 1 and sum(r.numel for r in self._reductions) > self.reduce_bucket_size:
+            self._reductions.popleft().wait()
+
     def _finish_backward(self) -> None:
-        """Reduce what the hooks did not (stage 1 at the boundary; units with a parameter that got no gradient)
-        and free every stage-3 unit, root included. Same unit order on every rank."""
+        """Reduce what the hooks did not (stage 1 at the boundary; units with a parameter that got no gradient),
+        wait for every reduction in flight and free every stage-3 unit, root included. Same unit order on every
+        rank."""
         for unit in self.units:
             if self.stage == 1:
                 if self.is_gradient_accumulation_boundary():
-                    unit.reduce_gradients()
+                    self._reduce(unit)
             elif self._readiness is not None and not self._readiness.is_done(unit):
-                unit.reduce_gradients()
+                self._reduce(unit)
             unit.free()
+        while self._reductions:
+            self._reductions.popleft().wait()
 
     def _unscale_and_check_overflow(self) -> bool:
         """fp16, at the boundary: divide the gradient shards by the loss scale and say whether any rank's shard

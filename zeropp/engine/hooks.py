@@ -9,6 +9,9 @@ Stage 3 (``install_stage3_hooks``), per unit module:
   calls ``unit.gather()`` again (from the hpZ secondary shards once hpZ is on). The outputs themselves are
   returned unchanged (no wrapping autograd function, no views).
 
+With prefetching on (``zeropp.engine.prefetch``) each of those gathers is followed by starting the gathers of the
+units expected next; the gather of a unit whose all-gather was started earlier only waits for it.
+
 Activation checkpointing (``torch.utils.checkpoint``, non-reentrant) recomputes a unit's forward inside its
 backward, after the output's gradient hook has gathered it, so the recomputation finds the parameters whole.
 torch 2.13 runs no module hooks during that recomputation; should a version run them, the post-hook does not free
@@ -33,6 +36,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
+from .prefetch import Prefetcher
 from .unit import Unit
 
 
@@ -40,19 +44,25 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _gather_before_backward(unit: Unit, output: Any) -> None:
+def _gather_before_backward(unit: Unit, output: Any, prefetcher: Prefetcher) -> None:
     """Gather ``unit`` when autograd computes the gradient of any of its output tensors: that is before autograd
     runs the unit's own backward (a tensor's gradient hooks run before its ``grad_fn`` consumes the gradient)."""
     tensors = [x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor) and x.requires_grad]
     if tensors:
-        register_multi_grad_hook(tensors, lambda _grad: unit.gather(), mode="any")
+
+        def hook(_grad: Any) -> None:
+            unit.gather()
+            prefetcher.after_backward_gather(unit)
+
+        register_multi_grad_hook(tensors, hook, mode="any")
 
 
-def install_stage3_hooks(unit: Unit, module: nn.Module, *, root: bool) -> list[RemovableHandle]:
+def install_stage3_hooks(unit: Unit, module: nn.Module, *, root: bool, prefetcher: Prefetcher) -> list[RemovableHandle]:
     """Forward pre/post hooks of a stage-3 unit on its module (see the module docstring)."""
 
     def pre_forward(_module: nn.Module, _args: Any) -> None:
         unit.gather()
+        prefetcher.after_forward_gather(unit)
 
     def post_forward(_module: nn.Module, _args: Any, output: Any) -> Any:
         if not torch.is_grad_enabled():
@@ -62,7 +72,7 @@ def install_stage3_hooks(unit: Unit, module: nn.Module, *, root: bool) -> list[R
         if not root:
             if not _in_backward():
                 unit.free()
-            _gather_before_backward(unit, output)
+            _gather_before_backward(unit, output, prefetcher)
         return output  # the root unit stays whole until the engine finishes backward
 
     return [module.register_forward_pre_hook(pre_forward), module.register_forward_hook(post_forward)]

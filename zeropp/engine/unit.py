@@ -38,9 +38,10 @@ identity matters: tied weights, user references) and point into it: ``param.data
   of a weight (``weight.t()`` inside ``F.linear``), and those views see the re-gathered values in backward.
 
 Gradients arrive in the parameters' ``.grad`` (autograd's normal accumulation); ``reduce_gradients()`` packs them
-into one flat fp32 buffer (zeros where a parameter got no gradient; bf16/fp16 gradients upcast), reduce-scatters it
-(qgZ when on, with this unit's ``ErrorFeedback`` when configured) and adds this rank's slice to ``grad_shard``, then
-drops the ``.grad`` tensors.
+into one flat fp32 buffer (zeros where a parameter got no gradient; bf16/fp16 gradients upcast), drops the ``.grad``
+tensors and starts the reduce-scatter (qgZ when on, with this unit's ``ErrorFeedback`` when configured); the
+returned ``GradientReduction``'s ``wait()`` adds this rank's slice to ``grad_shard``. ``gather(wait=False)`` likewise
+only starts the all-gather (the engine's prefetch), and the next ``gather()`` or ``free()`` waits for it.
 """
 
 from __future__ import annotations
@@ -109,6 +110,7 @@ class Unit:
         self.secondary: torch.Tensor | None = None  # hpZ: this rank's 1/hpz of the gathered values
         self.error_feedback = _comm.ErrorFeedback() if comm.error_feedback else None
         self.gathered = True
+        self._gathering: _comm.CollectiveWork | None = None  # a started (prefetched) gather not yet waited for
         self._bind()
         if sharded:
             self.free()
@@ -131,27 +133,36 @@ class Unit:
         i = self.comm.partition_rank
         return i * length, (i + 1) * length
 
-    def gather(self) -> None:
-        """Stage 3: make the parameters whole. No-op if already whole. Without a secondary shard: all-gather the
-        shards (qwZ when on) over the data-parallel group and, with hpZ, keep the secondary; with one: all-gather
-        the secondaries inside the hpZ partition (exact, node-local)."""
-        if self.gathered:
+    def gather(self, *, wait: bool = True) -> None:
+        """Stage 3: make the parameters whole. Without a secondary shard: all-gather the shards (qwZ when on) over
+        the data-parallel group and, with hpZ, keep the secondary; with one: all-gather the secondaries inside the
+        hpZ partition (exact, node-local). ``wait=False`` (prefetch) only starts the all-gather: the values are in
+        once a later ``gather()`` (or ``free()``) has waited for it. No communication if already gathered."""
+        if not self.gathered:
+            self.full.untyped_storage().resize_(self._full_nbytes)
+            if self.secondary is not None:
+                self._gathering = self.comm.gather_secondary(self.secondary, self.full)
+            else:
+                self._gathering = self.comm.gather_params(self.shard, self.full)
+            self.gathered = True
+        if wait:
+            self._finish_gather()
+
+    def _finish_gather(self) -> None:
+        work, self._gathering = self._gathering, None
+        if work is None:
             return
-        self.full.untyped_storage().resize_(self._full_nbytes)
-        if self.secondary is not None:
-            self.comm.gather_secondary(self.secondary, self.full)
-        else:
-            self.comm.gather_params(self.shard, self.full)
-            if self.hpz > 1:
-                a, b = self.secondary_range()
-                self.secondary = self.full[a:b].clone()
+        work.wait()
+        if self.hpz > 1 and self.secondary is None:  # this was the data-parallel gather: keep the secondary
+            a, b = self.secondary_range()
+            self.secondary = self.full[a:b].clone()
         self._bind()
-        self.gathered = True
 
     def free(self) -> None:
         """Stage 3: release ``full``'s memory and leave the parameters empty. No-op in stages 1 and 2."""
         if not self.sharded or not self.gathered:
             return
+        self._finish_gather()  # a prefetched gather may still be writing into full
         for p in self.params:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self.full.untyped_storage().resize_(0)
@@ -165,21 +176,22 @@ class Unit:
         self.secondary = None  # hpZ: the secondary holds the old weights
         self.shard.copy_(self.master)
         if not self.sharded:
-            self.comm.gather_params(self.shard, self.full)
+            self.comm.gather_params(self.shard, self.full).wait()
 
     # ---- gradients ------------------------------------------------------------------------------------------
 
-    def reduce_gradients(self) -> None:
-        """Reduce-scatter the parameters' ``.grad`` (averaged over ranks) and add this rank's slice to
-        ``grad_shard``; the ``.grad`` tensors are dropped."""
+    def reduce_gradients(self) -> GradientReduction:
+        """Start the reduce-scatter of the parameters' ``.grad`` (averaged over ranks); the returned handle's
+        ``wait()`` adds this rank's slice to ``grad_shard``. The ``.grad`` tensors are dropped at once (their values
+        are copied into the flat fp32 buffer the collective sends), so a stage-3 unit may be freed before the wait."""
         flat = torch.zeros(self.full.numel(), dtype=torch.float32, device=self.full.device)
         for p, off in zip(self.params, self.offsets):
             if p.grad is not None:
                 flat[off : off + p.numel()].copy_(p.grad.reshape(-1))
                 p.grad = None
         received = torch.empty(self.shard_numel, dtype=torch.float32, device=flat.device)
-        self.comm.reduce_scatter_grads(flat, received, error_feedback=self.error_feedback)
-        self.grad_shard.add_(received)
+        work = self.comm.reduce_scatter_grads(flat, received, error_feedback=self.error_feedback)
+        return GradientReduction(work, received, self.grad_shard, flat.numel())
 
     def param_ranges(self) -> list[tuple[int, int, int]]:
         """``(parameter index, start, stop)`` for each parameter overlapping this rank's shard, ``start``/``stop``
@@ -191,3 +203,25 @@ class Unit:
             if a < b:
                 out.append((i, a - lo, b - lo))
         return out
+
+
+class GradientReduction:
+    """A unit's gradient reduce-scatter in flight (``Unit.reduce_gradients``).
+
+    Attributes:
+        numel: elements of the flat fp32 buffer it sends (held until ``wait``).
+    """
+
+    def __init__(self, work: _comm.CollectiveWork, received: torch.Tensor, grad_shard: torch.Tensor, numel: int):
+        self._work: _comm.CollectiveWork | None = work
+        self._received = received
+        self._grad_shard = grad_shard
+        self.numel = numel
+
+    def wait(self) -> None:
+        """Finish the collective and add the received slice to the unit's ``grad_shard`` (once)."""
+        if self._work is None:
+            return
+        self._work.wait()
+        self._work = None
+        self._grad_shard.add_(self._received)

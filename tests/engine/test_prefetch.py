@@ -1,0 +1,49 @@
+"""Stage-3 prefetch (``stage3_prefetch_bucket_size``) and overlapped gradient reduction (``overlap_comm``) change
+when collectives run, never what they compute: on 4 gloo ranks (2 emulated nodes of 2) the runs with them off and on
+give bit-identical losses and fp32 masters, exact and with full ZeRO++ (qwZ, hpZ, qgZ with error feedback). The
+prefetcher learns the forward order of the tiny GPT (root, blocks.0, blocks.1) and starts, per step after the first, the
+gathers of blocks.0 and blocks.1 from the root's pre-forward and blocks.0's from blocks.1's backward (3) with an unbounded bucket, and
+stops at the bucket bound otherwise."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine_launch import launch
+
+FULL = {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True,
+        "zeropp": {"error_feedback": True}}
+
+
+@pytest.mark.parametrize("zero", [{}, FULL], ids=["exact", "zeropp"])
+def test_prefetch_and_overlap_are_bit_identical(tmp_path, zero) -> None:
+    runs = {
+        "off": {"stage3_prefetch_bucket_size": 0, "overlap_comm": False},
+        "on": {},  # defaults: 5e7-element prefetch bucket, overlap_comm true at stage 3
+        "one-unit": {"stage3_prefetch_bucket_size": 1, "reduce_bucket_size": 1},  # waits for each reduction at once
+    }
+    results = launch("prefetch_workers:prefetch_runs", 4, tmp_path, env={"ZEROPP_RANKS_PER_NODE": "2"},
+                     timeout=300, zero=zero, runs=runs)
+    for res in results:
+        off = res["off"]
+        assert off["started"] == [0, 0, 0, 0]
+        for name in ("on", "one-unit"):
+            assert res[name]["losses"] == off["losses"], name
+            for key, want in off["masters"].items():
+                assert torch.equal(res[name]["masters"][key], want), (name, key)
+        on = res["on"]
+        assert on["order"] == ["", "blocks.0", "blocks.1"]
+        assert on["started"] == [0, 3, 3, 3]
+        # a bucket of one element is smaller than every unit: nothing is started ahead
+        assert res["one-unit"]["started"] == [0, 0, 0, 0]
+
+
+def test_prefetch_bucket_bounds_the_look_ahead(tmp_path) -> None:
+    sizes = launch("prefetch_workers:prefetch_runs", 2, tmp_path, zero={}, runs={"probe": {}}, steps=1)[0]
+    block = sizes["probe"]["unit_numel"]["blocks.0"]
+    # room for exactly one block unit: the root starts blocks.0 only, blocks.0 starts blocks.1, the backward of blocks.1 starts blocks.0
+    res = launch("prefetch_workers:prefetch_runs", 2, tmp_path / "b", zero={},
+                 runs={"bounded": {"stage3_prefetch_bucket_size": block}}, steps=3)
+    for r in res:
+        assert r["bounded"]["started"] == [0, 3, 3]
