@@ -164,15 +164,32 @@ def consolidated_and_errors(rank: int, world: int, root: str) -> dict:
     return {"consolidated": cons, "logits_equal": logits_equal, "messages": messages}
 
 
-def reshard(rank: int, world: int, root: str, load: str, save: str | None, cfg: dict) -> dict:
-    """Load the checkpoint ``load`` (saved at another world size and layout) into an engine of config ``cfg``,
-    return what it holds, train 2 steps (and save to ``save``). A qgZ engine starts with zero residuals."""
-    engine = make_engine(cfg)
+def reshard(rank: int, world: int, root: str, load: str, save: str | None, cfg: dict,
+            topology: zeropp.comm.Topology | None = None) -> dict:
+    """Load the checkpoint ``load`` (saved at another world size and layout) into an engine of config ``cfg`` over
+    ``topology``'s group, return what it holds, train 2 steps (and save to ``save``). A qgZ engine starts with zero
+    residuals."""
+    engine, _, _, _ = zeropp.initialize(model=GPT(DROPOUT, seed=2), config=cfg, topology=topology)
     engine.load_checkpoint(Path(root) / load)
     assert all(u.error_feedback is None or u.error_feedback.residual is None for u in engine.units)
     loaded, cons = gathered_state(engine), engine.consolidated_state_dict()
-    losses = train(engine, rank, world, text_batches(2, 2 * world, seed=11))
+    size, pos = engine.comm.world_size, engine.comm.rank
+    losses = train(engine, pos, size, text_batches(2, 2 * size, seed=11))
     if save is not None:
         engine.save_checkpoint(Path(root) / save)
-    return {"loaded": loaded, "consolidated": cons, "losses": losses, "saved": gathered_state(engine),
-            "units": [(u.align, u.shard_numel) for u in engine.units]}
+    return {"world_size": size, "loaded": loaded, "consolidated": cons, "losses": losses,
+            "saved": gathered_state(engine), "units": [(u.align, u.shard_numel) for u in engine.units]}
+
+
+def all_checks(rank: int, world: int, root: str, runs: dict[str, dict], stage1: dict, zeropp3: dict) -> dict:
+    """Everything in one process group of 4 (process start-up dominates the cost): ``resume`` of ``runs``,
+    ``consolidated_and_errors``, then resharding: the checkpoint of the run ``"zeropp"`` (world 4) loads into a
+    world-2 engine of config ``stage1`` on ranks 0 and 1 (a subgroup), whose checkpoint loads back into a world-4
+    engine of config ``zeropp3``."""
+    out = {"resume": resume(rank, world, root, runs), "consolidated": consolidated_and_errors(rank, world, root)}
+    pair = torch.distributed.new_group([0, 1])  # every rank takes part in creating it
+    if rank < 2:
+        out["two"] = reshard(rank, world, root, "zeropp", "two", stage1, zeropp.comm.Topology(group=pair))
+    torch.distributed.barrier()
+    out["four"] = reshard(rank, world, root, "two", None, zeropp3)
+    return out

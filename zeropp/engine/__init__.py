@@ -9,9 +9,11 @@ One file per responsibility:
 * ``loss_scaler.py``: ``LossScaler``, fp16 dynamic loss scaling (DeepSpeed's rules);
 * ``optimizer.py``: ``PartitionedOptimizer``, AdamW/Adam/SGD on the shards, torch.optim's arithmetic;
 * ``engine.py``: ``ZeroEngine``, the forward/backward/step protocol;
+* ``checkpoint.py``: sharded save/load with torch.distributed.checkpoint (any world size), the consolidated state dict;
 * ``initialize.py``: ``initialize``, the entry point (also ``zeropp.initialize``).
 """
 
+from .checkpoint import CheckpointError, consolidate
 from .engine import EngineUsageError, ZeroEngine
 from .initialize import initialize
 from .loss_scaler import LossScaler
@@ -20,6 +22,7 @@ from .policy import UnitPlan, UnitPolicy, default_unit_modules, plan_units, unit
 from .unit import Unit
 
 __all__ = [
+    "CheckpointError",
     "EngineUsageError",
     "LossScaler",
     "PartitionedOptimizer",
@@ -27,6 +30,7 @@ __all__ = [
     "UnitPlan",
     "UnitPolicy",
     "ZeroEngine",
+    "consolidate",
     "default_unit_modules",
     "initialize",
     "plan_units",

@@ -42,6 +42,7 @@ import io
 import os
 import pickle
 import random
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -273,15 +274,25 @@ def save(engine: ZeroEngine, save_dir: str | os.PathLike[str], tag: str | None =
 # ---- load ---------------------------------------------------------------------------------------------------
 
 
+def _load_alone(state: dict[str, Any], path: Path) -> None:
+    """``dcp.load`` in this process alone (no collective), without DCP's warning that this is what it does."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=path, no_dist=True)
+
+
 def _read_own(path: Path, keys: list[str]) -> dict[str, Any]:
-    """The pickled entries ``keys`` of the checkpoint that exist, read by this process alone (no collective)."""
+    """The pickled entries ``keys`` of the checkpoint (all must exist), read by this process alone."""
     holder: dict[str, Any] = {key: b"" for key in keys}
-    dcp.load(holder, checkpoint_id=path, no_dist=True)
+    _load_alone(holder, path)
     return {key: _unpack(value) for key, value in holder.items()}
 
 
 def _check_compatible(engine: ZeroEngine, metadata: dict[str, Any], saved: dict[str, Any], path: Path) -> None:
     """Raise ``CheckpointError`` naming the first difference between the checkpoint and the engine."""
+    if saved["format_version"] != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {str(path)!r} has format version {saved['format_version']}, this zeropp "
+                              f"reads {FORMAT_VERSION}")
     shapes = {name: tuple(unit.shapes[i]) for name, unit, i in _params(engine)}
     for name, shape in shapes.items():
         if name not in saved["shapes"]:
@@ -343,6 +354,8 @@ def load(engine: ZeroEngine, load_dir: str | os.PathLike[str], tag: str | None =
     path = checkpoint_path(load_dir, tag)
     metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     rank = engine.topology.global_rank
+    if not isinstance(metadata.get("engine"), BytesStorageMetadata):
+        raise CheckpointError(f"{str(path)!r} is a DCP checkpoint but not one of ZeroEngine.save_checkpoint")
     own = [key for key in ("engine", "client_state", f"rank{rank}.rng", _error_feedback_key(engine))
            if isinstance(metadata.get(key), BytesStorageMetadata)]
     saved = _read_own(path, own)
@@ -410,7 +423,7 @@ def consolidate(checkpoint_dir: str | os.PathLike[str], tag: str | None = None) 
     state = {f"model.{key}": torch.empty(metadata[f"model.{key}"].size,
                                          dtype=metadata[f"model.{key}"].properties.dtype)
              for key in dict.fromkeys(saved["aliases"].values())}
-    dcp.load(state, checkpoint_id=path, no_dist=True)
+    _load_alone(state, path)
     values = {key[len("model."):]: value for key, value in state.items()}
     for name, shape in saved["shapes"].items():
         values[name] = values[name].view(shape)
