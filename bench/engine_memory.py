@@ -1,0 +1,206 @@
+"""Per-rank model-state memory of the engine, measured from its tensors, against the ZeRO formulas.
+
+    python bench/engine_memory.py --preset small --dtype bf16                      # world size 1
+    torchrun --nproc-per-node 4 bench/engine_memory.py --preset small --dtype bf16 --hpz 2
+    (or python -m torch.distributed.run --nproc-per-node 4 bench/engine_memory.py ...)
+
+Builds the GPT preset under ``zeropp.initialize`` (stage 3 by default, AdamW), runs one training step on random
+bytes and reports, per rank, the bytes of each buffer class summed over the units, read from the engine's own
+tensors (``untyped_storage().nbytes()``):
+
+* compute shard (``Unit.shard``), fp32 gradient shard (``grad_shard``), fp32 master (``master``), optimizer state
+  (AdamW's two moments, ``PartitionedOptimizer.state``): against ``b * Psi / N``, ``4 Psi / N``, ``4 Psi / N`` and
+  ``8 Psi / N`` (``Psi`` trainable parameters, ``N`` ranks, ``b`` bytes of the compute dtype);
+* hpZ secondary (``Unit.secondary``, read after the backward, before the step drops it): ``b * Psi / hpz``;
+* whole parameters when resident (``Unit.full`` at its gathered size): all units in stages 1/2, against
+  ``b * Psi``; in stage 3 one unit at a time — reported for the largest unit, transient;
+* the transient fp32 reduce buffer (the flat gradient ``Unit.reduce_gradients`` hands to the reduce-scatter,
+  recorded at the call): the largest unit's, against ``4 *`` that unit's parameter count.
+
+Totals: the persistent model states against DeepSpeed's ``(2 + 2 + 12) Psi / N`` (bf16 + AdamW, bf16 gradient
+partition) and this engine's documented ``(2 + 4 + 12) Psi / N`` (fp32 gradient shard). Measured and formula differ
+only by layout padding (``zeropp.engine.unit``): each unit's flat buffer is ``N * S`` elements with ``S =
+ceil(numel / N)`` (exact collectives) or rounded up to the quantization block with every parameter starting on the
+block grid (qwZ/qgZ): the script prints the padding elements and the exact prediction ``bytes/el * sum(S)``.
+
+Rank 0 prints the table (every rank's numbers are gathered: they differ only if the layout does); ``--json`` writes
+rank 0's numbers for tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import zeropp  # noqa: E402
+from zeropp.models import GPT, GPTConfig  # noqa: E402
+
+MiB = float(1 << 20)
+DTYPES = {"bf16": (torch.bfloat16, 2), "fp16": (torch.float16, 2), "fp32": (torch.float32, 4)}
+
+
+def nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.untyped_storage().nbytes()
+
+
+def init_distributed() -> None:
+    if dist.is_initialized():
+        return
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+        dist.init_process_group("gloo")
+    else:  # plain python: a process group of one
+        store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+
+
+def measure(preset: str, dtype: str, stage: int, hpz: int, quantized: bool, seq: int, micro: int) -> dict:
+    """Build, step once, and return this rank's measured bytes and the formulas' (see the module docstring)."""
+    torch.manual_seed(0)
+    cfg = GPTConfig.preset(preset)
+    model = GPT(cfg, seed=0)
+    psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    zero: dict = {"stage": stage}
+    if hpz > 1:
+        zero["zero_hpz_partition_size"] = hpz
+    if quantized:
+        zero.update(zero_quantized_weights=True, zero_quantized_gradients=True)
+    config = {"train_micro_batch_size_per_gpu": micro, "zero_optimization": zero,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+    if dtype != "fp32":
+        config[dtype] = {"enabled": True}
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    engine, _, _, _ = zeropp.initialize(model=model, config=config)
+    n = engine.comm.world_size
+    b = DTYPES[dtype][1]
+
+    reduce_buffers: list[tuple[int, int]] = []  # (flat gradient bytes, unit parameter elements) per reduce
+    original = engine.comm.reduce_scatter_grads
+
+    def recording(full, out, *args, **kwargs):
+        reduce_buffers.append(nbytes(full))
+        return original(full, out, *args, **kwargs)
+
+    engine.comm.reduce_scatter_grads = recording
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, cfg.vocab_size, (micro, seq + 1), generator=g)
+    _, loss = engine(tokens[:, :-1], tokens[:, 1:])
+    engine.backward(loss)
+    secondary = sum(nbytes(u.secondary) for u in engine.units)  # hpZ: left by the forward, dropped by step()
+    engine.step()
+    engine.comm.reduce_scatter_grads = original
+
+    units = engine.units
+    shard_elems = sum(u.shard_numel for u in units)
+    params_of = [sum(s.numel() for s in u.shapes) for u in units]
+    largest = max(range(len(units)), key=lambda i: units[i].full.numel())
+    full_resident = [u._full_nbytes for u in units]  # the gathered size of each unit's flat buffer
+    opt_state = sum(nbytes(t) for ts in engine.optimizer.state.values() for t in ts)
+    rows = [
+        # name, measured bytes, formula bytes, exact prediction from the layout
+        ("compute shard", sum(nbytes(u.shard) for u in units), b * psi / n, b * shard_elems),
+        ("fp32 grad shard", sum(nbytes(u.grad_shard) for u in units), 4 * psi / n, 4 * shard_elems),
+        ("fp32 master", sum(nbytes(u.master) for u in units), 4 * psi / n, 4 * shard_elems),
+        ("optimizer states", opt_state, 8 * psi / n, 8 * shard_elems),
+    ]
+    if hpz > 1 and stage == 3:
+        rows.append(("hpZ secondary", secondary, b * psi / hpz, b * n * shard_elems // hpz))
+    if stage == 3:
+        rows.append(("full params (largest unit, transient)", full_resident[largest], b * params_of[largest],
+                     b * units[largest].full.numel()))
+    else:
+        rows.append(("full params (all units, resident)", sum(full_resident), b * psi,
+                     b * sum(u.full.numel() for u in units)))
+    rows.append(("reduce buffer (largest unit, transient)", max(reduce_buffers), 4 * params_of[largest],
+                 4 * units[largest].full.numel()))
+    persistent = {"compute shard", "fp32 grad shard", "fp32 master", "optimizer states", "hpZ secondary"}
+    measured_state = sum(m for name, m, _, _ in rows if name in persistent)
+    if stage != 3:
+        measured_state += sum(full_resident)
+    return {
+        "preset": preset, "dtype": dtype, "stage": stage, "world": n, "hpz": hpz, "quantized": quantized,
+        "align": units[0].align, "psi": psi, "units": len(units), "shard_elements": shard_elems,
+        "padding_elements": n * shard_elems - psi,
+        "rows": [{"buffer": name, "measured": m, "formula": f, "layout": lay} for name, m, f, lay in rows],
+        "measured_state": measured_state,
+        "ours_formula": (b + 4 + 12) * psi / n + (b * psi / hpz if hpz > 1 and stage == 3 else 0)
+        + (b * psi if stage != 3 else 0),
+        "deepspeed_formula": (b + b + 12) * psi / n + (b * psi / hpz if hpz > 1 and stage == 3 else 0)
+        + (b * psi if stage != 3 else 0),
+        "rss_before_init_mib": rss_before / MiB,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / MiB,
+    }
+
+
+def report(r: dict, all_ranks: list[dict]) -> str:
+    lines = [
+        f"GPT preset {r['preset']!r}: Psi = {r['psi']:,} trainable parameters, {r['units']} units; {r['dtype']}, "
+        f"stage {r['stage']}, world {r['world']}, hpZ {r['hpz']}, qwZ/qgZ {'on' if r['quantized'] else 'off'} "
+        f"(alignment {r['align']}); AdamW",
+        f"layout: sum of shard sizes S = {r['shard_elements']:,} elements per rank, N * sum(S) - Psi = "
+        f"{r['padding_elements']:,} padding elements",
+        "",
+        f"| {'buffer (per rank)':41s} | {'measured MiB':>12s} | {'formula MiB':>11s} | {'ratio':>7s} | "
+        f"{'layout MiB':>10s} |",
+        f"|{'-' * 43}|{'-' * 14}|{'-' * 13}|{'-' * 9}|{'-' * 12}|",
+    ]
+    for row in r["rows"]:
+        ratio = row["measured"] / row["formula"] if row["formula"] else float("nan")
+        lines.append(f"| {row['buffer']:41s} | {row['measured'] / MiB:12.4f} | {row['formula'] / MiB:11.4f} | "
+                     f"{ratio:7.4f} | {row['layout'] / MiB:10.4f} |")
+    b = DTYPES[r["dtype"]][1]
+    lines += [
+        "",
+        f"model states per rank (persistent; stage 1/2 with the whole params): measured "
+        f"{r['measured_state'] / MiB:.4f} MiB; ours ({b}+4+12)*Psi/N"
+        f"{' + %d*Psi/hpz' % b if r['hpz'] > 1 and r['stage'] == 3 else ''} = {r['ours_formula'] / MiB:.4f} MiB "
+        f"(ratio {r['measured_state'] / r['ours_formula']:.4f}); DeepSpeed ({b}+{b}+12)*Psi/N"
+        f"{' + %d*Psi/hpz' % b if r['hpz'] > 1 and r['stage'] == 3 else ''} = "
+        f"{r['deepspeed_formula'] / MiB:.4f} MiB (ours / DeepSpeed {r['ours_formula'] / r['deepspeed_formula']:.3f})",
+        "peak RSS per rank (process, includes torch itself): "
+        + ", ".join(f"rank {i}: {x['peak_rss_mib']:.0f} MiB (before initialize {x['rss_before_init_mib']:.0f})"
+                    for i, x in enumerate(all_ranks)),
+    ]
+    if any(x["rows"] != r["rows"] for x in all_ranks):
+        lines.append("note: the ranks' measured bytes differ (the last rank's shard may hold less padding)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--stage", type=int, choices=(1, 2, 3), default=3)
+    parser.add_argument("--hpz", type=int, default=1, help="zero_hpz_partition_size (stage 3)")
+    parser.add_argument("--quantized", action="store_true", help="qwZ and qgZ on (block-aligned layout)")
+    parser.add_argument("--seq", type=int, default=16)
+    parser.add_argument("--micro", type=int, default=1)
+    parser.add_argument("--json", help="write rank 0's numbers here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    init_distributed()
+    r = measure(args.preset, args.dtype, args.stage, args.hpz, args.quantized, args.seq, args.micro)
+    all_ranks: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
+    if dist.get_world_size() > 1:
+        dist.all_gather_object(all_ranks, r)
+    else:
+        all_ranks = [r]
+    if dist.get_rank() == 0:
+        print(report(r, all_ranks), flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps({**r, "ranks": all_ranks}, indent=1))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
