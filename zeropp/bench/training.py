@@ -1,0 +1,590 @@
+"""End-to-end training benchmark: ZeRO-3 against ZeRO++ (qwZ, hpZ, qgZ) on an emulated cluster with slow links.
+
+Run it as one command; the driver launches the cluster (``zeropp.cluster``: one torchrun per emulated node, each in
+its own network namespace, nodes joined by links shaped to ``--rate``) and every rank runs the worker::
+
+    python -m zeropp.bench.training --nodes 2 --ranks-per-node 2 --rate 1gbit --quick
+
+Without ``zeropp.cluster`` (or with ``--launcher torchrun``) it runs one unshaped torchrun with all ranks and
+``ZEROPP_RANKS_PER_NODE`` (nodes emulated over loopback: the counters are right, the times are not those of a
+slow link). ``--launcher none`` runs nothing: start the workers yourself with ``--worker`` under torchrun.
+
+The worker trains the byte-level GPT (``zeropp.models.gpt``, fp32) on the stdlib text corpus (``zeropp.data``)
+with ``zeropp.initialize`` in each config of ``--configs``, one after the other in the same job, each from the
+same initial weights (same seed) on the same batches:
+
+==============  =====================================================================================
+config          ``zero_optimization``
+==============  =====================================================================================
+``zero3``       stage 3, exact (fp32 all-gathers and fp32 reduce-scatter)
+``qwz``         + ``zero_quantized_weights`` (int8 weight all-gather)
+``hpz``         + ``zero_hpz_partition_size`` = ranks per node (backward re-gather inside the node)
+``qgz``         + ``zero_quantized_gradients`` (two-hop int4 gradient all-to-all)
+``zeropp``      qwZ + hpZ + qgZ (full ZeRO++)
+``zeropp-w4``   full ZeRO++ with ``zeropp.weight_bits`` 4
+==============  =====================================================================================
+
+Per config, over the steps after ``--warmup`` (step time = the slowest rank's, per step):
+
+* ``step_s``: median step time; ``tokens_per_s``: global tokens per step / ``step_s``; ``speedup``: the baseline's
+  ``step_s`` / this config's;
+* ``inter_MB_rank`` / ``intra_MB_rank``: MB (1e6 bytes) per step this rank *sent* across / inside nodes, from
+  ``zeropp.comm.stats()`` (mean over ranks); ``inter_MB_node``: the same summed over a node's ranks (the busiest
+  node), what its link must carry each way per step; ``ag_inter_MB_rank`` / ``rs_inter_MB_rank``: the all-gather
+  and reduce-scatter parts;
+* ``util_counted``: ``inter_MB_node`` per second of step time over ``--rate``; ``nic_tx_MB_node`` and
+  ``util_nic``: the node interface's measured transmit bytes per step and per second over the rate (read from
+  ``/sys/class/net/$GLOO_SOCKET_IFNAME/statistics`` on each node's first rank; blank when that is not set);
+* ``final_loss``: mean training loss of the last ``min(5, steps)`` steps; ``eval_loss``: loss on a fixed held-out
+  batch after training; ``loss_vs_zero3``: relative difference of ``eval_loss`` to the baseline's.
+
+Rank 0 writes ``training.csv`` (one row per config), ``training_loss.csv`` (config, step, loss, step time),
+``training_loss.png`` and ``training_throughput.png`` to ``--out`` and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "zero3": {},
+    "qwz": {"zero_quantized_weights": True},
+    "hpz": {"zero_hpz_partition_size": "rpn"},
+    "qgz": {"zero_quantized_gradients": True},
+    "zeropp": {"zero_quantized_weights": True, "zero_hpz_partition_size": "rpn", "zero_quantized_gradients": True},
+    "zeropp-w4": {
+        "zero_quantized_weights": True,
+        "zero_hpz_partition_size": "rpn",
+        "zero_quantized_gradients": True,
+        "zeropp": {"weight_bits": 4},
+    },
+}
+LABELS = {
+    "zero3": "ZeRO-3 (exact, fp32)",
+    "qwz": "+qwZ (int8 weights)",
+    "hpz": "+hpZ",
+    "qgz": "+qgZ (int4 grads)",
+    "zeropp": "ZeRO++ (qwZ+hpZ+qgZ)",
+    "zeropp-w4": "ZeRO++, int4 weights",
+}
+DEFAULT_OUT = "bench/out/training"
+QUICK = {"steps": 12, "warmup": 3}
+
+_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmg]?)(bit|bps)?\s*$", re.I)
+
+
+def parse_rate(text: str | None) -> float | None:
+    """``"1gbit"`` -> 1e9 bits per second (tc's spelling: kbit, mbit, gbit; ``none``/``off``: unshaped)."""
+    if text is None or text.strip().lower() in ("", "none", "off", "0"):
+        return None
+    m = _RATE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a rate like 1gbit, 100mbit or none")
+    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2).lower()]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m zeropp.bench.training", description=__doc__.split("\n")[0])
+    p.add_argument("--nodes", type=int, default=2, help="emulated nodes (default 2)")
+    p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node (default 2)")
+    p.add_argument("--rate", default="1gbit", help="link rate between nodes, tc spelling (default 1gbit; none: "
+                   "unshaped)")
+    p.add_argument("--launcher", choices=("auto", "cluster", "torchrun", "none"), default="auto",
+                   help="auto: zeropp.cluster when importable, else one unshaped torchrun")
+    p.add_argument("--steps", type=int, default=30, help="training steps per config (default 30)")
+    p.add_argument("--warmup", type=int, default=5, help="steps left out of the timings (default 5)")
+    p.add_argument("--preset", default="small", help="zeropp.models.gpt preset (default small: 10.7M parameters)")
+    p.add_argument("--seq", type=int, default=64, help="sequence length (default 64)")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step (default 1)")
+    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {','.join(CONFIGS)}")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overlap-comm", choices=("on", "off"), default="on",
+                   help="zero_optimization.overlap_comm (default on)")
+    p.add_argument("--schedule", choices=("interleaved", "sequential"), default="interleaved",
+                   help="interleaved (default): step s of every config before step s+1, so load changes on a "
+                   "shared machine hit all configs alike; sequential: one config after the other")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
+    p.add_argument("--out", default=None, help=f"output directory (default {DEFAULT_OUT})")
+    p.add_argument("--quick", action="store_true",
+                   help=f"short run for a demo: {QUICK['steps']} steps, {QUICK['warmup']} warm-up")
+    p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
+    p.add_argument("--timeout", type=float, default=None, help="driver: seconds before the job is killed")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.steps, args.warmup = QUICK["steps"], QUICK["warmup"]
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in args.configs if c not in CONFIGS]
+    if unknown:
+        p.error(f"unknown config(s) {unknown}; choose from {list(CONFIGS)}")
+    if not 0 <= args.warmup < args.steps:
+        p.error(f"need 0 <= --warmup < --steps, got {args.warmup} and {args.steps}")
+    args.rate_bps = parse_rate(args.rate)
+    if args.out is None:
+        args.out = DEFAULT_OUT
+    return args
+
+
+# ---- worker ---------------------------------------------------------------------------------------------------
+
+
+class Progress:
+    """One stderr line, rewritten in place: config, step, steps/s, loss."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.width = 0
+
+    def update(self, label: str, step: int, total: int, rate: float, loss: float) -> None:
+        if not self.enabled:
+            return
+        n = 24
+        done = int(n * step / total)
+        line = (f"{label:<10} [{'#' * done}{'.' * (n - done)}] {step}/{total}  {rate:5.2f} step/s  "
+                f"loss {loss:6.3f}")
+        sys.stderr.write("\r" + line + " " * max(0, self.width - len(line)))
+        sys.stderr.flush()
+        self.width = len(line)
+
+    def close(self) -> None:
+        if self.enabled and self.width:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+            self.width = 0
+
+
+def nic_bytes() -> tuple[int, int] | None:
+    """(tx, rx) bytes of ``$GLOO_SOCKET_IFNAME`` (this network namespace's view), or None."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+    if not ifname:
+        return None
+    base = Path("/sys/class/net") / ifname / "statistics"
+    try:
+        return int((base / "tx_bytes").read_text()), int((base / "rx_bytes").read_text())
+    except OSError:
+        return None
+
+
+def zero_config(name: str, args: argparse.Namespace, ranks_per_node: int) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": 3, "overlap_comm": args.overlap_comm == "on"}
+    for key, value in CONFIGS[name].items():
+        zero[key] = ranks_per_node if value == "rpn" else (dict(value) if isinstance(value, dict) else value)
+    return {
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.01}},
+        "zero_optimization": zero,
+    }
+
+
+class ConfigRun:
+    """One config's engine on this rank and what its steps measured (steps, losses, bytes, NIC counters)."""
+
+    def __init__(self, name: str, args: argparse.Namespace, topo: Any) -> None:
+        import zeropp
+        from zeropp.models.gpt import GPT, GPTConfig
+
+        self.name, self.args = name, args
+        model = GPT(GPTConfig.preset(args.preset, block_size=max(args.seq, 1)), seed=args.seed)
+        self.engine, _, _, _ = zeropp.initialize(model=model, config=zero_config(name, args, topo.ranks_per_node),
+                                                 topology=topo)
+        self.engine.train()
+        self.losses: list[float] = []
+        self.times: list[float] = []
+        self.sent = {k: dict.fromkeys(f, 0) for k, f in (("all_gather", _FIELDS), ("reduce_scatter", _FIELDS))}
+        self.nic = [0, 0] if nic_bytes() is not None else None
+        self.window_s = 0.0
+
+    def step(self, step: int, data: Any) -> None:
+        """One training step, between barriers; counters and NIC bytes are added up after the warm-up."""
+        import torch.distributed as dist
+
+        from zeropp import comm
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        inputs, targets = data.micro_batch(step, rank=rank, world_size=world)
+        dist.barrier()
+        s0, n0 = comm.stats(), nic_bytes()
+        t0 = time.perf_counter()
+        _, loss = self.engine(inputs, targets)
+        self.engine.backward(loss)
+        self.engine.step()
+        self.times.append(time.perf_counter() - t0)
+        self.losses.append(float(loss.item()))
+        dist.barrier()  # every rank of every node is done: the NIC counters hold this step's traffic only
+        t1, s1, n1 = time.perf_counter(), comm.stats(), nic_bytes()
+        if step >= self.args.warmup:
+            self.window_s += t1 - t0
+            for kind, fields in self.sent.items():
+                for f in fields:
+                    fields[f] += s1.get(kind, {}).get(f, 0) - s0.get(kind, {}).get(f, 0)
+            if self.nic is not None and n0 is not None and n1 is not None:
+                self.nic[0] += n1[0] - n0[0]
+                self.nic[1] += n1[1] - n0[1]
+
+    def finish(self, eval_batch: Any) -> dict[str, Any]:
+        """Eval loss on the held-out batch; this rank's raw measurements. Frees the engine."""
+        import torch
+
+        self.engine.eval()
+        with torch.no_grad():
+            _, eval_loss = self.engine(*eval_batch)
+        measured = self.args.steps - self.args.warmup
+        out = {
+            "losses": self.losses,
+            "times": self.times,
+            "per_kind": {k: {f: v / measured for f, v in fields.items()} for k, fields in self.sent.items()},
+            "nic": None if self.nic is None else (self.nic[0] / measured, self.nic[1] / measured),
+            "window_s": self.window_s,
+            "eval_loss": float(eval_loss.item()),
+        }
+        del self.engine
+        return out
+
+
+_FIELDS = ("calls", "sent_intra", "sent_inter", "recv_intra", "recv_inter")
+
+
+def run_configs(args: argparse.Namespace, topo: Any, data: Any, eval_batch: Any,
+                progress: Progress) -> dict[str, dict[str, Any]]:
+    """Train every config; return this rank's measurements per config.
+
+    ``sequential``: one config after the other (a fresh engine each). ``interleaved``: every config's engine is
+    built first (same seed: same initial weights) and step ``s`` of each config runs before step ``s + 1`` of any,
+    so a change in the machine's load (other processes on a shared box) hits every config alike."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    results: dict[str, dict[str, Any]] = {}
+    t_start = time.perf_counter()
+    if args.schedule == "interleaved":
+        runs = [ConfigRun(name, args, topo) for name in args.configs]
+        for step in range(args.steps):
+            for run in runs:
+                run.step(step, data)
+            if rank == 0:
+                progress.update("all", step + 1, args.steps, (step + 1) / (time.perf_counter() - t_start),
+                                runs[0].losses[-1])
+        progress.close()
+        for run in runs:
+            results[run.name] = run.finish(eval_batch)
+        return results
+    for name in args.configs:
+        run = ConfigRun(name, args, topo)
+        t_start = time.perf_counter()
+        for step in range(args.steps):
+            run.step(step, data)
+            if rank == 0:
+                progress.update(name, step + 1, args.steps, (step + 1) / (time.perf_counter() - t_start),
+                                run.losses[-1])
+        progress.close()
+        results[name] = run.finish(eval_batch)
+    return results
+
+
+def summarize(name: str, per_rank: list[dict[str, Any]], args: argparse.Namespace, ranks_per_node: int,
+              world: int, tokens_per_step: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """One CSV row (and the loss-curve rows) for config ``name`` from every rank's measurements."""
+    steps = args.steps
+    step_times = [max(r["times"][s] for r in per_rank) for s in range(steps)]
+    losses = [sum(r["losses"][s] for r in per_rank) / world for s in range(steps)]
+    median = statistics.median(step_times[args.warmup:])
+    mb = 1e6
+
+    def sent(r: dict[str, Any], field: str, kinds: tuple[str, ...] | None = None) -> float:
+        return sum(v[field] for k, v in r["per_kind"].items() if kinds is None or k in kinds)
+
+    nodes = world // ranks_per_node
+    node_inter = [sum(sent(per_rank[n * ranks_per_node + i], "sent_inter") for i in range(ranks_per_node))
+                  for n in range(nodes)]
+    node_intra = [sum(sent(per_rank[n * ranks_per_node + i], "sent_intra") for i in range(ranks_per_node))
+                  for n in range(nodes)]
+    nics = [r["nic"] for r in per_rank if r["nic"] is not None]
+    window = max(r["window_s"] for r in per_rank)
+    measured = steps - args.warmup
+    row: dict[str, Any] = {
+        "config": name,
+        "label": LABELS[name],
+        "preset": args.preset,
+        "world": world,
+        "ranks_per_node": ranks_per_node,
+        "rate": args.rate,
+        "seq": args.seq,
+        "micro_batch": args.micro_batch,
+        "steps": steps,
+        "warmup": args.warmup,
+        "step_s": round(median, 4),
+        "step_s_min": round(min(step_times[args.warmup:]), 4),
+        "step_s_max": round(max(step_times[args.warmup:]), 4),
+        "tokens_per_s": round(tokens_per_step / median, 1),
+        "speedup": None,
+        "inter_MB_rank": round(sum(sent(r, "sent_inter") for r in per_rank) / world / mb, 3),
+        "intra_MB_rank": round(sum(sent(r, "sent_intra") for r in per_rank) / world / mb, 3),
+        "ag_inter_MB_rank": round(sum(sent(r, "sent_inter", ("all_gather",)) for r in per_rank) / world / mb, 3),
+        "rs_inter_MB_rank": round(sum(sent(r, "sent_inter", ("reduce_scatter",)) for r in per_rank) / world / mb,
+                                  3),
+        "inter_MB_node": round(max(node_inter) / mb, 3),
+        "intra_MB_node": round(max(node_intra) / mb, 3),
+        "util_counted": None,
+        "nic_tx_MB_node": None,
+        "nic_rx_MB_node": None,
+        "util_nic": None,
+        "final_loss": round(sum(losses[-min(5, steps):]) / min(5, steps), 4),
+        "eval_loss": round(sum(r["eval_loss"] for r in per_rank) / world, 4),
+        "loss_vs_zero3": None,
+        "window_s_per_step": round(window / measured, 4),
+        "schedule": args.schedule,
+        "overlap_comm": args.overlap_comm,
+        "loadavg_start": round(args.load[0], 2),
+        "loadavg_end": round(args.load[1], 2),
+    }
+    if args.rate_bps:
+        row["util_counted"] = round(max(node_inter) * 8 / median / args.rate_bps, 3)
+    if nics:
+        tx, rx = max(n[0] for n in nics), max(n[1] for n in nics)
+        row["nic_tx_MB_node"] = round(tx / mb, 3)
+        row["nic_rx_MB_node"] = round(rx / mb, 3)
+        if args.rate_bps:
+            # bytes over the whole measured window (barriers included) per second, against the link rate
+            row["util_nic"] = round(max(tx, rx) * measured * 8 / window / args.rate_bps, 3)
+    curve = [{"config": name, "step": s, "loss": round(losses[s], 5), "step_s": round(step_times[s], 4)}
+             for s in range(steps)]
+    return row, curve
+
+
+def worker(args: argparse.Namespace) -> list[dict[str, Any]] | None:
+    """Run every config on this rank (under torchrun); rank 0 writes and prints the results and returns the rows."""
+    import torch
+    import torch.distributed as dist
+
+    from zeropp import comm
+    from zeropp.data import TextBatches, stdlib_corpus
+
+    torch.set_num_threads(args.threads)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    rpn = int(os.environ.get("ZEROPP_RANKS_PER_NODE") or os.environ.get("LOCAL_WORLD_SIZE") or args.ranks_per_node)
+    topo = comm.Topology(ranks_per_node=rpn, hpz_partition_sizes=(rpn,))
+    corpus = stdlib_corpus()
+    data = TextBatches(corpus, seq_len=args.seq, global_batch=args.micro_batch * world, seed=args.seed)
+    held_out = TextBatches(corpus, seq_len=args.seq, global_batch=8 * world, seed=args.seed + 10_000)
+    eval_batch = held_out.micro_batch(0, rank=rank, world_size=world)
+    progress = Progress(rank == 0 and not args.no_progress)
+    load0 = os.getloadavg()[0]
+    mine = run_configs(args, topo, data, eval_batch, progress)
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, mine)
+    gathered = {name: [r[name] for r in everyone] for name in args.configs}
+    args.load = (load0, os.getloadavg()[0])
+    if "ZEROPP_CLUSTER_SHAPED" in os.environ:
+        shaped = os.environ["ZEROPP_CLUSTER_SHAPED"] == "1"
+    else:
+        shaped = bool(os.environ.get("GLOO_SOCKET_IFNAME")) and args.rate_bps is not None
+    rows = None
+    if rank == 0:
+        rows = report(gathered, args, rpn, world, shaped)
+    dist.barrier()
+    dist.destroy_process_group()
+    return rows
+
+
+# ---- report ---------------------------------------------------------------------------------------------------
+
+
+TABLE = [
+    ("config", "config", "{}"),
+    ("step_s", "step s", "{:.3f}"),
+    ("tokens_per_s", "tok/s", "{:.0f}"),
+    ("speedup", "speedup", "{:.2f}x"),
+    ("inter_MB_rank", "inter MB/rank", "{:.2f}"),
+    ("intra_MB_rank", "intra MB/rank", "{:.2f}"),
+    ("inter_MB_node", "inter MB/node", "{:.2f}"),
+    ("util_counted", "util cnt", "{:.0%}"),
+    ("nic_tx_MB_node", "NIC tx MB", "{:.2f}"),
+    ("util_nic", "util NIC", "{:.0%}"),
+    ("final_loss", "loss", "{:.4f}"),
+    ("eval_loss", "eval loss", "{:.4f}"),
+    ("loss_vs_zero3", "vs zero3", "{:+.2%}"),
+]
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    cells = [[h for _, h, _ in TABLE]]
+    for row in rows:
+        cells.append(["-" if row.get(k) is None else f.format(row[k]) for k, _, f in TABLE])
+    widths = [max(len(r[i]) for r in cells) for i in range(len(TABLE))]
+    lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def explanation(rows: list[dict[str, Any]], args: argparse.Namespace, world: int, rpn: int, shaped: bool) -> str:
+    from zeropp.models.gpt import GPT, GPTConfig
+
+    n_params = GPT(GPTConfig.preset(args.preset, block_size=max(args.seq, 1))).num_params()
+    where = (f"{world // rpn} emulated nodes x {rpn} ranks joined by links shaped to {args.rate}"
+             if shaped else
+             f"{world // rpn} emulated nodes x {rpn} ranks on one machine, UNSHAPED (loopback; the link rate "
+             f"{args.rate} is only used for 'util cnt')")
+    base = next((r for r in rows if r["config"] == "zero3"), None)
+    best = next((r for r in rows if r["config"] == "zeropp"), None)
+    head = ""
+    if base and best and best["speedup"]:
+        head = (f"Full ZeRO++ ran {best['speedup']:.2f}x the speed of ZeRO-3 "
+                f"({best['step_s']:.3f} s vs {base['step_s']:.3f} s per step) and sent "
+                f"{best['inter_MB_node'] / max(base['inter_MB_node'], 1e-12):.2f}x its cross-node bytes. ")
+    return (
+        head
+        + f"Setup: {where}; {args.preset} GPT ({n_params / 1e6:.1f}M parameters, fp32), {args.micro_batch} x "
+        f"{args.seq} tokens per rank per step, median of {args.steps - args.warmup} steps after {args.warmup} "
+        f"warm-up. 'speedup' is ZeRO-3's step time divided by the config's; MB are 1e6 bytes sent per step "
+        f"(inter = across nodes, from zeropp.comm.stats; 'NIC tx' read from the node interface); the ZeRO-3 "
+        f"baseline all-gathers and reduce-scatters fp32 (4 bytes per element, not bf16). Configs ran "
+        f"{args.schedule}; load average {args.load[0]:.1f} -> {args.load[1]:.1f} on {os.cpu_count()} cores."
+    )
+
+
+def report(gathered: dict[str, list[dict[str, Any]]], args: argparse.Namespace, rpn: int, world: int,
+           shaped: bool) -> list[dict[str, Any]]:
+    from zeropp.bench.report import write_csv
+
+    tokens_per_step = args.micro_batch * args.seq * world
+    rows, curves = [], []
+    for name, per_rank in gathered.items():
+        row, curve = summarize(name, per_rank, args, rpn, world, tokens_per_step)
+        row["shaped"] = shaped
+        rows.append(row)
+        curves += curve
+    base = next((r for r in rows if r["config"] == "zero3"), None)
+    for row in rows:
+        if base:
+            row["speedup"] = round(base["step_s"] / row["step_s"], 3)
+            row["loss_vs_zero3"] = round(row["eval_loss"] / base["eval_loss"] - 1, 4)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_csv(rows, str(out / "training.csv"))
+    write_csv(curves, str(out / "training_loss.csv"))
+    if not args.no_plots:
+        plot(rows, curves, out, args, shaped)
+    print(format_table(rows))
+    print()
+    print(explanation(rows, args, world, rpn, shaped))
+    print(f"(results in {out}/)")
+    sys.stdout.flush()
+    return rows
+
+
+def plot(rows: list[dict[str, Any]], curves: list[dict[str, Any]], out: Path, args: argparse.Namespace,
+         shaped: bool) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    where = f"{rows[0]['world'] // rows[0]['ranks_per_node']}x{rows[0]['ranks_per_node']} ranks, " + (
+        f"{args.rate} links" if shaped else "unshaped")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for row in rows:
+        pts = [c for c in curves if c["config"] == row["config"]]
+        ax.plot([c["step"] for c in pts], [c["loss"] for c in pts], label=row["label"], linewidth=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (mean over ranks)")
+    ax.set_title(f"Loss, {args.preset} GPT fp32, {where}")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "training_loss.png", dpi=110)
+    plt.close(fig)
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4.5))
+    names = [r["config"] for r in rows]
+    bars = a1.bar(names, [r["tokens_per_s"] for r in rows], color="tab:blue")
+    for b, r in zip(bars, rows):
+        if r["speedup"] is not None:
+            a1.annotate(f"{r['speedup']:.2f}x", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center",
+                        va="bottom", fontsize=9)
+    a1.set_ylabel("tokens / s")
+    a1.set_title(f"Throughput ({where})")
+    a1.tick_params(axis="x", rotation=30)
+    a2.bar(names, [r["inter_MB_node"] for r in rows], color="tab:red", label="cross-node (per node)")
+    a2.bar(names, [r["intra_MB_node"] for r in rows], bottom=[r["inter_MB_node"] for r in rows],
+           color="tab:gray", alpha=0.6, label="intra-node (per node)")
+    a2.set_ylabel("MB sent per step")
+    a2.set_title("Traffic per step (zeropp.comm.stats)")
+    a2.tick_params(axis="x", rotation=30)
+    a2.legend()
+    fig.tight_layout()
+    fig.savefig(out / "training_throughput.png", dpi=110)
+    plt.close(fig)
+
+
+# ---- driver ---------------------------------------------------------------------------------------------------
+
+
+def worker_argv(args: argparse.Namespace, argv: list[str]) -> list[str]:
+    """The worker's command line: this module with the same options, ``--worker`` added."""
+    return [sys.executable, "-m", "zeropp.bench.training", *argv, "--worker"]
+
+
+def drive(args: argparse.Namespace, argv: list[str]) -> int:
+    world = args.nodes * args.ranks_per_node
+    launcher = args.launcher
+    cluster = None
+    if launcher in ("auto", "cluster"):
+        try:
+            from zeropp import cluster  # type: ignore[attr-defined,no-redef]
+        except ImportError:
+            if launcher == "cluster":
+                raise SystemExit("--launcher cluster: zeropp.cluster is not available") from None
+            cluster = None
+        launcher = "cluster" if cluster is not None else "torchrun"
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(args.threads))
+    env["ZEROPP_RANKS_PER_NODE"] = str(args.ranks_per_node)
+    if launcher == "none":
+        print("start the workers yourself: torchrun ... " + shlex.join(worker_argv(args, argv)[1:]))
+        return 0
+    if launcher == "cluster":
+        assert cluster is not None
+        spec = cluster.ClusterSpec(nodes=args.nodes, ranks_per_node=args.ranks_per_node,
+                                   rate=None if args.rate_bps is None else args.rate)
+        return cluster.run(spec, worker_argv(args, argv), env=env, timeout=args.timeout)
+    if args.rate_bps is not None:
+        print(f"note: no shaped cluster (zeropp.cluster missing or --launcher torchrun): running {world} ranks "
+              f"unshaped over loopback as {args.nodes} emulated nodes", file=sys.stderr)
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--log-dir", tmp,
+               *worker_argv(args, argv)[1:]]
+        try:
+            return subprocess.run(cmd, env=env, timeout=args.timeout).returncode
+        except subprocess.TimeoutExpired:
+            print(f"timed out after {args.timeout} s", file=sys.stderr)
+            return 124
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    return drive(args, [a for a in argv if a != "--worker"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
