@@ -433,29 +433,34 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def explanation(rows: list[dict[str, Any]], args: argparse.Namespace, world: int, rpn: int, shaped: bool) -> str:
+    """One sentence saying what the table shows, then a line of details."""
     from zeropp.models.gpt import GPT, GPTConfig
 
     n_params = GPT(GPTConfig.preset(args.preset, block_size=max(args.seq, 1))).num_params()
-    where = (f"{world // rpn} emulated nodes x {rpn} ranks joined by links shaped to {args.rate}"
+    nodes = world // rpn
+    where = (f"{nodes} emulated nodes x {rpn} ranks whose links are shaped to {args.rate} each way"
              if shaped else
-             f"{world // rpn} emulated nodes x {rpn} ranks on one machine, UNSHAPED (loopback; the link rate "
-             f"{args.rate} is only used for 'util cnt')")
+             f"{nodes} emulated nodes x {rpn} ranks on one machine with NO rate limit (loopback fallback, so the "
+             f"times are not those of a slow link)")
     base = next((r for r in rows if r["config"] == "zero3"), None)
     best = next((r for r in rows if r["config"] == "zeropp"), None)
-    head = ""
-    if base and best and best["speedup"]:
-        head = (f"Full ZeRO++ ran {best['speedup']:.2f}x the speed of ZeRO-3 "
-                f"({best['step_s']:.3f} s vs {base['step_s']:.3f} s per step) and sent "
-                f"{best['inter_MB_node'] / max(base['inter_MB_node'], 1e-12):.2f}x its cross-node bytes. ")
-    return (
-        head
-        + f"Setup: {where}; {args.preset} GPT ({n_params / 1e6:.1f}M parameters, fp32), {args.micro_batch} x "
-        f"{args.seq} tokens per rank per step, median of {args.steps - args.warmup} steps after {args.warmup} "
-        f"warm-up. 'speedup' is ZeRO-3's step time divided by the config's; MB are 1e6 bytes sent per step "
-        f"(inter = across nodes, from zeropp.comm.stats; 'NIC tx' read from the node interface); the ZeRO-3 "
-        f"baseline all-gathers and reduce-scatters fp32 (4 bytes per element, not bf16). Configs ran "
-        f"{args.schedule}; load average {args.load[0]:.1f} -> {args.load[1]:.1f} on {os.cpu_count()} cores."
+    result = ""
+    if base and best:
+        result = (f"; full ZeRO++ ran {best['speedup']:.2f}x as fast as ZeRO-3 ({best['step_s']:.3f} s vs "
+                  f"{base['step_s']:.3f} s per step) while sending "
+                  f"{best['inter_MB_node'] / max(base['inter_MB_node'], 1e-12):.2f}x its cross-node bytes")
+    sentence = (f"You are seeing one training job of a {n_params / 1e6:.1f}M-parameter GPT on {where}, each "
+                f"config trained from the same weights on the same data; 'speedup' is ZeRO-3's step time divided "
+                f"by the config's{result}.")
+    details = (
+        f"Details: {args.preset} preset, fp32, {args.micro_batch} x {args.seq} tokens per rank per step, median "
+        f"of {args.steps - args.warmup} steps after {args.warmup} warm-up, configs {args.schedule}, overlap_comm "
+        f"{args.overlap_comm}; MB = 1e6 bytes sent per step (inter = across nodes, counted by zeropp.comm.stats; "
+        f"'NIC tx' measured on the node's interface); the ZeRO-3 baseline all-gathers and reduce-scatters fp32 "
+        f"(4 bytes per element, not bf16); load average {args.load[0]:.1f} -> {args.load[1]:.1f} on "
+        f"{os.cpu_count()} cores."
     )
+    return sentence + "\n" + details
 
 
 def report(gathered: dict[str, list[dict[str, Any]]], args: argparse.Namespace, rpn: int, world: int,
@@ -567,8 +572,8 @@ def drive(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"note: no shaped cluster (zeropp.cluster missing or --launcher torchrun): running {world} ranks "
               f"unshaped over loopback as {args.nodes} emulated nodes", file=sys.stderr)
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--log-dir", tmp,
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+               "--log-dir", tmp,
                *worker_argv(args, argv)[1:]]
         try:
             return subprocess.run(cmd, env=env, timeout=args.timeout).returncode
