@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import io
 import os
-import pickle
 import random
 import warnings
 from collections.abc import Iterator
@@ -327,7 +326,7 @@ def _error_feedback_targets(engine: ZeroEngine, info: dict[str, Any] | None) -> 
     if info is None or info["world_size"] != engine.comm.world_size or info["nodes"] != _layout_of_nodes(engine):
         return {}
     for entry in info["units"]:
-        u, (numel, bits, block, size) = entry["unit"], entry["key"]
+        u, (numel, bits, block, _) = entry["unit"], entry["key"]
         if (u >= len(engine.units) or engine.units[u].error_feedback is None or numel != engine.units[u].full.numel()
                 or (bits, block) != (engine.comm.gradient_bits, engine.comm.block_size)):
             return {}

@@ -82,13 +82,13 @@ DeepSpeed) lets each unit's gradient reduce-scatter run while autograd goes on, 
 flat fp32 buffers in flight exceed ``reduce_bucket_size`` elements, and for all at the end of backward; off, every
 reduce-scatter completes before backward resumes. Either way the values are bit-identical: only the timing changes.
 
-Limits: one reduce-scatter per unit (``reduce_bucket_size`` does not merge units into buckets). Frozen parameters stay whole on every
-rank. In stage 3, outside the engine's forward and backward the module's trainable parameters are empty tensors:
-read the weights with ``engine.full_parameters()`` (the compute weights) or ``engine.consolidated_state_dict()`` (the
-fp32 masters). Checkpoints (``save_checkpoint``/``load_checkpoint``, ``zeropp.engine.checkpoint``) are taken at
-accumulation boundaries only and load at any world size and layout, but the qgZ error-feedback residuals are kept
-only by a load with the same world size and nodes (otherwise they restart at zero), and ranks the save did not have
-keep their own RNG state.
+Limits: one reduce-scatter per unit (``reduce_bucket_size`` does not merge units into buckets). Frozen parameters
+stay whole on every rank. In stage 3, outside the engine's forward and backward the module's trainable parameters
+are empty tensors: read the weights with ``engine.full_parameters()`` (the compute weights) or
+``engine.consolidated_state_dict()`` (the fp32 masters). Checkpoints (``save_checkpoint``/``load_checkpoint``,
+``zeropp.engine.checkpoint``) are taken at accumulation boundaries only and load at any world size and layout, but
+the qgZ error-feedback residuals are kept only by a load with the same world size and nodes (otherwise they restart
+at zero), and ranks the save did not have keep their own RNG state.
 """
 
 from __future__ import annotations
