@@ -10,7 +10,9 @@ reaches the other nodes over the shaped link. Unshaped (``--unshaped``, or the a
 Supervision: the first node whose ``torchrun`` exits non-zero stops the run (the other nodes' ranks would wait in
 a collective until gloo's 30-minute timeout): every ``torchrun`` gets SIGTERM (it stops its ranks), then SIGKILL
 with its ranks (found through /proc, or as the processes left in the namespaces) after a grace period. The same
-happens on a timeout, on Ctrl-C and on SIGTERM/SIGHUP to the launcher, and the namespaces are deleted last.
+happens on a timeout, on Ctrl-C and on SIGTERM/SIGHUP to the launcher, and the namespaces are deleted last. If
+the launcher itself is killed (SIGKILL), each torchrun gets SIGTERM from the kernel (``PR_SET_PDEATHSIG``) and
+stops its ranks; the namespaces are left for ``python -m zeropp.cluster --cleanup``.
 """
 
 from __future__ import annotations
@@ -130,6 +132,16 @@ def _descendants(pids: list[int]) -> list[int]:
     return out
 
 
+def _die_with_parent() -> None:
+    """preexec_fn: the torchrun gets SIGTERM if the launcher dies (even by SIGKILL); kept across exec."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:  # not Linux / no prctl: --cleanup remains
+        pass
+
+
 def _signal_all(procs: list[subprocess.Popen], extra: list[int], sig: int) -> None:
     for p in procs:
         if p.poll() is None:
@@ -171,7 +183,8 @@ def _supervise(commands: list[list[str]], envs: list[dict[str, str]], timeout: f
             handlers[sig] = signal.signal(sig, on_signal)
     try:
         for cmd, env in zip(commands, envs):
-            procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True))
+            procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
+                                          preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None))
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             codes = [p.poll() for p in procs]
