@@ -97,7 +97,16 @@ class ErrorFeedback:
         self.residual = self.partial_residual = None
         self._key = None
 
-    def _state(self, key: tuple[Any, ...], numel: int, partial: int, device: torch.device) -> None:
+    @property
+    def key(self) -> tuple[Any, ...] | None:
+        """``(numel, bits, block_size, group size)`` of the reduce-scatter the residuals belong to (``None``: no
+        residuals yet). The residuals' layout depends on all four and on the node layout."""
+        return self._key
+
+    def allocate(self, key: tuple[Any, ...], numel: int, partial: int, device: torch.device) -> None:
+        """Make zeroed residuals of ``numel`` and ``partial`` float32 elements for the reduce-scatter ``key``, unless
+        residuals for ``key`` exist; raises if they exist for another key. A checkpoint loader calls it to get the
+        tensors to read saved residuals into."""
         if self._key is None:
             self.residual = torch.zeros(numel, dtype=torch.float32, device=device)
             self.partial_residual = torch.zeros(partial, dtype=torch.float32, device=device)
@@ -230,7 +239,7 @@ def _qgz_steps(
     order = topo.qgz_send_order()
     swizzled = order == [swizzle_source(p, n, d) for p in range(size)]
     if ef is not None:
-        ef._state((numel, fmt.bits, fmt.block_size, size), numel, n * s, device)
+        ef.allocate((numel, fmt.bits, fmt.block_size, size), numel, n * s, device)
     traffic = accounting.Traffic()
     if d > 1:
         same = topo.same_node_count(topo.intra_group) - 1

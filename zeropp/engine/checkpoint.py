@@ -33,7 +33,7 @@ run resumed at the same world size continues bit for bit.
 
 Pieces used from outside DCP's public API: ``ShardedTensor._init_from_local_shards_and_global_metadata`` (every
 rank computes the global layout itself, so building the ``ShardedTensor`` needs no communication) and the private
-state of ``comm.ErrorFeedback`` (``_state`` sets the residuals' layout key).
+state of ``comm.ErrorFeedback`` (``allocate`` sets the residuals' layout key).
 """
 
 from __future__ import annotations
@@ -53,7 +53,6 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardM
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from .. import comm
 from .unit import Unit
 
 if TYPE_CHECKING:
@@ -254,7 +253,7 @@ def save(engine: ZeroEngine, save_dir: str | os.PathLike[str], tag: str | None =
             continue
         state[f"{_error_feedback_key(engine)}.{u}.residual"] = ef.residual
         state[f"{_error_feedback_key(engine)}.{u}.partial_residual"] = ef.partial_residual
-        described.append({"unit": u, "key": ef._key, "numel": ef.residual.numel(),
+        described.append({"unit": u, "key": ef.key, "numel": ef.residual.numel(),
                           "partial_numel": ef.partial_residual.numel()})
     if described:
         state[_error_feedback_key(engine)] = _pack({"world_size": engine.comm.world_size,
@@ -335,7 +334,7 @@ def _error_feedback_targets(engine: ZeroEngine, info: dict[str, Any] | None) -> 
     for entry in info["units"]:
         u, unit = entry["unit"], engine.units[entry["unit"]]
         ef = unit.error_feedback
-        ef._state(tuple(entry["key"]), entry["numel"], entry["partial_numel"], unit.master.device)
+        ef.allocate(tuple(entry["key"]), entry["numel"], entry["partial_numel"], unit.master.device)
         out[f"{prefix}.{u}.residual"] = ef.residual
         out[f"{prefix}.{u}.partial_residual"] = ef.partial_residual
     return out
@@ -400,7 +399,7 @@ def consolidated_state_dict(engine: ZeroEngine, *, rank0_only: bool = False) -> 
     whole: dict[str, torch.Tensor] = {}
     for unit in engine.units:
         full = torch.empty(unit.full.numel(), dtype=torch.float32, device=unit.master.device)
-        comm.all_gather(unit.master, topology=engine.topology, out=full)
+        engine.comm.gather_exact(unit.master, full)
         if keep:
             for name, off, shape in zip(unit.param_names, unit.offsets, unit.shapes):
                 whole[name] = full[off : off + shape.numel()].view(shape).clone()

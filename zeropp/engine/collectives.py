@@ -83,6 +83,11 @@ class Collectives:
             secondary, bits=None, group=self.partition_group, topology=self.topology, out=out, async_op=True
         )
 
+    def gather_exact(self, shard: torch.Tensor, out: torch.Tensor) -> None:
+        """All-gather every rank's ``shard`` into ``out`` exactly (never quantized), e.g. the fp32 master shards for a
+        consolidated state dict."""
+        comm.all_gather(shard, bits=None, topology=self.topology, out=out)
+
     def reduce_scatter_grads(
         self, full: torch.Tensor, out: torch.Tensor, error_feedback: comm.ErrorFeedback | None = None
     ) -> comm.CollectiveWork:
