@@ -1,6 +1,6 @@
 """Per-rank script for tests/cluster: gloo all-reduce, Topology check, optional failure or timing.
 
-Env: CLUSTER_TEST_FAIL_RANK=<r> makes rank r exit 3 before the all-reduce (the others then block in it);
+Env: CLUSTER_TEST_FAIL_RANK=<r> makes rank r exit 3 after init, the others sleep 10 minutes (a hang);
 CLUSTER_TEST_MEASURE=<MB> times intra-node and inter-node all-reduces of that size and prints them (rank 0).
 """
 
@@ -23,6 +23,8 @@ def main() -> int:
     if os.environ.get("CLUSTER_TEST_FAIL_RANK") == str(rank):
         print(f"rank {rank}: failing on purpose", flush=True)
         sys.exit(3)
+    if os.environ.get("CLUSTER_TEST_FAIL_RANK"):
+        time.sleep(600)  # the others hang (as in a collective that never completes): the launcher must kill them
     topo = Topology()
     assert topo.ranks_per_node == rpn and topo.num_nodes == world // rpn, topo
     assert topo.node == rank // rpn, (topo.node, rank)
