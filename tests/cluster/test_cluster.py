@@ -167,16 +167,17 @@ def test_cross_node_traffic_is_rate_limited():
 @needs_netns
 def test_run_across_namespaces_and_failure_cleanup():
     spec = ClusterSpec(nodes=2, ranks_per_node=2, rate="1gbit")
-    before = set(list_namespaces())
+    mine = f"zeropp-{os.getpid()}-"  # run ids start with the launcher's pid (other runs may come and go)
+    assert list_namespaces(mine) == []
     assert run(spec, ["python", WORKER], env=RANK_ENV, timeout=180) == 0
-    assert set(list_namespaces()) == before
+    assert list_namespaces(mine) == []
     # Rank 1 (node 1) fails; node 0's rank hangs (sleeps 10 minutes): run stops it at once.
     t0 = time.monotonic()
     spec = ClusterSpec(nodes=2, ranks_per_node=1, rate="1gbit")
     rc = run(spec, ["python", WORKER], env={**RANK_ENV, "CLUSTER_TEST_FAIL_RANK": "1"}, timeout=180)
     assert rc not in (0, 124), rc
     assert time.monotonic() - t0 < 120
-    assert set(list_namespaces()) == before
+    assert list_namespaces(mine) == []
     assert _worker_processes() == []
 
 
