@@ -69,14 +69,12 @@ def _cmd(args: list[str], check: bool = True, timeout: float = 20.0) -> subproce
 def shaping_available() -> tuple[bool, str]:
     """Whether shaped namespaces can be built here, and why not: ``(True, "")`` or ``(False, reason)``.
 
-    Checks Linux, root, ``ip`` and ``tc`` on the PATH, then really builds a probe namespace with a veth pair
+    Checks Linux, ``ip`` and ``tc`` on the PATH, then really builds a probe namespace with a veth pair
     and a ``tbf`` qdisc and deletes it (an unprivileged container passes the first checks and fails here).
     The answer is cached for the process.
     """
     if not sys.platform.startswith("linux"):
         return False, f"network namespaces are Linux only (this is {sys.platform})"
-    if os.geteuid() != 0:
-        return False, f"not running as root (euid {os.geteuid()})"
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         return False, f"{' and '.join(missing)} not found on PATH (package iproute2)"
@@ -84,7 +82,9 @@ def shaping_available() -> tuple[bool, str]:
     try:
         _cmd(["ip", "netns", "add", probe])
     except (NetworkSetupError, OSError, subprocess.TimeoutExpired) as e:
-        return False, f"`ip netns add` failed: {e}"
+        if os.geteuid() != 0:
+            return False, f"not running as root (euid {os.geteuid()}): `ip netns add` failed: {e}"
+        return False, f"`ip netns add` failed (no CAP_SYS_ADMIN here, e.g. an unprivileged container?): {e}"
     try:
         _cmd(["ip", "-n", probe, "link", "add", "name", "p0", "type", "veth", "peer", "name", "p1"])
         _cmd(["tc", "-n", probe, "qdisc", "add", "dev", "p0", "root", "tbf", "rate", "1gbit",
