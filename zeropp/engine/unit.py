@@ -183,12 +183,30 @@ class Unit:
     def reduce_gradients(self) -> GradientReduction:
         """Start the reduce-scatter of the parameters' ``.grad`` (averaged over ranks); the returned handle's
         ``wait()`` adds this rank's slice to ``grad_shard``. The ``.grad`` tensors are dropped at once (their values
-        are copied into the flat fp32 buffer the collective sends), so a stage-3 unit may be freed before the wait."""
-        flat = torch.zeros(self.full.numel(), dtype=torch.float32, device=self.full.device)
+        are copied into the flat fp32 buffer the collective sends), so a stage-3 unit may be freed before the wait.
+
+        One rank: the average is the gradient itself, so each ``.grad`` is added straight into ``grad_shard`` (the
+        same fp32 sums as upcast, identity reduce-scatter, add) with no flat buffer; the call is counted as the
+        collective's would be (a ``reduce_scatter`` moving no bytes)."""
+        if self.comm.world_size == 1:
+            for p, off in zip(self.params, self.offsets):
+                if p.grad is not None:
+                    self.grad_shard[off : off + p.numel()].add_(p.grad.reshape(-1))
+                    p.grad = None
+            _comm.accounting.record("reduce_scatter", _comm.accounting.Traffic())
+            return GradientReduction(None, self.grad_shard, self.grad_shard, 0)
+        flat = torch.empty(self.full.numel(), dtype=torch.float32, device=self.full.device)
+        end = 0  # zero only what no gradient fills: the gaps between parameters, the padding, missing gradients
         for p, off in zip(self.params, self.offsets):
+            if off > end:
+                flat[end:off].zero_()
             if p.grad is not None:
                 flat[off : off + p.numel()].copy_(p.grad.reshape(-1))
                 p.grad = None
+            else:
+                flat[off : off + p.numel()].zero_()
+            end = off + p.numel()
+        flat[end:].zero_()
         received = torch.empty(self.shard_numel, dtype=torch.float32, device=flat.device)
         work = self.comm.reduce_scatter_grads(flat, received, error_feedback=self.error_feedback)
         return GradientReduction(work, received, self.grad_shard, flat.numel())
@@ -212,7 +230,9 @@ class GradientReduction:
         numel: elements of the flat fp32 buffer it sends (held until ``wait``).
     """
 
-    def __init__(self, work: _comm.CollectiveWork, received: torch.Tensor, grad_shard: torch.Tensor, numel: int):
+    def __init__(
+        self, work: _comm.CollectiveWork | None, received: torch.Tensor, grad_shard: torch.Tensor, numel: int
+    ):
         self._work: _comm.CollectiveWork | None = work
         self._received = received
         self._grad_shard = grad_shard
