@@ -15,7 +15,8 @@ tensors (``untyped_storage().nbytes()``):
 * whole parameters when resident (``Unit.full`` at its gathered size): all units in stages 1/2, against
   ``b * Psi``; in stage 3 one unit at a time — reported for the largest unit, transient;
 * the transient fp32 reduce buffer (the flat gradient ``Unit.reduce_gradients`` hands to the reduce-scatter,
-  recorded at the call): the largest unit's, against ``4 *`` that unit's parameter count.
+  recorded at the call): the largest unit's, against ``4 *`` that unit's parameter count (none at world size 1,
+  where the gradients are added straight into the gradient shard).
 
 Totals: the persistent model states against DeepSpeed's ``(2 + 2 + 12) Psi / N`` (bf16 + AdamW, bf16 gradient
 partition) and this engine's documented ``(2 + 4 + 12) Psi / N`` (fp32 gradient shard). Measured and formula differ
@@ -83,7 +84,7 @@ def measure(preset: str, dtype: str, stage: int, hpz: int, quantized: bool, seq:
     n = engine.comm.world_size
     b = DTYPES[dtype][1]
 
-    reduce_buffers: list[tuple[int, int]] = []  # (flat gradient bytes, unit parameter elements) per reduce
+    reduce_buffers: list[int] = []  # flat gradient bytes, per reduce-scatter
     original = engine.comm.reduce_scatter_grads
 
     def recording(full, out, *args, **kwargs):
@@ -120,8 +121,9 @@ def measure(preset: str, dtype: str, stage: int, hpz: int, quantized: bool, seq:
     else:
         rows.append(("full params (all units, resident)", sum(full_resident), b * psi,
                      b * sum(u.full.numel() for u in units)))
-    rows.append(("reduce buffer (largest unit, transient)", max(reduce_buffers), 4 * params_of[largest],
-                 4 * units[largest].full.numel()))
+    one = n == 1  # one rank: gradients are added straight into grad_shard, no flat buffer
+    rows.append(("reduce buffer (largest unit, transient)", max(reduce_buffers, default=0),
+                 0 if one else 4 * params_of[largest], 0 if one else 4 * units[largest].full.numel()))
     persistent = {"compute shard", "fp32 grad shard", "fp32 master", "optimizer states", "hpZ secondary"}
     measured_state = sum(m for name, m, _, _ in rows if name in persistent)
     if stage != 3:
@@ -154,7 +156,7 @@ def report(r: dict, all_ranks: list[dict]) -> str:
         f"|{'-' * 43}|{'-' * 14}|{'-' * 13}|{'-' * 9}|{'-' * 12}|",
     ]
     for row in r["rows"]:
-        ratio = row["measured"] / row["formula"] if row["formula"] else float("nan")
+        ratio = row["measured"] / row["formula"] if row["formula"] else (1.0 if not row["measured"] else float("inf"))
         lines.append(f"| {row['buffer']:41s} | {row['measured'] / MiB:12.4f} | {row['formula'] / MiB:11.4f} | "
                      f"{ratio:7.4f} | {row['layout'] / MiB:10.4f} |")
     b = DTYPES[r["dtype"]][1]
