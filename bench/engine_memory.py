@@ -160,13 +160,14 @@ def report(r: dict, all_ranks: list[dict]) -> str:
         lines.append(f"| {row['buffer']:41s} | {row['measured'] / MiB:12.4f} | {row['formula'] / MiB:11.4f} | "
                      f"{ratio:7.4f} | {row['layout'] / MiB:10.4f} |")
     b = DTYPES[r["dtype"]][1]
+    extra = f" + {b}*Psi/hpz" if r["hpz"] > 1 and r["stage"] == 3 else f" + {b}*Psi (whole)" if r["stage"] != 3 else ""
     lines += [
         "",
         f"model states per rank (persistent; stage 1/2 with the whole params): measured "
         f"{r['measured_state'] / MiB:.4f} MiB; ours ({b}+4+12)*Psi/N"
-        f"{' + %d*Psi/hpz' % b if r['hpz'] > 1 and r['stage'] == 3 else ''} = {r['ours_formula'] / MiB:.4f} MiB "
+        f"{extra} = {r['ours_formula'] / MiB:.4f} MiB "
         f"(ratio {r['measured_state'] / r['ours_formula']:.4f}); DeepSpeed ({b}+{b}+12)*Psi/N"
-        f"{' + %d*Psi/hpz' % b if r['hpz'] > 1 and r['stage'] == 3 else ''} = "
+        f"{extra} = "
         f"{r['deepspeed_formula'] / MiB:.4f} MiB (ours / DeepSpeed {r['ours_formula'] / r['deepspeed_formula']:.3f})",
         "peak RSS per rank (process, includes torch itself): "
         + ", ".join(f"rank {i}: {x['peak_rss_mib']:.0f} MiB (before initialize {x['rss_before_init_mib']:.0f})"
