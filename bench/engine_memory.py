@@ -136,8 +136,9 @@ def measure(preset: str, dtype: str, stage: int, hpz: int, quantized: bool, seq:
         "measured_state": measured_state,
         "ours_formula": (b + 4 + 12) * psi / n + (b * psi / hpz if hpz > 1 and stage == 3 else 0)
         + (b * psi if stage != 3 else 0),
+        # DeepSpeed stages 1/2 keep no compute shard besides the whole parameters: (2 + 12) Psi / N + 2 Psi
         "deepspeed_formula": (b + b + 12) * psi / n + (b * psi / hpz if hpz > 1 and stage == 3 else 0)
-        + (b * psi if stage != 3 else 0),
+        if stage == 3 else (b + 12) * psi / n + b * psi,
         "rss_before_init_mib": rss_before / MiB,
         "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / MiB,
     }
@@ -166,7 +167,7 @@ def report(r: dict, all_ranks: list[dict]) -> str:
         f"model states per rank (persistent; stage 1/2 with the whole params): measured "
         f"{r['measured_state'] / MiB:.4f} MiB; ours ({b}+4+12)*Psi/N"
         f"{extra} = {r['ours_formula'] / MiB:.4f} MiB "
-        f"(ratio {r['measured_state'] / r['ours_formula']:.4f}); DeepSpeed ({b}+{b}+12)*Psi/N"
+        f"(ratio {r['measured_state'] / r['ours_formula']:.4f}); DeepSpeed ({b}+{b if r['stage'] == 3 else ''}{'+' if r['stage'] == 3 else ''}12)*Psi/N"
         f"{extra} = "
         f"{r['deepspeed_formula'] / MiB:.4f} MiB (ours / DeepSpeed {r['ours_formula'] / r['deepspeed_formula']:.3f})",
         "peak RSS per rank (process, includes torch itself): "
