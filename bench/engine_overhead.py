@@ -18,6 +18,10 @@ The variants' steps are interleaved (one step of each in turn), so a load change
 alike; the median step time after ``--warmup`` steps is reported — process CPU time (``time.process_time``: with
 one thread it hardly depends on what else the machine runs) and wall time — with the CPU-time ratio to ``plain
 foreach=False`` (the engine's goal: at most 1.10). ``--profile NAME`` prints a cProfile of that variant's steps.
+
+Most of stage 3's extra time at world size 1 is page faults: ``Unit.free`` releases each unit's storage, glibc
+returns such multi-MB blocks to the kernel, and the next gather touches fresh pages. ``MALLOC_MMAP_THRESHOLD_=
+33554432 MALLOC_TRIM_THRESHOLD_=17179869184`` in the environment keeps them in the process (see bench/RESULTS.md).
 """
 
 from __future__ import annotations
