@@ -22,12 +22,15 @@ config          ``zero_optimization``
 ``qgz``         + ``zero_quantized_gradients`` (two-hop int4 gradient all-to-all)
 ``zeropp``      qwZ + hpZ + qgZ (full ZeRO++)
 ``zeropp-w4``   full ZeRO++ with ``zeropp.weight_bits`` 4
+``zeropp-g8``   full ZeRO++ with ``zeropp.gradient_bits`` 8 (not in the default list; cheaper on a CPU)
 ==============  =====================================================================================
 
 Per config, over the steps after ``--warmup`` (step time = the slowest rank's, per step):
 
 * ``step_s``: median step time; ``tokens_per_s``: global tokens per step / ``step_s``; ``speedup``: the baseline's
   ``step_s`` / this config's;
+* ``fwd_s``, ``bwd_s``, ``opt_s``: medians of the slowest rank's forward, backward and ``engine.step()`` times
+  (with ``overlap_comm`` a collective started in one phase may finish in the next);
 * ``inter_MB_rank`` / ``intra_MB_rank``: MB (1e6 bytes) per step this rank *sent* across / inside nodes, from
   ``zeropp.comm.stats()`` (mean over ranks); ``inter_MB_node``: the same summed over a node's ranks (the busiest
   node), what its link must carry each way per step; ``ag_inter_MB_rank`` / ``rs_inter_MB_rank``: the all-gather
@@ -69,7 +72,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "zero_quantized_gradients": True,
         "zeropp": {"weight_bits": 4},
     },
+    "zeropp-g8": {
+        "zero_quantized_weights": True,
+        "zero_hpz_partition_size": "rpn",
+        "zero_quantized_gradients": True,
+        "zeropp": {"gradient_bits": 8},
+    },
 }
+DEFAULT_CONFIGS = ("zero3", "qwz", "hpz", "qgz", "zeropp", "zeropp-w4")
 LABELS = {
     "zero3": "ZeRO-3 (exact, fp32)",
     "qwz": "+qwZ (int8 weights)",
@@ -77,11 +87,18 @@ LABELS = {
     "qgz": "+qgZ (int4 grads)",
     "zeropp": "ZeRO++ (qwZ+hpZ+qgZ)",
     "zeropp-w4": "ZeRO++, int4 weights",
+    "zeropp-g8": "ZeRO++, int8 grads",
 }
 DEFAULT_OUT = "bench/out/training"
-QUICK = {"steps": 12, "warmup": 3}
+QUICK = {"steps": 10, "warmup": 3}
 
 _RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmg]?)(bit|bps)?\s*$", re.I)
+
+
+def label(name: str) -> str:
+    """The legend label of a config spec (``name`` or ``name@on``/``name@off``)."""
+    base, _, overlap = name.partition("@")
+    return LABELS[base] + (f", overlap {overlap}" if overlap else "")
 
 
 def parse_rate(text: str | None) -> float | None:
@@ -102,19 +119,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    "unshaped)")
     p.add_argument("--launcher", choices=("auto", "cluster", "torchrun", "none"), default="auto",
                    help="auto: zeropp.cluster when importable, else one unshaped torchrun")
-    p.add_argument("--steps", type=int, default=30, help="training steps per config (default 30)")
+    p.add_argument("--steps", type=int, default=40, help="training steps per config (default 40)")
     p.add_argument("--warmup", type=int, default=5, help="steps left out of the timings (default 5)")
     p.add_argument("--preset", default="small", help="zeropp.models.gpt preset (default small: 10.7M parameters)")
-    p.add_argument("--seq", type=int, default=64, help="sequence length (default 64)")
+    p.add_argument("--seq", type=int, default=32, help="sequence length (default 32)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step (default 1)")
-    p.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {','.join(CONFIGS)}")
+    p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
+                   help=f"comma-separated, from {','.join(CONFIGS)} (default: all but zeropp-g8); NAME@off or "
+                   "NAME@on sets overlap_comm for that config only")
+    p.add_argument("--block-size", type=int, default=None,
+                   help="zeropp.block_size, elements per quantization block (default: the library's)")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overlap-comm", choices=("on", "off"), default="on",
                    help="zero_optimization.overlap_comm (default on)")
-    p.add_argument("--schedule", choices=("interleaved", "sequential"), default="interleaved",
-                   help="interleaved (default): step s of every config before step s+1, so load changes on a "
-                   "shared machine hit all configs alike; sequential: one config after the other")
+    p.add_argument("--schedule", choices=("sequential", "interleaved"), default="sequential",
+                   help="sequential (default): one config after the other, one engine alive at a time; "
+                   "interleaved: every config's engine alive at once and step s of each before step s+1 of any "
+                   "(load changes on a shared machine hit all configs alike, but the CPU-bound ZeRO++ steps ran "
+                   "~30%% slower with 7 engines alive)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank (default 1)")
     p.add_argument("--out", default=None, help=f"output directory (default {DEFAULT_OUT})")
     p.add_argument("--quick", action="store_true",
@@ -127,7 +150,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.steps, args.warmup = QUICK["steps"], QUICK["warmup"]
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    unknown = [c for c in args.configs if c not in CONFIGS]
+    unknown = [c for c in args.configs if c.partition("@")[0] not in CONFIGS or c.partition("@")[2] not in
+               ("", "on", "off")]
     if unknown:
         p.error(f"unknown config(s) {unknown}; choose from {list(CONFIGS)}")
     if not 0 <= args.warmup < args.steps:
@@ -179,9 +203,12 @@ def nic_bytes() -> tuple[int, int] | None:
 
 
 def zero_config(name: str, args: argparse.Namespace, ranks_per_node: int) -> dict[str, Any]:
-    zero: dict[str, Any] = {"stage": 3, "overlap_comm": args.overlap_comm == "on"}
-    for key, value in CONFIGS[name].items():
+    base, _, overlap = name.partition("@")
+    zero: dict[str, Any] = {"stage": 3, "overlap_comm": (overlap or args.overlap_comm) == "on"}
+    for key, value in CONFIGS[base].items():
         zero[key] = ranks_per_node if value == "rpn" else (dict(value) if isinstance(value, dict) else value)
+    if args.block_size is not None and any(k.startswith("zero_quantized") for k in zero):
+        zero.setdefault("zeropp", {})["block_size"] = args.block_size
     return {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": 1,
@@ -204,6 +231,7 @@ class ConfigRun:
         self.engine.train()
         self.losses: list[float] = []
         self.times: list[float] = []
+        self.phases: list[tuple[float, float, float]] = []  # forward, backward, optimizer step
         self.sent = {k: dict.fromkeys(f, 0) for k, f in (("all_gather", _FIELDS), ("reduce_scatter", _FIELDS))}
         self.nic = [0, 0] if nic_bytes() is not None else None
         self.window_s = 0.0
@@ -220,9 +248,12 @@ class ConfigRun:
         s0, n0 = comm.stats(), nic_bytes()
         t0 = time.perf_counter()
         _, loss = self.engine(inputs, targets)
+        ta = time.perf_counter()
         self.engine.backward(loss)
+        tb = time.perf_counter()
         self.engine.step()
         self.times.append(time.perf_counter() - t0)
+        self.phases.append((ta - t0, tb - ta, self.times[-1] - (tb - t0)))
         self.losses.append(float(loss.item()))
         dist.barrier()  # every rank of every node is done: the NIC counters hold this step's traffic only
         t1, s1, n1 = time.perf_counter(), comm.stats(), nic_bytes()
@@ -246,6 +277,7 @@ class ConfigRun:
         out = {
             "losses": self.losses,
             "times": self.times,
+            "phases": self.phases,
             "per_kind": {k: {f: v / measured for f, v in fields.items()} for k, fields in self.sent.items()},
             "nic": None if self.nic is None else (self.nic[0] / measured, self.nic[1] / measured),
             "window_s": self.window_s,
@@ -317,19 +349,23 @@ def summarize(name: str, per_rank: list[dict[str, Any]], args: argparse.Namespac
     measured = steps - args.warmup
     row: dict[str, Any] = {
         "config": name,
-        "label": LABELS[name],
+        "label": label(name),
         "preset": args.preset,
         "world": world,
         "ranks_per_node": ranks_per_node,
         "rate": args.rate,
         "seq": args.seq,
         "micro_batch": args.micro_batch,
+        "block_size": args.block_size or "",
         "steps": steps,
         "warmup": args.warmup,
         "step_s": round(median, 4),
         "step_s_min": round(min(step_times[args.warmup:]), 4),
         "step_s_max": round(max(step_times[args.warmup:]), 4),
         "tokens_per_s": round(tokens_per_step / median, 1),
+        **{f"{ph}_s": round(statistics.median(max(r["phases"][s][i] for r in per_rank)
+                                              for s in range(args.warmup, steps)), 4)
+           for i, ph in enumerate(("fwd", "bwd", "opt"))},
         "speedup": None,
         "inter_MB_rank": round(sum(sent(r, "sent_inter") for r in per_rank) / world / mb, 3),
         "intra_MB_rank": round(sum(sent(r, "sent_intra") for r in per_rank) / world / mb, 3),
@@ -409,6 +445,9 @@ TABLE = [
     ("config", "config", "{}"),
     ("step_s", "step s", "{:.3f}"),
     ("tokens_per_s", "tok/s", "{:.0f}"),
+    ("fwd_s", "fwd", "{:.2f}"),
+    ("bwd_s", "bwd", "{:.2f}"),
+    ("opt_s", "opt", "{:.2f}"),
     ("speedup", "speedup", "{:.2f}x"),
     ("inter_MB_rank", "inter MB/rank", "{:.2f}"),
     ("intra_MB_rank", "intra MB/rank", "{:.2f}"),
@@ -442,8 +481,8 @@ def explanation(rows: list[dict[str, Any]], args: argparse.Namespace, world: int
              if shaped else
              f"{nodes} emulated nodes x {rpn} ranks on one machine with NO rate limit (loopback fallback, so the "
              f"times are not those of a slow link)")
-    base = next((r for r in rows if r["config"] == "zero3"), None)
-    best = next((r for r in rows if r["config"] == "zeropp"), None)
+    base = next((r for r in rows if r["config"].partition("@")[0] == "zero3"), None)
+    best = next((r for r in rows if r["config"].partition("@")[0] == "zeropp"), None)
     result = ""
     if base and best:
         result = (f"; full ZeRO++ ran {best['speedup']:.2f}x as fast as ZeRO-3 ({best['step_s']:.3f} s vs "
@@ -474,7 +513,7 @@ def report(gathered: dict[str, list[dict[str, Any]]], args: argparse.Namespace, 
         row["shaped"] = shaped
         rows.append(row)
         curves += curve
-    base = next((r for r in rows if r["config"] == "zero3"), None)
+    base = next((r for r in rows if r["config"].partition("@")[0] == "zero3"), None)
     for row in rows:
         if base:
             row["speedup"] = round(base["step_s"] / row["step_s"], 3)
@@ -502,15 +541,21 @@ def plot(rows: list[dict[str, Any]], curves: list[dict[str, Any]], out: Path, ar
 
     where = f"{rows[0]['world'] // rows[0]['ranks_per_node']}x{rows[0]['ranks_per_node']} ranks, " + (
         f"{args.rate} links" if shaped else "unshaped")
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 4.8))
+    k = max(1, min(5, args.steps // 4))  # moving average: the per-step loss of a few sequences is noisy
     for row in rows:
         pts = [c for c in curves if c["config"] == row["config"]]
-        ax.plot([c["step"] for c in pts], [c["loss"] for c in pts], label=row["label"], linewidth=1.2)
+        steps, loss = [c["step"] for c in pts], [c["loss"] for c in pts]
+        (line,) = ax.plot(steps, loss, linewidth=0.6, alpha=0.35)
+        smooth = [sum(loss[max(0, i - k + 1): i + 1]) / len(loss[max(0, i - k + 1): i + 1]) for i in range(len(loss))]
+        ax.plot(steps, smooth, color=line.get_color(), linewidth=1.6,
+                label=f"{row['label']} (eval {row['eval_loss']:.3f})")
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (mean over ranks)")
-    ax.set_title(f"Loss, {args.preset} GPT fp32, {where}")
+    ax.set_title(f"Loss, {args.preset} GPT fp32, {where}\n(thin: per step; thick: mean of the last {k} steps)",
+                 fontsize=10)
     ax.grid(alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "training_loss.png", dpi=110)
     plt.close(fig)
