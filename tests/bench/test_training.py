@@ -95,3 +95,9 @@ def test_helpers():
     assert cfg["zero_quantized_weights"] and cfg["zero_quantized_gradients"] and cfg["stage"] == 3
     with pytest.raises(SystemExit):
         training.parse_args(["--configs", "zero4"])
+    args = training.parse_args(["--configs", "zero3@off,zeropp-ef", "--block-size", "256"])
+    assert training.zero_config("zero3@off", args, 2)["zero_optimization"] == {"stage": 3, "overlap_comm": False}
+    ef = training.zero_config("zeropp-ef", args, 2)["zero_optimization"]
+    assert ef["overlap_comm"] and ef["zeropp"] == {"error_feedback": True, "block_size": 256}
+    with pytest.raises(SystemExit):
+        training.parse_args(["--configs", "zero3@maybe"])

@@ -10,8 +10,9 @@ Without ``zeropp.cluster`` (or with ``--launcher torchrun``) it runs one unshape
 slow link). ``--launcher none`` runs nothing: start the workers yourself with ``--worker`` under torchrun.
 
 The worker trains the byte-level GPT (``zeropp.models.gpt``, fp32) on the stdlib text corpus (``zeropp.data``)
-with ``zeropp.initialize`` in each config of ``--configs``, one after the other in the same job, each from the
-same initial weights (same seed) on the same batches:
+with ``zeropp.initialize`` in each config of ``--configs``, one after the other in the same job (``--schedule
+interleaved``: all at once, step by step), each from the same initial weights (same seed) on the same batches;
+``NAME@on`` / ``NAME@off`` sets ``overlap_comm`` for one config (default ``--overlap-comm on``):
 
 ==============  =====================================================================================
 config          ``zero_optimization``
@@ -23,6 +24,7 @@ config          ``zero_optimization``
 ``zeropp``      qwZ + hpZ + qgZ (full ZeRO++)
 ``zeropp-w4``   full ZeRO++ with ``zeropp.weight_bits`` 4
 ``zeropp-g8``   full ZeRO++ with ``zeropp.gradient_bits`` 8 (not in the default list; cheaper on a CPU)
+``zeropp-ef``   full ZeRO++ with ``zeropp.error_feedback`` (not in the default list)
 ==============  =====================================================================================
 
 Per config, over the steps after ``--warmup`` (step time = the slowest rank's, per step):
@@ -78,6 +80,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "zero_quantized_gradients": True,
         "zeropp": {"gradient_bits": 8},
     },
+    "zeropp-ef": {
+        "zero_quantized_weights": True,
+        "zero_hpz_partition_size": "rpn",
+        "zero_quantized_gradients": True,
+        "zeropp": {"error_feedback": True},
+    },
 }
 DEFAULT_CONFIGS = ("zero3", "qwz", "hpz", "qgz", "zeropp", "zeropp-w4")
 LABELS = {
@@ -88,6 +96,7 @@ LABELS = {
     "zeropp": "ZeRO++ (qwZ+hpZ+qgZ)",
     "zeropp-w4": "ZeRO++, int4 weights",
     "zeropp-g8": "ZeRO++, int8 grads",
+    "zeropp-ef": "ZeRO++, qgZ error feedback",
 }
 DEFAULT_OUT = "bench/out/training"
 QUICK = {"steps": 10, "warmup": 3}
@@ -125,7 +134,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=32, help="sequence length (default 32)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step (default 1)")
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
-                   help=f"comma-separated, from {','.join(CONFIGS)} (default: all but zeropp-g8); NAME@off or "
+                   help=f"comma-separated, from {','.join(CONFIGS)} (default: all but zeropp-g8 and zeropp-ef); NAME@off or "
                    "NAME@on sets overlap_comm for that config only")
     p.add_argument("--block-size", type=int, default=None,
                    help="zeropp.block_size, elements per quantization block (default: the library's)")
