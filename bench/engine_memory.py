@@ -115,18 +115,19 @@ def measure(preset: str, dtype: str, stage: int, hpz: int, quantized: bool, seq:
     ]
     if hpz > 1 and stage == 3:
         rows.append(("hpZ secondary", secondary, b * psi / hpz, b * n * shard_elems // hpz))
+    one = n == 1  # one rank: the shard is the whole buffer (Unit.shard is a view of Unit.full, counted once) and
+    # gradients are added straight into grad_shard (no flat reduce buffer)
     if stage == 3:
-        rows.append(("full params (largest unit, transient)", full_resident[largest], b * params_of[largest],
-                     b * units[largest].full.numel()))
+        rows.append(("full params (largest unit, transient)", 0 if one else full_resident[largest],
+                     0 if one else b * params_of[largest], 0 if one else b * units[largest].full.numel()))
     else:
-        rows.append(("full params (all units, resident)", sum(full_resident), b * psi,
-                     b * sum(u.full.numel() for u in units)))
-    one = n == 1  # one rank: gradients are added straight into grad_shard, no flat buffer
+        rows.append(("full params (all units, resident)", 0 if one else sum(full_resident), 0 if one else b * psi,
+                     0 if one else b * sum(u.full.numel() for u in units)))
     rows.append(("reduce buffer (largest unit, transient)", max(reduce_buffers, default=0),
                  0 if one else 4 * params_of[largest], 0 if one else 4 * units[largest].full.numel()))
     persistent = {"compute shard", "fp32 grad shard", "fp32 master", "optimizer states", "hpZ secondary"}
     measured_state = sum(m for name, m, _, _ in rows if name in persistent)
-    if stage != 3:
+    if stage != 3 and not one:
         measured_state += sum(full_resident)
     return {
         "preset": preset, "dtype": dtype, "stage": stage, "world": n, "hpz": hpz, "quantized": quantized,

@@ -1,8 +1,8 @@
 """The ZeRO engine on real gloo processes against plain single-process training (see engine_workers.py).
 
-Three launched jobs keep the suite short: the training comparison at world sizes 2 and 4 (4 as 2 emulated nodes
-of 2 ranks), and one job for bad usage, bad configs at initialize, a module called twice (with an unused
-parameter) and activation checkpointing.
+Four launched jobs keep the suite short: the training comparison at world sizes 1, 2 and 4 (4 as 2 emulated nodes of
+2 ranks; 1, where every unit's shard is its whole buffer, takes the single-rank shortcuts), and one job for bad
+usage, bad configs at initialize, a module called twice (with an unused parameter) and activation checkpointing.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ RUNS = [
 ]
 
 
-@pytest.mark.parametrize("world, env", [(2, {}), (4, {"ZEROPP_RANKS_PER_NODE": "2"})], ids=["world2", "world4-2nodes"])
+@pytest.mark.parametrize(
+    "world, env", [(1, {}), (2, {}), (4, {"ZEROPP_RANKS_PER_NODE": "2"})], ids=["world1", "world2", "world4-2nodes"]
+)
 def test_stages_match_single_process_training(tmp_path, world, env):
     results = launch("engine_workers:train_matches_reference", world, tmp_path, env=env, timeout=240, runs=RUNS)
     assert len(results[0]) == len(RUNS)

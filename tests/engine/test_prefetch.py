@@ -1,9 +1,10 @@
-"""Stage-3 prefetch (``stage3_prefetch_bucket_size``) and overlapped gradient reduction (``overlap_comm``) change
-when collectives run, never what they compute: on 4 gloo ranks (2 emulated nodes of 2) the runs with them off and on
-give bit-identical losses and fp32 masters, exact and with full ZeRO++ (qwZ, hpZ, qgZ with error feedback). The
-prefetcher learns the forward order of the tiny GPT (root, blocks.0, blocks.1) and starts, per step after the first, the
-gathers of blocks.0 and blocks.1 from the root's pre-forward and blocks.0's from blocks.1's backward (3) with an unbounded bucket, and
-stops at the bucket bound otherwise."""
+"""Stage-3 prefetch (``stage3_prefetch_bucket_size``) and overlapped gradient reduction (``overlap_comm``) change when
+collectives run, never what they compute: on 4 gloo ranks (2 emulated nodes of 2) the runs with them off and on give
+bit-identical losses and fp32 masters, exact and with full ZeRO++ (qwZ, hpZ, qgZ with error feedback). The
+prefetcher learns the forward order of the tiny GPT (root, blocks.0, blocks.1) and starts, per step after the first,
+the gathers of blocks.0 and blocks.1 from the root's pre-forward and blocks.0's from blocks.1's backward (3) with an
+unbounded bucket, and stops at the bucket bound otherwise.
+"""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def test_prefetch_and_overlap_are_bit_identical(tmp_path, zero) -> None:
 def test_prefetch_bucket_bounds_the_look_ahead(tmp_path) -> None:
     sizes = launch("prefetch_workers:prefetch_runs", 2, tmp_path, zero={}, runs={"probe": {}}, steps=1)[0]
     block = sizes["probe"]["unit_numel"]["blocks.0"]
-    # room for exactly one block unit: the root starts blocks.0 only, blocks.0 starts blocks.1, the backward of blocks.1 starts blocks.0
+    # room for exactly one block unit: the root starts blocks.0 only, blocks.0 starts blocks.1, and the backward of
+    # blocks.1 starts blocks.0
     res = launch("prefetch_workers:prefetch_runs", 2, tmp_path / "b", zero={},
                  runs={"bounded": {"stage3_prefetch_bucket_size": block}}, steps=3)
     for r in res:

@@ -52,7 +52,7 @@ buffer              dtype       notes
 ``full``, params    compute     whole in stages 1/2; in stage 3 only while gathered (and hpZ secondary)
 ``shard``           compute     ``N / P``; what the weight all-gather (qwZ: quantizes) sends
 ``.grad``           compute     autograd's; stage 1 accumulates micro-batches in it (as DeepSpeed)
-reduce buffer       fp32        transient, ``N``: the ``.grad`` upcast, then reduce-scattered in fp32
+reduce buffer       fp32        transient, ``N``: the ``.grad`` upcast, then reduce-scattered (none at 1 rank)
 ``grad_shard``      fp32        ``N / P``; accumulates micro-batches
 ``master``          fp32        ``N / P``; the optimizer's weights, copied down to ``shard`` after a step
 optimizer state     fp32        ``N / P`` each (Adam: 2, SGD momentum: 1)
@@ -62,7 +62,9 @@ The exact gradient reduce-scatter runs in fp32 (not in the compute dtype): the `
 once, in fp32, at twice the bytes of a bf16 reduce-scatter; qgZ always quantizes from and sums in fp32, so it
 sends the same bytes in every precision. Per rank at stage 3 with AdamW this is ``(2 + 4 + 12) * Psi / P`` bytes
 (compute shard, fp32 gradient shard, master and two moments) against DeepSpeed's ``(2 + 2 + 12)``: the gradient
-shard is kept in fp32 (no rounding of the accumulated gradient); plus the transient reduce buffer of one unit.
+shard is kept in fp32 (no rounding of the accumulated gradient); plus the transient reduce buffer of one unit. At
+one rank ``shard`` is a view of ``full`` (one copy of the weights, never freed) and gradients go straight into
+``grad_shard``.
 
 fp16 loss scaling (``zeropp.engine.loss_scaler``, DeepSpeed's rules): ``backward`` differentiates
 ``loss.float() / gradient_accumulation_steps * scale``. At the boundary ``step`` divides every ``grad_shard`` by
@@ -83,8 +85,8 @@ flat fp32 buffers in flight exceed ``reduce_bucket_size`` elements, and for all 
 reduce-scatter completes before backward resumes. Either way the values are bit-identical: only the timing changes.
 
 Limits: one reduce-scatter per unit (``reduce_bucket_size`` does not merge units into buckets). Frozen parameters
-stay whole on every rank. In stage 3, outside the engine's forward and backward the module's trainable parameters
-are empty tensors: read the weights with ``engine.full_parameters()`` (the compute weights) or
+stay whole on every rank. In stage 3 on more than one rank, outside the engine's forward and backward the module's
+trainable parameters are empty tensors: read the weights with ``engine.full_parameters()`` (the compute weights) or
 ``engine.consolidated_state_dict()`` (the fp32 masters). Checkpoints (``save_checkpoint``/``load_checkpoint``,
 ``zeropp.engine.checkpoint``) are taken at accumulation boundaries only and load at any world size and layout, but
 the qgZ error-feedback residuals are kept only by a load with the same world size and nodes (otherwise they restart

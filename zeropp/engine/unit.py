@@ -32,6 +32,9 @@ forward). ``publish`` drops the secondary (the weights changed). Memory: ``P * S
 identity matters: tied weights, user references) and point into it: ``param.data`` is a view of ``full``.
 
 * Stages 1 and 2: ``full`` lives for the whole run; parameters are always whole.
+* One rank (any stage): the shard is the whole buffer, so ``shard`` is a view of ``full`` (no second copy) and the
+  unit is never freed: stage 3 then keeps exactly the memory it would while gathered, without the page faults of
+  releasing and re-touching ``full`` at every use.
 * Stage 3: ``gather()`` gives ``full`` its storage back, all-gathers the shards into it and re-points the
   parameters; ``free()`` releases the storage (``untyped_storage().resize_(0)``, as FSDP2 does) and leaves the
   parameters empty. Releasing the *storage* rather than dropping the tensor matters: autograd may have saved views
@@ -70,7 +73,9 @@ class Unit:
         self.param_names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.comm = comm
-        self.sharded = sharded
+        # one rank: the shard is the whole buffer, so it *is* ``full`` (a view): nothing to gather, copy or free
+        self.single = comm.world_size == 1
+        self.sharded = sharded and not self.single
         dtypes = {p.dtype for p in self.params}
         devices = {p.device for p in self.params}
         if len(dtypes) > 1 or len(devices) > 1:
@@ -102,7 +107,7 @@ class Unit:
                 self.full[off : off + p.numel()].copy_(p.detach().reshape(-1))
         comm.broadcast_from_first(self.full)  # every rank starts from the first rank's weights
         local = self.full[self.start : self.start + self.shard_numel]
-        self.shard = local.clone()
+        self.shard = local if self.single else local.clone()
         self.master = local.to(torch.float32, copy=True)
         self.grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
         self._full_nbytes = self.full.untyped_storage().nbytes()
@@ -175,7 +180,7 @@ class Unit:
             self.free()
         self.secondary = None  # hpZ: the secondary holds the old weights
         self.shard.copy_(self.master)
-        if not self.sharded:
+        if not self.sharded and not self.single:
             self.comm.gather_params(self.shard, self.full).wait()
 
     # ---- gradients ------------------------------------------------------------------------------------------
