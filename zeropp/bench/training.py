@@ -50,7 +50,6 @@ Rank 0 writes ``training.csv`` (one row per config), ``training_loss.csv`` (conf
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import shlex
@@ -101,7 +100,7 @@ LABELS = {
 DEFAULT_OUT = "bench/out/training"
 QUICK = {"steps": 10, "warmup": 3}
 
-_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmg]?)(bit|bps)?\s*$", re.I)
+_RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmg]?)(bit|bps)?\s*$", re.IGNORECASE)
 
 
 def label(name: str) -> str:
@@ -630,7 +629,7 @@ def drive(args: argparse.Namespace, argv: list[str]) -> int:
                "--log-dir", tmp,
                *worker_argv(args, argv)[1:]]
         try:
-            return subprocess.run(cmd, env=env, timeout=args.timeout).returncode
+            return subprocess.run(cmd, check=False, env=env, timeout=args.timeout).returncode
         except subprocess.TimeoutExpired:
             print(f"timed out after {args.timeout} s", file=sys.stderr)
             return 124
