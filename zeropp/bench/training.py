@@ -7,7 +7,9 @@ its own network namespace, nodes joined by links shaped to ``--rate``) and every
 
 Without ``zeropp.cluster`` (or with ``--launcher torchrun``) it runs one unshaped torchrun with all ranks and
 ``ZEROPP_RANKS_PER_NODE`` (nodes emulated over loopback: the counters are right, the times are not those of a
-slow link). ``--launcher none`` runs nothing: start the workers yourself with ``--worker`` under torchrun.
+slow link). ``--launcher none`` runs nothing: start the workers yourself under torchrun (or ``python -m
+zeropp.cluster ... -- python -m zeropp.bench.training ...``): a process started by torchrun (``LOCAL_RANK`` set)
+is always a worker.
 
 The worker trains the byte-level GPT (``zeropp.models.gpt``, fp32) on the stdlib text corpus (``zeropp.data``)
 with ``zeropp.initialize`` in each config of ``--configs``, one after the other in the same job (``--schedule
@@ -138,6 +140,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=None,
                    help="zeropp.block_size, elements per quantization block (default: the library's)")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--clip", type=float, default=1.0,
+                   help="gradient_clipping, global norm (default 1.0, as GPT training usually does; 0: off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--overlap-comm", choices=("on", "off"), default="on",
                    help="zero_optimization.overlap_comm (default on)")
@@ -220,6 +224,7 @@ def zero_config(name: str, args: argparse.Namespace, ranks_per_node: int) -> dic
     return {
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": 1,
+        "gradient_clipping": args.clip,
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.01}},
         "zero_optimization": zero,
     }
@@ -500,7 +505,8 @@ def explanation(rows: list[dict[str, Any]], args: argparse.Namespace, world: int
                 f"config trained from the same weights on the same data; 'speedup' is ZeRO-3's step time divided "
                 f"by the config's{result}.")
     details = (
-        f"Details: {args.preset} preset, fp32, {args.micro_batch} x {args.seq} tokens per rank per step, median "
+        f"Details: {args.preset} preset, fp32, AdamW lr {args.lr:g}, clipping {args.clip:g}, {args.micro_batch} x "
+        f"{args.seq} tokens per rank per step, median "
         f"of {args.steps - args.warmup} steps after {args.warmup} warm-up, configs {args.schedule}, overlap_comm "
         f"{args.overlap_comm}; MB = 1e6 bytes sent per step (inter = across nodes, counted by zeropp.comm.stats; "
         f"'NIC tx' measured on the node's interface); the ZeRO-3 baseline all-gathers and reduce-scatters fp32 "
@@ -638,7 +644,7 @@ def drive(args: argparse.Namespace, argv: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
-    if args.worker:
+    if args.worker or "LOCAL_RANK" in os.environ:  # a rank started by torchrun (ours, zeropp.cluster's or the user's)
         worker(args)
         return 0
     return drive(args, [a for a in argv if a != "--worker"])

@@ -100,6 +100,9 @@ def rank_env(spec: ClusterSpec, env: Mapping[str, str] | None, shaped: bool, nod
 
         e["GLOO_SOCKET_IFNAME"] = NODE_IFNAME
         e["TP_SOCKET_IFNAME"] = NODE_IFNAME
+        # c10d warns on every store connection that the node's private address has no host name (no reverse
+        # DNS inside the namespaces); keep its warnings out unless the caller asked for a log level
+        e.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         e["ZEROPP_CLUSTER_NODE"] = str(node)
     else:
         e.pop("ZEROPP_CLUSTER_NODE", None)
