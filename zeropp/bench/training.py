@@ -52,6 +52,7 @@ Rank 0 writes ``training.csv`` (one row per config), ``training_loss.csv`` (conf
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import re
 import shlex
@@ -140,6 +141,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=None,
                    help="zeropp.block_size, elements per quantization block (default: the library's)")
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr-warmup", type=int, default=10,
+                   help="steps of linear learning-rate warm-up from lr/N to lr (default 10; 1: none)")
     p.add_argument("--clip", type=float, default=1.0,
                    help="gradient_clipping, global norm (default 1.0, as GPT training usually does; 0: off)")
     p.add_argument("--seed", type=int, default=0)
@@ -257,6 +260,8 @@ class ConfigRun:
 
         rank, world = dist.get_rank(), dist.get_world_size()
         inputs, targets = data.micro_batch(step, rank=rank, world_size=world)
+        for group in self.engine.optimizer.param_groups:  # linear warm-up (the engine reads lr at every step)
+            group["lr"] = self.args.lr * min(1.0, (step + 1) / max(self.args.lr_warmup, 1))
         dist.barrier()
         s0, n0 = comm.stats(), nic_bytes()
         t0 = time.perf_counter()
@@ -337,6 +342,9 @@ def run_configs(args: argparse.Namespace, topo: Any, data: Any, eval_batch: Any,
                                 run.losses[-1])
         progress.close()
         results[name] = run.finish(eval_batch)
+        # the engine and its hooks form reference cycles: free its memory now, not at some later config's expense
+        del run
+        gc.collect()
     return results
 
 
@@ -505,7 +513,8 @@ def explanation(rows: list[dict[str, Any]], args: argparse.Namespace, world: int
                 f"config trained from the same weights on the same data; 'speedup' is ZeRO-3's step time divided "
                 f"by the config's{result}.")
     details = (
-        f"Details: {args.preset} preset, fp32, AdamW lr {args.lr:g}, clipping {args.clip:g}, {args.micro_batch} x "
+        f"Details: {args.preset} preset, fp32, AdamW lr {args.lr:g} ({args.lr_warmup} warm-up steps), clipping "
+        f"{args.clip:g}, {args.micro_batch} x "
         f"{args.seq} tokens per rank per step, median "
         f"of {args.steps - args.warmup} steps after {args.warmup} warm-up, configs {args.schedule}, overlap_comm "
         f"{args.overlap_comm}; MB = 1e6 bytes sent per step (inter = across nodes, counted by zeropp.comm.stats; "
