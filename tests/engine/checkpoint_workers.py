@@ -7,11 +7,12 @@ Each worker returns what the test compares across launches: the whole fp32 maste
 
 from __future__ import annotations
 
+import functools
 import random
 from pathlib import Path
 
 import torch
-from engine_workers import MODEL, gather_masters, text_batches
+from engine_workers import MODEL, expect_error, gather_masters, text_batches
 
 import zeropp
 from zeropp.engine import EngineUsageError
@@ -133,13 +134,7 @@ def consolidated_and_errors(rank: int, world: int, root: str) -> dict:
 
     messages = {}
 
-    def expect(kind: type[BaseException], key: str, fn) -> None:
-        try:
-            fn()
-        except kind as e:
-            messages[key] = str(e)
-        else:
-            raise AssertionError(f"{key}: no {kind.__name__}")
+    expect = functools.partial(expect_error, messages)
 
     accum = make_engine(config(2, accum=2), model=MODEL)
     x, y = text_batches(1, 2)[0]

@@ -9,6 +9,8 @@ micro-step ``k`` of rank ``r`` takes samples ``[(k * P + r) * m, (k * P + r + 1)
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 import zeropp
@@ -142,18 +144,22 @@ def train_matches_reference(
     return worst
 
 
+def expect_error(messages: dict[str, str], kind: type[BaseException], key: str, fn) -> None:
+    """Call ``fn``, which must raise ``kind``; keep the message under ``key`` (compared across ranks by the test)."""
+    try:
+        fn()
+    except kind as e:
+        messages[key] = str(e)
+    else:
+        raise AssertionError(f"{key}: no {kind.__name__}")
+
+
 def usage_errors(rank: int, world: int) -> dict[str, str]:
     """Bad usage and bad configs raise clear errors, the same on every rank, and leave the engine usable."""
     messages: dict[str, str] = {}
     good = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 3}}
 
-    def expect(kind: type[BaseException], key: str, fn) -> None:
-        try:
-            fn()
-        except kind as e:
-            messages[key] = str(e)
-        else:
-            raise AssertionError(f"{key}: no {kind.__name__}")
+    expect = functools.partial(expect_error, messages)
 
     # at initialize
     bf16, fp16 = {"bf16": {"enabled": True}}, {"fp16": {"enabled": True}}
