@@ -31,9 +31,9 @@ the new ranks' RNGs as they are); the compute shards (and, in stages 1 and 2, th
 weight all-gather) are rebuilt from the loaded masters exactly as after an optimizer step (``Unit.publish``), so a
 run resumed at the same world size continues bit for bit.
 
-Pieces used from outside DCP's public API: ``ShardedTensor._init_from_local_shards_and_global_metadata`` (every
-rank computes the global layout itself, so building the ``ShardedTensor`` needs no communication) and the private
-state of ``comm.ErrorFeedback`` (``allocate`` sets the residuals' layout key).
+One piece used from outside DCP's public API: ``ShardedTensor._init_from_local_shards_and_global_metadata`` (every
+rank computes the global layout itself, so building the ``ShardedTensor`` needs no communication). The residuals
+are read into tensors made by ``comm.ErrorFeedback.allocate`` with the saved layout key.
 """
 
 from __future__ import annotations
