@@ -14,9 +14,9 @@ tensors (``untyped_storage().nbytes()``):
 * hpZ secondary (``Unit.secondary``, read after the backward, before the step drops it): ``b * Psi / hpz``;
 * whole parameters when resident (``Unit.full`` at its gathered size): all units in stages 1/2, against
   ``b * Psi``; in stage 3 one unit at a time — reported for the largest unit, transient;
-* the transient fp32 reduce buffer (the flat gradient ``Unit.reduce_gradients`` hands to the reduce-scatter,
-  recorded at the call): the largest unit's, against ``4 *`` that unit's parameter count (none at world size 1,
-  where the gradients are added straight into the gradient shard).
+* the fp32 reduce buffer (the flat gradient ``Unit.reduce_gradients`` hands to the reduce-scatter, recorded at
+  the call; on CPU kept for reuse by ``ReduceBuffers``): the largest unit's, against ``4 *`` that unit's parameter
+  count (none at world size 1, where the gradients are added straight into the gradient shard).
 
 Totals: the persistent model states against DeepSpeed's ``(2 + 2 + 12) Psi / N`` (bf16 + AdamW, bf16 gradient
 partition) and this engine's documented ``(2 + 4 + 12) Psi / N`` (fp32 gradient shard). Measured and formula differ

@@ -38,6 +38,14 @@ def test_prefetch_and_overlap_are_bit_identical(tmp_path, zero) -> None:
         assert on["started"] == [0, 3, 3, 3]
         # a bucket of one element is smaller than every unit: nothing is started ahead
         assert res["one-unit"]["started"] == [0, 0, 0, 0]
+        # reused gradient buffers: without overlap one reduction is in flight at a time (one buffer per unit size;
+        # the two blocks share one); with it all three units' (backward order blocks.1, blocks.0, root); with a
+        # one-element bucket two at a time, which still needs two block buffers (blocks.1 is in flight when
+        # blocks.0 starts) and one of the root's size
+        sizes = on["unit_numel"]
+        block, root = sizes["blocks.0"], sizes[""]
+        assert off["pooled"] == sorted({block, root})
+        assert on["pooled"] == res["one-unit"]["pooled"] == sorted([block, block, root])
 
 
 def test_prefetch_bucket_bounds_the_look_ahead(tmp_path) -> None:

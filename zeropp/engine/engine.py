@@ -52,7 +52,7 @@ buffer              dtype       notes
 ``full``, params    compute     whole in stages 1/2; in stage 3 only while gathered (and hpZ secondary)
 ``shard``           compute     ``N / P``; what the weight all-gather (qwZ: quantizes) sends
 ``.grad``           compute     autograd's; stage 1 accumulates micro-batches in it (as DeepSpeed)
-reduce buffer       fp32        transient, ``N``: the ``.grad`` upcast, then reduce-scattered (none at 1 rank)
+reduce buffer       fp32        ``N``: the ``.grad`` upcast, then reduce-scattered (none at 1 rank); pooled
 ``grad_shard``      fp32        ``N / P``; accumulates micro-batches
 ``master``          fp32        ``N / P``; the optimizer's weights, copied down to ``shard`` after a step
 optimizer state     fp32        ``N / P`` each (Adam: 2, SGD momentum: 1)
@@ -62,7 +62,8 @@ The exact gradient reduce-scatter runs in fp32 (not in the compute dtype): the `
 once, in fp32, at twice the bytes of a bf16 reduce-scatter; qgZ always quantizes from and sums in fp32, so it
 sends the same bytes in every precision. Per rank at stage 3 with AdamW this is ``(2 + 4 + 12) * Psi / P`` bytes
 (compute shard, fp32 gradient shard, master and two moments) against DeepSpeed's ``(2 + 2 + 12)``: the gradient
-shard is kept in fp32 (no rounding of the accumulated gradient); plus the transient reduce buffer of one unit. At
+shard is kept in fp32 (no rounding of the accumulated gradient); plus the reduce buffers: one of each unit size
+(on CPU ``unit.ReduceBuffers`` keeps them for reuse), more with ``overlap_comm`` (those in flight at once). At
 one rank ``shard`` is a view of ``full`` (one copy of the weights, never freed) and gradients go straight into
 ``grad_shard``.
 
@@ -114,7 +115,7 @@ from .loss_scaler import LossScaler
 from .optimizer import PartitionedOptimizer
 from .policy import UnitPolicy, plan_units
 from .prefetch import Prefetcher
-from .unit import GradientReduction, Unit
+from .unit import GradientReduction, ReduceBuffers, Unit
 
 
 class EngineUsageError(RuntimeError):
@@ -158,7 +159,10 @@ class ZeroEngine:
         )
         sharded = self.stage == 3
         plans = [plan for plan in plan_units(module, unit_policy) if plan.params]
-        self.units = [Unit(plan.name, plan.params, self.comm, sharded=sharded) for plan in plans]
+        buffers = ReduceBuffers()
+        self.units = [
+            Unit(plan.name, plan.params, self.comm, sharded=sharded, reduce_buffers=buffers) for plan in plans
+        ]
         modules = {plan.name: plan.module for plan in plans}
         assert config.optimizer is not None
         self.optimizer = PartitionedOptimizer(config.optimizer, self.units, model_parameters)
