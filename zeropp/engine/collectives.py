@@ -99,6 +99,11 @@ class Collectives:
             block_size=self.block_size, error_feedback=error_feedback, async_op=True,
         )
 
+    def count_local_reduce_scatter(self) -> None:
+        """One rank: a gradient reduce-scatter done locally (the gradient is its own mean) is counted in
+        ``comm.stats()`` as the collective would be, moving no bytes."""
+        comm.accounting.record("reduce_scatter", comm.accounting.Traffic())
+
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks, in place."""
         if self.world_size > 1:

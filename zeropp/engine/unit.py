@@ -201,13 +201,13 @@ class Unit:
         One rank: the average is the gradient itself, so each ``.grad`` is added straight into ``grad_shard`` (the
         same fp32 sums as upcast, identity reduce-scatter, add) with no flat buffer; the call is counted as the
         collective's would be (a ``reduce_scatter`` moving no bytes)."""
-        if self.comm.world_size == 1:
+        if self.single:
             for p, off in zip(self.params, self.offsets):
                 if p.grad is not None:
                     self.grad_shard[off : off + p.numel()].add_(p.grad.reshape(-1))
                     p.grad = None
-            _comm.accounting.record("reduce_scatter", _comm.accounting.Traffic())
-            return GradientReduction(None, self.grad_shard, self.grad_shard)
+            self.comm.count_local_reduce_scatter()
+            return GradientReduction(None)
         flat = self.reduce_buffers.take(self.full.numel(), self.full.device)
         end = 0  # zero only what no gradient fills: the gaps between parameters, the padding, missing gradients
         for p, off in zip(self.params, self.offsets):
@@ -272,11 +272,12 @@ class GradientReduction:
     def __init__(
         self,
         work: _comm.CollectiveWork | None,
-        received: torch.Tensor,
-        grad_shard: torch.Tensor,
+        received: torch.Tensor | None = None,
+        grad_shard: torch.Tensor | None = None,
         flat: torch.Tensor | None = None,
         buffers: ReduceBuffers | None = None,
     ):
+        """``work`` ``None``: a reduction already complete (one rank: nothing to wait for or add)."""
         self._work: _comm.CollectiveWork | None = work
         self._received = received
         self._grad_shard = grad_shard
