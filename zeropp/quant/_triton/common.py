@@ -1,44 +1,97 @@
-"""Shared pieces of the Triton kernels: the launch heuristic, block addressing and the block arithmetic.
+"""Shared pieces of the Triton kernels: launch shapes, tile addressing and the block arithmetic.
 
-Every kernel walks the *global block order* of a chunked buffer: block ``g`` is block ``b = g % blocks_per_pack``
-of pack ``p = g // blocks_per_pack``. A program handles ``BLOCKS`` consecutive global blocks as one 2-D tile of
-``[BLOCKS, block_size]`` elements, loaded and stored contiguously; int4 code bytes are ``[BLOCKS, block_size // 2]``
-tiles, matched with the even and odd elements that ``tl.split`` / ``tl.join`` take out of and put back into the
-element tile. Small packs waste no lanes, and the codes a program writes are contiguous except where its tile
-crosses a pack boundary. Offsets are int64 throughout, so buffers above 2**31 bytes work. Element masks are only
-applied in tiles that need them (``load_rows``, ``store_rows``), so the common full tiles vectorize.
+**Grid.** A kernel runs on a 2-D grid: ``program_id(1)`` is a pack of the chunked layout and ``program_id(0)`` a
+tile of ``BLOCKS`` consecutive blocks of that pack (the last tile of a pack may be short). No program ever spans
+two packs, so no index is divided at run time; the swizzled quantize uses a 3-D grid (see ``quantize.py``).
+Offsets are int64 per pack and int32 inside a tile, so buffers past 2**31 bytes work.
 
-The arithmetic mirrors ``zeropp.quant.reference`` operation for operation (float32, IEEE division, round half to
-even); ``launch`` passes ``enable_fp_fusion=False`` so that ``code * scale`` and the following addition are
-never contracted into one FMA, which would round differently from the reference.
+**Codes as words.** The code bytes of a block are read and written as int32 words (a block's codes are a
+multiple of 4 bytes and every pack starts 4-byte aligned, ``format.py``): 4 int8 codes or 8 int4 codes per
+word, code ``i`` of a word in bits ``[i * BITS, (i + 1) * BITS)`` (the spec's byte order on a little-endian
+machine, and int4's "element 2k low nibble" rule, are exactly that). A word's codes are taken apart and put
+together with shifts, masks and float tricks on whole words (``decode_words``, ``encode_words``), never byte by
+byte.
+
+**Exact fast arithmetic.** The torch reference (the spec) divides in IEEE float32 and rounds half to even. The
+kernels get the same bits with fewer instructions, on a *fast path* that a program takes when every block of its
+tile has a scale in the normal range (``FAST_MIN``..``FAST_MAX``, or 0), and otherwise on the *exact path*, which
+is the reference operation for operation (``div_rn``, clamps). The fast path:
+
+* ``x / s`` as ``q0 = x * y``, ``e = fma(-q0, s, x)``, ``q = fma(e, y, q0)`` with ``y = 1 / s`` correctly
+  rounded once per block: the correctly rounded quotient (Markstein's theorem), as long as nothing over- or
+  underflows, which the scale range guarantees for every quotient that can round to a non-zero code;
+* ``absmax / qmax`` the same way with the constant ``1 / qmax``;
+* rounding half to even and the float-to-int conversion by one addition of ``1.5 * 2**23``: the sum's low bits
+  are the two's-complement code (``|q| <= qmax * (1 + 2**-23)``, so no clamp is needed);
+* a code back to float by placing its bits into the mantissa of a float of known exponent and subtracting that
+  float (exact), instead of an int-to-float conversion (a quarter-rate instruction);
+* no clamp of ``code * scale`` to the finite range: with the scale at most ``FAST_MAX`` it cannot overflow.
+
+``tests/quant/test_exact_arith.py`` checks these identities against the reference on millions of cases.
+``enable_fp_fusion=False`` in every launch: only the FMAs written here are fused, never ``code * scale + acc``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import triton
 import triton.language as tl
 
 from ..format import BlockFormat
 
 TILE_ELEMENTS: dict[str, int] = {
-    "quantize": 4096,
-    "dequantize": 4096,
-    "reduce_requantize": 4096,
-    "reduce_dequantize": 4096,
+    "quantize": 8192,
+    "dequantize": 8192,
+    "reduce_requantize": 8192,
+    "reduce_dequantize": 8192,
 }
-"""Elements per program for each op (at least one block), as far as ``MAX_ROWS_PER_THREAD`` allows. The knob to
-tune on a GPU."""
+"""Elements per program of each op on aligned data (at least one block): 64 per thread at 4 warps, enough to
+amortise a tile's fixed work (addressing, the per-block scale and reciprocal, the fast-path check)."""
+
+NUM_WARPS = 4
 
 MAX_ROWS_PER_THREAD = 16
-"""At most this many of a program's blocks (tile rows) per thread, counted where the elements are not vectorized
-(one element per thread per row: odd sizes, misaligned tensors). Every thread that holds part of a row holds that
-row's indices, offsets, mask and scale, and for a block of at least ``32 * num_warps`` elements that is every thread
-of the program: 32 rows per thread (block 128, 4096 elements) spilled registers once the tile crosses packs, 256
-(block 16) spilled in every multi-pack kernel. With 16 the worst kernel compiled for sm_90 (``tests/quant/
-test_triton_compile.py``) uses about 200 of its 255 registers and none spills."""
+"""Unaligned data (an odd ``chunk_numel`` or a float tensor not 16-byte aligned) is not vectorized: one element
+per thread per row, so every thread holds a value of every row of the tile, and per-row values (scale,
+reciprocal, offsets) multiply. Tiles are then cut to at most this many rows per thread, which keeps every
+specialization free of register spills (``tests/quant/test_triton_compile.py``)."""
+
+FAST_MIN = tl.constexpr(2.0**-80)
+"""Smallest non-zero block scale of the fast path. Below it a quotient's residual or a sum of products could
+underflow, and the exact path runs instead."""
+
+FAST_MAX = tl.constexpr(2.0**100)
+"""Largest block scale of the fast path (``code * scale`` and sums of 8 such stay far from overflow)."""
+
+ROUNDER = tl.constexpr(1.5 * 2**23)
+"""Adding it to a float32 ``|q| < 2**22`` rounds ``q`` to an integer (half to even), held in the low mantissa bits."""
+
+CODE_BITS = tl.constexpr(0x4B400000)
+"""The float32 bits of ``ROUNDER``."""
+
+
+def _int32(value: int) -> int:
+    """``value`` modulo 2**32 as a signed int32 (so that Triton keeps a constant int32)."""
+    value %= 1 << 32
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def _word_sum(per_code: int, bits: int) -> int:
+    """``sum_i per_code * 2**(i * bits)`` over the codes of a word, as an int32."""
+    return _int32(sum(per_code << (i * bits) for i in range(32 // bits)))
+
+
+# What ``encode_words`` subtracts from a word built from code bits, and every code's sign bit, per code width.
+WORD_OFFSET_8 = tl.constexpr(_word_sum(0x4B400000, 8))
+WORD_OFFSET_4 = tl.constexpr(_word_sum(0x4B400000, 4))
+WORD_SIGNS_8 = tl.constexpr(_word_sum(128, 8))
+WORD_SIGNS_4 = tl.constexpr(_word_sum(8, 4))
 
 
 @dataclass(frozen=True)
@@ -49,249 +102,302 @@ class LaunchShape:
     num_warps: int
 
 
-def launch_shape(op: str, block_size: int) -> LaunchShape:
-    """The tile of ``op`` for ``block_size``: ``TILE_ELEMENTS[op]`` elements (or one block if larger), 4 warps (8
-    past 4096 elements), and no more blocks than keeps ``MAX_ROWS_PER_THREAD``.
+_overrides: dict[str, tuple[int, int]] = {}
 
-    A row of ``block_size`` elements, one per thread, spans ``min(block_size, threads)`` threads, so each thread
-    holds ``blocks * min(block_size, threads) / threads`` rows. With the defaults (4096, 16, 4 warps) blocks of 16,
-    32, 64 and 128 elements get 2048-element tiles (128, 64, 32 and 16 blocks), larger blocks 4096 elements.
-    """
-    elements = max(block_size, TILE_ELEMENTS[op])
-    num_warps = 4 if elements <= 4096 else 8
-    threads = 32 * num_warps
-    max_blocks = max(1, MAX_ROWS_PER_THREAD * threads // min(block_size, threads))
-    blocks = min(elements // block_size, max_blocks)
-    assert blocks & (blocks - 1) == 0 and blocks < 2**15, "BLOCKS must be a power of two below 2**15 (divmod_from)"
+
+@contextlib.contextmanager
+def tile_override(op: str, elements: int, num_warps: int) -> Iterator[None]:
+    """Launch ``op`` with ``elements`` per program (a power of two; at least one block is always taken) and
+    ``num_warps`` inside the ``with``, for tile sweeps (``bench/kernels.py --sweep``). Not thread-safe."""
+    if op not in TILE_ELEMENTS:
+        raise ValueError(f"op={op!r} is not one of {sorted(TILE_ELEMENTS)}")
+    if elements < 1 or elements & (elements - 1) or num_warps < 1 or num_warps & (num_warps - 1):
+        raise ValueError(f"elements={elements} and num_warps={num_warps} must be powers of two")
+    previous = _overrides.get(op)
+    _overrides[op] = (elements, num_warps)
+    try:
+        yield
+    finally:
+        if previous is None:
+            del _overrides[op]
+        else:
+            _overrides[op] = previous
+
+
+def launch_shape(op: str, block_size: int, aligned: bool = True) -> LaunchShape:
+    """The tile of ``op`` for ``block_size``: ``TILE_ELEMENTS[op]`` elements (or one block if larger) at
+    ``NUM_WARPS`` warps; on unaligned data no more blocks than keeps ``MAX_ROWS_PER_THREAD``."""
+    elements, num_warps = _overrides.get(op, (TILE_ELEMENTS[op], NUM_WARPS))
+    blocks = max(1, elements // block_size)
+    if not aligned:
+        threads = 32 * num_warps
+        blocks = min(blocks, max(1, MAX_ROWS_PER_THREAD * threads // min(block_size, threads)))
     return LaunchShape(blocks, num_warps)
 
 
-def launch(kernel: Any, op: str, fmt: BlockFormat, num_blocks: int, *args: Any, **constexprs: Any) -> None:
-    """Launch ``kernel(*args, **constexprs)`` over ``num_blocks`` blocks (> 0) with ``op``'s tile: one program per
-    ``BLOCKS`` blocks, plus the constexprs every kernel takes (``BLOCK_SIZE``, ``BITS``, ``BLOCKS``), its warps,
-    and ``enable_fp_fusion=False``: no FMA contraction, so ``code * scale + acc`` rounds as in the reference."""
-    shape = launch_shape(op, fmt.block_size)
-    kernel[(triton.cdiv(num_blocks, shape.blocks_per_program),)](
-        *args,
-        BLOCK_SIZE=fmt.block_size,
-        BITS=fmt.bits,
-        BLOCKS=shape.blocks_per_program,
-        num_warps=shape.num_warps,
-        enable_fp_fusion=False,
-        **constexprs,
-    )
+def is_aligned(t: torch.Tensor, *counts: int) -> bool:
+    """Whether Triton will see ``t``'s pointer 16-byte aligned and every element count divisible by 16: what lets
+    it vectorize a tile's loads and stores (and what ``launch_shape`` calls aligned)."""
+    return t.data_ptr() % 16 == 0 and all(c % 16 == 0 for c in counts)
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def launch(kernel: Any, grid: tuple[int, ...], shape: LaunchShape, fmt: BlockFormat, device: torch.device,
+           *args: Any, **constexprs: Any) -> None:
+    """Launch ``kernel[grid](*args, **constexprs)`` on ``device`` with ``shape``'s tile, the constexprs every
+    kernel takes (``BLOCK_SIZE``, ``BITS``, ``BLOCKS``, ``INTERPRET``) and ``enable_fp_fusion=False``.
+
+    Triton launches on the current CUDA device, so the launch is made under ``device``: a rank that never called
+    ``torch.cuda.set_device`` would otherwise run the kernel on device 0 with pointers into another device."""
+    guard = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    with guard:
+        kernel[grid](
+            *args,
+            BLOCK_SIZE=fmt.block_size,
+            BITS=fmt.bits,
+            BLOCKS=shape.blocks_per_program,
+            INTERPRET=interpreting(),
+            num_warps=shape.num_warps,
+            enable_fp_fusion=False,
+            **constexprs,
+        )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Addressing
 
 
 @triton.jit
-def divmod_from(start, r, divisor, R_MAX: tl.constexpr):
-    """``((start + r) // divisor - start // divisor, (start + r) % divisor)`` for int32 ``r`` in ``[0, R_MAX]``
-    (``R_MAX < 2**15``) and int64 scalars ``start >= 0``, ``divisor >= 1``: int32 and int64 tensors shaped as ``r``.
+def code_words(buf_ptr, pack_offset, first_block, BLOCKS: tl.constexpr, WORDS: tl.constexpr):
+    """Int32 pointers [BLOCKS, WORDS] to the code words of blocks ``first_block + r`` of the pack at byte
+    ``pack_offset`` (int64) of ``buf_ptr``; ``WORDS`` words per block."""
+    base = (buf_ptr + pack_offset).to(tl.pointer_type(tl.int32)) + first_block * WORDS
+    return base + (tl.arange(0, BLOCKS) * WORDS)[:, None] + tl.arange(0, WORDS)[None, :]
 
-    Per-row values are held by every thread that holds part of the row (all of them when a block spans the
-    program's threads), so per-row int64 division is repeated in every thread and is what made the kernels spill.
-    Here the only division is on scalars: past the first multiple of ``divisor`` after ``start`` (``first`` rows
-    away), ``n // step`` with ``n < R_MAX`` and ``step = min(divisor, R_MAX + 1)`` is one multiply and shift by
-    ``ceil(2**32 / step)``, exact because ``n * step < 2**32``; it is 0 when ``divisor > R_MAX``, the usual case.
+
+@triton.jit
+def scale_ptrs(buf_ptr, pack_offset, blocks_per_pack, first_block, BLOCKS: tl.constexpr, CODE_BYTES: tl.constexpr):
+    """Float32 pointers [BLOCKS] to the scales of blocks ``first_block + r`` of the pack at byte ``pack_offset``."""
+    scales = pack_offset + blocks_per_pack.to(tl.int64) * CODE_BYTES
+    return (buf_ptr + scales).to(tl.pointer_type(tl.float32)) + first_block + tl.arange(0, BLOCKS)
+
+
+@triton.jit
+def element_ptrs(x_ptr, offset, BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Pointers [BLOCKS, BLOCK_SIZE] to ``BLOCKS * BLOCK_SIZE`` consecutive elements from ``x_ptr + offset``."""
+    return (x_ptr + offset) + (tl.arange(0, BLOCKS) * BLOCK_SIZE)[:, None] + tl.arange(0, BLOCK_SIZE)[None, :]
+
+
+@triton.jit
+def row_counts(available, BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """Int32 [BLOCKS]: how many of a row's ``BLOCK_SIZE`` elements lie in the first ``available`` (int64) elements
+    of the tile, between 0 and ``BLOCK_SIZE``."""
+    left = available - (tl.arange(0, BLOCKS) * BLOCK_SIZE).to(tl.int64)
+    return tl.minimum(tl.maximum(left, 0), BLOCK_SIZE).to(tl.int32)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Block arithmetic
+
+
+@triton.jit
+def _nan_max(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def absmax(v):
+    """Per row of float32 ``v`` [R, C]: the largest ``|v|``, NaN if the row holds one (``tl.max`` skips NaN)."""
+    return tl.reduce(tl.abs(v), 1, _nan_max)
+
+
+@triton.jit
+def fast_rows(scale):
+    """Int32 [R], 1 where ``scale`` (any float32, NaN included) is 0 or within ``[FAST_MIN, FAST_MAX]``."""
+    fine = (scale == 0.0) | ((scale >= FAST_MIN) & (scale <= FAST_MAX))
+    return fine.to(tl.int32)
+
+
+@triton.jit
+def all_fast(scale):
+    """Whether every scale of the tile (float32 [R]) allows the fast path: one program-wide check."""
+    return tl.min(fast_rows(scale), axis=0) == 1
+
+
+@triton.jit
+def div_fast(x, d, y):
+    """``x / d`` correctly rounded (float32), from ``y``, the correctly rounded ``1 / d``: one multiply and two
+    FMAs. Exact for ``d`` and the quotient in the normal range (Markstein); the fast path guarantees it."""
+    q = x * y
+    return tl.fma(tl.fma(-q, d, x), y, q)
+
+
+@triton.jit
+def scale_fast(amax, QMAX: tl.constexpr):
+    """``amax / qmax`` correctly rounded for ``amax`` 0 or in the fast range (``div_fast`` by a constant)."""
+    return div_fast(amax, QMAX * 1.0, 1.0 / QMAX)
+
+
+@triton.jit
+def scale_exact(amax, QMAX: tl.constexpr):
+    """``amax / qmax`` by IEEE division: NaN stays NaN, Inf stays Inf."""
+    return tl.math.div_rn(amax, tl.full(amax.shape, QMAX, tl.float32))
+
+
+@triton.jit
+def quantize_fast(v, scale, BITS: tl.constexpr):
+    """The code bits [R, C] of float32 ``v`` with per-row ``scale`` on the fast path (see ``quantize_rows``).
+
+    ``round_half_even(v / scale)`` by adding ``ROUNDER + 2**(BITS - 1)``: the sum has no fraction bits, so the
+    addition itself rounds (half to even: the constant is even), and its low mantissa bits are the offset code.
+    A zero scale divides by 1 (its values are 0).
     """
-    divisor = tl.cast(divisor, tl.int64)  # an int32 argument, or the constant 1 when Triton specializes it
-    base = start // divisor
-    rem0 = start - base * divisor
-    first = tl.minimum(divisor - rem0, R_MAX + 1).to(tl.int32)
-    step = tl.minimum(divisor, R_MAX + 1)
-    magic = 4294967295 // step + 1  # ceil(2**32 / step), at most 2**32
-    after = r >= first
-    n = tl.maximum(r - first, 0)
-    k = ((n.to(tl.int64) * magic) >> 32).to(tl.int32)  # n // step
-    q = tl.where(after, k + 1, 0)
-    rem = tl.where(after, (n - k * step.to(tl.int32)).to(tl.int64), rem0 + r)
-    return q, rem
+    d = tl.where(scale > 0.0, scale, 1.0)
+    y = tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d)
+    q = div_fast(v, d[:, None], y[:, None])
+    return (q + (ROUNDER + (1 << (BITS - 1)))).to(tl.int32, bitcast=True)
 
 
 @triton.jit
-def tile_packs(blocks_per_pack, BLOCKS: tl.constexpr, ONE_PACK: tl.constexpr):
-    """This program's global blocks ``g`` (int64 [BLOCKS]) as pack ``p0 + q`` and index ``b`` in the pack: the
-    tile's first pack ``p0`` (an int64 scalar), ``q`` (int32 [BLOCKS]) and ``b`` (int64 [BLOCKS]); see
-    ``divmod_from``. ``ONE_PACK`` (every block in pack 0) skips even that and lets the compiler see that offsets
-    are multiples of the block size, so it can vectorize the loads and stores.
-    """
-    g0 = tl.program_id(0).to(tl.int64) * BLOCKS
-    r = tl.arange(0, BLOCKS)
-    g = g0 + r
-    if ONE_PACK:
-        p0 = g0 * 0
-        q = r * 0
-        b = g
-    else:
-        p0 = g0 // blocks_per_pack
-        q, b = divmod_from(g0, r, blocks_per_pack, BLOCKS)
-    return g, p0, q, b
-
-
-@triton.jit
-def tile_blocks(
-    blocks_per_pack, pack_bytes, BLOCKS: tl.constexpr, BLOCK_CODE_BYTES: tl.constexpr, ONE_PACK: tl.constexpr
-):
-    """This program's global blocks ``g`` and, per block, its pack ``p``, its index ``b`` in the pack and the
-    byte offsets of its codes and of its float32 scale in a buffer of whole packs. All int64 of shape [BLOCKS].
-    See ``tile_packs`` for how ``p`` and ``b`` are found without per-row int64 division.
-    """
-    g, p0, q, b = tile_packs(blocks_per_pack, BLOCKS, ONE_PACK)
-    p = p0 + q
-    pack = p * pack_bytes
-    code_offset = pack + b * BLOCK_CODE_BYTES
-    scale_offset = pack + blocks_per_pack * BLOCK_CODE_BYTES + b * 4
-    return g, p, b, code_offset, scale_offset
-
-
-@triton.jit
-def swizzled_sources(p, blocks_per_pack, nodes, ranks_per_node, BLOCKS: tl.constexpr, ONE_PACK: tl.constexpr):
-    """Per block of ``tile_blocks``' pack ``p``: the input slice it holds, ``(p % nodes) * ranks_per_node +
-    p // nodes`` (``format.swizzle_source``), found as ``tile_packs`` finds ``p``: int64 division on scalars only."""
-    if ONE_PACK:
-        source = p
-    else:
-        p0 = (tl.program_id(0).to(tl.int64) * BLOCKS) // blocks_per_pack  # the same scalar as in tile_packs
-        q = (p - p0).to(tl.int32)  # in [0, BLOCKS]
-        wrap, m = divmod_from(p0, q, nodes, BLOCKS)
-        source = m * ranks_per_node + (p0 // nodes + wrap)
-    return source
-
-
-@triton.jit
-def scale_pointers(buf_ptr, scale_offset):
-    """Float32 pointers to the scales at byte offsets ``scale_offset`` of the uint8 buffer ``buf_ptr``."""
-    return (buf_ptr + scale_offset).to(tl.pointer_type(tl.float32))
-
-
-@triton.jit
-def round_half_even(v):
-    """``v`` rounded to the nearest integer, ties to even, still float32; exact for ``|v| < 2**22``.
-
-    Adding 1.5 * 2**23 leaves no fraction bits, so the float32 addition itself rounds (half to even under the
-    default rounding mode); unlike ``rint`` this behaves the same in the interpreter and on the GPU.
-    """
-    return (v + 12582912.0) - 12582912.0
-
-
-@triton.jit
-def absmax_bits(v):
-    """Per row of float32 ``v`` [R, C]: the bits (int32) of the largest ``|v|``, a NaN if the row has one.
-
-    ``tl.max`` on floats skips NaN; on the bit patterns of non-negative floats integer order is float order and
-    every NaN sorts above +Inf, so one integer max gives the absmax and propagates NaN.
-    """
-    return tl.max(v.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
-
-
-@triton.jit
-def block_scale(amax_bits, QMAX: tl.constexpr):
-    """Float32 scales ``absmax / qmax`` [R] from ``absmax_bits``; NaN stays NaN, Inf stays Inf."""
-    return tl.math.div_rn(amax_bits.to(tl.float32, bitcast=True), tl.full(amax_bits.shape, QMAX, tl.float32))
-
-
-@triton.jit
-def quantize_values(v, scale, QMAX: tl.constexpr):
-    """Int32 codes of float32 ``v`` [R, C] with per-row ``scale`` [R]: ``clamp(rne(v / scale), -qmax, qmax)``,
-    0 in rows whose scale is not finite; a zero scale divides by 1 (its values are 0 or too small to round up)."""
+def quantize_exact(v, scale, BITS: tl.constexpr):
+    """The code bits [R, C] of float32 ``v`` with per-row ``scale``, operation for operation as the reference:
+    ``clamp(rne(v / scale), -qmax, qmax)``, code 0 in rows whose scale is not finite, a zero scale dividing by 1."""
+    QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
     finite = scale < float("inf")  # False for NaN too
     divisor = tl.where(finite & (scale > 0), scale, 1.0)
-    # Clamping before rounding gives the same integers (qmax is an integer) and keeps |v| small enough for
-    # round_half_even.
-    q = tl.math.div_rn(v, divisor[:, None])
-    q = round_half_even(tl.minimum(tl.maximum(q, -QMAX), QMAX))
-    return tl.where(finite[:, None], q, 0.0).to(tl.int32)
+    # Clamping before rounding gives the same integers (qmax is an integer) and keeps |q| < 2**22 for the rounder.
+    q = tl.minimum(tl.maximum(tl.math.div_rn(v, divisor[:, None]), -QMAX), QMAX)
+    q = tl.where(finite[:, None], q, 0.0)
+    return (q + (ROUNDER + (1 << (BITS - 1)))).to(tl.int32, bitcast=True)
 
 
 @triton.jit
-def scaled(code, scale):
-    """Float32 ``code * scale`` (int32 codes), clamped to the finite float32 range as in the reference: the
-    product can round past it when a block's absmax is within an ulp of it. NaN stays NaN."""
-    return tl.clamp(
-        code.to(tl.float32) * scale, -3.4028234663852886e38, 3.4028234663852886e38, propagate_nan=tl.PropagateNan.ALL
-    )
+def quantize_rows(v, BITS: tl.constexpr):
+    """Float32 rows ``v`` [R, C] (whole blocks) to code bits and scales: int32 [R, C] holding ``CODE_BITS +
+    2**(BITS - 1) + code`` (what ``encode_words`` packs), and float32 scales [R]. The fast path if every row of
+    the tile allows it, else the exact path."""
+    QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
+    amax = absmax(v)
+    if all_fast(amax):
+        scale = scale_fast(amax, QMAX)
+        codes = quantize_fast(v, scale, BITS)
+    else:
+        scale = scale_exact(amax, QMAX)
+        codes = quantize_exact(v, scale, BITS)
+    return codes, scale
 
 
 @triton.jit
-def pack_int4(lo, hi):
-    """Bytes (uint8) holding int32 codes ``lo`` in the low nibble and ``hi`` in the high one, two's complement."""
-    return ((lo & 0xF) | ((hi & 0xF) << 4)).to(tl.uint8)
+def encode_words(codes, BITS: tl.constexpr):
+    """Int32 words [R, C * BITS // 32] from code bits [R, C] (``quantize_rows``: ``CODE_BITS + code``): code
+    ``i`` of a word in bits ``[i * BITS, (i + 1) * BITS)``, two's complement.
+
+    Each code's bits are ``CODE_BITS + 2**(BITS - 1) + code`` with the offset code ``u`` in ``[1, 2**BITS)``,
+    so ``sum_i bits_i * 2**(i * BITS)`` (mod 2**32, Horner's rule: one shift-and-add per code) is
+    ``sum_i u_i * 2**(i * BITS)`` plus a constant; subtracting it and flipping every code's sign bit gives the
+    packed two's-complement word. The codes of a word are taken apart with ``tl.split``, which stays inside a
+    thread when the word's codes do (wherever the layout holds 8 consecutive elements per thread, as vectorized
+    16-bit loads and ``decode_words`` do).
+    """
+    R: tl.constexpr = codes.shape[0]
+    PER_WORD: tl.constexpr = 32 // BITS
+    if BITS == 8:
+        # [R, W, a, c] holds code 2a + c of each word
+        even, odd = tl.split(tl.reshape(codes, [R, codes.shape[1] // PER_WORD, 2, 2]))
+        c0, c2 = tl.split(even)
+        c1, c3 = tl.split(odd)
+        return ((((c3 << 8) + c2 << 8) + c1 << 8) + c0 - WORD_OFFSET_8) ^ WORD_SIGNS_8
+    else:
+        # [R, W, a, b, c] holds code 4a + 2b + c of each word
+        even, odd = tl.split(tl.reshape(codes, [R, codes.shape[1] // PER_WORD, 2, 2, 2]))
+        e0, e1 = tl.split(even)
+        o0, o1 = tl.split(odd)
+        n0, n4 = tl.split(e0)
+        n2, n6 = tl.split(e1)
+        n1, n5 = tl.split(o0)
+        n3, n7 = tl.split(o1)
+        high = (((n7 << 4) + n6 << 4) + n5 << 4) + n4
+        return (((((high << 4) + n3 << 4) + n2 << 4) + n1 << 4) + n0 - WORD_OFFSET_4) ^ WORD_SIGNS_4
 
 
 @triton.jit
-def unpack_int4(byte):
-    """Signed int32 codes (low nibble, high nibble) of uint8 ``byte``."""
-    b = byte.to(tl.int32)
-    return ((b & 0xF) ^ 8) - 8, (((b >> 4) & 0xF) ^ 8) - 8
+def _code_at(words, zero, POSITION: tl.constexpr, BITS: tl.constexpr):
+    """Float32 value of code ``POSITION`` of int32 ``words`` (an exact small integer); ``zero`` as in
+    ``decode_words``.
+
+    The code is moved into the low mantissa bits of a float whose exponent makes one mantissa unit worth 1: with
+    its sign bit flipped (``u = code + 2**(BITS - 1)``, unsigned) the float is ``2**E + u``, and subtracting
+    ``2**E + 2**(BITS - 1)`` leaves the code. Codes in the low half-word are masked in place (``E`` shrinks by
+    ``BITS`` per position so that the unit stays 1), those of the high half after a shift by 16.
+    """
+    HALF: tl.constexpr = 16 // BITS
+    PLACE: tl.constexpr = (POSITION % HALF) * BITS
+    SIGN: tl.constexpr = 1 << (BITS - 1)
+    MAGIC: tl.constexpr = ((23 - PLACE + 127) << 23) | (SIGN << PLACE)
+    BIAS: tl.constexpr = 2.0 ** (23 - PLACE) + SIGN
+    if POSITION >= HALF:
+        words = words >> 16
+    # ``(words & mask) ^ MAGIC`` is one LOP3 instruction only if one of its two constants is in a register
+    mask = zero + (((1 << BITS) - 1) << PLACE)
+    f = ((words & mask) ^ MAGIC).to(tl.float32, bitcast=True)
+    return f - BIAS
 
 
 @triton.jit
-def decode_int8(byte):
-    """Signed int32 codes of uint8 ``byte``."""
-    return byte.to(tl.int8, bitcast=True).to(tl.int32)
+def decode_words(words, zero, BITS: tl.constexpr):
+    """Float32 codes [R, W * 32 // BITS] of int32 words [R, W] (exact small integers), put back in element
+    order with ``tl.join`` (new dimensions inside the thread), so each thread holds whole words' codes.
+
+    ``zero`` is an int32 scalar that is 0 when the kernel runs but that the compiler cannot fold (see
+    ``opaque_zero``): constants added to it stay in registers, which halves the instructions per code.
+    """
+    R: tl.constexpr = words.shape[0]
+    C: tl.constexpr = words.shape[1] * 32 // BITS
+    if BITS == 8:
+        even = tl.join(_code_at(words, zero, 0, 8), _code_at(words, zero, 2, 8))
+        odd = tl.join(_code_at(words, zero, 1, 8), _code_at(words, zero, 3, 8))
+    else:
+        even = tl.join(tl.join(_code_at(words, zero, 0, 4), _code_at(words, zero, 4, 4)),
+                       tl.join(_code_at(words, zero, 2, 4), _code_at(words, zero, 6, 4)))
+        odd = tl.join(tl.join(_code_at(words, zero, 1, 4), _code_at(words, zero, 5, 4)),
+                      tl.join(_code_at(words, zero, 3, 4), _code_at(words, zero, 7, 4)))
+    return tl.reshape(tl.join(even, odd), [R, C])
 
 
 @triton.jit
-def to_output(v, out_ptr):
+def opaque_zero(count):
+    """0 for a non-negative int32 kernel argument ``count``, computed so that the compiler cannot know it."""
+    return count >> 31
+
+
+@triton.jit
+def scaled_fast(code, scale):
+    """Float32 ``code * scale`` on the fast path (no clamp needed)."""
+    return code * scale
+
+
+@triton.jit
+def scaled_exact(code, scale):
+    """Float32 ``code * scale`` clamped to the finite float32 range as in the reference (the product can round
+    past it when a block's absmax is within an ulp of it). NaN stays NaN."""
+    return tl.clamp(code * scale, -3.4028234663852886e38, 3.4028234663852886e38, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def to_output(v, out_ptr, INTERPRET: tl.constexpr):
     """Float32 ``v`` converted, rounding to nearest even, to the element type of ``out_ptr``.
 
-    bfloat16 is rounded by hand: Triton's interpreter truncates ``.to(tl.bfloat16)``, and on the GPU these few
-    integer operations cost nothing in a memory-bound kernel; NaN stays (quiet) NaN, overflow becomes Inf.
+    On the GPU the conversion instruction rounds correctly. Triton's interpreter truncates ``.to(tl.bfloat16)``,
+    so there bfloat16 is rounded by hand (NaN stays NaN, overflow becomes Inf).
     """
-    if out_ptr.dtype.element_ty == tl.bfloat16:
+    if INTERPRET and out_ptr.dtype.element_ty == tl.bfloat16:
         bits = v.to(tl.uint32, bitcast=True)
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
         half = tl.where(v != v, (bits >> 16) | 0x40, rounded)
         return half.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return v.to(out_ptr.dtype.element_ty)
-
-
-@triton.jit
-def load_rows(x_ptr, start, count, WIDTH: tl.constexpr):
-    """Float32 [R, WIDTH]: row ``r`` holds the ``count[r]`` elements from ``x_ptr + start[r]``, then zeros.
-
-    A tile whose rows are all whole needs no element mask, which is what lets the load be vectorized.
-    """
-    cols = tl.arange(0, WIDTH)[None, :]
-    ptrs = x_ptr + start[:, None] + cols
-    count = tl.minimum(tl.maximum(count, 0), WIDTH).to(tl.int32)  # one register per row, not two
-    if tl.min(count, axis=0) >= WIDTH:
-        v = tl.load(ptrs)
-    else:
-        v = tl.load(ptrs, mask=cols < count[:, None], other=0.0)
-    return v.to(tl.float32)
-
-
-@triton.jit
-def store_rows(out_ptr, start, count, v):
-    """Store the first ``count[r]`` values of each row ``r`` of float32 ``v`` at ``out_ptr + start[r]``, in the
-    element type of ``out_ptr``; unmasked (vectorizable) when every row is whole."""
-    cols = tl.arange(0, v.shape[1])[None, :]
-    ptrs = out_ptr + start[:, None] + cols
-    count = tl.minimum(tl.maximum(count, 0), v.shape[1]).to(tl.int32)  # one register per row, not two
-    y = to_output(v, out_ptr)
-    if tl.min(count, axis=0) >= v.shape[1]:
-        tl.store(ptrs, y)
-    else:
-        tl.store(ptrs, y, mask=cols < count[:, None])
-
-
-@triton.jit
-def store_int8_blocks(buf_ptr, code_offset, scale_offset, row_mask, v, QMAX: tl.constexpr):
-    """Quantize float32 rows ``v`` [R, block_size] to int8 and store codes and scales at the given offsets."""
-    scale = block_scale(absmax_bits(v), QMAX)
-    q = quantize_values(v, scale, QMAX)
-    cols = tl.arange(0, v.shape[1])
-    tl.store(buf_ptr + code_offset[:, None] + cols[None, :], (q & 0xFF).to(tl.uint8), mask=row_mask[:, None])
-    tl.store(scale_pointers(buf_ptr, scale_offset), scale, mask=row_mask)
-
-
-@triton.jit
-def store_int4_blocks(buf_ptr, code_offset, scale_offset, row_mask, even, odd, QMAX: tl.constexpr):
-    """Quantize float32 rows, given as their ``even`` and ``odd`` elements [R, block_size // 2], to int4 and store
-    codes (element 2k low nibble, 2k+1 high nibble of byte k) and scales at the given offsets."""
-    scale = block_scale(tl.maximum(absmax_bits(even), absmax_bits(odd)), QMAX)
-    byte = pack_int4(quantize_values(even, scale, QMAX), quantize_values(odd, scale, QMAX))
-    cols = tl.arange(0, even.shape[1])
-    tl.store(buf_ptr + code_offset[:, None] + cols[None, :], byte, mask=row_mask[:, None])
-    tl.store(scale_pointers(buf_ptr, scale_offset), scale, mask=row_mask)

@@ -8,13 +8,19 @@ import triton.language as tl
 
 from ..format import BlockFormat
 from .common import (
-    decode_int8,
+    all_fast,
+    code_words,
+    decode_words,
+    element_ptrs,
+    is_aligned,
     launch,
-    scale_pointers,
-    scaled,
-    store_rows,
-    tile_blocks,
-    unpack_int4,
+    launch_shape,
+    opaque_zero,
+    row_counts,
+    scale_ptrs,
+    scaled_exact,
+    scaled_fast,
+    to_output,
 )
 
 
@@ -24,35 +30,53 @@ def _dequantize_kernel(
     out_ptr,
     out_numel,
     chunk_numel,
-    num_blocks,
     blocks_per_pack,
     pack_bytes,
     BLOCK_SIZE: tl.constexpr,
     BITS: tl.constexpr,
     BLOCKS: tl.constexpr,
-    ONE_PACK: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
-    """Dequantize ``BLOCKS`` blocks (global block order) per program.
+    """Dequantize ``BLOCKS`` blocks of pack ``program_id(1)`` per program.
 
     ``buf_ptr``: uint8 packs of ``pack_bytes`` bytes, each holding ``chunk_numel`` elements. ``out_ptr``: the
     first ``out_numel`` elements of the concatenated slices; the padding of each pack's last block is dropped.
     """
-    g, p, b, code_offset, scale_offset = tile_blocks(
-        blocks_per_pack, pack_bytes, BLOCKS, BLOCK_SIZE * BITS // 8, ONE_PACK
-    )
-    row_mask = g < num_blocks
-    in_slice = b * BLOCK_SIZE
-    start = p * chunk_numel + in_slice
-    scale = tl.load(scale_pointers(buf_ptr, scale_offset), mask=row_mask, other=0.0)[:, None]
-    code_cols = tl.arange(0, BLOCK_SIZE * BITS // 8)[None, :]
-    byte = tl.load(buf_ptr + code_offset[:, None] + code_cols, mask=row_mask[:, None], other=0)
-    if BITS == 8:
-        v = scaled(decode_int8(byte), scale)
+    WORDS: tl.constexpr = BLOCK_SIZE * BITS // 32
+    first_block = tl.program_id(0) * BLOCKS
+    pack = tl.program_id(1).to(tl.int64)
+    in_slice = first_block.to(tl.int64) * BLOCK_SIZE
+    out_start = pack * chunk_numel + in_slice
+    # Elements of this tile to write: up to the end of the slice and of out.
+    available = tl.minimum(chunk_numel - in_slice, out_numel - out_start)
+    full = available >= BLOCKS * BLOCK_SIZE
+    pack_offset = pack * pack_bytes
+    word_ptrs = code_words(buf_ptr, pack_offset, first_block, BLOCKS, WORDS)
+    scales = scale_ptrs(buf_ptr, pack_offset, blocks_per_pack, first_block, BLOCKS, WORDS * 4)
+    if full:
+        words = tl.load(word_ptrs)
+        scale = tl.load(scales)
     else:
-        lo, hi = unpack_int4(byte)
-        v = tl.reshape(tl.join(scaled(lo, scale), scaled(hi, scale)), [BLOCKS, BLOCK_SIZE])
-    # The padding of a pack's last block, and anything past out_numel, is not written.
-    store_rows(out_ptr, start, tl.minimum(chunk_numel - in_slice, out_numel - start), v)
+        rows = first_block + tl.arange(0, BLOCKS) < blocks_per_pack
+        words = tl.load(word_ptrs, mask=rows[:, None], other=0)
+        scale = tl.load(scales, mask=rows, other=0.0)
+    codes = decode_words(words, opaque_zero(blocks_per_pack), BITS)
+    # Only float32 output can tell a product clamped to the float32 range from an overflow to Inf: in bfloat16 and
+    # float16 both round to Inf.
+    if out_ptr.dtype.element_ty == tl.float32:
+        if all_fast(scale):
+            v = scaled_fast(codes, scale[:, None])
+        else:
+            v = scaled_exact(codes, scale[:, None])
+    else:
+        v = scaled_fast(codes, scale[:, None])
+    y = to_output(v, out_ptr, INTERPRET)
+    out = element_ptrs(out_ptr, out_start, BLOCKS, BLOCK_SIZE)
+    if full:
+        tl.store(out, y)
+    else:
+        count = row_counts(available, BLOCKS, BLOCK_SIZE)
+        tl.store(out, y, mask=tl.arange(0, BLOCK_SIZE)[None, :] < count[:, None])
 
 
 def dequantize_chunks(
@@ -67,20 +91,19 @@ def dequantize_chunks(
     if out_numel == 0:
         return
     blocks_per_pack = fmt.num_blocks(chunk_numel)
-    # Only the blocks up to the one holding the last output element.
-    last_pack, last_in_slice = divmod(out_numel - 1, chunk_numel)
-    num_blocks = last_pack * blocks_per_pack + last_in_slice // fmt.block_size + 1
+    shape = launch_shape("dequantize", fmt.block_size, is_aligned(out, chunk_numel))
+    # Only the packs that hold output elements.
+    grid = (triton.cdiv(blocks_per_pack, shape.blocks_per_program), triton.cdiv(out_numel, chunk_numel))
     launch(
         _dequantize_kernel,
-        "dequantize",
+        grid,
+        shape,
         fmt,
-        num_blocks,
+        buf.device,
         buf,
         out,
         out_numel,
         chunk_numel,
-        num_blocks,
         blocks_per_pack,
         fmt.packed_bytes(chunk_numel),
-        ONE_PACK=num_blocks <= blocks_per_pack,
     )

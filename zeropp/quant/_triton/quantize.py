@@ -1,7 +1,9 @@
 """Triton quantize: a flat float tensor into the chunked packed layout, optionally in the qgZ swizzled order.
 
-Pack ``p`` of the output holds input slice ``swizzle_source(p, nodes, chunks // nodes)`` (``p`` itself when
-``nodes == 1``); the reordering is index arithmetic on the loads, with no copy of the input.
+The grid is ``(tiles per pack, nodes, ranks_per_node)``: program ``(t, m, j)`` writes tile ``t`` of pack
+``j * nodes + m``, which holds input slice ``m * ranks_per_node + j`` (``format.swizzle_source``); without a
+swizzle ``nodes`` is 1 and pack ``j`` holds slice ``j``. The reordering is index arithmetic on the loads, with
+no copy of the input and no division.
 """
 
 from __future__ import annotations
@@ -12,12 +14,15 @@ import triton.language as tl
 
 from ..format import BlockFormat
 from .common import (
+    code_words,
+    element_ptrs,
+    encode_words,
+    is_aligned,
     launch,
-    load_rows,
-    store_int4_blocks,
-    store_int8_blocks,
-    swizzled_sources,
-    tile_blocks,
+    launch_shape,
+    quantize_rows,
+    row_counts,
+    scale_ptrs,
 )
 
 
@@ -27,37 +32,47 @@ def _quantize_kernel(
     out_ptr,
     numel,
     chunk_numel,
-    nodes,
     ranks_per_node,
-    num_blocks,
     blocks_per_pack,
     pack_bytes,
     BLOCK_SIZE: tl.constexpr,
     BITS: tl.constexpr,
     BLOCKS: tl.constexpr,
-    ONE_PACK: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
-    """Quantize ``BLOCKS`` blocks of the output (global block order) per program.
+    """Quantize ``BLOCKS`` blocks of one pack per program.
 
     ``x_ptr``: ``numel`` elements of any float dtype; elements past a slice's end or past ``numel`` read as 0.
-    ``out_ptr``: uint8, ``num_blocks // blocks_per_pack`` packs of ``pack_bytes`` bytes.
+    ``out_ptr``: uint8 packs of ``pack_bytes`` bytes, ``blocks_per_pack`` blocks each.
     """
-    g, p, b, code_offset, scale_offset = tile_blocks(
-        blocks_per_pack, pack_bytes, BLOCKS, BLOCK_SIZE * BITS // 8, ONE_PACK
-    )
-    row_mask = g < num_blocks
-    source = swizzled_sources(p, blocks_per_pack, nodes, ranks_per_node, BLOCKS, ONE_PACK)
-    # Index of each block's first element in its slice and in x; its elements must be inside both.
-    in_slice = b * BLOCK_SIZE
-    start = source * chunk_numel + in_slice
-    # Rows with fewer than BLOCK_SIZE elements (or none) are zero-padded.
-    v = load_rows(x_ptr, start, tl.minimum(chunk_numel - in_slice, numel - start), BLOCK_SIZE)
-    QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
-    if BITS == 8:
-        store_int8_blocks(out_ptr, code_offset, scale_offset, row_mask, v, QMAX)
+    WORDS: tl.constexpr = BLOCK_SIZE * BITS // 32
+    first_block = tl.program_id(0) * BLOCKS
+    m = tl.program_id(1)
+    j = tl.program_id(2)
+    pack = j * tl.num_programs(1) + m
+    slice_start = (m * ranks_per_node + j).to(tl.int64) * chunk_numel
+    tile_start = slice_start + first_block.to(tl.int64) * BLOCK_SIZE
+    # Elements of this tile present in x: the slice may be short (the last one) or empty.
+    available = tl.minimum(slice_start + chunk_numel, numel) - tile_start
+    full = (first_block + BLOCKS <= blocks_per_pack) & (available >= BLOCKS * BLOCK_SIZE)
+    x = element_ptrs(x_ptr, tile_start, BLOCKS, BLOCK_SIZE)
+    if full:
+        v = tl.load(x).to(tl.float32)
     else:
-        even, odd = tl.split(tl.reshape(v, [BLOCKS, BLOCK_SIZE // 2, 2]))
-        store_int4_blocks(out_ptr, code_offset, scale_offset, row_mask, even, odd, QMAX)
+        count = row_counts(available, BLOCKS, BLOCK_SIZE)
+        v = tl.load(x, mask=tl.arange(0, BLOCK_SIZE)[None, :] < count[:, None], other=0.0).to(tl.float32)
+    codes, scale = quantize_rows(v, BITS)
+    words = encode_words(codes, BITS)
+    pack_offset = pack.to(tl.int64) * pack_bytes
+    word_ptrs = code_words(out_ptr, pack_offset, first_block, BLOCKS, WORDS)
+    scales = scale_ptrs(out_ptr, pack_offset, blocks_per_pack, first_block, BLOCKS, WORDS * 4)
+    if full:
+        tl.store(word_ptrs, words)
+        tl.store(scales, scale)
+    else:
+        rows = first_block + tl.arange(0, BLOCKS) < blocks_per_pack
+        tl.store(word_ptrs, words, mask=rows[:, None])
+        tl.store(scales, scale, mask=rows)
 
 
 def quantize_chunks(x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, out: torch.Tensor) -> None:
@@ -71,20 +86,19 @@ def quantize_chunks(x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, 
         return
     slice_numel = triton.cdiv(numel, chunks)
     blocks_per_pack = fmt.num_blocks(slice_numel)
-    num_blocks = chunks * blocks_per_pack
+    shape = launch_shape("quantize", fmt.block_size, is_aligned(x, slice_numel))
+    grid = (triton.cdiv(blocks_per_pack, shape.blocks_per_program), nodes, chunks // nodes)
     launch(
         _quantize_kernel,
-        "quantize",
+        grid,
+        shape,
         fmt,
-        num_blocks,
+        x.device,
         x,
         out,
         numel,
         slice_numel,
-        nodes,
         chunks // nodes,
-        num_blocks,
         blocks_per_pack,
         fmt.packed_bytes(slice_numel),
-        ONE_PACK=chunks == 1,
     )

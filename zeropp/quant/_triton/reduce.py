@@ -2,66 +2,95 @@
 
 Both read ``groups`` runs of packs and sum them in float32 in the reference's order: ``acc = 0``, then
 ``acc += code * scale`` for group ``i = 0 .. groups - 1``. ``groups`` is a compile-time constant so the loop is
-unrolled and every group's loads can be in flight at once.
+unrolled and every group's loads can be in flight at once. The scales of every group are read first: when all
+are at most ``FAST_MAX`` no product can overflow and the sum runs without clamps (the fast path of
+``common``); otherwise every product is clamped as in the reference.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 from ..format import BlockFormat
 from .common import (
-    decode_int8,
+    FAST_MAX,
+    code_words,
+    decode_words,
+    div_fast,
+    element_ptrs,
+    encode_words,
+    fast_rows,
+    is_aligned,
     launch,
-    scale_pointers,
-    scaled,
-    store_int4_blocks,
-    store_int8_blocks,
-    store_rows,
-    tile_blocks,
-    unpack_int4,
+    launch_shape,
+    opaque_zero,
+    quantize_rows,
+    row_counts,
+    scale_ptrs,
+    scaled_exact,
+    scaled_fast,
+    to_output,
 )
 
+DIVIDE_BY_MULTIPLY = 0
+"""``reduce_dequantize`` divides by multiplying with the divisor's exact reciprocal (a power of two)."""
+DIVIDE_FAST = 1
+"""... by ``common.div_fast`` (an integer divisor up to ``2**16``; exact when every scale allows the fast path)."""
+DIVIDE_EXACT = 2
+"""... by IEEE division of every element (any other divisor)."""
+
 
 @triton.jit
-def _sum_int8_blocks(
-    buf_ptr, code_offset, scale_offset, group_bytes, row_mask, GROUPS: tl.constexpr, BLOCK_SIZE: tl.constexpr
-):
-    """Float32 [R, block_size]: the sum over groups ``i`` of the int8 blocks at offsets ``+ i * group_bytes``."""
-    cols = tl.arange(0, BLOCK_SIZE)[None, :]
-    acc = tl.zeros((code_offset.shape[0], BLOCK_SIZE), tl.float32)
+def _scales_fit(buf_ptr, pack_offset, group_bytes, blocks_per_pack, first_block, rows, full, FULL_RANGE: tl.constexpr,
+                GROUPS: tl.constexpr, BLOCKS: tl.constexpr, WORDS: tl.constexpr):
+    """Whether every group's scales of the tile allow the fast sum: all at most ``FAST_MAX`` in magnitude (no
+    product can overflow; NaN passes, it propagates alike), and with ``FULL_RANGE`` also each 0 or at least
+    ``FAST_MIN`` (for ``div_fast`` of the sum). One program-wide check."""
+    ok = tl.full((BLOCKS,), 1, tl.int32)
     for i in tl.static_range(GROUPS):
-        scale = tl.load(scale_pointers(buf_ptr, scale_offset + i * group_bytes), mask=row_mask, other=0.0)
-        byte = tl.load(buf_ptr + (code_offset + i * group_bytes)[:, None] + cols, mask=row_mask[:, None], other=0)
-        acc += scaled(decode_int8(byte), scale[:, None])
+        ptrs = scale_ptrs(buf_ptr, pack_offset + i * group_bytes, blocks_per_pack, first_block, BLOCKS, WORDS * 4)
+        if full:
+            scale = tl.load(ptrs)
+        else:
+            scale = tl.load(ptrs, mask=rows, other=0.0)
+        if FULL_RANGE:
+            ok = ok & fast_rows(scale)
+        else:
+            ok = ok & ((tl.abs(scale) <= FAST_MAX) | (scale != scale)).to(tl.int32)
+    return tl.min(ok, axis=0) == 1
+
+
+@triton.jit
+def _sum_groups(buf_ptr, pack_offset, group_bytes, blocks_per_pack, first_block, rows, full, FAST: tl.constexpr,
+                GROUPS: tl.constexpr, BLOCKS: tl.constexpr, WORDS: tl.constexpr, BITS: tl.constexpr):
+    """Float32 [BLOCKS, BLOCK_SIZE]: ``0 + v_0 + v_1 + ...`` over the groups, ``v_i = code * scale`` of group
+    ``i`` (clamped unless ``FAST``)."""
+    BLOCK_SIZE: tl.constexpr = WORDS * 32 // BITS
+    acc = tl.zeros((BLOCKS, BLOCK_SIZE), tl.float32)
+    for i in tl.static_range(GROUPS):
+        offset = pack_offset + i * group_bytes
+        word_ptrs = code_words(buf_ptr, offset, first_block, BLOCKS, WORDS)
+        scales = scale_ptrs(buf_ptr, offset, blocks_per_pack, first_block, BLOCKS, WORDS * 4)
+        if full:
+            words = tl.load(word_ptrs)
+            scale = tl.load(scales)
+        else:
+            words = tl.load(word_ptrs, mask=rows[:, None], other=0)
+            scale = tl.load(scales, mask=rows, other=0.0)
+        if FAST:
+            acc += scaled_fast(decode_words(words, opaque_zero(blocks_per_pack), BITS), scale[:, None])
+        else:
+            acc += scaled_exact(decode_words(words, opaque_zero(blocks_per_pack), BITS), scale[:, None])
     return acc
-
-
-@triton.jit
-def _sum_int4_blocks(
-    buf_ptr, code_offset, scale_offset, group_bytes, row_mask, GROUPS: tl.constexpr, BLOCK_SIZE: tl.constexpr
-):
-    """Float32 (even, odd) elements [R, block_size // 2] of the sum over groups ``i`` of the int4 blocks at
-    offsets ``+ i * group_bytes``."""
-    cols = tl.arange(0, BLOCK_SIZE // 2)[None, :]
-    even = tl.zeros((code_offset.shape[0], BLOCK_SIZE // 2), tl.float32)
-    odd = tl.zeros((code_offset.shape[0], BLOCK_SIZE // 2), tl.float32)
-    for i in tl.static_range(GROUPS):
-        scale = tl.load(scale_pointers(buf_ptr, scale_offset + i * group_bytes), mask=row_mask, other=0.0)
-        byte = tl.load(buf_ptr + (code_offset + i * group_bytes)[:, None] + cols, mask=row_mask[:, None], other=0)
-        lo, hi = unpack_int4(byte)
-        even += scaled(lo, scale[:, None])
-        odd += scaled(hi, scale[:, None])
-    return even, odd
 
 
 @triton.jit
 def _reduce_requantize_kernel(
     buf_ptr,
     out_ptr,
-    num_blocks,
     blocks_per_pack,
     pack_bytes,
     group_bytes,
@@ -69,24 +98,35 @@ def _reduce_requantize_kernel(
     BLOCK_SIZE: tl.constexpr,
     BITS: tl.constexpr,
     BLOCKS: tl.constexpr,
-    ONE_PACK: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
-    """Sum and requantize ``BLOCKS`` blocks (global block order of ``out``) per program.
+    """Sum and requantize ``BLOCKS`` blocks of pack ``program_id(1)`` of ``out`` per program.
 
     ``buf_ptr``: ``GROUPS`` runs of ``group_bytes`` bytes, each the same packs as ``out_ptr``; output block ``g``
     is the sum of block ``g`` of every run. Whole blocks are summed, padding included, as in the reference.
     """
-    g, _, _, code_offset, scale_offset = tile_blocks(
-        blocks_per_pack, pack_bytes, BLOCKS, BLOCK_SIZE * BITS // 8, ONE_PACK
-    )
-    row_mask = g < num_blocks
-    QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
-    if BITS == 8:
-        acc = _sum_int8_blocks(buf_ptr, code_offset, scale_offset, group_bytes, row_mask, GROUPS, BLOCK_SIZE)
-        store_int8_blocks(out_ptr, code_offset, scale_offset, row_mask, acc, QMAX)
+    WORDS: tl.constexpr = BLOCK_SIZE * BITS // 32
+    first_block = tl.program_id(0) * BLOCKS
+    pack_offset = tl.program_id(1).to(tl.int64) * pack_bytes
+    full = first_block + BLOCKS <= blocks_per_pack
+    rows = first_block + tl.arange(0, BLOCKS) < blocks_per_pack
+    if _scales_fit(buf_ptr, pack_offset, group_bytes, blocks_per_pack, first_block, rows, full, False,
+                   GROUPS, BLOCKS, WORDS):
+        acc = _sum_groups(buf_ptr, pack_offset, group_bytes, blocks_per_pack, first_block, rows, full, True,
+                          GROUPS, BLOCKS, WORDS, BITS)
     else:
-        even, odd = _sum_int4_blocks(buf_ptr, code_offset, scale_offset, group_bytes, row_mask, GROUPS, BLOCK_SIZE)
-        store_int4_blocks(out_ptr, code_offset, scale_offset, row_mask, even, odd, QMAX)
+        acc = _sum_groups(buf_ptr, pack_offset, group_bytes, blocks_per_pack, first_block, rows, full, False,
+                          GROUPS, BLOCKS, WORDS, BITS)
+    codes, scale = quantize_rows(acc, BITS)
+    words = encode_words(codes, BITS)
+    word_ptrs = code_words(out_ptr, pack_offset, first_block, BLOCKS, WORDS)
+    out_scales = scale_ptrs(out_ptr, pack_offset, blocks_per_pack, first_block, BLOCKS, WORDS * 4)
+    if full:
+        tl.store(word_ptrs, words)
+        tl.store(out_scales, scale)
+    else:
+        tl.store(word_ptrs, words, mask=rows[:, None])
+        tl.store(out_scales, scale, mask=rows)
 
 
 @triton.jit
@@ -94,32 +134,55 @@ def _reduce_dequantize_kernel(
     buf_ptr,
     out_ptr,
     out_numel,
-    num_blocks,
     blocks_per_pack,
     pack_bytes,
     divisor,
+    reciprocal,
     GROUPS: tl.constexpr,
+    DIVIDE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BITS: tl.constexpr,
     BLOCKS: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     """Sum ``BLOCKS`` blocks over ``GROUPS`` packs, divide by ``divisor`` (float32) and store per program.
 
     ``buf_ptr``: ``GROUPS`` packs of ``blocks_per_pack`` blocks in ``pack_bytes`` bytes; ``out_ptr``: the first
-    ``out_numel`` values, which lie in the first ``num_blocks`` blocks.
+    ``out_numel`` values. ``reciprocal`` is ``1 / divisor`` correctly rounded (float32); ``DIVIDE`` says how
+    to divide (``DIVIDE_BY_MULTIPLY``, ``DIVIDE_FAST``, ``DIVIDE_EXACT``).
     """
-    # Every block is in the first pack of its group.
-    g, _, _, code_offset, scale_offset = tile_blocks(
-        blocks_per_pack, pack_bytes, BLOCKS, BLOCK_SIZE * BITS // 8, True
-    )
-    row_mask = g < num_blocks
-    start = g * BLOCK_SIZE
-    if BITS == 8:
-        acc = _sum_int8_blocks(buf_ptr, code_offset, scale_offset, pack_bytes, row_mask, GROUPS, BLOCK_SIZE)
+    WORDS: tl.constexpr = BLOCK_SIZE * BITS // 32
+    first_block = tl.program_id(0) * BLOCKS
+    out_start = first_block.to(tl.int64) * BLOCK_SIZE
+    available = out_numel - out_start
+    full = available >= BLOCKS * BLOCK_SIZE
+    rows = first_block + tl.arange(0, BLOCKS) < blocks_per_pack
+    if DIVIDE == 2:
+        fast = False
     else:
-        even, odd = _sum_int4_blocks(buf_ptr, code_offset, scale_offset, pack_bytes, row_mask, GROUPS, BLOCK_SIZE)
-        acc = tl.reshape(tl.join(even, odd), [BLOCKS, BLOCK_SIZE])
-    store_rows(out_ptr, start, out_numel - start, tl.math.div_rn(acc, tl.full(acc.shape, divisor, tl.float32)))
+        fast = _scales_fit(buf_ptr, 0, pack_bytes, blocks_per_pack, first_block, rows, full, DIVIDE == 1,
+                           GROUPS, BLOCKS, WORDS)
+    if fast:
+        acc = _sum_groups(buf_ptr, 0, pack_bytes, blocks_per_pack, first_block, rows, full, True,
+                          GROUPS, BLOCKS, WORDS, BITS)
+        if DIVIDE == 0:
+            v = acc * reciprocal
+        else:
+            v = div_fast(acc, divisor, reciprocal)
+    else:
+        acc = _sum_groups(buf_ptr, 0, pack_bytes, blocks_per_pack, first_block, rows, full, False,
+                          GROUPS, BLOCKS, WORDS, BITS)
+        if DIVIDE == 0:
+            v = acc * reciprocal
+        else:
+            v = tl.math.div_rn(acc, tl.full(acc.shape, divisor, tl.float32))
+    y = to_output(v, out_ptr, INTERPRET)
+    out = element_ptrs(out_ptr, out_start, BLOCKS, BLOCK_SIZE)
+    if full:
+        tl.store(out, y)
+    else:
+        count = row_counts(available, BLOCKS, BLOCK_SIZE)
+        tl.store(out, y, mask=tl.arange(0, BLOCK_SIZE)[None, :] < count[:, None])
 
 
 def reduce_requantize(
@@ -133,22 +196,35 @@ def reduce_requantize(
     if chunk_numel == 0:
         return
     blocks_per_pack = fmt.num_blocks(chunk_numel)
-    num_blocks = chunks * blocks_per_pack
     pack_bytes = fmt.packed_bytes(chunk_numel)
+    # Whole blocks of codes: the layout is vectorizable whatever the sizes.
+    shape = launch_shape("reduce_requantize", fmt.block_size)
+    grid = (triton.cdiv(blocks_per_pack, shape.blocks_per_program), chunks)
     launch(
         _reduce_requantize_kernel,
-        "reduce_requantize",
+        grid,
+        shape,
         fmt,
-        num_blocks,
+        buf.device,
         buf,
         out,
-        num_blocks,
         blocks_per_pack,
         pack_bytes,
         chunks * pack_bytes,
         GROUPS=groups,
-        ONE_PACK=chunks == 1,
     )
+
+
+def divide_mode(divisor: float) -> tuple[int, float]:
+    """How ``reduce_dequantize`` divides by ``divisor``, and the correctly rounded float32 ``1 / divisor``."""
+    d = np.float32(divisor)
+    reciprocal = float(np.float32(1.0) / d)
+    mantissa, _ = np.frexp(d)
+    if float(d) == divisor and mantissa == 0.5 and np.isfinite(reciprocal) and reciprocal >= 2.0**-126:
+        return DIVIDE_BY_MULTIPLY, reciprocal
+    if float(d) == divisor and divisor.is_integer() and 1 <= divisor <= 2**16:
+        return DIVIDE_FAST, reciprocal
+    return DIVIDE_EXACT, reciprocal
 
 
 def reduce_dequantize(
@@ -159,18 +235,22 @@ def reduce_dequantize(
     out_numel = out.numel()
     if out_numel == 0:
         return
-    num_blocks = fmt.num_blocks(out_numel)
+    blocks = fmt.num_blocks(out_numel)
+    shape = launch_shape("reduce_dequantize", fmt.block_size, is_aligned(out))
+    mode, reciprocal = divide_mode(divisor)
     launch(
         _reduce_dequantize_kernel,
-        "reduce_dequantize",
+        (triton.cdiv(blocks, shape.blocks_per_program),),
+        shape,
         fmt,
-        num_blocks,
+        buf.device,
         buf,
         out,
         out_numel,
-        num_blocks,
         fmt.num_blocks(chunk_numel),
         fmt.packed_bytes(chunk_numel),
         divisor,
+        reciprocal,
         GROUPS=groups,
+        DIVIDE=mode,
     )
