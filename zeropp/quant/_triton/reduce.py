@@ -46,9 +46,10 @@ DIVIDE_EXACT = 2
 @triton.jit
 def _scales_fit(buf_ptr, pack_offset, group_bytes, blocks_per_pack, first_block, rows, full, FULL_RANGE: tl.constexpr,
                 GROUPS: tl.constexpr, BLOCKS: tl.constexpr, WORDS: tl.constexpr):
-    """Whether every group's scales of the tile allow the fast sum: all at most ``FAST_MAX`` in magnitude (no
-    product can overflow; NaN passes, it propagates alike), and with ``FULL_RANGE`` also each 0 or at least
-    ``FAST_MIN`` (for ``div_fast`` of the sum). One program-wide check."""
+    """Whether every group's scales of the tile allow the fast sum: each NaN (it propagates alike) or a float
+    with its sign bit clear and at most ``FAST_MAX`` (no product can overflow, and no product is -0, so the sum
+    may start from the first product instead of 0), and with ``FULL_RANGE`` also 0 or at least ``FAST_MIN``
+    (for ``div_fast`` of the sum). One program-wide check."""
     ok = tl.full((BLOCKS,), 1, tl.int32)
     for i in tl.static_range(GROUPS):
         ptrs = scale_ptrs(buf_ptr, pack_offset + i * group_bytes, blocks_per_pack, first_block, BLOCKS, WORDS * 4)
@@ -56,10 +57,11 @@ def _scales_fit(buf_ptr, pack_offset, group_bytes, blocks_per_pack, first_block,
             scale = tl.load(ptrs)
         else:
             scale = tl.load(ptrs, mask=rows, other=0.0)
+        positive = scale.to(tl.int32, bitcast=True) >= 0
         if FULL_RANGE:
-            ok = ok & fast_rows(scale)
+            ok = ok & fast_rows(scale) & positive.to(tl.int32)
         else:
-            ok = ok & ((tl.abs(scale) <= FAST_MAX) | (scale != scale)).to(tl.int32)
+            ok = ok & ((positive & (scale <= FAST_MAX)) | (scale != scale)).to(tl.int32)
     return tl.min(ok, axis=0) == 1
 
 
@@ -67,7 +69,7 @@ def _scales_fit(buf_ptr, pack_offset, group_bytes, blocks_per_pack, first_block,
 def _sum_groups(buf_ptr, pack_offset, group_bytes, blocks_per_pack, first_block, rows, full, FAST: tl.constexpr,
                 GROUPS: tl.constexpr, BLOCKS: tl.constexpr, WORDS: tl.constexpr, BITS: tl.constexpr):
     """Float32 [BLOCKS, BLOCK_SIZE]: ``0 + v_0 + v_1 + ...`` over the groups, ``v_i = code * scale`` of group
-    ``i`` (clamped unless ``FAST``)."""
+    ``i``, clamped unless ``FAST``; with ``FAST`` (no ``v_i`` is -0) ``0 + v_0`` is ``v_0``."""
     BLOCK_SIZE: tl.constexpr = WORDS * 32 // BITS
     acc = tl.zeros((BLOCKS, BLOCK_SIZE), tl.float32)
     for i in tl.static_range(GROUPS):
@@ -81,7 +83,11 @@ def _sum_groups(buf_ptr, pack_offset, group_bytes, blocks_per_pack, first_block,
             words = tl.load(word_ptrs, mask=rows[:, None], other=0)
             scale = tl.load(scales, mask=rows, other=0.0)
         if FAST:
-            acc += scaled_fast(decode_words(words, opaque_zero(blocks_per_pack), BITS), scale[:, None])
+            v = scaled_fast(decode_words(words, opaque_zero(blocks_per_pack), BITS), scale[:, None])
+            if i == 0:
+                acc = v
+            else:
+                acc += v
         else:
             acc += scaled_exact(decode_words(words, opaque_zero(blocks_per_pack), BITS), scale[:, None])
     return acc
