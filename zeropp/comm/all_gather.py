@@ -12,7 +12,6 @@ pack size (quantized) or ``numel * itemsize`` (exact).
 from __future__ import annotations
 
 from collections.abc import Generator
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,7 +22,7 @@ from . import accounting
 from ._dist import all_gather_flat
 from .checks import check_bits, check_input, check_out, debug_enabled, dtype_code, verify_agreement
 from .topology import Topology, get_default_topology
-from .work import CollectiveWork, run
+from .work import CollectiveWork, Pending, run
 
 
 def all_gather(
@@ -72,12 +71,12 @@ def all_gather(
             {"numel": numel, "dtype": dtype_code(shard.dtype), "bits": bits or 0, "block_size": block_size,
              "out_dtype": dtype_code(out.dtype)},
         )
-    return run(_all_gather_steps(shard.view(-1), out, fmt, pg, size, topo), async_op)
+    return run(_all_gather_steps(shard.view(-1), out, fmt, pg, size, topo), async_op, (shard, out))
 
 
 def _all_gather_steps(
     shard: torch.Tensor, out: torch.Tensor, fmt: BlockFormat | None, pg: ProcessGroup, size: int, topo: Topology
-) -> Generator[Any, None, torch.Tensor]:
+) -> Generator[Pending, None, torch.Tensor]:
     flat = out.view(-1)
     if size == 1 or shard.numel() == 0:
         accounting.record("all_gather", accounting.Traffic())
@@ -87,11 +86,11 @@ def _all_gather_steps(
     if fmt is None:
         nbytes = shard.numel() * shard.element_size()
         accounting.record("all_gather", accounting.gather_traffic(nbytes, size, same_node))
-        yield all_gather_flat(flat, shard, group=pg, async_op=True)
+        yield all_gather_flat(flat, shard, group=pg, async_op=True), ()
         return out
     pack = quantize_chunks(shard, fmt)
     gathered = torch.empty(size * pack.numel(), dtype=torch.uint8, device=shard.device)
     accounting.record("all_gather", accounting.gather_traffic(pack.numel(), size, same_node))
-    yield all_gather_flat(gathered, pack, group=pg, async_op=True)
+    yield all_gather_flat(gathered, pack, group=pg, async_op=True), (pack, gathered)
     dequantize_chunks(gathered, fmt, size, shard.numel(), flat)
     return out

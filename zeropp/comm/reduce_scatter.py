@@ -47,7 +47,7 @@ from . import accounting
 from ._dist import reduce_scatter_flat
 from .checks import check_bits, check_input, check_out, debug_enabled, dtype_code, verify_agreement
 from .topology import Topology, get_default_topology
-from .work import CollectiveWork, run
+from .work import CollectiveWork, Pending, run
 
 
 class ReduceOp(Enum):
@@ -85,6 +85,8 @@ class ErrorFeedback:
     partial sums it forwards). Use one object per buffer; the accumulated error of repeated reductions then stays
     bounded instead of growing with the number of steps. Off unless passed to ``reduce_scatter``. A step whose
     gradient holds a NaN or Inf (an fp16 overflow the optimizer will skip) leaves zeros, not NaNs, in the residual.
+    CUDA streams: ``residual`` is updated on the stream that issues a reduction, ``partial_residual`` on the one
+    that ``wait()``s for it; wait for successive reductions of one buffer on one stream (or order the streams).
     """
 
     def __init__(self) -> None:
@@ -187,10 +189,10 @@ def reduce_scatter(
         steps = _exact_steps(flat, out, topo, divisor, reduce_dtype or full.dtype)
     else:
         steps = _qgz_steps(flat, out, fmt, topo, divisor, error_feedback)
-    return run(steps, async_op)
+    return run(steps, async_op, (full, out))
 
 
-def _identity(flat: torch.Tensor, out: torch.Tensor) -> Generator[Any, None, torch.Tensor]:
+def _identity(flat: torch.Tensor, out: torch.Tensor) -> Generator[Pending, None, torch.Tensor]:
     accounting.record("reduce_scatter", accounting.Traffic())
     out.view(-1).copy_(flat)
     return out
@@ -199,7 +201,7 @@ def _identity(flat: torch.Tensor, out: torch.Tensor) -> Generator[Any, None, tor
 
 def _exact_steps(
     flat: torch.Tensor, out: torch.Tensor, topo: Topology, divisor: int, rdtype: torch.dtype
-) -> Generator[Any, None, torch.Tensor]:
+) -> Generator[Pending, None, torch.Tensor]:
     size = topo.world_size
     numel = flat.numel()
     s = chunk_numel(numel, size) if numel else 0
@@ -215,7 +217,7 @@ def _exact_steps(
         "reduce_scatter",
         accounting.gather_traffic(s * recv.element_size(), size, topo.same_node_count(topo.group)),
     )
-    yield reduce_scatter_flat(recv, send, op=dist.ReduceOp.SUM, group=topo.group, async_op=True)
+    yield reduce_scatter_flat(recv, send, op=dist.ReduceOp.SUM, group=topo.group, async_op=True), (send, recv)
     if divisor != 1:
         recv.div_(divisor)
     if not direct:
@@ -230,7 +232,7 @@ def _qgz_steps(
     topo: Topology,
     divisor: int,
     ef: ErrorFeedback | None,
-) -> Generator[Any, None, torch.Tensor]:
+) -> Generator[Pending, None, torch.Tensor]:
     size, n, d = topo.world_size, topo.num_nodes, topo.ranks_per_node
     numel = flat.numel()
     s = chunk_numel(numel, size) if numel else 0
@@ -270,7 +272,8 @@ def _qgz_steps(
     # Steps 2-3: intra-node all-to-all, fused sum and requantization.
     if d > 1:
         recv = torch.empty(size * pack, dtype=torch.uint8, device=device)
-        yield dist.all_to_all_single(recv, send, group=topo.intra_group, async_op=True)
+        kept = (send, recv) if ef is None else (send, recv, ef.residual, ef.partial_residual)
+        yield dist.all_to_all_single(recv, send, group=topo.intra_group, async_op=True), kept
         if n == 1:
             reduce_dequantize(recv, fmt, d, s, out.view(-1), divisor=divisor)
             return out
@@ -290,6 +293,6 @@ def _qgz_steps(
 
     # Steps 4-5: inter-node all-to-all, fused sum, division and write into out.
     recv2 = torch.empty(n * pack, dtype=torch.uint8, device=device)
-    yield dist.all_to_all_single(recv2, mid, group=topo.inter_group, async_op=True)
+    yield dist.all_to_all_single(recv2, mid, group=topo.inter_group, async_op=True), (mid, recv2)
     reduce_dequantize(recv2, fmt, n, s, out.view(-1), divisor=divisor)
     return out

@@ -1,17 +1,26 @@
 """``CollectiveWork``: the handle an ``async_op=True`` collective returns.
 
 A collective is written as a generator that issues its communication with ``async_op=True``, yields each
-``torch.distributed`` work object, runs the local step that needs it once it has been waited on, and finally
-returns its result. Creating the handle runs the generator to its first communication, which is then in flight;
-``wait()`` runs the rest. Synchronous calls create the handle and wait at once.
+``torch.distributed`` work object together with the tensors the steps after it still touch, runs the local step
+that needs it once it has been waited on, and finally returns its result. Creating the handle runs the generator to
+its first communication, which is then in flight; ``wait()`` runs the rest. Synchronous calls create the handle and
+wait at once.
+
+CUDA streams (the rule is in ``CollectiveWork``'s docstring): the handle remembers the stream current when the
+collective was issued and an event recorded on it once the issuing steps are queued. ``wait()`` from another stream
+makes that stream wait on the event and records every tensor the collective used on it (``Tensor.record_stream``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Iterable
 from typing import Any
 
 import torch
+
+# What a collective's generator yields: a torch.distributed work object and the tensors (temporaries, buffers handed
+# to the communication) that stay in use after it.
+Pending = tuple[Any, tuple[torch.Tensor | None, ...]]
 
 
 class CollectiveWork:
@@ -23,13 +32,48 @@ class CollectiveWork:
 
     Because ``wait()`` may issue communication (qgZ hop 2), every rank must call ``wait()`` on its handles in the
     same order, as it issued the collectives in the same order.
+
+    CUDA streams. Call the stream current at the call the *issuing* stream ``I`` and the one current at ``wait()``
+    the *waiting* stream ``W`` (often the same, as in the engine; then all this costs one event record per call).
+    The rule, as for NCCL's own ``Work.wait()``: after ``wait()`` returns, the output is safe to use on ``W``, and
+    every tensor the collective touched may be freed or reused from any stream. To that end ``wait()``:
+
+    1. makes ``W`` wait on an event recorded on ``I`` when the call returned (so ``W`` sees the quantization and any
+       write the call queued on ``I``, also when no communication orders them, e.g. at one rank);
+    2. queues the remaining local steps (dequantize, fused reduce, qgZ's hop 2, the final reduce) on ``W``;
+    3. calls ``Tensor.record_stream(W)`` on every tensor the collective used — the input, ``out``, and every
+       temporary allocated on ``I`` (packed send and receive buffers, qgZ's intermediates, the error-feedback
+       residuals) — so the caching allocator hands their memory to no other allocation until the work queued on
+       ``W`` so far has run. Without it, a temporary freed at the end of ``wait()`` would return to ``I``'s pool
+       and the next allocation on ``I`` could overwrite it while ``W``'s kernels still read it.
+
+    The output is *not* ordered before later work on ``I``: to use it there, make ``I`` wait on ``W``
+    (``I.wait_stream(W)``), as with any tensor produced on another stream. The communication itself is the
+    backend's (gloo's and NCCL's works order their own streams and keep their buffers alive). A second ``wait()``
+    from yet another stream makes that stream wait on the first waiting stream. An ``ErrorFeedback`` is updated on
+    ``I`` (hop 1) and ``W`` (hop 2): wait for successive reductions of one buffer on one stream. Synchronous calls
+    and CPU tensors (no streams) skip all of this.
     """
 
-    def __init__(self, steps: Generator[Any, None, torch.Tensor]) -> None:
+    def __init__(
+        self, steps: Generator[Pending, None, torch.Tensor], tensors: Iterable[torch.Tensor] = (), *,
+        streams: bool = True,
+    ) -> None:
+        """``tensors``: the caller's tensors (input, output) to record on the waiting stream. ``streams=False``
+        (a synchronous call: waited on the issuing stream at once) skips the stream bookkeeping."""
         self._steps = steps
         self._result: torch.Tensor | None = None
-        self._pending: Any = None
+        self._pending: Pending | None = None
+        self._used = [t for t in tensors if t.is_cuda] if streams else []
+        self._stream: torch.cuda.Stream | None = None
+        self._issued: torch.cuda.Event | None = None
+        self._waited_on: torch.cuda.Stream | None = None  # the stream of the first wait()
+        if self._used:
+            self._stream = torch.cuda.current_stream(self._used[0].device)
         self._advance()
+        if self._stream is not None:
+            self._issued = torch.cuda.Event()
+            self._issued.record(self._stream)
 
     def _advance(self) -> None:
         try:
@@ -39,19 +83,49 @@ class CollectiveWork:
             self._result = stop.value
 
     def wait(self) -> torch.Tensor:
-        """Block until the collective is done (on CUDA: until it is queued on the current stream); returns the
-        output tensor. Calling it again returns the same tensor."""
+        """Block until the collective is done (on CUDA: until it is queued on the current stream, which may differ
+        from the issuing one, see the class docstring); returns the output tensor. Calling it again returns the
+        same tensor (from another stream than the first ``wait()``'s: after making that stream wait on it)."""
+        waiting = None  # the stream to hand the tensors over to, if not the issuing one
+        if self._stream is not None:
+            current = torch.cuda.current_stream(self._stream.device)
+            if self._waited_on is None:
+                self._waited_on = current
+                if current != self._stream:
+                    assert self._issued is not None
+                    current.wait_event(self._issued)
+                    waiting = current
+                    self._record(self._used, waiting)
+                self._used = []
+            elif current != self._waited_on:  # a second wait() on yet another stream
+                current.wait_stream(self._waited_on)
+                self._waited_on = current
+                assert self._result is not None
+                self._result.record_stream(current)
         while self._pending is not None:
-            self._pending.wait()
+            work, tensors = self._pending
+            if waiting is not None:  # before the last step frees them: the generator's locals go with it
+                self._record(tensors, waiting)
+            work.wait()
             self._advance()
         assert self._result is not None
         return self._result
+
+    @staticmethod
+    def _record(tensors: Iterable[torch.Tensor | None], stream: torch.cuda.Stream) -> None:
+        for t in tensors:
+            if t is not None and t.is_cuda:
+                t.record_stream(stream)
 
     def is_completed(self) -> bool:
         """Whether ``wait()`` has finished the collective."""
         return self._pending is None
 
 
-def run(steps: Generator[Any, None, torch.Tensor], async_op: bool) -> torch.Tensor | CollectiveWork:
-    work = CollectiveWork(steps)
+def run(
+    steps: Generator[Pending, None, torch.Tensor], async_op: bool, tensors: Iterable[torch.Tensor] = ()
+) -> torch.Tensor | CollectiveWork:
+    """Run a collective's ``steps``: at once (``async_op=False``), or to its first communication, returning the
+    handle. ``tensors``: the caller's input and output, recorded on the waiting stream (see ``CollectiveWork``)."""
+    work = CollectiveWork(steps, tensors, streams=async_op)
     return work if async_op else work.wait()

@@ -26,7 +26,9 @@ stage     parameters                      gradients
 
 Every stage: the optimizer steps the fp32 master shards (N / P elements each), the new values are copied into the
 compute-dtype shards, and in stages 1 and 2 all-gathered into the whole parameters. Gradient clipping by global
-norm reads the norm from the gradient shards (one all-reduce of a scalar).
+norm reads the norm from the gradient shards (one all-reduce of a scalar). The step waits for the device at most
+once: the overflow check and the norm are one device-side computation over all units (``_gradient_stats``), and the
+host reads that one all-reduced value under fp16 only (skip or not); the clipping coefficient stays on the device.
 
 ZeRO++ (``Collectives`` holds the settings, ``Unit`` the layout and the hpZ secondary shard):
 
@@ -69,8 +71,9 @@ one rank ``shard`` is a view of ``full`` (one copy of the weights, never freed) 
 
 fp16 loss scaling (``zeropp.engine.loss_scaler``, DeepSpeed's rules): ``backward`` differentiates
 ``loss.float() / gradient_accumulation_steps * scale``. At the boundary ``step`` divides every ``grad_shard`` by
-the scale and checks it for Inf/NaN (``_unscale_and_check_overflow``: this rank's reduced fp32 shards; under qgZ
-an Inf/NaN block dequantizes to NaN there), then all-reduces one fp32 flag over the data-parallel group. On an
+the scale and checks it for Inf/NaN (``_gradient_stats``: this rank's reduced fp32 shards; under qgZ an Inf/NaN
+block dequantizes to NaN there), then all-reduces one float64 value over the data-parallel group (the count of units
+holding one, or with clipping the squared norm, non-finite exactly then) and reads it once. On an
 overflow the step is skipped on every rank — no change to masters, shards, parameters, optimizer state or its
 step count; ``global_steps`` still advances and ``skipped_steps`` counts it — the gradient shards are zeroed and
 the scaler lowers the scale; after ``loss_scale_window`` clean steps it doubles. With qgZ error feedback, the
@@ -186,7 +189,7 @@ class ZeroEngine:
         self.global_steps = 0
         self.skipped_steps = 0  # fp16: boundaries whose step was skipped for an overflow (counted in global_steps)
         self.overflow = False  # fp16: whether the last boundary overflowed
-        self._global_grad_norm: float | None = None
+        self._global_grad_norm: float | torch.Tensor | None = None  # a device tensor until first read
         self._forward_pending = False  # a forward with grad ran and awaits its backward
         self._backward_pending = False  # a backward ran and awaits its step()
 
@@ -251,8 +254,11 @@ class ZeroEngine:
         if not boundary:
             return
         self.overflow = False
+        stats = self._gradient_stats()
         if self.loss_scaler is not None:
-            self.overflow = self._unscale_and_check_overflow()
+            assert stats is not None
+            value = stats.item()  # the step's one host read (none without fp16): skip the step or not
+            self.overflow = not math.isfinite(value) if self.config.gradient_clipping > 0 else value > 0
             old = self.loss_scaler.scale
             self.loss_scaler.update(self.overflow)
             if self.loss_scaler.scale != old:  # qgZ residuals are in scaled units: keep them in step with the scale
@@ -267,7 +273,7 @@ class ZeroEngine:
             self.skipped_steps += 1
             self._global_grad_norm = None
         else:
-            self._clip_gradients()
+            self._clip_gradients(stats)
             self.optimizer.step()
             for unit in self.units:
                 unit.publish()
@@ -292,7 +298,10 @@ class ZeroEngine:
         return self.loss_scaler.scale if self.loss_scaler is not None else 1.0
 
     def get_global_grad_norm(self) -> float | None:
-        """The global gradient norm of the last optimizer step (before clipping), when clipping is on."""
+        """The global gradient norm of the last optimizer step (before clipping), when clipping is on. Read from
+        the device on the first call after a step (``step()`` itself does not wait for it)."""
+        if isinstance(self._global_grad_norm, torch.Tensor):
+            self._global_grad_norm = float(self._global_grad_norm)
         return self._global_grad_norm
 
     # ---- gradients ----------------------------------------------------------------------------------------
@@ -328,32 +337,48 @@ class ZeroEngine:
         while self._reductions:
             self._reductions.popleft().wait()
 
-    def _unscale_and_check_overflow(self) -> bool:
-        """fp16, at the boundary: divide the gradient shards by the loss scale and say whether any rank's shard
-        holds an Inf or NaN. Read: every element of this rank's fp32 ``grad_shard`` of every unit, after the
-        reduce-scatter (exact: an Inf/NaN anywhere in a unit's gradient on any rank lands in the owning rank's shard;
-        qgZ: a block holding one gets a non-finite scale and dequantizes to NaN in the owning rank's shard). Then one
-        all-reduce (sum) of a one-element fp32 flag over the data-parallel group, so every rank decides alike."""
-        inv = 1.0 / self.loss_scaler.scale
-        bad = False
-        for unit in self.units:
-            unit.grad_shard.mul_(inv)
-            bad = bad or not bool(torch.isfinite(unit.grad_shard).all())
-        flag = torch.tensor([1.0 if bad else 0.0], device=self.units[0].grad_shard.device)
-        return bool(self.comm.all_reduce_sum(flag).item() > 0)
+    def _gradient_stats(self) -> torch.Tensor | None:
+        """At the boundary, before clipping and the optimizer: under fp16 divide every ``grad_shard`` by the loss
+        scale; then, when clipping is on or under fp16, compute one float64 value over every unit of this rank and
+        sum it over the data-parallel group (one all-reduce), leaving it on the device (no host synchronization):
 
-    def _clip_gradients(self) -> None:
+        * clipping on: the sum of the squares of the fp32 gradient shards (each unit's in float64, the units added
+          in order): the squared global norm. Squares of finite fp32 values cannot overflow float64, so it is
+          non-finite exactly when some rank's shard holds an Inf or NaN: under fp16 it is the overflow flag too;
+        * fp16 without clipping: how many units hold an Inf or NaN in their shard, over the ranks.
+
+        Read: every element of this rank's fp32 ``grad_shard`` of every unit, after the reduce-scatter (exact: an
+        Inf/NaN anywhere in a unit's gradient on any rank lands in the owning rank's shard; qgZ: a block holding one
+        gets a non-finite scale and dequantizes to NaN in the owning rank's shard). ``None`` when neither is on."""
+        clip = self.config.gradient_clipping > 0
+        if self.loss_scaler is None and not clip:
+            return None
+        if self.loss_scaler is not None:
+            inv = 1.0 / self.loss_scaler.scale
+            for unit in self.units:
+                unit.grad_shard.mul_(inv)
+        total = torch.zeros((), dtype=torch.float64, device=self.units[0].grad_shard.device)
+        for unit in self.units:
+            if clip:
+                total += unit.grad_shard.double().pow(2).sum()
+            else:
+                total += torch.isfinite(unit.grad_shard).all().logical_not()
+        return self.comm.all_reduce_sum(total)
+
+    def _clip_gradients(self, sq: torch.Tensor | None) -> None:
+        """Scale the gradient shards by ``min(clip / (norm + 1e-6), 1)`` (``torch.nn.utils.clip_grad_norm_``: the
+        coefficient clamped at 1, applied always), ``norm = sqrt(sq)`` from ``_gradient_stats``, all on the device;
+        the norm is read by the host only when ``get_global_grad_norm()`` asks for it."""
         clip = self.config.gradient_clipping
         if clip <= 0:
             self._global_grad_norm = None
             return
-        sq = torch.zeros((), dtype=torch.float64)
-        for unit in self.units:
-            sq += unit.grad_shard.double().pow(2).sum().cpu()
-        total = math.sqrt(self.comm.all_reduce_sum(sq.to(self.units[0].grad_shard.device)).item())
-        self._global_grad_norm = total
-        # torch.nn.utils.clip_grad_norm_: coefficient clamped at 1, applied always
-        coef = min(clip / (total + 1e-6), 1.0)
+        assert sq is not None
+        norm = sq.sqrt()
+        self._global_grad_norm = norm
+        # clip / (norm + 1e-6) as a division (Tensor.__rtruediv__ would multiply by a reciprocal), then min(., 1):
+        # the float64 arithmetic of the host formula, so the result is bit-identical to it
+        coef = torch.full_like(norm, clip).div_(norm + 1e-6).clamp_(max=1.0)
         for unit in self.units:
             unit.grad_shard.mul_(coef)
 
