@@ -31,7 +31,7 @@ class _Scratch:
     def __init__(self, fmt: BlockFormat, blocks: int, device: torch.device) -> None:
         self.blocks = max(1, min(PIECE_NUMEL // fmt.block_size, blocks))
         # a tensor, not a Python scalar: on CUDA torch turns division by a scalar into a reciprocal multiply
-        self.qmax = torch.tensor(float(fmt.qmax), dtype=torch.float32, device=device)
+        self.qmax = torch.full((), float(fmt.qmax), dtype=torch.float32, device=device)  # no host-to-device copy
         shape = (self.blocks, fmt.block_size)
         self.values = torch.empty(shape, dtype=torch.float32, device=device)
         self.other = torch.empty(shape, dtype=torch.float32, device=device)
@@ -208,7 +208,7 @@ def reduce_dequantize(
     scratch = _Scratch(fmt, fmt.num_blocks(out.numel()), buf.device)
     packs = buf.view(groups, -1)
     # A tensor divisor, not a Python scalar: on CUDA torch turns division by a scalar into a reciprocal multiply.
-    divisor_t = torch.tensor(divisor, dtype=torch.float32, device=buf.device)
+    divisor_t = torch.full((), divisor, dtype=torch.float32, device=buf.device)
     for first, end in scratch.pieces(blocks):
         piece = out[first * bs : end * bs]
         if piece.numel() == 0:
