@@ -182,7 +182,7 @@ def code_words(buf_ptr, pack_offset, first_block, BLOCKS: tl.constexpr, WORDS: t
 @triton.jit
 def scale_ptrs(buf_ptr, pack_offset, blocks_per_pack, first_block, BLOCKS: tl.constexpr, CODE_BYTES: tl.constexpr):
     """Float32 pointers [BLOCKS] to the scales of blocks ``first_block + r`` of the pack at byte ``pack_offset``."""
-    scales = pack_offset + blocks_per_pack.to(tl.int64) * CODE_BYTES
+    scales = pack_offset + tl.cast(blocks_per_pack, tl.int64) * CODE_BYTES  # an int32, or 1 when specialized
     return (buf_ptr + scales).to(tl.pointer_type(tl.float32)) + first_block + tl.arange(0, BLOCKS)
 
 
