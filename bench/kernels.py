@@ -29,6 +29,7 @@ reports per-test statistics, which fits neither.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import platform
 import statistics
@@ -88,22 +89,20 @@ class Timer:
     def __init__(self, device: torch.device, warmup: int, reps: int, stat: str = "median") -> None:
         self.device, self.warmup, self.reps = device, warmup, reps
         self.stat = statistics.median if stat == "median" else min
+        self.mode = stat
 
     def __call__(self, fn: Callable[[], object]) -> float:
-        """Median (or least) seconds of ``fn()``."""
+        """Median (or least) seconds of ``fn()``. On a GPU ``warmup`` and ``reps`` are milliseconds of runs
+        (``triton.testing.do_bench``), on a CPU counts of runs."""
         for _ in range(self.warmup):
             fn()
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            pairs = []
-            for _ in range(self.reps):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                pairs.append((start, end))
-            torch.cuda.synchronize(self.device)
-            return self.stat([s.elapsed_time(e) for s, e in pairs]) / 1e3
+            # triton's do_bench clears the L2 cache before every run (a 256 MB write), times with CUDA events and
+            # takes the median; warmup and rep are in milliseconds there
+            from triton.testing import do_bench
+
+            ms = do_bench(fn, warmup=self.warmup, rep=self.reps, return_mode=self.mode)
+            return ms / 1e3
         times = []
         for _ in range(self.reps):
             t0 = time.perf_counter()
@@ -277,8 +276,28 @@ def run_size(args, n: int, device: torch.device, timer: Timer, ds) -> list[dict]
     return rows
 
 
-def print_table(rows: list[dict], with_ds: bool) -> None:
+SWEEP = {"elements": (4096, 8192, 16384), "num_warps": (4, 8)}
+"""Tile sizes (elements per program) and warps per program that ``--sweep`` times, every op alike."""
+
+def sweep_size(args, n: int, device: torch.device, timer: Timer, ds) -> list[dict]:
+    """The rows of ``run_size`` (without DeepSpeed) for every tile of ``SWEEP``, set for every op at once with
+    ``tile_override``."""
+    from zeropp.quant._triton.common import TILE_ELEMENTS, tile_override
+
+    rows = []
+    for elements in SWEEP["elements"]:
+        for warps in SWEEP["num_warps"]:
+            with contextlib.ExitStack() as stack:
+                for op in TILE_ELEMENTS:
+                    stack.enter_context(tile_override(op, elements, warps))
+                rows += [{**r, "elements": elements, "warps": warps} for r in run_size(args, n, device, timer, None)]
+    return rows
+
+
+def print_table(rows: list[dict], with_ds: bool, sweep: bool = False) -> None:
     cols = ["kernel", "size", "bytes", "ms", "GB/s", "elem/s", "copy ms", "floor/time"]
+    if sweep:
+        cols[1:1] = ["elements", "warps"]
     if with_ds:
         cols += ["DS ms", "DS GB/s", "DS floor/time", "DS note"]
 
@@ -310,8 +329,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world", type=int, default=8, help="packs in the gathered qwZ buffer (default 8)")
     p.add_argument("--nodes", type=int, default=2, help="qgZ nodes (default 2)")
     p.add_argument("--ranks-per-node", type=int, default=8, help="qgZ ranks per node for the swizzle (default 8)")
-    p.add_argument("--reps", type=int, default=None, help="timed runs per row (default 20 on GPU, 5 on CPU)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed runs first (default 5 on GPU, 1 on CPU)")
+    p.add_argument("--reps", type=int, default=None,
+                   help="GPU: milliseconds of timed runs per row (do_bench, default 100); CPU: runs (default 5)")
+    p.add_argument("--warmup", type=int, default=None,
+                   help="GPU: milliseconds of warm-up (default 25); CPU: untimed runs first (default 1)")
+    p.add_argument("--check", action="store_true",
+                   help="first compare every op's result on the device with the reference on the CPU, bit for bit "
+                        "(bench/kernel_check.py); exit 1 on any mismatch")
+    p.add_argument("--check-size", type=parse_size, default=1 << 22, help="elements of the --check ops (2^22)")
+    p.add_argument("--no-big", action="store_true", help="--check without the pack past 2^31 elements (~10 GiB)")
+    p.add_argument("--sweep", action="store_true",
+                   help="instead of the table: each op's rows at every tile size and warp count of SWEEP")
     p.add_argument("--stat", choices=["median", "min"], default="median",
                    help="statistic over the timed runs (min resists other load on a shared CPU)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
@@ -334,8 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     sizes = args.sizes or ([1 << 24, 1 << 26, 1 << 28] if gpu else [1 << 20, 1 << 22, 1 << 24])
     if args.threads:
         torch.set_num_threads(args.threads)
-    timer = Timer(device, args.warmup if args.warmup is not None else (5 if gpu else 1),
-                  args.reps if args.reps is not None else (20 if gpu else 5), args.stat)
+    timer = Timer(device, args.warmup if args.warmup is not None else (25 if gpu else 1),
+                  args.reps if args.reps is not None else (100 if gpu else 5), args.stat)
     ds, ds_reason = (None, "--no-deepspeed") if args.no_deepspeed else load_deepspeed(device)
 
     if gpu:
@@ -357,13 +385,29 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.ranks_per_node}; {args.stat} of {timer.reps} after {timer.warmup} warm-up; "
         f"DeepSpeed: {'timed' if ds is not None else 'not timed (' + ds_reason + ')'}"
     )
+    failed = []
+    if args.check:
+        import kernel_check
+
+        checks = kernel_check.op_checks(args.check_size, DTYPES[args.dtype], args.block_size, args.world, args.nodes,
+                                        args.ranks_per_node, device)
+        if not args.no_big and gpu:
+            checks.append((f"int8 pack of {kernel_check.BIG:,} elements (offsets past 2^31)",
+                           lambda: kernel_check.big_check(DTYPES[args.dtype], args.block_size, device)))
+        for name, check in checks:
+            ok = check()
+            failed += [] if ok else [name]
+            print(f"check {'PASS' if ok else 'FAIL'}: {name} ({size_label(args.check_size)} elements)", flush=True)
     rows = []
     for n in sizes:
-        rows += run_size(args, n, device, timer, ds)
+        rows += sweep_size(args, n, device, timer, ds) if args.sweep else run_size(args, n, device, timer, ds)
     print()
-    print_table(rows, with_ds=ds is not None)
+    print_table(rows, with_ds=ds is not None, sweep=args.sweep)
     if args.csv:
         write_csv(rows, args.csv)
+    if failed:
+        print(f"check FAILED for {len(failed)} op(s): {', '.join(failed)}")
+        return 1
     return 0
 
 
