@@ -1,10 +1,12 @@
 """Kernel benchmark: each quantization kernel against a device-to-device copy of the same bytes.
 
-    python bench/kernels.py                          # GPU: 2^24, 2^26, 2^28 fp16 elements; CPU: 2^20 .. 2^24
-    python bench/kernels.py --sizes 2^28 --block-size 2048 --csv kernels.csv
+    python bench/kernels.py                          # GPU: 2^26 and 2^28 fp16 elements; CPU: 2^20 .. 2^24
+    python bench/kernels.py --sizes 2^28 --dtype fp16 bf16 --block-size 128 2048 --check --csv kernels.csv
+    python bench/kernels.py --sweep --sizes 2^26     # each main row over tile sizes and warps per program
     python bench/kernels.py --kernels reduce         # only the rows whose name contains "reduce"
 
-Rows (int4 unless the name says int8; sizes count input elements, output elements for dequantize):
+Rows (int4 unless the name says int8; sizes count input elements, output elements for dequantize), for every size,
+dtype and block size asked for:
 
 * quantize / dequantize, int8 and int4, one pack;
 * dequantize of an all-gathered W-pack buffer (qwZ: ``--world`` packs, one per rank) straight into the output;
@@ -12,11 +14,25 @@ Rows (int4 unless the name says int8; sizes count input elements, output element
 * fused dequantize-reduce-requantize of d = 2, 4, 8 runs of ``--nodes`` packs (qgZ step 3);
 * fused final reduce-dequantize of ``--nodes`` packs, divided by the world size (qgZ step 5).
 
-Each row is timed (warm-up, then the median of ``--reps`` runs; CUDA events on a GPU) together with a copy of
-the same number of bytes in the same run. "bytes" counts what must move: inputs read once, outputs written
-once. GB/s = bytes / time; floor/time = copy time / kernel time, i.e. the fraction of the copy ceiling reached
-(1.0 = at the memory wall). When ``deepspeed`` is importable on a GPU, its corresponding kernels (QuantizerBuilder,
-JIT-built) are timed on the same inputs and shown beside ours.
+**Timing.** On a GPU each row runs once (compilation), then ``triton.testing.do_bench`` times it: ``--warmup``
+milliseconds of untimed runs, then ``--reps`` milliseconds of runs timed with CUDA events, the L2 cache cleared
+(a 256 MB write) before each; the row shows the median (``ms``; 20% and 80% quantiles in the CSV). A copy of
+the same number of bytes is timed the same way in the same run. On a CPU a host timer takes the median of
+``--reps`` runs after ``--warmup`` runs. "bytes" counts what must move: inputs read once, outputs written once.
+GB/s = bytes / time; floor/time = copy time / kernel time, the fraction of the copy ceiling reached (1.0 = at the
+memory wall). When ``deepspeed`` is importable on a GPU, its corresponding kernels (QuantizerBuilder, JIT-built)
+are timed on the same inputs and shown beside ours.
+
+**--check.** Every row's output, on the inputs the row is timed on, is compared with the torch reference run on
+CPU copies of those inputs: codes and scales the same bytes, values the same floats (``bench/kernel_check.py``).
+The ``check`` column says PASS or FAIL (what differs is in the CSV's ``detail``). On a GPU the ops also run once
+per dtype on a tensor just past 2^31 elements, compared in windows (``--far-numel``; ~12 GiB at fp16). Any
+mismatch or error makes the exit status 1.
+
+**--sweep.** The main rows (``SWEEP_ROWS``, or ``--kernels``) at every tile of ``--tile-elements`` elements per
+program and ``--tile-warps`` warps (``zeropp.quant._triton.common.tile_override`` of the row's op), plus the
+launchers' default tile; with ``--check`` every tile's output is checked too. Table: op, bits, block, elements,
+warps, time, floor/time, and the speed against the default tile.
 
 On a CPU the torch reference runs (``ZEROPP_QUANT_BACKEND=torch`` unless set): the numbers say how fast the
 reference is on this machine, and nothing about the GPU kernels' targets.
@@ -29,20 +45,28 @@ reports per-test statistics, which fits neither.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import platform
-import statistics
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from zeropp.bench.report import write_csv
+from zeropp.bench.report import progress, rows_table, write_csv
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kernel_check import FAR_NUMEL, PackLayout, Reference, compare, far_checks, far_memory  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+SWEEP_ROWS = ("quantize int8", "quantize int4", "dequantize int8", "dequantize int4", "swizzle_quantize",
+              "reduce_requantize int4 d=2", "reduce_requantize int4 d=8", "reduce_dequantize")
+"""The rows ``--sweep`` times (by name prefix) unless ``--kernels`` says otherwise."""
+SWEEP_ELEMENTS = (2048, 4096, 8192, 16384, 32768)
+SWEEP_WARPS = (4, 8)
+FORMATS = {"bytes": "{:,}".format, "ms": ".4f", "copy ms": ".4f", "GB/s": ".4g", "elem/s": ".3g",
+           "floor/time": ".3f", "vs default": ".3f", "DS ms": ".4f", "DS GB/s": ".4g", "DS floor/time": ".3f"}
 
 
 def parse_size(text: str) -> int:
@@ -65,9 +89,14 @@ def size_label(n: int) -> str:
 @dataclass
 class Case:
     name: str
+    op: str  # the launcher's op, as tile_override names it
+    bits: int
     numel: int
     nbytes: int  # inputs read once + outputs written once
     fn: Callable[[], object]
+    output: torch.Tensor  # what fn writes
+    expected: Callable[[], torch.Tensor]  # the reference's output for the same inputs (on the CPU)
+    layout: PackLayout | None = None  # set when the output is packs
     ds_fn: Callable[[], object] | None = None
     ds_note: str = ""
 
@@ -86,29 +115,36 @@ def ds_setup(wanted: bool, factory: Callable[[], Callable[[], object]], note: st
 
 
 class Timer:
-    def __init__(self, device: torch.device, warmup: int, reps: int, stat: str = "median") -> None:
-        self.device, self.warmup, self.reps = device, warmup, reps
-        self.stat = statistics.median if stat == "median" else min
-        self.mode = stat
+    """``timer(fn)`` -> ``(statistic, 20% quantile, 80% quantile)`` seconds of ``fn()``.
 
-    def __call__(self, fn: Callable[[], object]) -> float:
-        """Median (or least) seconds of ``fn()``. On a GPU ``warmup`` and ``reps`` are milliseconds of runs
-        (``triton.testing.do_bench``), on a CPU counts of runs."""
-        for _ in range(self.warmup):
-            fn()
+    GPU: ``triton.testing.do_bench`` (``warmup`` and ``reps`` in milliseconds; L2 cleared before every run). CPU:
+    ``warmup`` untimed runs, then ``reps`` runs timed with the host clock."""
+
+    def __init__(self, device: torch.device, warmup: int, reps: int, stat: str = "median") -> None:
+        self.device, self.warmup, self.reps, self.stat = device, warmup, reps, stat
+
+    def __call__(self, fn: Callable[[], object]) -> tuple[float, float, float]:
         if self.device.type == "cuda":
-            # triton's do_bench clears the L2 cache before every run (a 256 MB write), times with CUDA events and
-            # takes the median; warmup and rep are in milliseconds there
             from triton.testing import do_bench
 
-            ms = do_bench(fn, warmup=self.warmup, rep=self.reps, return_mode=self.mode)
-            return ms / 1e3
+            fn()  # compiles on a first call
+            torch.cuda.synchronize(self.device)
+            quantiles = [0.5 if self.stat == "median" else 0.0, 0.2, 0.8]
+            try:
+                ms = do_bench(fn, warmup=self.warmup, rep=self.reps, quantiles=quantiles, return_mode=self.stat)
+            except TypeError:  # a triton without return_mode
+                ms = do_bench(fn, warmup=self.warmup, rep=self.reps, quantiles=quantiles)
+            return tuple(m / 1e3 for m in ms)
+        for _ in range(self.warmup):
+            fn()
         times = []
-        for _ in range(self.reps):
+        for _ in range(max(1, self.reps)):
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
-        return self.stat(times)
+        times.sort()
+        stat = times[(len(times) - 1) // 2] if self.stat == "median" else times[0]
+        return stat, times[int(0.2 * (len(times) - 1))], times[int(0.8 * (len(times) - 1))]
 
 
 def load_deepspeed(device: torch.device):
@@ -126,81 +162,92 @@ def load_deepspeed(device: torch.device):
         return None, f"QuantizerBuilder failed to build/load: {e}"
 
 
-def build_cases(
-    n: int, dtype: torch.dtype, block_size: int, world: int, nodes: int, rpn: int, device: torch.device, ds
-) -> list[Case]:
+def build_cases(n: int, dtype: torch.dtype, block_size: int, world: int, nodes: int, rpn: int, device: torch.device,
+                ds, ref: Reference, keep: Callable[[str], bool] = lambda name: True) -> list[Case]:
+    """The rows at ``n`` elements whose name ``keep`` accepts (only their inputs are made). Every row writes an
+    output of its own, so a wrong result of one row never feeds another; inputs are made by the ops under test (any
+    valid bytes would do) and stay unchanged."""
     from zeropp import quant
     from zeropp.quant import BlockFormat
 
     gen = torch.Generator(device=device).manual_seed(n)
     x = torch.randn(n, generator=gen, device=device, dtype=torch.float32).to(dtype)
     item = x.element_size()
-    out = torch.empty(n, dtype=dtype, device=device)
-    cases: list[Case] = []
     sym = getattr(ds, "Symmetric", None) if ds is not None else None
     ds_ok = ds is not None and dtype == torch.float16  # its kernels take fp16 (and read any 16-bit as fp16)
+    fmt8, fmt4 = BlockFormat(8, block_size), BlockFormat(4, block_size)
+    rows: dict[str, Callable[[], Case]] = {}
 
-    for bits in (8, 4):
-        fmt = BlockFormat(bits, block_size)
-        packed = fmt.packed_bytes(n)
-        qbuf = torch.empty(packed, dtype=torch.uint8, device=device)
-        quant.quantize_chunks(x, fmt, 1, out=qbuf)
+    def quantize_row(fmt: BlockFormat) -> Case:
+        qout = torch.empty(fmt.packed_bytes(n), dtype=torch.uint8, device=device)
         groups = n // block_size
 
-        def ds_quant(bits=bits, groups=groups):
-            return lambda: ds.quantize(x, groups, bits, sym)
+        def ds_quant():
+            return lambda: ds.quantize(x, groups, fmt.bits, sym)
 
-        def ds_dequant(bits=bits, groups=groups):
-            codes, params = ds.quantize(x, groups, bits, sym)
-            return lambda: ds.dequantize(codes, params, groups, bits, sym)
+        return Case(f"quantize int{fmt.bits}", "quantize", fmt.bits, n, n * item + qout.numel(),
+                    lambda: quant.quantize_chunks(x, fmt, 1, out=qout), qout,
+                    lambda: ref.quantize(x, fmt), PackLayout(fmt, 1, n),
+                    *ds_setup(ds_ok and n % block_size == 0, ds_quant))
 
-        cases.append(
-            Case(f"quantize int{bits}", n, n * item + packed,
-                 lambda fmt=fmt, qbuf=qbuf: quant.quantize_chunks(x, fmt, 1, out=qbuf),
-                 *ds_setup(ds_ok and n % block_size == 0, ds_quant))
-        )
-        cases.append(
-            Case(f"dequantize int{bits}", n, packed + n * item,
-                 lambda fmt=fmt, qbuf=qbuf: quant.dequantize_chunks(qbuf, fmt, 1, n, out),
-                 *ds_setup(ds_ok and n % block_size == 0, ds_dequant))
-        )
+    def dequantize_row(fmt: BlockFormat) -> Case:
+        qin = quant.quantize_chunks(x, fmt, 1)
+        out = torch.empty(n, dtype=dtype, device=device)
+        groups = n // block_size
 
-    # qwZ: the all-gathered buffer holds one int8 pack per rank; dequantize straight into the full weights.
-    fmt8, fmt4 = BlockFormat(8, block_size), BlockFormat(4, block_size)
-    chunk = quant.chunk_numel(n, world)
-    gathered = quant.quantize_chunks(x, fmt8, world)
+        def ds_dequant():
+            codes, params = ds.quantize(x, groups, fmt.bits, sym)
+            return lambda: ds.dequantize(codes, params, groups, fmt.bits, sym)
 
-    def ds_gather():  # its qwZ path: dequantize into a temporary, then copy into the parameters
-        c8, p8 = ds.quantize(x, n // block_size, 8, sym)
-        return lambda: out.copy_(ds.dequantize(c8, p8, n // block_size, 8, sym).view(-1))
+        return Case(f"dequantize int{fmt.bits}", "dequantize", fmt.bits, n, qin.numel() + n * item,
+                    lambda: quant.dequantize_chunks(qin, fmt, 1, n, out), out,
+                    lambda: ref.dequantize(qin, fmt, 1, n, n, dtype), None,
+                    *ds_setup(ds_ok and n % block_size == 0, ds_dequant))
 
-    cases.append(
-        Case(f"dequantize gathered int8 x{world}", n, gathered.numel() + n * item,
-             lambda: quant.dequantize_chunks(gathered, fmt8, world, chunk, out),
-             *ds_setup(ds_ok and n % (world * block_size) == 0, ds_gather, "DS: dequantize + copy"))
-    )
+    for fmt in (fmt8, fmt4):
+        rows[f"quantize int{fmt.bits}"] = lambda fmt=fmt: quantize_row(fmt)
+        rows[f"dequantize int{fmt.bits}"] = lambda fmt=fmt: dequantize_row(fmt)
 
-    # qgZ step 1: swizzled int4 quantize for nodes x ranks_per_node.
+    def gathered_row() -> Case:
+        """qwZ: the all-gathered buffer holds one int8 pack per rank; dequantize straight into the full weights."""
+        chunk = quant.chunk_numel(n, world)
+        gathered = quant.quantize_chunks(x, fmt8, world)
+        gout = torch.empty(n, dtype=dtype, device=device)
+
+        def ds_gather():  # its qwZ path: dequantize into a temporary, then copy into the parameters
+            c8, p8 = ds.quantize(x, n // block_size, 8, sym)
+            return lambda: gout.copy_(ds.dequantize(c8, p8, n // block_size, 8, sym).view(-1))
+
+        return Case(f"dequantize gathered int8 x{world}", "dequantize", 8, n, gathered.numel() + n * item,
+                    lambda: quant.dequantize_chunks(gathered, fmt8, world, chunk, gout), gout,
+                    lambda: ref.dequantize(gathered, fmt8, world, chunk, n, dtype), None,
+                    *ds_setup(ds_ok and n % (world * block_size) == 0, ds_gather, "DS: dequantize + copy"))
+
+    rows[f"dequantize gathered int8 x{world}"] = gathered_row
     sw_world = nodes * rpn
-    sw_bytes = fmt4.chunked_bytes(n, sw_world)
-    sw_out = torch.empty(sw_bytes, dtype=torch.uint8, device=device)
 
-    def ds_swizzle():
-        return lambda: ds.swizzle_quant(x, n // block_size, 4, sym, 1, nodes, rpn)
+    def swizzle_row() -> Case:
+        """qgZ step 1: swizzled int4 quantize for nodes x ranks_per_node."""
+        sw_out = torch.empty(fmt4.chunked_bytes(n, sw_world), dtype=torch.uint8, device=device)
 
-    cases.append(
-        Case(f"swizzle_quantize int4 {nodes}x{rpn}", n, n * item + sw_bytes,
-             lambda: quant.swizzle_quantize(x, fmt4, nodes, rpn, out=sw_out),
-             *ds_setup(ds_ok and n % (sw_world * block_size) == 0, ds_swizzle))
-    )
+        def ds_swizzle():
+            return lambda: ds.swizzle_quant(x, n // block_size, 4, sym, 1, nodes, rpn)
 
-    # qgZ step 3: d runs of `nodes` packs in, `nodes` packs out.
-    for d in (2, 4, 8):
+        return Case(f"swizzle_quantize int4 {nodes}x{rpn}", "quantize", 4, n, n * item + sw_out.numel(),
+                    lambda: quant.swizzle_quantize(x, fmt4, nodes, rpn, out=sw_out), sw_out,
+                    lambda: ref.quantize(x, fmt4, sw_world, nodes),
+                    PackLayout(fmt4, sw_world, quant.chunk_numel(n, sw_world)),
+                    *ds_setup(ds_ok and n % (sw_world * block_size) == 0, ds_swizzle))
+
+    rows[f"swizzle_quantize int4 {nodes}x{rpn}"] = swizzle_row
+
+    def reduce_row(d: int) -> Case:
+        """qgZ step 3: d runs of `nodes` packs in, `nodes` packs out."""
         cn = quant.chunk_numel(n, d * nodes)
         rbuf = quant.quantize_chunks(x, fmt4, d * nodes)
         rout = torch.empty(nodes * fmt4.packed_bytes(cn), dtype=torch.uint8, device=device)
 
-        def ds_reduce(d=d):
+        def ds_reduce():
             c4, s4 = ds.swizzle_quant(x, n // block_size, 4, sym, 1, nodes, d)
             in_groups, out_groups = n // block_size, n // block_size // d
             try:  # newer DeepSpeed takes devices_per_node; older ones hard-code 16
@@ -209,144 +256,198 @@ def build_cases(
             except TypeError:
                 return lambda: ds.quantized_reduction(c4, s4, in_groups, out_groups, 4, sym)
 
-        cases.append(
-            Case(f"reduce_requantize int4 d={d}", n, rbuf.numel() + rout.numel(),
-                 lambda rbuf=rbuf, rout=rout, d=d, cn=cn: quant.reduce_requantize(rbuf, fmt4, d, nodes, cn, out=rout),
-                 *ds_setup(ds_ok and n % (d * nodes * block_size) == 0, ds_reduce))
-        )
+        return Case(f"reduce_requantize int4 d={d}", "reduce_requantize", 4, n, rbuf.numel() + rout.numel(),
+                    lambda: quant.reduce_requantize(rbuf, fmt4, d, nodes, cn, out=rout), rout,
+                    lambda: ref.reduce_requantize(rbuf, fmt4, d, nodes, cn), PackLayout(fmt4, nodes, cn),
+                    *ds_setup(ds_ok and n % (d * nodes * block_size) == 0, ds_reduce))
 
-    # qgZ step 5: `nodes` packs of one slice in, the mean slice out.
-    fcn = quant.chunk_numel(n, nodes)
-    fbuf = quant.quantize_chunks(x, fmt4, nodes)
-    fout = torch.empty(fcn, dtype=dtype, device=device)
+    for d in (2, 4, 8):
+        rows[f"reduce_requantize int4 d={d}"] = lambda d=d: reduce_row(d)
 
-    def ds_final():  # its final step: dequantize, then sum over nodes and divide in torch
-        c4, p4 = ds.quantize(x, n // block_size, 4, sym)
-        return lambda: ds.dequantize(c4, p4, n // block_size, 4, sym).view(nodes, -1).sum(0).div_(sw_world)
+    def final_row() -> Case:
+        """qgZ step 5: `nodes` packs of one slice in, the mean slice out."""
+        fcn = quant.chunk_numel(n, nodes)
+        fbuf = quant.quantize_chunks(x, fmt4, nodes)
+        fout = torch.empty(fcn, dtype=dtype, device=device)
 
-    cases.append(
-        Case(f"reduce_dequantize int4 g={nodes}", n, fbuf.numel() + fcn * item,
-             lambda: quant.reduce_dequantize(fbuf, fmt4, nodes, fcn, fout, divisor=sw_world),
-             *ds_setup(ds_ok and n % (nodes * block_size) == 0, ds_final, "DS: dequantize + torch sum"))
-    )
-    return cases
+        def ds_final():  # its final step: dequantize, then sum over nodes and divide in torch
+            c4, p4 = ds.quantize(x, n // block_size, 4, sym)
+            return lambda: ds.dequantize(c4, p4, n // block_size, 4, sym).view(nodes, -1).sum(0).div_(sw_world)
+
+        return Case(f"reduce_dequantize int4 g={nodes}", "reduce_dequantize", 4, n, fbuf.numel() + fcn * item,
+                    lambda: quant.reduce_dequantize(fbuf, fmt4, nodes, fcn, fout, divisor=sw_world), fout,
+                    lambda: ref.reduce_dequantize(fbuf, fmt4, nodes, fcn, fcn, dtype, sw_world), None,
+                    *ds_setup(ds_ok and n % (nodes * block_size) == 0, ds_final, "DS: dequantize + torch sum"))
+
+    rows[f"reduce_dequantize int4 g={nodes}"] = final_row
+    return [make() for name, make in rows.items() if keep(name)]
 
 
-def run_size(args, n: int, device: torch.device, timer: Timer, ds) -> list[dict]:
+def check_case(case: Case, expected: torch.Tensor | None = None) -> tuple[str, str]:
+    """Run ``case`` once and compare its output with the reference: ``("PASS" | "FAIL" | "ERROR", detail)``."""
+    try:
+        case.output.fill_(0x55 if case.output.dtype == torch.uint8 else float("nan"))  # nothing left from before
+        case.fn()
+        diff = compare(case.output, case.expected() if expected is None else expected, case.layout)
+        return ("PASS", "") if diff is None else ("FAIL", diff)
+    except Exception as e:  # noqa: BLE001 - one broken row must not hide the others
+        return "ERROR", f"{type(e).__name__}: {str(e)[:300]}"
+
+
+class Copies:
+    """The time of a device copy of ``nbytes`` bytes (read + written), measured once per size in a run."""
+
+    def __init__(self, device: torch.device, timer: Timer) -> None:
+        self.device, self.timer, self.times = device, timer, {}
+
+    def __call__(self, nbytes: int) -> float:
+        half = nbytes // 2
+        if half not in self.times:
+            src = torch.full((half,), 1, dtype=torch.uint8, device=self.device)
+            dst = torch.empty_like(src)
+            self.times[half] = self.timer(lambda: dst.copy_(src))[0]
+        return self.times[half]
+
+
+def timing(case: Case, timer: Timer, copies: Copies, fn: Callable[[], object] | None = None) -> dict:
+    """The row's timing columns (``fn`` defaults to the case's kernel)."""
+    t, lo, hi = timer(fn or case.fn)
+    t_copy = copies(case.nbytes)
+    return {"ms": t * 1e3, "ms p20": lo * 1e3, "ms p80": hi * 1e3, "GB/s": case.nbytes / t / 1e9,
+            "elem/s": case.numel / t, "copy ms": t_copy * 1e3, "copy GB/s": 2 * (case.nbytes // 2) / t_copy / 1e9,
+            "floor/time": t_copy / t}
+
+
+def run_config(args, n: int, dtype: str, block: int, device: torch.device, timer: Timer, copies: Copies, ds,
+               emit: Callable[[dict], None]) -> None:
+    """Every row of one size, dtype and block size: built, checked (``--check``), timed, passed to ``emit``."""
     from zeropp import quant
 
-    cases = build_cases(n, DTYPES[args.dtype], args.block_size, args.world, args.nodes, args.ranks_per_node, device, ds)
-    if args.kernels:
-        cases = [c for c in cases if any(k in c.name for k in args.kernels)]
-    rows = []
+    cases = build_cases(n, DTYPES[dtype], block, args.world, args.nodes, args.ranks_per_node, device, ds, Reference(),
+                        lambda name: not args.kernels or any(k in name for k in args.kernels))
     for c in cases:
-        half = c.nbytes // 2
-        src = torch.empty(half, dtype=torch.uint8, device=device)
-        dst = torch.empty_like(src)
-        src.fill_(1)
-        t = timer(c.fn)
-        t_copy = timer(lambda: dst.copy_(src))
-        row = {
-            "kernel": c.name,
-            "numel": n,
-            "size": size_label(n),
-            "bytes": c.nbytes,
-            "ms": t * 1e3,
-            "GB/s": c.nbytes / t / 1e9,
-            "elem/s": n / t,
-            "copy ms": t_copy * 1e3,
-            "copy GB/s": 2 * half / t_copy / 1e9,
-            "floor/time": t_copy / t,
-            "backend": quant.backend_name(src),
-        }
-        if c.ds_fn is None and c.ds_note:
+        row = {"dtype": dtype, "block": block, "kernel": c.name, "op": c.op, "bits": c.bits, "numel": n,
+               "size": size_label(n), "bytes": c.nbytes, "backend": quant.backend_name(c.output)}
+        if args.check:
+            row["check"], row["detail"] = check_case(c)
+        try:
+            row.update(timing(c, timer, copies))
+        except Exception as e:  # noqa: BLE001
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        if c.ds_note:
             row["DS note"] = c.ds_note
-        if c.ds_fn is not None:
+        if c.ds_fn is not None and "ms" in row:
             try:
-                t_ds = timer(c.ds_fn)
-                row.update({"DS ms": t_ds * 1e3, "DS GB/s": c.nbytes / t_ds / 1e9, "DS floor/time": t_copy / t_ds})
+                t_ds = timer(c.ds_fn)[0]
+                row.update({"DS ms": t_ds * 1e3, "DS GB/s": c.nbytes / t_ds / 1e9,
+                            "DS floor/time": row["copy ms"] / 1e3 / t_ds})
             except Exception as e:  # noqa: BLE001 - a DeepSpeed version mismatch must not stop the benchmark
                 row["DS note"] = f"error: {type(e).__name__}: {str(e)[:60]}"
-            if c.ds_note and "DS note" not in row:
-                row["DS note"] = c.ds_note
-        rows.append(row)
-        del src, dst
-        if args.progress:
-            print(f"  {size_label(n):>6} {c.name}: {t * 1e3:.3f} ms", file=sys.stderr, flush=True)
-    return rows
+        emit(row)
 
 
-SWEEP = {"elements": (4096, 8192, 16384), "num_warps": (4, 8)}
-"""Tile sizes (elements per program) and warps per program that ``--sweep`` times, every op alike."""
+def sweep_config(args, n: int, dtype: str, block: int, device: torch.device, timer: Timer, copies: Copies,
+                 emit: Callable[[dict], None]) -> None:
+    """The sweep rows of one size, dtype and block size: each main row at every tile of the grid and the default."""
+    from zeropp import quant
+    from zeropp.quant._triton import common
 
-def sweep_size(args, n: int, device: torch.device, timer: Timer, ds) -> list[dict]:
-    """The rows of ``run_size`` (without DeepSpeed) for every tile of ``SWEEP``, set for every op at once with
-    ``tile_override``."""
-    from zeropp.quant._triton.common import TILE_ELEMENTS, tile_override
+    keep = (lambda name: any(k in name for k in args.kernels)) if args.kernels else \
+        (lambda name: name.startswith(SWEEP_ROWS))
+    cases = build_cases(n, DTYPES[dtype], block, args.world, args.nodes, args.ranks_per_node, device, None,
+                        Reference(), keep)
+    for c in cases:
+        default = (max(getattr(common, "TILE_ELEMENTS", {}).get(c.op, block), block), getattr(common, "NUM_WARPS", 4))
+        grid = sorted({(max(e, block), w) for e in args.tile_elements for w in args.tile_warps} | {default})
+        expected = c.expected().to(device) if args.check else None
+        base = {"dtype": dtype, "block": block, "kernel": c.name, "op": c.op, "bits": c.bits, "numel": n,
+                "size": size_label(n), "bytes": c.nbytes, "backend": quant.backend_name(c.output)}
+        for elements, warps in grid:
+            row = {**base, "elements": elements, "warps": warps,
+                   "default": "yes" if (elements, warps) == default else ""}
+            try:
+                with common.tile_override(c.op, elements, warps):
+                    if args.check:
+                        row["check"], row["detail"] = check_case(c, expected)
+                    row.update(timing(c, timer, copies))
+            except Exception as e:  # noqa: BLE001 - a tile that fails to compile or launch is a row, not the end
+                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            emit(row)
 
-    rows = []
-    for elements in SWEEP["elements"]:
-        for warps in SWEEP["num_warps"]:
-            with contextlib.ExitStack() as stack:
-                for op in TILE_ELEMENTS:
-                    stack.enter_context(tile_override(op, elements, warps))
-                rows += [{**r, "elements": elements, "warps": warps} for r in run_size(args, n, device, timer, None)]
-    return rows
+
+def sweep_tables(rows: Sequence[dict]) -> str:
+    """The sweep as a table (each tile's speed against the default tile's), then the best tile per row."""
+    default = {(r["dtype"], r["block"], r["kernel"], r["size"]): r["ms"]
+               for r in rows if r.get("default") and "ms" in r}
+    best: dict[tuple, dict] = {}
+    for r in rows:
+        key = (r["dtype"], r["block"], r["kernel"], r["size"])
+        if "ms" in r and key in default:
+            r["vs default"] = default[key] / r["ms"]
+        if "ms" in r and r.get("check", "PASS") == "PASS" and (key not in best or r["ms"] < best[key]["ms"]):
+            best[key] = r
+    cols = ["op", "kernel", "bits", "dtype", "block", "size", "elements", "warps", "default", "ms", "floor/time",
+            "vs default", "check", "error"]
+    summary = [{**b, "best tile": f"{b['elements']} x {b['warps']}w", "best floor/time": b["floor/time"],
+                "default floor/time": b["floor/time"] / b.get("vs default", float("nan"))} for b in best.values()]
+    return "\n\n".join([rows_table(rows, cols, FORMATS), "Best tile per row (checked rows only):",
+                        rows_table(summary, ["kernel", "dtype", "block", "size", "best tile", "best floor/time",
+                                             "default floor/time", "vs default"],
+                                   {**FORMATS, "best floor/time": ".3f", "default floor/time": ".3f"})])
 
 
-def print_table(rows: list[dict], with_ds: bool, sweep: bool = False) -> None:
-    cols = ["kernel", "size", "bytes", "ms", "GB/s", "elem/s", "copy ms", "floor/time"]
-    if sweep:
-        cols[1:1] = ["elements", "warps"]
-    if with_ds:
-        cols += ["DS ms", "DS GB/s", "DS floor/time", "DS note"]
-
-    def cell(r, k):
-        v = r.get(k, "")
-        if k == "bytes":
-            return f"{v:,}"
-        if k == "elem/s":
-            return f"{v:.3g}"
-        if isinstance(v, float):
-            return f"{v:.3f}" if k.endswith("ms") or "floor" in k else f"{v:.4g}"
-        return str(v)
-
-    body = [[cell(r, k) for k in cols] for r in rows]
-    widths = [max(len(k), *(len(b[i]) for b in body)) for i, k in enumerate(cols)]
-    fmt = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-    print(fmt(cols))
-    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    for b in body:
-        print(fmt(b))
+def run_far_checks(args, dtype: str, block: int, device: torch.device, emit: Callable[[dict], None]) -> None:
+    """The ops past 2^31 elements (``kernel_check.far_checks``), one row per op."""
+    base = {"dtype": dtype, "block": block, "numel": args.far_numel, "size": size_label(args.far_numel), "op": "far"}
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        free = torch.cuda.mem_get_info(device)[0]
+        need = far_memory(args.far_numel, DTYPES[dtype])
+        if free < need:
+            emit({**base, "kernel": "past 2^31", "check": "SKIP",
+                  "detail": f"needs {need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free"})
+            return
+    far = min(1 << 31, args.far_numel * 5 // 8)
+    try:
+        results = far_checks(args.far_numel, DTYPES[dtype], block, device, far=far)
+    except Exception as e:  # noqa: BLE001 - e.g. an op that makes the input of the next ones failed
+        results = [("", f"error: {type(e).__name__}: {str(e)[:300]}")]
+    for name, diff in results:
+        emit({**base, "kernel": f"past 2^31: {name}" if name else "past 2^31", "check": "PASS" if diff is None
+              else "FAIL", "detail": diff or ""})
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--sizes", nargs="+", type=parse_size, help="elements per row (e.g. 2^28); default by device")
-    p.add_argument("--dtype", default="fp16", choices=sorted(DTYPES), help="input/output dtype (default fp16)")
-    p.add_argument("--block-size", type=int, default=None, help="default: zeropp's DEFAULT_BLOCK_SIZE")
+    p.add_argument("--dtype", nargs="+", default=["fp16"], choices=sorted(DTYPES), help="input/output dtypes (fp16)")
+    p.add_argument("--block-size", nargs="+", type=int, default=None, help="default: zeropp's DEFAULT_BLOCK_SIZE")
     p.add_argument("--world", type=int, default=8, help="packs in the gathered qwZ buffer (default 8)")
     p.add_argument("--nodes", type=int, default=2, help="qgZ nodes (default 2)")
     p.add_argument("--ranks-per-node", type=int, default=8, help="qgZ ranks per node for the swizzle (default 8)")
     p.add_argument("--reps", type=int, default=None,
-                   help="GPU: milliseconds of timed runs per row (do_bench, default 100); CPU: runs (default 5)")
+                   help="GPU: milliseconds of timed runs per row (do_bench; default 100); CPU: runs (default 5)")
     p.add_argument("--warmup", type=int, default=None,
-                   help="GPU: milliseconds of warm-up (default 25); CPU: untimed runs first (default 1)")
-    p.add_argument("--check", action="store_true",
-                   help="first compare every op's result on the device with the reference on the CPU, bit for bit "
-                        "(bench/kernel_check.py); exit 1 on any mismatch")
-    p.add_argument("--check-size", type=parse_size, default=1 << 22, help="elements of the --check ops (2^22)")
-    p.add_argument("--no-big", action="store_true", help="--check without the pack past 2^31 elements (~10 GiB)")
-    p.add_argument("--sweep", action="store_true",
-                   help="instead of the table: each op's rows at every tile size and warp count of SWEEP")
+                   help="GPU: milliseconds of untimed runs first (default 25); CPU: runs (default 1)")
     p.add_argument("--stat", choices=["median", "min"], default="median",
                    help="statistic over the timed runs (min resists other load on a shared CPU)")
+    p.add_argument("--check", action="store_true",
+                   help="compare every row's output with the CPU reference bit for bit; exit 1 on any mismatch")
+    p.add_argument("--far-numel", type=parse_size, default=None,
+                   help="--check: elements of the check past 2^31 (default on a GPU: 2^31 + 2^22; 0: none)")
+    p.add_argument("--sweep", action="store_true", help="time the main rows over --tile-elements x --tile-warps")
+    p.add_argument("--tile-elements", nargs="+", type=parse_size, default=list(SWEEP_ELEMENTS),
+                   help=f"--sweep: elements per program (default {' '.join(map(str, SWEEP_ELEMENTS))})")
+    p.add_argument("--tile-warps", nargs="+", type=int, default=list(SWEEP_WARPS),
+                   help=f"--sweep: warps per program (default {' '.join(map(str, SWEEP_WARPS))})")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--kernels", nargs="+", help="only rows whose name contains one of these")
     p.add_argument("--backend", choices=["auto", "torch", "triton"], help="sets ZEROPP_QUANT_BACKEND")
     p.add_argument("--no-deepspeed", action="store_true", help="do not time DeepSpeed's kernels")
-    p.add_argument("--csv", metavar="PATH", help="also write the rows as CSV ('-' for stdout)")
+    p.add_argument("--csv", metavar="PATH", help="also write the rows as CSV ('-' for stdout), rewritten after each")
     p.add_argument("--quiet", dest="progress", action="store_false", help="no per-row progress on stderr")
     args = p.parse_args(argv)
 
@@ -356,22 +457,24 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["ZEROPP_QUANT_BACKEND"] = args.backend
     elif not gpu:
         os.environ.setdefault("ZEROPP_QUANT_BACKEND", "torch")  # the interpreter would take hours
+    from zeropp import quant
     from zeropp.quant.format import DEFAULT_BLOCK_SIZE
 
-    args.block_size = args.block_size or DEFAULT_BLOCK_SIZE
-    sizes = args.sizes or ([1 << 24, 1 << 26, 1 << 28] if gpu else [1 << 20, 1 << 22, 1 << 24])
+    blocks = args.block_size or [DEFAULT_BLOCK_SIZE]
+    sizes = args.sizes or ([1 << 26, 1 << 28] if gpu else [1 << 20, 1 << 22, 1 << 24])
+    if args.far_numel is None:
+        args.far_numel = FAR_NUMEL if gpu else 0
     if args.threads:
         torch.set_num_threads(args.threads)
     timer = Timer(device, args.warmup if args.warmup is not None else (25 if gpu else 1),
                   args.reps if args.reps is not None else (100 if gpu else 5), args.stat)
-    ds, ds_reason = (None, "--no-deepspeed") if args.no_deepspeed else load_deepspeed(device)
+    ds, ds_reason = (None, "--no-deepspeed") if args.no_deepspeed or args.sweep else load_deepspeed(device)
 
     if gpu:
         where = f"{torch.cuda.get_device_name(device)}"
     else:
         where = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, " \
-                f"{torch.get_num_threads()} torch threads, load average {os.getloadavg()[0]:.2f}) -- torch " \
-                "reference only, GPU kernels NOT measured"
+                f"{torch.get_num_threads()} torch threads, load average {os.getloadavg()[0]:.2f})"
     versions = f"torch {torch.__version__}"
     try:
         import triton
@@ -379,36 +482,66 @@ def main(argv: list[str] | None = None) -> int:
         versions += f", triton {triton.__version__}"
     except ImportError:
         pass
-    print(f"zeropp kernel benchmark on {where}; {versions}")
-    print(
-        f"dtype {args.dtype}, block {args.block_size}, world {args.world}, nodes {args.nodes} x "
-        f"{args.ranks_per_node}; {args.stat} of {timer.reps} after {timer.warmup} warm-up; "
-        f"DeepSpeed: {'timed' if ds is not None else 'not timed (' + ds_reason + ')'}"
-    )
-    failed = []
-    if args.check:
-        import kernel_check
+    backend = quant.backend_name(torch.empty(0, device=device))
+    print(f"zeropp kernel benchmark on {where}; {versions}; quant backend {backend}"
+          + ("" if gpu else " -- GPU kernels NOT measured"))
+    timing_note = (f"do_bench median, {timer.warmup} ms warm-up, {timer.reps} ms of runs, L2 cleared before each"
+                   if gpu else f"{args.stat} of {timer.reps} after {timer.warmup} warm-up")
+    print(f"dtype {' '.join(args.dtype)}, block {' '.join(map(str, blocks))}, world {args.world}, nodes {args.nodes} "
+          f"x {args.ranks_per_node}; {timing_note}; DeepSpeed: "
+          f"{'timed' if ds is not None else 'not timed (' + ds_reason + ')'}"
+          + ("; --check vs the CPU reference" + (" (the torch backend: the reference against itself)"
+                                                  if backend == "torch" else "") if args.check else ""))
 
-        checks = kernel_check.op_checks(args.check_size, DTYPES[args.dtype], args.block_size, args.world, args.nodes,
-                                        args.ranks_per_node, device)
-        if not args.no_big and gpu:
-            checks.append((f"int8 pack of {kernel_check.BIG:,} elements (offsets past 2^31)",
-                           lambda: kernel_check.big_check(DTYPES[args.dtype], args.block_size, device)))
-        for name, check in checks:
-            ok = check()
-            failed += [] if ok else [name]
-            print(f"check {'PASS' if ok else 'FAIL'}: {name} ({size_label(args.check_size)} elements)", flush=True)
-    rows = []
-    for n in sizes:
-        rows += sweep_size(args, n, device, timer, ds) if args.sweep else run_size(args, n, device, timer, ds)
+    rows: list[dict] = []
+
+    def emit(row: dict) -> None:
+        rows.append(row)
+        if args.csv and args.csv != "-":
+            write_csv(rows, args.csv)  # the rows so far survive a run that is stopped
+        if args.progress:
+            took = f"{row['ms']:.4f} ms, floor/time {row['floor/time']:.3f}" if "ms" in row else row.get("error", "")
+            tile = f" {row['elements']} x {row['warps']}w" if "elements" in row else ""
+            check = f" [{row['check']}{': ' + row['detail'] if row.get('detail') else ''}]" if "check" in row else ""
+            progress(f"  {row['size']:>6} {row['dtype']} b{row['block']} {row['kernel']}{tile}: {took}{check}")
+
+    copies = Copies(device, timer)
+    for dtype in args.dtype:
+        for block in blocks:
+            for n in sizes:
+                if args.sweep:
+                    sweep_config(args, n, dtype, block, device, timer, copies, emit)
+                else:
+                    run_config(args, n, dtype, block, device, timer, copies, ds, emit)
+                if gpu:
+                    torch.cuda.empty_cache()
+        if args.check and args.far_numel and not args.sweep:
+            run_far_checks(args, dtype, blocks[0], device, emit)
+
+    timed = [r for r in rows if r.get("op") != "far"]
     print()
-    print_table(rows, with_ds=ds is not None, sweep=args.sweep)
+    if args.sweep:
+        print(sweep_tables(timed))
+    else:
+        cols = ["dtype", "block", "kernel", "size", "bytes", "ms", "GB/s", "copy ms", "floor/time", "check", "error"]
+        if ds is not None:
+            cols += ["DS ms", "DS GB/s", "DS floor/time", "DS note"]
+        print(rows_table(timed, cols, FORMATS))
+    far = [r for r in rows if r.get("op") == "far"]
+    if far:
+        print()
+        print(rows_table(far, ["dtype", "block", "kernel", "size", "check", "detail"]))
     if args.csv:
         write_csv(rows, args.csv)
-    if failed:
-        print(f"check FAILED for {len(failed)} op(s): {', '.join(failed)}")
-        return 1
-    return 0
+    bad = [r for r in rows if r.get("check") in ("FAIL", "ERROR") or r.get("error")]
+    if args.check:
+        counts = {s: sum(r.get("check") == s for r in rows) for s in ("PASS", "FAIL", "ERROR", "SKIP")}
+        print("\ncheck: " + ", ".join(f"{v} {k}" for k, v in counts.items() if v or k == "PASS"))
+    for r in bad:
+        print(f"  {r.get('check', 'ERROR')}: {r['dtype']} b{r['block']} {r['size']} {r['kernel']}"
+              + (f" {r['elements']} x {r['warps']}w" if "elements" in r else "")
+              + f": {r.get('detail') or r.get('error')}")
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

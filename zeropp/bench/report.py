@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import csv
 import sys
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Union
 
 
 def write_csv(rows: Sequence[Mapping[str, Any]], path: str) -> None:
@@ -30,3 +30,35 @@ def markdown_table(head: Sequence[str], body: Sequence[Sequence[str]]) -> str:
         return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"
 
     return "\n".join([line(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, body)])
+
+
+Format = Union[str, Callable[[Any], str]]
+
+
+def format_cell(value: Any, spec: Format | None = None) -> str:
+    """One cell: ``""`` for a missing value, ``spec`` (a format spec such as ``".3f"``, or a function) if given, else
+    floats to 4 significant digits and everything else as ``str``."""
+    if value is None or value == "":
+        return ""
+    if callable(spec):
+        return spec(value)
+    if spec is not None:
+        try:
+            return format(value, spec)
+        except (TypeError, ValueError):  # a text cell in a numeric column (an error note)
+            return str(value)
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def rows_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str],
+               formats: Mapping[str, Format] | None = None) -> str:
+    """``markdown_table`` of dict rows: one column per name in ``columns`` (cells by ``format_cell`` with
+    ``formats[name]``); a column that no row has is left out."""
+    formats = formats or {}
+    used = [c for c in columns if any(row.get(c) not in (None, "") for row in rows)]
+    return markdown_table(used, [[format_cell(row.get(c), formats.get(c)) for c in used] for row in rows])
+
+
+def progress(message: str) -> None:
+    """A progress line on standard error (kept apart from the tables on standard output), flushed at once."""
+    print(message, file=sys.stderr, flush=True)
