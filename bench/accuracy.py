@@ -13,6 +13,8 @@ quantized with ``zeropp.quant`` and dequantized to float32, and compared with th
 * score    = log2(rel L2) + bits/el: the trade-off in one number. One more bit per element halves the error of a
              uniform quantizer, so a scale overhead of s bits per element is worth paying only if it cuts the
              error by more than a factor 2^s. Lower is better; the block size minimising it is the best buy.
+* vs div   = fraction of codes that differ from ``round_half_even(x / scale)`` in float32 division, the spec before
+             the codes became ``rne(x * r)`` of the exact product with ``r = 1 / scale`` (one FMA on a GPU).
 
 The recommendation at the end takes, for each bit width, the block size with the lowest score averaged over the
 two distributions.
@@ -29,7 +31,7 @@ import time
 import numpy as np
 import torch
 
-from zeropp.bench.report import write_csv
+from zeropp.bench.report import format_cell, markdown_table, write_csv
 
 BLOCK_SIZES = (32, 64, 128, 256, 512, 1024, 2048)
 
@@ -45,6 +47,24 @@ def make_data(dist: str, numel: int, seed: int) -> torch.Tensor:
     return torch.from_numpy(x.astype(np.float32))
 
 
+def codes_of(q) -> torch.Tensor:
+    """The integer codes of a ``QuantizedTensor`` (one per element, padding included) as int16."""
+    c = q.data.view(torch.int8)
+    if q.bits == 8:
+        return c.to(torch.int16)
+    return torch.stack([(c << 4) >> 4, c >> 4], dim=1).reshape(-1).to(torch.int16)
+
+
+def division_codes(x: torch.Tensor, scales: torch.Tensor, bits: int, block_size: int) -> torch.Tensor:
+    """``clamp(round_half_even(x / scale))`` per block in float32 division: the codes of the old spec."""
+    qmax = (1 << (bits - 1)) - 1
+    padded = torch.zeros(scales.numel() * block_size, dtype=torch.float32, device=x.device)
+    padded[: x.numel()] = x.reshape(-1)
+    divisor = torch.where(scales > 0, scales, torch.ones_like(scales))
+    q = (padded.view(-1, block_size) / divisor[:, None]).round().clamp(-qmax, qmax)
+    return q.reshape(-1).to(torch.int16)
+
+
 def measure(x: torch.Tensor, bits: int, block_size: int) -> dict:
     from zeropp import quant
 
@@ -58,6 +78,7 @@ def measure(x: torch.Tensor, bits: int, block_size: int) -> dict:
     err = x_hat.double() - ref
     rel = (torch.linalg.vector_norm(err) / torch.linalg.vector_norm(ref)).item()
     bits_per_el = 8 * q.nbytes / x.numel()
+    differ = (codes_of(q) != division_codes(x, q.scales, bits, block_size))[: x.numel()]
     return {
         "bits": bits,
         "block_size": block_size,
@@ -66,29 +87,29 @@ def measure(x: torch.Tensor, bits: int, block_size: int) -> dict:
         "bits_per_el": bits_per_el,
         "ratio_vs_bf16": 16 / bits_per_el,
         "score": math.log2(rel) + bits_per_el,
+        "vs_div": differ.double().mean().item(),
         "seconds": seconds,
         "backend": quant.backend_name(x),
     }
 
 
+COLUMNS = {  # key: (header, format)
+    "dist": ("data", None),
+    "format": ("format", None),
+    "block_size": ("block", None),
+    "rel_l2": ("rel L2", ".4e"),
+    "max_abs": ("max abs", ".4e"),
+    "bits_per_el": ("bits/el", ".3f"),
+    "ratio_vs_bf16": ("ratio vs bf16", lambda v: f"{v:.3f}x"),
+    "score": ("score", ".3f"),
+    "vs_div": ("vs div", ".2e"),
+}
+
+
 def table(rows: list[dict]) -> str:
-    head = ["data", "format", "block", "rel L2", "max abs", "bits/el", "ratio vs bf16", "score"]
-    body = [
-        [
-            r["dist"],
-            f"int{r['bits']}",
-            str(r["block_size"]),
-            f"{r['rel_l2']:.4e}",
-            f"{r['max_abs']:.4e}",
-            f"{r['bits_per_el']:.3f}",
-            f"{r['ratio_vs_bf16']:.3f}x",
-            f"{r['score']:.3f}",
-        ]
-        for r in rows
-    ]
-    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
-    fmt = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-    return "\n".join([fmt(head), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(fmt, body)])
+    body = [[format_cell({**r, "format": f"int{r['bits']}"}[key], spec) for key, (_, spec) in COLUMNS.items()]
+            for r in rows]
+    return markdown_table([head for head, _ in COLUMNS.values()], body)
 
 
 def recommend(rows: list[dict], default: int) -> list[str]:

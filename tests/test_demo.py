@@ -23,8 +23,8 @@ def numpy_block_quantize(w: np.ndarray, bits: int, block: int) -> tuple[np.ndarr
     x[:n] = w.reshape(-1)
     x = x.reshape(blocks, block)
     scale = (np.abs(x).max(axis=1) / np.float32(qmax)).astype(np.float32)
-    safe = np.where(scale > 0, scale, np.float32(1)).astype(np.float32)
-    codes = np.clip(np.round(x / safe[:, None]), -qmax, qmax)  # np.round: half to even
+    r = np.float32(1) / np.where(scale > 0, scale, np.float32(1)).astype(np.float32)  # normal scales here
+    codes = np.clip(np.round(x.astype(np.float64) * r[:, None]), -qmax, qmax)  # exact product; half to even
     deq = (codes.astype(np.float32) * scale[:, None]).reshape(-1)[:n]
     return deq, blocks * (block * bits // 8 + 4)
 

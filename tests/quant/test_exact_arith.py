@@ -1,22 +1,29 @@
-"""The exact fast arithmetic of the Triton kernels (``zeropp.quant._triton.common``), proved case by case.
+"""The exact arithmetic of the spec and of the Triton kernels, proved case by case.
 
-The kernels' fast path replaces the reference's IEEE division, rounding and conversions with cheaper sequences
-that must give the same bits: ``div_fast`` (one multiply and two FMAs from a correctly rounded reciprocal),
-``scale_fast`` (``absmax / qmax`` the same way), the rounder constant, ``encode_words`` and ``decode_words``.
-Each helper runs here inside a small Triton kernel (on the GPU, or under Triton's interpreter, whose ``tl.fma``
-rounds once like the hardware's) on millions of values, and is compared with plain float32 torch on the CPU:
-random operands over the whole fast range, exact rounding ties and their neighbours one ulp away, the ends of
-the range, divisors whose mantissa is all ones or a power of two, and every code of every position of a word.
+The kernels replace the reference's IEEE division, rounding and conversions with cheaper sequences that must give
+the same bits: ``div_fast`` (one multiply and two FMAs from a correctly rounded reciprocal), ``scale_fast``
+(``absmax / qmax`` the same way), the quantizing FMA (``quantize_fast``, and ``quantize_exact`` for every scale),
+``encode_words`` and ``decode_words``. Each helper runs here inside a small Triton kernel (on the GPU, or under
+Triton's interpreter, whose ``tl.fma`` rounds once like the hardware's) on millions of values, and is compared with
+an independent computation on the CPU (IEEE float32 torch, float64 where it is exact, exact rationals): random
+operands over the whole range, exact rounding ties and their neighbours one ulp away, the ends of the range,
+divisors whose mantissa is all ones or a power of two, and every code of every position of a word. The reference's
+own emulations of single roundings (``reference.fma_``, ``reference.reciprocal``) are checked the same way.
 """
 
 from __future__ import annotations
+
+from fractions import Fraction
 
 import pytest
 import torch
 import triton
 import triton.language as tl
 
+from rationals import round_to_float32, round_to_float32_precision
+from zeropp.quant import reference
 from zeropp.quant._triton import common
+from zeropp.quant.format import BlockFormat
 
 TILE = 1 << 16  # elements per program: the interpreter's cost is per operation, so large tiles are cheap
 FAST_MIN = common.FAST_MIN.value
@@ -36,10 +43,20 @@ def _scale_kernel(a_ptr, out_ptr, QMAX: tl.constexpr, TILE: tl.constexpr):
 
 
 @triton.jit
-def _quantize_kernel(v_ptr, s_ptr, out_ptr, BITS: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+def _quantize_kernel(v_ptr, s_ptr, out_ptr, BITS: tl.constexpr, EXACT: tl.constexpr, ROWS: tl.constexpr,
+                     COLS: tl.constexpr):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     i = r[:, None] * COLS + tl.arange(0, COLS)[None, :]
-    tl.store(out_ptr + i, common.quantize_fast(tl.load(v_ptr + i), tl.load(s_ptr + r), BITS))
+    if EXACT:
+        tl.store(out_ptr + i, common.quantize_exact(tl.load(v_ptr + i), tl.load(s_ptr + r), BITS))
+    else:
+        tl.store(out_ptr + i, common.quantize_fast(tl.load(v_ptr + i), tl.load(s_ptr + r), BITS))
+
+
+@triton.jit
+def _fma_kernel(a_ptr, b_ptr, c_ptr, out_ptr, TILE: tl.constexpr):
+    i = tl.program_id(0) * TILE + tl.arange(0, TILE)
+    tl.store(out_ptr + i, tl.fma(tl.load(a_ptr + i), tl.load(b_ptr + i), tl.load(c_ptr + i)))
 
 
 @triton.jit
@@ -145,31 +162,144 @@ def test_scale_fast(qmax, kernel_device, gen):
     assert_bits_equal(out.cpu(), a / torch.tensor(float(qmax)), f"absmax / {qmax}")
 
 
-def _reference_codes(v: torch.Tensor, scale: torch.Tensor, qmax: int) -> torch.Tensor:
-    d = torch.where(scale > 0, scale, torch.ones_like(scale))
-    return (v / d[:, None]).round().clamp(-qmax, qmax).to(torch.int32)
+def _spec_codes(v: torch.Tensor, scale: torch.Tensor, qmax: int) -> torch.Tensor:
+    """``rne(v * r)`` for normal scales, ``r = 1 / scale`` in IEEE float32 division, the product exact in float64
+    (24 + 24 bits); a zero scale gives code 0."""
+    r = torch.where(scale > 0, torch.ones_like(scale) / torch.where(scale > 0, scale, 1.0), 1.0)
+    return (v.double() * r.double()[:, None]).round().clamp(-qmax, qmax).to(torch.int32)
+
+
+def _run_quantize(v: torch.Tensor, scale: torch.Tensor, bits: int, exact: bool, device: str) -> torch.Tensor:
+    rows, cols = v.shape
+    v_dev, s_dev = _on(device, v, scale)
+    out = torch.empty(rows, cols, dtype=torch.int32, device=device)
+    _quantize_kernel[(rows // 64,)](v_dev, s_dev, out, BITS=bits, EXACT=exact, ROWS=64, COLS=cols)
+    return out.cpu() - (common.CODE_BITS.value + (1 << (bits - 1)))
+
+
+def _near_ties(scale: torch.Tensor, cols: int, qmax: int, gen: torch.Generator) -> torch.Tensor:
+    """Per row of ``scale``: values whose exact ``v * r`` is near ``k + 0.5`` (the float32 nearest to ``(k + 0.5) /
+    r`` and its neighbours one ulp away: one rounding of the product to float32 before rounding to an integer would
+    turn some into exact ties) and random quotients, in random order."""
+    rows = scale.numel()
+    r = torch.ones_like(scale) / scale
+    k = torch.randint(-qmax, qmax, (rows, cols), generator=gen).double() + 0.5
+    v = (k / r.double()[:, None]).float()
+    step = torch.randint(-1, 2, (rows, cols), generator=gen)
+    v = torch.where(step < 0, torch.nextafter(v, v - 1), torch.where(step > 0, torch.nextafter(v, v + 1), v))
+    random = ((torch.rand(rows, cols, generator=gen) * 2 - 1) * qmax * scale[:, None]).float()
+    return torch.where(torch.rand(rows, cols, generator=gen) < 0.5, v, random).clamp(-qmax * scale[:, None],
+                                                                                     qmax * scale[:, None])
+
+
+@pytest.mark.parametrize("exact", [False, True])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_rounds_the_exact_product_once(bits, exact, kernel_device, gen):
+    """``quantize_fast`` and ``quantize_exact`` give ``rne(v * r)`` of the exact product over the fast range, for
+    exact ties ``k + 0.5`` (power-of-two scales: half to even), values within an ulp of a tie, random quotients and
+    zero-scale rows; the count of rows where rounding the product to float32 first would differ is checked too."""
+    qmax = (1 << (bits - 1)) - 1
+    rows, cols = 1 << 10, 256
+    scale = _random_in(FAST_MIN, FAST_MAX / 2, rows, gen).abs()
+    scale[8:64] = torch.exp2(torch.randint(-70, 90, (56,), generator=gen).float())  # exact ties k + 0.5
+    v = _near_ties(scale, cols, qmax, gen)
+    scale[:8] = 0.0
+    v[:8] = 0.0
+    expected = _spec_codes(v, scale, qmax)
+    assert torch.equal(_run_quantize(v, scale, bits, exact, kernel_device), expected)
+    r = torch.ones_like(scale[8:]) / scale[8:]
+    twice = (v[8:] * r[:, None]).round().to(torch.int32)  # the product rounded to float32, then to an integer
+    assert (twice != expected[8:]).sum() > 10, "no case where one rounding matters: the generator is stale"
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_quantize_fast_rounds_like_the_reference(bits, kernel_device, gen):
-    """The code bits ``CODE_BITS + 2**(bits-1) + code`` for values whose quotients are random, exact ties
-    ``k + 0.5`` (half to even) and one ulp off them, with zero-scale rows."""
+def test_quantize_exact_every_scale(bits, kernel_device, gen):
+    """``quantize_exact`` for scales from the smallest subnormal to the largest, 0, Inf and NaN, against exact
+    rationals: ``r`` is ``1 / scale`` rounded to 24 bits without exponent limit, codes ``clamp(rne(v * r))``, 0
+    in rows whose scale is 0 or not finite. The reference's ``reciprocal`` is checked on the same scales."""
     qmax = (1 << (bits - 1)) - 1
-    rows, cols = 1 << 10, 256
-    scale = _random_in(2.0**-87, 2.0**93, rows, gen).abs()
-    scale[:8] = 0.0
-    q = torch.rand(rows, cols, generator=gen) * (2 * qmax) - qmax
-    ties = torch.randint(-qmax, qmax, (rows, cols), generator=gen).float() + 0.5
-    q = torch.where(torch.rand(rows, cols, generator=gen) < 0.5, q, ties)
-    v = (q.double() * scale.double()[:, None]).float()
-    step = torch.randint(-1, 2, (rows, cols), generator=gen)
-    v = torch.where(step < 0, torch.nextafter(v, v - 1), torch.where(step > 0, torch.nextafter(v, v + 1), v))
-    v[:8] = 0.0
-    v_dev, s_dev = _on(kernel_device, v, scale)
-    out = torch.empty(rows, cols, dtype=torch.int32, device=kernel_device)
-    _quantize_kernel[(rows // 64,)](v_dev, s_dev, out, BITS=bits, ROWS=64, COLS=cols)
-    expected = common.CODE_BITS.value + (1 << (bits - 1)) + _reference_codes(v, scale, qmax)
-    assert torch.equal(out.cpu(), expected)
+    rows, cols = 256, 32
+    absmax = _random_in(2.0**-149, 3.0e38, rows, gen).abs()
+    absmax[:16] = torch.tensor([2.0**-149, 2.0**-148, 3 * 2.0**-149, 2.0**-140, 2.0**-127, 2.0**-126, 2.0**-81,
+                                2.0**-80, 2.0**100, 2.0**101, 3.0e38, torch.finfo(torch.float32).max, 0.0,
+                                float("inf"), float("nan"), 1.0])
+    scale = absmax / torch.tensor(float(qmax))
+    v = (torch.rand(rows, cols, generator=gen) * 2 - 1) * absmax[:, None]
+    v[:, 0] = absmax  # every row holds its absmax, as quantize_rows's input does
+    v[:, 1] = -absmax
+    v = v.nan_to_num(0.0, posinf=0.0, neginf=0.0)
+    actual = _run_quantize(v, scale, bits, True, kernel_device)
+    usable = torch.isfinite(scale) & (scale > 0)
+    assert (usable & (scale < 2.0**-126)).sum() >= 10 and (~usable).sum() >= 5  # subnormal, zero, Inf, NaN scales
+    recips = [round_to_float32_precision(1 / Fraction(float(s))) if ok else Fraction(1)
+              for s, ok in zip(scale.tolist(), usable.tolist())]
+    expected = torch.tensor([[max(-qmax, min(qmax, round(Fraction(x) * rec))) if ok else 0 for x in row]
+                             for row, rec, ok in zip(v.tolist(), recips, usable.tolist())], dtype=torch.int32)
+    assert torch.equal(actual, expected)
+    assert reference.reciprocal(torch.where(usable, scale, 1.0)).tolist() == [float(x) for x in recips]
+
+
+def _reference_fma(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """``reference.fma_`` on rows of 16, a scratch piece at a time."""
+    out = c.clone()
+    scratch = reference._Scratch(BlockFormat(8, 16), a.shape[0], torch.device("cpu"))
+    for first, end in scratch.pieces(a.shape[0]):
+        reference.fma_(out[first:end], a[first:end], b[first:end], scratch)
+    return out
+
+
+def _fma_cases(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``n // 16`` rows of 16: codes (integers up to 127), one scale per row, addends. A third are random over a
+    wide range; a third make ``code * scale`` land within a float32 ulp of the addend's rounding midpoint (where
+    rounding the sum to float64 and then to float32 goes wrong); a third make the sum cancel or become subnormal."""
+    rows = n // 16
+    codes = torch.randint(-127, 128, (rows, 16), generator=gen).float()
+    scale = _random_in(2.0**-100, 2.0**100, rows, gen).abs()
+    acc = _random_in(2.0**-100, 2.0**100, rows * 16, gen).view(rows, 16)
+    third = rows // 3
+    # near midpoints: acc in [1, 2) and code * scale about half an ulp of it, plus a tiny odd remainder
+    acc[:third] = 1.0 + torch.randint(0, 1 << 23, (third, 16), generator=gen).float() * 2.0**-23
+    scale[:third] = (2.0**-24 + torch.randint(1, 1 << 10, (third,), generator=gen).double() * 2.0**-60).float()
+    codes[:third] = torch.randint(0, 2, (third, 16), generator=gen).float() * 2 - 1
+    # cancellation and subnormal sums
+    acc[third : 2 * third] = -(codes[third : 2 * third] * scale[third : 2 * third, None])
+    acc[third : 2 * third] += _random_in(2.0**-149, 2.0**-120, third * 16, gen).view(third, 16)
+    scale[third : third + third // 2] = _random_in(2.0**-149, 2.0**-126, third // 2, gen).abs()
+    return codes, scale, acc
+
+
+def test_reference_fma_matches_the_hardware_fma(kernel_device, gen):
+    """``reference.fma_`` (float64 rounded to odd) against ``tl.fma`` (the GPU's FFMA, or the interpreter's C
+    ``fmaf``) on a million cases, and against exact rationals on a few thousand: bit for bit."""
+    n = 1 << 20
+    codes, scale, acc = _fma_cases(n, gen)
+    expected = _reference_fma(codes, scale, acc)
+    a, b, c = _on(kernel_device, codes, scale[:, None].expand(-1, 16), acc)
+    out = torch.empty_like(c)
+    _fma_kernel[(n // TILE,)](a, b, c, out, TILE=TILE)
+    assert_bits_equal(out.cpu(), expected, "fma(code, scale, acc)")
+    plain = (codes.double() * scale.double()[:, None] + acc.double()).float()  # one rounding too many
+    assert (plain.view(torch.int32) != expected.view(torch.int32)).sum() > 100, "no double-rounding case: stale"
+
+    picks = torch.randint(0, codes.shape[0], (300,), generator=gen)
+    for row in picks.tolist():
+        for j in range(16):
+            exact = Fraction(codes[row, j].item()) * Fraction(scale[row].item()) + Fraction(acc[row, j].item())
+            assert expected[row, j].item() == round_to_float32(exact), (row, j)
+
+
+def test_reference_fma_special_values():
+    """NaN and Inf propagate, signed zeros follow IEEE (``-0 + -0`` is -0, ``x + -x`` is +0), as ``tl.fma``."""
+    inf, nan = float("inf"), float("nan")
+    codes = torch.tensor([[0.0, 1.0, -1.0, 0.0, 3.0, -2.0, 0.0, 1.0] * 2])
+    scale = torch.tensor([inf])
+    acc = torch.tensor([[0.0, 1.0, 1.0, -0.0, nan, 5.0, -0.0, -inf] * 2])
+    out = _reference_fma(codes, scale, acc)
+    assert out[0, 0].isnan() and out[0, 1] == inf and out[0, 2] == -inf and out[0, 4].isnan()
+    out = _reference_fma(torch.tensor([[-1.0, 1.0, 0.0, -2.0] * 4]), torch.tensor([2.0]),
+                         torch.tensor([[2.0, -2.0, -0.0, 4.0] * 4]))
+    assert out[0, :4].tolist() == [0.0, 0.0, -0.0, 0.0]
+    assert [torch.copysign(torch.tensor(1.0), x).item() for x in out[0, :4]] == [1.0, 1.0, 1.0, 1.0]
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -1,10 +1,11 @@
 """The torch reference's fast path (pieces of ``PIECE_NUMEL`` elements, in-place work buffers) gives exactly the
 bits of the plain whole-tensor formulas, whatever the piece size.
 
-``oracle_*`` below are the formulas written the simple way (one full-size float32 tensor per step), as the reference
-was before it worked piece by piece. Codes and scales must agree byte for byte; values bit for bit, except that a
-NaN only has to be a NaN (torch encodes a float32 NaN rounded to bfloat16 differently in its vectorized and scalar
-conversion loops).
+``oracle_*`` below are the formulas written the simple way (one full-size tensor per step), as the reference was
+before it worked piece by piece (the reciprocal of the scales is the reference's, proved exact in
+``test_exact_arith.py``; the fused multiply-add is written independently). Codes and scales must agree byte for
+byte; values bit for bit, except that a NaN only has to be a NaN (torch encodes a float32 NaN rounded to bfloat16
+differently in its vectorized and scalar conversion loops).
 """
 
 import itertools
@@ -22,15 +23,15 @@ def oracle_quantize_blocks(blocks: torch.Tensor, fmt: BlockFormat) -> tuple[torc
     qmax = fmt.qmax
     scales = blocks.abs().amax(dim=1) / qmax
     finite = torch.isfinite(scales)
-    divisor = torch.where(finite & (scales > 0), scales, torch.ones_like(scales))
-    q = torch.round(blocks / divisor[:, None]).clamp_(-qmax, qmax)
+    r = reference.reciprocal(torch.where(finite & (scales > 0), scales, torch.ones_like(scales)))
+    q = torch.round(blocks.double() * r[:, None]).clamp_(-qmax, qmax)
     q = torch.where(finite[:, None], q, torch.zeros_like(q)).to(torch.int16)
     if fmt.bits == 4:
         q = (q[:, 0::2] & 0xF) | ((q[:, 1::2] & 0xF) << 4)
     return (q & 0xFF).to(torch.uint8), scales
 
 
-def oracle_dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+def oracle_codes(codes: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     c = codes.to(torch.int16)
     if fmt.bits == 8:
         q = (c ^ 0x80) - 0x80
@@ -38,15 +39,34 @@ def oracle_dequantize_blocks(codes: torch.Tensor, scales: torch.Tensor, fmt: Blo
         lo = ((c & 0xF) ^ 8) - 8
         hi = (((c >> 4) & 0xF) ^ 8) - 8
         q = torch.stack((lo, hi), dim=2).view(c.shape[0], fmt.block_size)
-    return torch.clamp(q.to(torch.float32) * scales[:, None], -FLOAT32_MAX, FLOAT32_MAX)
+    return q.to(torch.float32)
+
+
+def oracle_fma(code: torch.Tensor, scale: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+    """Float32 ``code * scale + acc`` rounded once: the float64 sum rounded to odd (``nextafter`` toward the exact
+    sum when inexact and even), then to float32."""
+    p = code.double() * scale.double()
+    a = acc.double()
+    total = p + a
+    b = total - p
+    err = (p - (total - b)) + (a - b)
+    even = (total.view(torch.int64) & 1) == 0
+    toward = torch.where(err > 0, torch.full_like(total, float("inf")), torch.full_like(total, -float("inf")))
+    return torch.where((err != 0) & ~err.isnan() & even, torch.nextafter(total, toward), total).float()
+
+
+def oracle_pack_parts(packs: torch.Tensor, fmt: BlockFormat, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float32 codes ``(rows, blocks * block_size)`` and the per-element scales of each row's pack."""
+    rows = packs.shape[0]
+    split = blocks * fmt.block_code_bytes
+    codes = oracle_codes(packs[:, :split].reshape(rows * blocks, fmt.block_code_bytes), fmt)
+    scales = packs[:, split:].contiguous().view(torch.float32).reshape(rows * blocks)
+    return codes.view(rows, -1), scales.repeat_interleave(fmt.block_size).view(rows, -1)
 
 
 def oracle_dequantize_packs(packs: torch.Tensor, fmt: BlockFormat, blocks: int) -> torch.Tensor:
-    rows = packs.shape[0]
-    split = blocks * fmt.block_code_bytes
-    codes = packs[:, :split].reshape(rows * blocks, fmt.block_code_bytes)
-    scales = packs[:, split:].contiguous().view(torch.float32).reshape(rows * blocks)
-    return oracle_dequantize_blocks(codes, scales, fmt).view(rows, blocks * fmt.block_size)
+    codes, scales = oracle_pack_parts(packs, fmt, blocks)
+    return torch.clamp(codes * scales, -FLOAT32_MAX, FLOAT32_MAX)
 
 
 def oracle_write_packs(rows: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
@@ -72,7 +92,7 @@ def oracle_sum(buf: torch.Tensor, fmt: BlockFormat, groups: int, chunks: int, ch
     packs = buf.view(groups, chunks, -1)
     acc = torch.zeros(chunks, blocks * fmt.block_size)
     for i in range(groups):
-        acc += oracle_dequantize_packs(packs[i], fmt, blocks)
+        acc = oracle_fma(*oracle_pack_parts(packs[i], fmt, blocks), acc)
     return acc
 
 
@@ -91,7 +111,7 @@ def special_values(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
             x[start : start + 16] = 0.0
         elif kind == 1:
             x[start : start + 16] = FLOAT32_MAX
-        elif kind == 2:  # exact ties x / scale = k + 0.5
+        elif kind == 2:  # exact ties x * r = k + 0.5
             x[start : start + 16] = torch.arange(-8, 8) + 0.5
             x[start] = 127.0
     return x.to(dtype)

@@ -3,15 +3,24 @@
 A tensor is flattened and cut into blocks of ``block_size`` consecutive elements; the last block is padded
 with zeros. Each block is stored as ``block_size`` signed integer codes and one float32 scale:
 
-    scale = absmax(block) / qmax        (qmax = 127 for int8, 7 for int4)
-    code  = clamp(round_half_even(x / scale), -qmax, qmax)
+    scale = absmax(block) / qmax        (qmax = 127 for int8, 7 for int4; float32, correctly rounded)
+    r     = 1 / scale                   (rounded to float32's 24 significant bits, with no exponent limit)
+    code  = clamp(round_half_even(x * r), -qmax, qmax)     (the product exact: ONE rounding, to an integer)
     x'    = code * scale
 
-An all-zero block has scale 0 and codes 0. A block holding a NaN has a NaN scale, a block holding an Inf (and no
-NaN) an Inf scale; the codes of such a block are 0, so ``has_nonfinite`` needs to read the scales only. Such a
-block dequantizes to NaN throughout (0 * Inf), so after a quantized reduction an Inf shows as NaN: overflow checks
-treat both alike. Dequantized values are clamped to the finite float32 range (``code * scale`` can round past it
-when a block's absmax is within an ulp of it).
+``x * r`` is within a float32 ulp of ``x / scale``, so the codes are those of a division up to rare ties; taking
+the product exactly lets a kernel compute ``code`` with one fused multiply-add. ``|x * r| <= qmax * (1 + 2**-22)``
+for every normal scale, so the clamp only acts when the scale is subnormal. An all-zero block has scale 0 and
+codes 0. A block holding a NaN has a NaN scale, a block holding an Inf (and no NaN) an Inf scale; the codes of
+such a block are 0, so ``has_nonfinite`` needs to read the scales only. Such a block dequantizes to NaN throughout
+(0 * Inf), so after a quantized reduction an Inf shows as NaN: overflow checks treat both alike. Dequantized
+values are clamped to the finite float32 range (``code * scale`` can round past it when a block's absmax is within
+an ulp of it).
+
+Sums of packs (the fused reductions of qgZ): the packs' blocks are summed element by element in float32 as
+``acc = 0``, then ``acc = fma(code_i, scale_i, acc)`` for each pack ``i`` in order: each ``code * scale`` is added
+exactly and the sum rounded once, with no clamp (a sum past the float32 range is Inf, a NaN or Inf scale makes
+it NaN).
 
 Codes: int8 codes are one two's-complement byte each. int4 codes are packed two per byte: element ``2k`` of a
 block in the low nibble and element ``2k + 1`` in the high nibble, each nibble a 4-bit two's-complement number.

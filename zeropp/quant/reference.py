@@ -1,8 +1,9 @@
 """Plain torch implementation of every quantization op: the specification the Triton kernels are tested against.
 
 It runs on any device and is the CPU backend. Inputs are assumed validated by ``zeropp.quant.ops``; layouts are
-described in ``zeropp.quant.format``. Arithmetic is float32 throughout, in the order the kernels use, so integer
-codes agree bit for bit.
+described in ``zeropp.quant.format``. Where the spec rounds once an operation whose float32 form would round
+twice (the product ``x * r`` of a quantization, the fused multiply-add of a reduction), it is computed in float64,
+where it is exact or rounded to odd, and rounded to float32 once: the result is the spec's, bit for bit.
 
 The arithmetic of a block is in ``quantize_blocks`` and ``dequantize_blocks``. The chunked ops walk each pack a
 piece of about ``PIECE_NUMEL`` elements at a time, in place in a few piece-sized buffers (``_Scratch``) that stay
@@ -25,8 +26,8 @@ PIECE_NUMEL = 1 << 18
 
 class _Scratch:
     """Piece-sized work buffers for packs of ``blocks`` blocks, allocated once per call: ``values`` and ``other``
-    float32 and, for int4, int8 ``half_codes`` of half a piece (one nibble of each code byte); ``qmax`` as a
-    float32 tensor on the device."""
+    float32, float64 ones on demand (``wide``) and, for int4, int8 ``half_codes`` of half a piece (one nibble of
+    each code byte); ``qmax`` as a float32 tensor on the device."""
 
     def __init__(self, fmt: BlockFormat, blocks: int, device: torch.device) -> None:
         self.blocks = max(1, min(PIECE_NUMEL // fmt.block_size, blocks))
@@ -35,12 +36,30 @@ class _Scratch:
         shape = (self.blocks, fmt.block_size)
         self.values = torch.empty(shape, dtype=torch.float32, device=device)
         self.other = torch.empty(shape, dtype=torch.float32, device=device)
+        self._wide = torch.empty((0, *shape), dtype=torch.float64, device=device)
         if fmt.bits == 4:
             self.half_codes = torch.empty(self.blocks, fmt.block_code_bytes, dtype=torch.int8, device=device)
+
+    def wide(self, count: int, n: int) -> list[torch.Tensor]:
+        """``count`` float64 buffers of ``n`` rows."""
+        if self._wide.shape[0] < count:
+            self._wide = torch.empty((count, *self._wide.shape[1:]), dtype=torch.float64, device=self._wide.device)
+        return list(self._wide[:count, :n])
 
     def pieces(self, blocks: int) -> list[tuple[int, int]]:
         """``(first, end)`` block ranges of at most ``self.blocks`` blocks covering ``range(blocks)``."""
         return [(b, min(b + self.blocks, blocks)) for b in range(0, blocks, self.blocks)]
+
+
+def reciprocal(scales: torch.Tensor) -> torch.Tensor:
+    """Float64 ``1 / scales`` (positive float32 ``scales``) rounded to 24 significant bits, float32's precision,
+    with no exponent limit (``1 / 2**-149`` is ``2**149``).
+
+    ``1 / s`` is rounded to float64 first; rounding it again to 24 bits gives the correctly rounded result, as 53
+    bits are more than twice 24 (double rounding is innocuous for a quotient).
+    """
+    mantissa, exponent = torch.frexp(torch.reciprocal(scales.double()))
+    return mantissa.mul_(2.0**24).round_().mul_(torch.exp2((exponent - 24).double()))
 
 
 def quantize_blocks(
@@ -49,19 +68,21 @@ def quantize_blocks(
     """Quantize float32 ``values`` of shape ``(n, block_size)``: uint8 codes into ``codes`` (``(n,
     block_code_bytes)``) and float32 scales into ``scales`` (``(n,)``).
 
-    ``values`` is overwritten (it holds the quotients), and so is ``scratch.other[:n]``.
+    ``scratch.other`` and ``scratch.wide`` are overwritten.
     """
     n = values.shape[0]
     qmax = fmt.qmax
     torch.amax(torch.abs(values, out=scratch.other[:n]), dim=1, out=scales)
     scales.div_(scratch.qmax)  # scale = absmax / qmax: NaN for a block holding a NaN, Inf for one holding an Inf
-    finite = torch.isfinite(scales)
-    # per block: an all-zero block divides by 1 (its codes are 0), so does a non-finite one (zeroed below)
-    divisor = torch.where(finite & (scales > 0), scales, 1.0)
-    # IEEE division x / scale (not a multiplication by 1 / scale, which rounds differently), round half to even
-    q = values.div_(divisor[:, None]).round_().clamp_(-qmax, qmax)
-    if not finite.all():
-        q[~finite] = 0  # the codes of a NaN or Inf block are 0
+    usable = torch.isfinite(scales) & (scales > 0)
+    # code = rne(x * r), r = 1 / scale rounded to float32 precision and the product exact (float32 * float32 fits
+    # float64's 53 bits); an all-zero block uses r = 1 (its codes are 0), a NaN or Inf one is zeroed below
+    r = reciprocal(torch.where(usable, scales, 1.0))
+    (q,) = scratch.wide(1, n)
+    torch.mul(values, r[:, None], out=q).round_()
+    q.clamp_(-qmax, qmax)  # a no-op unless the scale is subnormal (it can then round by more than an ulp)
+    if not usable.all():
+        q[~usable] = 0  # the codes of a NaN or Inf block are 0
     if fmt.bits == 8:
         codes.view(torch.int8).copy_(q)  # two's-complement bytes
         return
@@ -73,6 +94,20 @@ def quantize_blocks(
     packed.bitwise_or_(low.copy_(q[:, 0::2]).bitwise_and_(0xF))
 
 
+def decode_blocks(codes: torch.Tensor, fmt: BlockFormat, values: torch.Tensor, scratch: _Scratch) -> torch.Tensor:
+    """The integer codes of uint8 ``codes`` (``(n, block_code_bytes)``) as float32 ``(n, block_size)``, written into
+    ``values`` (returned)."""
+    n = codes.shape[0]
+    c = codes.view(torch.int8)  # int8 codes are two's-complement bytes
+    if fmt.bits == 8:
+        return values.copy_(c)
+    # the signed nibbles by arithmetic shifts, low = (c << 4) >> 4 and high = c >> 4, into alternate elements
+    nibbles = scratch.half_codes[:n]
+    values[:, 0::2].copy_(torch.bitwise_left_shift(c, 4, out=nibbles).bitwise_right_shift_(4))
+    values[:, 1::2].copy_(torch.bitwise_right_shift(c, 4, out=nibbles))
+    return values
+
+
 def dequantize_blocks(
     codes: torch.Tensor, scales: torch.Tensor, fmt: BlockFormat, values: torch.Tensor, scratch: _Scratch
 ) -> torch.Tensor:
@@ -82,18 +117,43 @@ def dequantize_blocks(
     ``code * scale``, clamped to the finite float32 range (NaN stays NaN: a block with a non-finite scale comes
     out all NaN).
     """
-    n = codes.shape[0]
-    c = codes.view(torch.int8)  # int8 codes are two's-complement bytes
-    if fmt.bits == 8:
-        values.copy_(c)
-    else:
-        # the signed nibbles by arithmetic shifts, low = (c << 4) >> 4 and high = c >> 4, into alternate elements
-        nibbles = scratch.half_codes[:n]
-        values[:, 0::2].copy_(torch.bitwise_left_shift(c, 4, out=nibbles).bitwise_right_shift_(4))
-        values[:, 1::2].copy_(torch.bitwise_right_shift(c, 4, out=nibbles))
-    values.mul_(scales[:, None])
+    decode_blocks(codes, fmt, values, scratch).mul_(scales[:, None])
     # code * scale can round past the float32 range when the block's absmax is within an ulp of it
     return values.clamp_(-FLOAT32_MAX, FLOAT32_MAX)
+
+
+_MAGNITUDE = 0x7FFF_FFFF_FFFF_FFFF  # the bits of a float64 below its sign
+_INFINITY = 0x7FF0_0000_0000_0000  # the bits of +Inf: finite magnitudes are below
+
+
+def fma_(acc: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, scratch: _Scratch) -> torch.Tensor:
+    """``acc = fma(codes, scales[:, None], acc)`` in place on float32 ``(n, block_size)`` tensors (``scales``:
+    ``(n,)``): the exact ``code * scale + acc`` rounded once to float32, what a fused multiply-add computes.
+
+    The product is exact in float64 (a code has at most 8 significant bits, a scale 24). The sum is rounded to
+    float64 *to odd* (to nearest, then, if that was inexact, to whichever of it and its neighbour toward the exact
+    sum has an odd last bit) and then to float32: with 53 >= 24 + 2 bits, rounding to odd first makes the second
+    rounding exact (Boldo and Melquiond, 2008). Non-finite values propagate as in IEEE arithmetic. Every step is
+    one float64 or int64 operation in place: mixed-dtype and boolean ones are several times slower on the CPU.
+    Returns ``acc``.
+    """
+    p, a, t, b = scratch.wide(4, acc.shape[0])
+    p.copy_(codes).mul_(scales.double()[:, None])
+    a.copy_(acc)
+    torch.add(p, a, out=t)
+    # the sum's rounding error, exactly (Knuth's TwoSum): err = (p - (t - b)) + (a - b) with b = t - p
+    torch.sub(t, p, out=b)
+    a.sub_(b)
+    err = p.sub_(b.neg_().add_(t)).add_(a).view(torch.int64)  # NaN when t is not finite
+    # round to odd on the bits (IEEE order: bits - 1 is one ulp smaller in magnitude): where err is finite and not
+    # zero, move t one ulp toward zero if err and t have opposite signs, then set its last bit
+    bits, flag, other = t.view(torch.int64), b.view(torch.int64), a.view(torch.int64)
+    torch.bitwise_and(err, _MAGNITUDE, out=flag).sub_(1)  # |err| - 1: -1 for a zero err
+    torch.bitwise_not(flag, out=other)
+    flag.sub_(_INFINITY - 1).bitwise_and_(other).bitwise_right_shift_(63)  # -1 where 0 < |err| < Inf, else 0
+    torch.bitwise_xor(err, bits, out=other).bitwise_right_shift_(63).bitwise_and_(flag)
+    bits.add_(other).bitwise_or_(flag.bitwise_and_(1))
+    return acc.copy_(t)
 
 
 def _pack_parts(pack: torch.Tensor, fmt: BlockFormat, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -168,17 +228,25 @@ def _sum_piece(
     packs: torch.Tensor, fmt: BlockFormat, blocks: int, first: int, end: int, scratch: _Scratch
 ) -> torch.Tensor:
     """Float32 ``(end - first, block_size)`` sum of blocks ``first:end`` of the packs in ``packs`` (one per row),
-    into ``scratch.values``: ``acc = 0``, then ``acc += pack 0``, ``acc += pack 1``, ... in float32."""
-    acc = scratch.values[: end - first].zero_()
-    for pack in packs:
-        acc.add_(_dequantize_piece(pack, fmt, blocks, first, end, scratch.other[: end - first], scratch))
+    into ``scratch.values``: ``acc = 0``, then ``acc = fma(code, scale, acc)`` for pack 0, pack 1, ..."""
+    acc = scratch.values[: end - first]
+    codes = scratch.other[: end - first]
+    for i, pack in enumerate(packs):
+        code_bytes, scale_bytes = _pack_parts(pack, fmt, blocks)
+        scales = scale_bytes[4 * first : 4 * end].clone().view(torch.float32)  # a copy: any alignment will do
+        decode_blocks(code_bytes[first:end], fmt, codes, scratch)
+        if i == 0:  # fma(code, scale, 0): the product rounded once, -0 turned into +0 by adding 0
+            torch.mul(codes, scales[:, None], out=acc).add_(0.0)
+        else:
+            fma_(acc, codes, scales, scratch)
     return acc
 
 
 def reduce_requantize(
     buf: torch.Tensor, fmt: BlockFormat, groups: int, chunks: int, chunk_numel: int, out: torch.Tensor
 ) -> None:
-    """Sum ``groups`` runs of ``chunks`` packs pack-wise in float32 and pack the ``chunks`` sums into ``out``.
+    """Sum ``groups`` runs of ``chunks`` packs pack-wise (``fma`` in float32) and pack the ``chunks`` sums into
+    ``out``.
 
     Pack ``m`` of ``out`` is the sum over ``i`` of pack ``i * chunks + m``, whole blocks (padding included).
     """
@@ -200,7 +268,7 @@ def reduce_requantize(
 def reduce_dequantize(
     buf: torch.Tensor, fmt: BlockFormat, groups: int, chunk_numel: int, out: torch.Tensor, divisor: float
 ) -> None:
-    """Sum ``groups`` packs in float32, divide by ``divisor`` and write the first ``out.numel()`` values."""
+    """Sum ``groups`` packs (``fma`` in float32), divide by ``divisor`` and write the first ``out.numel()`` values."""
     if out.numel() == 0:
         return
     blocks = fmt.num_blocks(chunk_numel)

@@ -12,23 +12,24 @@ machine, and int4's "element 2k low nibble" rule, are exactly that). A word's co
 together with shifts, masks and float tricks on whole words (``decode_words``, ``encode_words``), never byte by
 byte.
 
-**Exact fast arithmetic.** The torch reference (the spec) divides in IEEE float32 and rounds half to even. The
-kernels get the same bits with fewer instructions, on a *fast path* that a program takes when every block of its
-tile has a scale in the normal range (``FAST_MIN``..``FAST_MAX``, or 0), and otherwise on the *exact path*, which
-is the reference operation for operation (``div_rn``, clamps). The fast path:
+**Exact fast arithmetic.** The torch reference (the spec) computes in float64 where that is exact. The kernels
+get the same bits with fewer instructions, on a *fast path* that a program takes when every block of its tile
+has a scale in the normal range (``FAST_MIN``..``FAST_MAX``, or 0), and otherwise on the *exact path*, which
+handles every scale (subnormal, infinite, NaN) as the reference does. The fast path:
 
-* ``x / s`` as ``q0 = x * y``, ``e = fma(-q0, s, x)``, ``q = fma(e, y, q0)`` with ``y = 1 / s`` correctly
-  rounded once per block: the correctly rounded quotient (Markstein's theorem), as long as nothing over- or
-  underflows, which the scale range guarantees for every quotient that can round to a non-zero code;
-* ``absmax / qmax`` the same way with the constant ``1 / qmax``;
-* rounding half to even and the float-to-int conversion by one addition of ``1.5 * 2**23``: the sum's low bits
-  are the two's-complement code (``|q| <= qmax * (1 + 2**-23)``, so no clamp is needed);
+* the code ``rne(x * r)`` (``r = 1 / scale`` correctly rounded once per block, the product exact) as ONE FMA,
+  ``x * r + (1.5 * 2**23 + 2**(bits - 1))``: the FMA rounds the exact product once, to an integer, and the
+  sum's low mantissa bits are the offset code (``|x * r| <= qmax * (1 + 2**-22)``, so no clamp is needed and
+  no float-to-int conversion);
+* ``absmax / qmax`` as ``q0 = a * y``, ``e = fma(-q0, qmax, a)``, ``q = fma(e, y, q0)`` with the constant
+  ``y = 1 / qmax``: the correctly rounded quotient (Markstein's theorem) while nothing over- or underflows, which
+  the range guarantees (``div_fast``, also used by the fused reduce-dequantize for integer divisors);
 * a code back to float by placing its bits into the mantissa of a float of known exponent and subtracting that
   float (exact), instead of an int-to-float conversion (a quarter-rate instruction);
-* no clamp of ``code * scale`` to the finite range: with the scale at most ``FAST_MAX`` it cannot overflow.
+* the fused reductions accumulate ``acc = fma(code, scale, acc)``, which is the spec (one rounding per group).
 
 ``tests/quant/test_exact_arith.py`` checks these identities against the reference on millions of cases.
-``enable_fp_fusion=False`` in every launch: only the FMAs written here are fused, never ``code * scale + acc``.
+``enable_fp_fusion=False`` in every launch: only the FMAs written here are fused, the compiler contracts nothing.
 """
 
 from __future__ import annotations
@@ -63,14 +64,15 @@ reciprocal, offsets) multiply. Tiles are then cut to at most this many rows per 
 specialization free of register spills (``tests/quant/test_triton_compile.py``)."""
 
 FAST_MIN = tl.constexpr(2.0**-80)
-"""Smallest non-zero block scale of the fast path. Below it a quotient's residual or a sum of products could
-underflow, and the exact path runs instead."""
+"""Smallest non-zero block scale (or absmax) of the fast path. Below it ``absmax / qmax``'s residual or a sum of
+products could underflow, or ``1 / scale`` overflow, and the exact path runs instead."""
 
 FAST_MAX = tl.constexpr(2.0**100)
 """Largest block scale of the fast path (``code * scale`` and sums of 8 such stay far from overflow)."""
 
 ROUNDER = tl.constexpr(1.5 * 2**23)
-"""Adding it to a float32 ``|q| < 2**22`` rounds ``q`` to an integer (half to even), held in the low mantissa bits."""
+"""Adding it to ``|q| < 2**22`` in one float32 rounding rounds ``q`` to an integer (half to even), held in the low
+mantissa bits of the sum."""
 
 CODE_BITS = tl.constexpr(0x4B400000)
 """The float32 bits of ``ROUNDER``."""
@@ -252,27 +254,36 @@ def scale_exact(amax, QMAX: tl.constexpr):
 def quantize_fast(v, scale, BITS: tl.constexpr):
     """The code bits [R, C] of float32 ``v`` with per-row ``scale`` on the fast path (see ``quantize_rows``).
 
-    ``round_half_even(v / scale)`` by adding ``ROUNDER + 2**(BITS - 1)``: the sum has no fraction bits, so the
-    addition itself rounds (half to even: the constant is even), and its low mantissa bits are the offset code.
-    A zero scale divides by 1 (its values are 0).
+    One FMA per element: ``v * r + (ROUNDER + 2**(BITS - 1))`` with ``r = 1 / scale`` correctly rounded once per
+    row. The FMA rounds the exact product once, to an integer (the sum has no fraction bits; half to even, as the
+    constant is even), so its low mantissa bits are the offset code ``rne(v * r) + 2**(BITS - 1)``; with the
+    scale in the fast range ``|v * r| <= qmax * (1 + 2**-22)`` needs no clamp. A zero scale uses ``r = 1`` (its
+    values are 0).
     """
     d = tl.where(scale > 0.0, scale, 1.0)
-    y = tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d)
-    q = div_fast(v, d[:, None], y[:, None])
-    return (q + (ROUNDER + (1 << (BITS - 1)))).to(tl.int32, bitcast=True)
+    r = tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d)
+    return tl.fma(v, r[:, None], ROUNDER + (1 << (BITS - 1))).to(tl.int32, bitcast=True)
 
 
 @triton.jit
 def quantize_exact(v, scale, BITS: tl.constexpr):
-    """The code bits [R, C] of float32 ``v`` with per-row ``scale``, operation for operation as the reference:
-    ``clamp(rne(v / scale), -qmax, qmax)``, code 0 in rows whose scale is not finite, a zero scale dividing by 1."""
+    """The code bits [R, C] of float32 ``v`` with per-row ``scale`` for any scale, as the reference computes them:
+    ``clamp(rne(v * r), -qmax, qmax)``, code 0 in rows whose scale is 0 or not finite.
+
+    ``r = 1 / scale`` rounded to float32 precision overflows for scales below ``2**-128``, so a row whose scale
+    is below ``FAST_MIN`` is scaled by ``2**64`` first (``v * 2**64`` and ``1 / (scale * 2**64)`` are exact
+    rescalings, and the FMA's product is the same). The clamp matters for subnormal scales only, whose rounding
+    error can exceed an ulp.
+    """
     QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
-    finite = scale < float("inf")  # False for NaN too
-    divisor = tl.where(finite & (scale > 0), scale, 1.0)
-    # Clamping before rounding gives the same integers (qmax is an integer) and keeps |q| < 2**22 for the rounder.
-    q = tl.minimum(tl.maximum(tl.math.div_rn(v, divisor[:, None]), -QMAX), QMAX)
-    q = tl.where(finite[:, None], q, 0.0)
-    return (q + (ROUNDER + (1 << (BITS - 1)))).to(tl.int32, bitcast=True)
+    OFFSET: tl.constexpr = ROUNDER + (1 << (BITS - 1))
+    usable = (scale < float("inf")) & (scale > 0.0)  # False for NaN too
+    k = tl.where(scale < FAST_MIN, 18446744073709551616.0, 1.0)  # 2**64
+    d = tl.where(usable, scale * k, 1.0)
+    r = tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d)
+    q = tl.fma(v * k[:, None], r[:, None], OFFSET)
+    q = tl.minimum(tl.maximum(q, OFFSET - QMAX), OFFSET + QMAX)
+    return tl.where(usable[:, None], q, OFFSET).to(tl.int32, bitcast=True)
 
 
 @triton.jit

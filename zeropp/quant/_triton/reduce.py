@@ -1,10 +1,10 @@
 """Triton fused reductions of qgZ: dequantize-sum-requantize (after hop 1) and dequantize-sum-divide (at the end).
 
-Both read ``groups`` runs of packs and sum them in float32 in the reference's order: ``acc = 0``, then
-``acc += code * scale`` for group ``i = 0 .. groups - 1``. ``groups`` is a compile-time constant so the loop is
-unrolled and every group's loads can be in flight at once. The scales of every group are read first: when all
-are at most ``FAST_MAX`` no product can overflow and the sum runs without clamps (the fast path of
-``common``); otherwise every product is clamped as in the reference.
+Both read ``groups`` runs of packs and sum them as the spec says: ``acc = 0``, then ``acc = fma(code_i, scale_i,
+acc)`` for group ``i = 0 .. groups - 1`` (float32, one rounding per group, no clamp). ``groups`` is a compile-time
+constant so the loop is unrolled and every group's loads can be in flight at once. The sum needs no fast path of
+its own; the requantization takes ``common.quantize_rows``'s, and the division by an integer world size
+``div_fast`` when every scale of the tile is in the fast range.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import triton.language as tl
 
 from ..format import BlockFormat
 from .common import (
-    FAST_MAX,
     code_words,
     decode_words,
     div_fast,
@@ -30,8 +29,6 @@ from .common import (
     quantize_rows,
     row_counts,
     scale_ptrs,
-    scaled_exact,
-    scaled_fast,
     to_output,
 )
 
@@ -44,32 +41,25 @@ DIVIDE_EXACT = 2
 
 
 @triton.jit
-def _scales_fit(buf_ptr, pack_offset, group_bytes, blocks_per_pack, first_block, rows, full, FULL_RANGE: tl.constexpr,
-                GROUPS: tl.constexpr, BLOCKS: tl.constexpr, WORDS: tl.constexpr):
-    """Whether every group's scales of the tile allow the fast sum: each NaN (it propagates alike) or a float
-    with its sign bit clear and at most ``FAST_MAX`` (no product can overflow, and no product is -0, so the sum
-    may start from the first product instead of 0), and with ``FULL_RANGE`` also 0 or at least ``FAST_MIN``
-    (for ``div_fast`` of the sum). One program-wide check."""
+def _scales_fit(buf_ptr, blocks_per_pack, pack_bytes, first_block, rows, full, GROUPS: tl.constexpr,
+                BLOCKS: tl.constexpr, WORDS: tl.constexpr):
+    """Whether every group's scales of the tile are 0 or in ``[FAST_MIN, FAST_MAX]``, so that every non-zero sum
+    and quotient is a normal float and ``div_fast`` divides exactly. One program-wide check."""
     ok = tl.full((BLOCKS,), 1, tl.int32)
     for i in tl.static_range(GROUPS):
-        ptrs = scale_ptrs(buf_ptr, pack_offset + i * group_bytes, blocks_per_pack, first_block, BLOCKS, WORDS * 4)
+        ptrs = scale_ptrs(buf_ptr, i * pack_bytes, blocks_per_pack, first_block, BLOCKS, WORDS * 4)
         if full:
             scale = tl.load(ptrs)
         else:
             scale = tl.load(ptrs, mask=rows, other=0.0)
-        positive = scale.to(tl.int32, bitcast=True) >= 0
-        if FULL_RANGE:
-            ok = ok & fast_rows(scale) & positive.to(tl.int32)
-        else:
-            ok = ok & ((positive & (scale <= FAST_MAX)) | (scale != scale)).to(tl.int32)
+        ok = ok & fast_rows(scale)
     return tl.min(ok, axis=0) == 1
 
 
 @triton.jit
-def _sum_groups(buf_ptr, pack_offset, group_bytes, blocks_per_pack, first_block, rows, full, FAST: tl.constexpr,
-                GROUPS: tl.constexpr, BLOCKS: tl.constexpr, WORDS: tl.constexpr, BITS: tl.constexpr):
-    """Float32 [BLOCKS, BLOCK_SIZE]: ``0 + v_0 + v_1 + ...`` over the groups, ``v_i = code * scale`` of group
-    ``i``, clamped unless ``FAST``; with ``FAST`` (no ``v_i`` is -0) ``0 + v_0`` is ``v_0``."""
+def _sum_groups(buf_ptr, pack_offset, group_bytes, blocks_per_pack, first_block, rows, full, GROUPS: tl.constexpr,
+                BLOCKS: tl.constexpr, WORDS: tl.constexpr, BITS: tl.constexpr):
+    """Float32 [BLOCKS, BLOCK_SIZE]: ``acc = 0``, then ``acc = fma(code_i, scale_i, acc)`` for each group ``i``."""
     BLOCK_SIZE: tl.constexpr = WORDS * 32 // BITS
     acc = tl.zeros((BLOCKS, BLOCK_SIZE), tl.float32)
     for i in tl.static_range(GROUPS):
@@ -82,14 +72,7 @@ def _sum_groups(buf_ptr, pack_offset, group_bytes, blocks_per_pack, first_block,
         else:
             words = tl.load(word_ptrs, mask=rows[:, None], other=0)
             scale = tl.load(scales, mask=rows, other=0.0)
-        if FAST:
-            v = scaled_fast(decode_words(words, opaque_zero(blocks_per_pack), BITS), scale[:, None])
-            if i == 0:
-                acc = v
-            else:
-                acc += v
-        else:
-            acc += scaled_exact(decode_words(words, opaque_zero(blocks_per_pack), BITS), scale[:, None])
+        acc = tl.fma(decode_words(words, opaque_zero(blocks_per_pack), BITS), scale[:, None], acc)
     return acc
 
 
@@ -116,13 +99,8 @@ def _reduce_requantize_kernel(
     pack_offset = tl.program_id(1).to(tl.int64) * pack_bytes
     full = first_block + BLOCKS <= blocks_per_pack
     rows = first_block + tl.arange(0, BLOCKS) < blocks_per_pack
-    if _scales_fit(buf_ptr, pack_offset, group_bytes, blocks_per_pack, first_block, rows, full, False,
-                   GROUPS, BLOCKS, WORDS):
-        acc = _sum_groups(buf_ptr, pack_offset, group_bytes, blocks_per_pack, first_block, rows, full, True,
-                          GROUPS, BLOCKS, WORDS, BITS)
-    else:
-        acc = _sum_groups(buf_ptr, pack_offset, group_bytes, blocks_per_pack, first_block, rows, full, False,
-                          GROUPS, BLOCKS, WORDS, BITS)
+    acc = _sum_groups(buf_ptr, pack_offset, group_bytes, blocks_per_pack, first_block, rows, full, GROUPS, BLOCKS,
+                      WORDS, BITS)
     codes, scale = quantize_rows(acc, BITS)
     words = encode_words(codes, BITS)
     word_ptrs = code_words(out_ptr, pack_offset, first_block, BLOCKS, WORDS)
@@ -163,25 +141,17 @@ def _reduce_dequantize_kernel(
     available = out_numel - out_start
     full = available >= BLOCKS * BLOCK_SIZE
     rows = first_block + tl.arange(0, BLOCKS) < blocks_per_pack
-    if DIVIDE == 2:
-        fast = False
-    else:
-        fast = _scales_fit(buf_ptr, 0, pack_bytes, blocks_per_pack, first_block, rows, full, DIVIDE == 1,
-                           GROUPS, BLOCKS, WORDS)
-    if fast:
-        acc = _sum_groups(buf_ptr, 0, pack_bytes, blocks_per_pack, first_block, rows, full, True,
-                          GROUPS, BLOCKS, WORDS, BITS)
-        if DIVIDE == 0:
-            v = acc * reciprocal
-        else:
+    acc = _sum_groups(buf_ptr, 0, pack_bytes, blocks_per_pack, first_block, rows, full, GROUPS, BLOCKS, WORDS,
+                      BITS)
+    if DIVIDE == 0:
+        v = acc * reciprocal
+    elif DIVIDE == 1:
+        if _scales_fit(buf_ptr, blocks_per_pack, pack_bytes, first_block, rows, full, GROUPS, BLOCKS, WORDS):
             v = div_fast(acc, divisor, reciprocal)
-    else:
-        acc = _sum_groups(buf_ptr, 0, pack_bytes, blocks_per_pack, first_block, rows, full, False,
-                          GROUPS, BLOCKS, WORDS, BITS)
-        if DIVIDE == 0:
-            v = acc * reciprocal
         else:
             v = tl.math.div_rn(acc, tl.full(acc.shape, divisor, tl.float32))
+    else:
+        v = tl.math.div_rn(acc, tl.full(acc.shape, divisor, tl.float32))
     y = to_output(v, out_ptr, INTERPRET)
     out = element_ptrs(out_ptr, out_start, BLOCKS, BLOCK_SIZE)
     if full:
