@@ -9,6 +9,10 @@
 #   torch==2.13.0 is installed into .venv: on the CPU machines that release is a CPU build lying on disk (an
 #   unpinned `torch` would pull a multi-GB CUDA build). A torch that sees a GPU is kept, whatever its version.
 # * Then zeropp itself, editable, with its test extras.
+# * Then the native kernels with CMake: the CPU library (kernels/cpu -> build/libzeropp_cpu.so) when a C++ compiler
+#   is there (cmake from pip if none is installed; without it the torch reference runs on the CPU, and this says
+#   so; ZEROPP_REQUIRE_NATIVE=1, set by CI, makes that an error), and the CUDA kernels (kernels/cuda ->
+#   build/zeropp_cuda.fatbin, loaded through CuPy) where nvcc is (optional: a failed build only says so).
 # A re-run with nothing changed checks a stamp and a few imports and returns in a second or two.
 # PYTHON=/path/to/python3 picks the interpreter the venv is made from (3.10 or newer).
 set -euo pipefail
@@ -23,6 +27,44 @@ TORCH_CPU_PIN=2.13.0
 say() { echo "setup.sh: $*" >&2; }
 die() { say "error: $*"; exit 1; }
 pip_install() { "$VPY" -m pip install --quiet --disable-pip-version-check --no-input "$@"; }
+
+# The native CPU library; incremental (a second or so when nothing changed).
+build_native() {
+    local cmake cxx
+    cxx=$(command -v c++ || command -v g++ || command -v clang++ || true)
+    cmake=$(command -v cmake || true)
+    if [ -z "$cmake" ] && [ -x "$VENV/bin/cmake" ]; then
+        cmake=$VENV/bin/cmake
+    fi
+    if [ -n "$cxx" ] && [ -z "$cmake" ]; then
+        pip_install cmake && cmake=$VENV/bin/cmake
+    fi
+    if [ -z "$cxx" ] || [ -z "$cmake" ]; then
+        native_missing "no C++ compiler or no cmake"
+        return
+    fi
+    mkdir -p build
+    local jobs
+    jobs=$(nproc 2>/dev/null || echo 2)
+    if ! { "$cmake" -S . -B build -DCMAKE_BUILD_TYPE=Release >build/setup.log 2>&1 \
+        && "$cmake" --build build --target zeropp_cpu zeropp_cpu_baseline -j "$jobs" >>build/setup.log 2>&1; }; then
+        tail -n 20 build/setup.log >&2
+        rm -f build/libzeropp_cpu.so build/libzeropp_cpu_baseline.so  # never leave a stale library to be loaded
+        native_missing "its build failed, log in build/setup.log"
+        return
+    fi
+    # the CUDA fatbin (only where nvcc is): optional, CUDA tensors run the Triton kernels without it
+    if ! "$cmake" --build build -j "$jobs" >>build/setup.log 2>&1; then
+        rm -f build/zeropp_cuda.fatbin
+        say "the CUDA kernels (build/zeropp_cuda.fatbin) did not build, log in build/setup.log: CUDA tensors use" \
+            "the Triton kernels"
+    fi
+}
+
+native_missing() {
+    [ "${ZEROPP_REQUIRE_NATIVE:-}" != 1 ] || die "ZEROPP_REQUIRE_NATIVE=1 but the native CPU library was not built: $1"
+    say "native CPU library not built ($1): CPU tensors use the torch reference (slower)"
+}
 
 PY=${PYTHON:-}
 if [ -z "$PY" ]; then
@@ -42,6 +84,7 @@ import zeropp
 sys.exit(os.path.dirname(os.path.dirname(os.path.realpath(zeropp.__file__))) != sys.argv[1])
 EOF
 then
+    build_native
     exit 0
 fi
 
@@ -65,5 +108,6 @@ fi
 pip_install -e ".[test,bench]"
 
 "$VPY" -c 'import zeropp, torch, numpy, pytest' || die "the installed environment does not import"
+build_native
 echo "$stamp_value" > "$STAMP"
 say "ready: $("$VPY" -c 'import sys, torch; print(f"python {sys.version.split()[0]}, torch {torch.__version__}, cuda {torch.cuda.is_available()}")')"

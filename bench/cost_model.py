@@ -23,11 +23,11 @@ predicated branch or exit has two edges (taken, fall through); a ``CALL`` (the `
 ``CALL.REL`` subroutine, and so is a 64-bit division) costs the callee's own path to its ``RET``; code that no path
 reaches from the entry (the NOP padding and the trap loop after the last ``EXIT``) is not code. The
 **steady-state path** is the full-tile, finite-data path: among the paths from the entry to an ``EXIT``, the ones
-with the fewest masked global loads and stores (under a predicate guard), then of those the ones that store the
-most bytes to global memory, and of those the one with the fewest instructions (no masking arithmetic, no
-fallback: the exact-division slow path, the reference-arithmetic fallback). The fewest instructions alone is not
-it: ptxas turns some masked stores into branches around them, so a masked tail tile can be *shorter* while storing
-less. A kernel whose steady-state path stores nothing is refused, and the test checks that the path moves at least
+that store the most bytes to global memory (a persistent kernel's path through its loop, not around it), then of
+those the ones with the fewest masked global loads and stores (under a predicate guard), and of those the one with
+the fewest instructions (no masking arithmetic, no fallback: the exact-division slow path, the reference-arithmetic
+fallback). The fewest instructions alone is not it: ptxas turns some masked stores into branches around them, so
+a masked tail tile can be *shorter* while storing less. A kernel whose steady-state path stores nothing is refused, and the test checks that the path moves at least
 the bytes the row must move ("path bytes/elem", masked accesses counted in full). The longest
 path (most instructions, anything taken) is reported too. A loop (a back edge, found by depth-first search from
 the entry) counts ``trip_count`` times its body's path from header to latch and is left through any of its exits;
@@ -60,9 +60,10 @@ a kernel with a loop and no trip count is an error. Per row:
 * predicted floor/time = t_floor / max(t_floor, t_issue, every t_pipe); "bound" names the largest term.
 
 eta (``ISSUE_EFFICIENCY`` = 0.75) is calibrated against DeepSpeed's kernels (compiled with nvcc for sm_90 and
-counted the same way; measured anchors in DESIGN.md section 3): see bench/RESULTS.md. It rests on one
-instruction-bound anchor, so it is a model constant to re-check on the GPU, not a measurement. The model counts no
-latency, occupancy or memory-system effects beyond the copy ceiling.
+counted the same way; measured anchors in DESIGN.md section 3): see bench/RESULTS.md. The model counts no
+latency, occupancy or memory-system effects beyond the copy ceiling. Checked on an H100 (bench/RESULTS.md, "The GPU
+check on an H100"): right for every kernel whose loads are in flight while it computes, blind to one that waits on
+them: the unpipelined reduce-requantize, near t_issue = t_floor, was predicted at 1.0 and measured at 0.64-0.74.
 
 **Budget.** ``bench/cost_budget.json`` holds each row's committed instr/elem; ``tests/quant/test_cost_model.py``
 fails a row more than ``BUDGET_TOLERANCE`` above it, a row missing from it, and a budget row that no longer exists.
@@ -358,9 +359,9 @@ def global_bytes(counts: Counter[str], stores: bool = True, loads: bool = True) 
 
 
 def _steady_key(cost: Cost) -> tuple:
-    """Order of preference for the steady-state path (highest first): fewest masked global accesses, most bytes
-    stored to global memory, fewest instructions; ties broken by the opcode counts, so the choice is reproducible."""
-    return -cost.masked, global_bytes(cost.counts, loads=False), -cost.total, sorted(cost.counts.items())
+    """Order of preference for the steady-state path (highest first): most bytes stored to global memory, fewest
+    masked global accesses, fewest instructions; ties broken by the opcode counts, so the choice is reproducible."""
+    return global_bytes(cost.counts, loads=False), -cost.masked, -cost.total, sorted(cost.counts.items())
 
 
 def _longest_key(cost: Cost) -> tuple:
@@ -581,12 +582,16 @@ def count_cubin(cubin: Path, kernel: str, trip_count: int | None = None) -> Kern
 
 
 def access_widths(counts: Counter[str], base: str) -> str:
-    """Global accesses of opcode ``base`` (``LDG``/``STG``) in ``counts`` by width: ``"128x4 32x1"`` (bits x count)."""
-    widths: Counter[int] = Counter()
+    """Global accesses of opcode ``base`` (``LDG``/``STG``) in ``counts`` by width: ``"128x4 32x1"`` (bits x count).
+    For ``LDG`` the asynchronous global-to-shared copies (``LDGSTS``, what a pipelined loop loads with) count too,
+    marked ``a``: ``"128x4a"``."""
+    widths: Counter[tuple[int, str]] = Counter()
     for op, n in counts.items():
-        if op.split(".", 1)[0] == base:
-            widths[access_bits(op)] += n
-    return " ".join(f"{bits}x{n}" for bits, n in sorted(widths.items(), reverse=True)) or "-"
+        kind = op.split(".", 1)[0]
+        if kind == base or (base == "LDG" and kind == "LDGSTS"):
+            widths[access_bits(op), "a" if kind == "LDGSTS" else ""] += n
+    ordered = sorted(widths.items(), key=lambda item: (-item[0][0], item[0][1]))
+    return " ".join(f"{bits}x{n}{mark}" for (bits, mark), n in ordered) or "-"
 
 
 # ------------------------------------------------------------------------------------------------------------------
@@ -704,6 +709,14 @@ def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
 
 
+def persistent_trips(programs: int, per_tile: int, elements: int) -> int:
+    """Loop trips of a persistent kernel (one that takes a ``STAGES`` constexpr and loops over tiles): the row's
+    tiles over its programs, rounded (2^28 elements over 132 x k programs do not divide evenly)."""
+    if programs < 1 or elements % per_tile:
+        raise CostModelError(f"{elements} elements are not whole tiles of {per_tile} over {programs} programs")
+    return max(1, round(elements // per_tile / programs))
+
+
 def measure(selected: Sequence[Row], work_dir: Path, jobs: int = 1) -> list[dict[str, Any]]:
     """Compile ``selected`` (``aot.compile_in_subprocess`` with ``jobs`` processes) and count each row (``jobs``
     disassemblers at once); a row that cannot be compiled or counted gets an ``error``. Returns ``[{"skip": why}]``
@@ -721,13 +734,15 @@ def measure(selected: Sequence[Row], work_dir: Path, jobs: int = 1) -> list[dict
             if "error" in entry:
                 raise CostModelError(f"did not compile:\n{entry['error']}")
             consts = entry["constexprs"]
-            per_program = consts["BLOCKS"] * consts["BLOCK_SIZE"]
+            per_tile = consts["BLOCKS"] * consts["BLOCK_SIZE"]
             programs = math.prod(entry["grid"] or [0])
-            if programs * per_program != row.elements:
+            trips = persistent_trips(programs, per_tile, row.elements) if "STAGES" in consts else None
+            if trips is None and programs * per_tile != row.elements:
                 raise CostModelError(
-                    f"{programs} programs x {per_program} elements (BLOCKS x BLOCK_SIZE) != the row's {row.elements} "
+                    f"{programs} programs x {per_tile} elements (BLOCKS x BLOCK_SIZE) != the row's {row.elements} "
                     "elements: the grid or the constexprs no longer mean what the model assumes")
-            count = count_cubin(work_dir / f"{cid}.cubin", entry["kernel"])
+            count = count_cubin(work_dir / f"{cid}.cubin", entry["kernel"], trips)
+            per_program = per_tile * (trips or 1)
         except CostModelError as e:
             return {"kernel": row.name, "error": str(e)}
         return summarize(row.name, count, per_program / (32 * entry["num_warps"]), row.nbytes / row.elements,

@@ -14,12 +14,14 @@
 # kernels  bench/kernels.py --check at 2^26 and 2^28 elements (2^24 is launch-bound and fits in L2), fp16 and bf16,
 #          blocks 128 and 2048: every row bit for bit against the CPU reference on the inputs it is timed on, the
 #          ops once per dtype on a tensor past 2^31 elements, timed with triton.testing.do_bench beside a copy of
-#          the same bytes; then the tile/warps sweep of the main rows at 2^26 (fp16, block 128), checked too.
-#          Estimate on an H100: ~2 min + ~2.5 min (limits 330 s and what is left, at most 360 s).
-# tests    the quant tests on CUDA in 5 parallel pytest processes (test_triton_kernels.py in 3 shards through
-#          bench/pytest_shard.py; pytest-xdist is not assumed; the sm_90 compile test with this machine's triton),
-#          the comm tests (their CUDA test: 4 gloo ranks on this GPU against the CPU reference) and the engine's
-#          host-sync test, 7 processes at once. Estimate ~3-4 min (limit 480 s each).
+#          the same bytes; the same for the CUDA C++ kernels (built here by CMake, run through CuPy: --backend
+#          native); then the tile/warps sweep of the Triton main rows at 2^26 (fp16, block 128), checked too.
+#          Measured on an H100 (Triton rows and sweep): 105 s + 79 s.
+# tests    the native kernels built, then 8 pytest processes at once: test_kernels.py (the Triton, native CPU and
+#          CUDA C++ kernels on this machine) in 4 shards through bench/pytest_shard.py (pytest-xdist is not
+#          assumed), the other quant tests, the sm_90 compile tests (Triton with this machine's triton, the CUDA C++
+#          with its nvcc), the comm tests (their CUDA test: 4 gloo ranks on this GPU against the CPU reference) and
+#          the engine's host-sync test (limit 480 s each). Measured on an H100: 99 s (before the native kernels).
 # engine   bench/engine_device.py on CUDA in bf16: world size 1 on NCCL (overhead against plain training) and 4
 #          gloo ranks on this GPU as 2 emulated nodes (exact ZeRO-3 and full ZeRO++); world size 1 in fp32; the
 #          collective benchmark on NCCL at world size 1 (a smoke test). Estimate ~2-3 min.
@@ -44,6 +46,8 @@ for arg in "$@"; do
 done
 out=${out:-${OUT:-bench/gpu_out}}
 py=${PYTHON:-python3}
+# the native kernels (kernels/): the CPU library and, where nvcc is, the CUDA fatbin
+build=(bash -c 'cmake -S . -B build -DCMAKE_BUILD_TYPE=Release && cmake --build build -j "$(nproc)"')
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
 case "$stage" in
@@ -132,15 +136,23 @@ stage_kernels() {
     if [ $quick = 1 ]; then
         step kernels_main 120 "$py" bench/kernels.py --device cpu --backend torch --sizes 2^12 2^13 --dtype fp16 bf16 \
             --block-size 128 2048 --check --far-numel 24576 --reps 1 --warmup 0 --csv "$work/kernels.csv"
+        step native_build 120 "${build[@]}"
+        step kernels_native 120 "$py" bench/kernels.py --device cpu --backend native --sizes 2^12 --dtype fp16 \
+            --block-size 128 --check --reps 1 --warmup 0 --csv "$work/native.csv"
         step kernels_sweep 120 "$py" bench/kernels.py --device cpu --backend torch --sweep --sizes 2^12 --check \
             --tile-elements 2048 4096 --tile-warps 4 --reps 1 --warmup 0 --csv "$work/sweep.csv"
         return
     fi
     # 80 rows: ~40 compiles (~1.2 s), 2 do_bench timings (~0.15 s each), the CPU reference (~25 s in all); past
-    # 2^31: ~8 s per dtype. ~2 min.
+    # 2^31: ~8 s per dtype. Measured on an H100: 105 s.
     step kernels_main 330 "$py" bench/kernels.py --sizes 2^26 2^28 --dtype fp16 bf16 --block-size 128 2048 --check \
         $ds --csv "$work/kernels.csv"
-    # 8 rows x 10 tiles (the default among them), ~72 new compiles (~1.2-2 s) and timings of 50 ms of runs. ~2.5 min
+    # the CUDA C++ kernels (kernels/cuda, through CuPy): the fatbin built here, then the same rows and checks
+    step native_build 180 "${build[@]}"
+    step kernels_native 240 "$py" bench/kernels.py --backend native --sizes 2^26 2^28 --dtype fp16 bf16 \
+        --block-size 128 2048 --check --no-deepspeed --csv "$work/native.csv"
+    # 8 rows x 10 tiles (the default among them), ~72 new compiles (~1.2-2 s) and timings of 50 ms of runs.
+    # Measured on an H100: 79 s.
     step kernels_sweep 360 "$py" bench/kernels.py --sweep --sizes 2^26 --dtype fp16 --block-size 128 --check \
         --reps 50 --csv "$work/sweep.csv"
 }
@@ -159,15 +171,19 @@ stage_tests() {
         wait
         return
     fi
-    for i in 1 2 3; do
-        bg_step "quant_kernels_${i}of3" 480 "${shard[@]}" "PYTEST_SHARD=$i/3" "${pytest[@]}" -p pytest_shard \
-            tests/quant/test_triton_kernels.py
+    # the native kernels must be there: their tests fail rather than skip
+    step native_build 180 "${build[@]}"
+    export ZEROPP_REQUIRE_NATIVE=1
+    for i in 1 2 3 4; do
+        bg_step "quant_kernels_${i}of4" 480 "${shard[@]}" "PYTEST_SHARD=$i/4" "${pytest[@]}" -p pytest_shard \
+            tests/quant/test_kernels.py
     done
     bg_step quant_format 480 "${pytest[@]}" tests/quant/test_format.py tests/quant/test_exact_arith.py \
         tests/quant/test_reference_speed_invariants.py
-    # every launched specialization compiled for sm_90 by this machine's triton: no spills, IEEE division, no FTZ
+    # every launched Triton specialization compiled for sm_90 by this machine's triton, the CUDA C++ kernels by its
+    # nvcc: no spills, IEEE division, no FTZ
     # (test_cost_model.py is left to CI: its instruction budgets are pinned under CI's triton version)
-    bg_step quant_compile 480 "${pytest[@]}" tests/quant/test_triton_compile.py
+    bg_step quant_compile 480 "${pytest[@]}" tests/quant/test_triton_compile.py tests/quant/test_cuda_compile.py
     bg_step comm 480 "${pytest[@]}" tests/comm
     bg_step engine_host_syncs 480 "${pytest[@]}" tests/engine/test_host_syncs.py
     wait

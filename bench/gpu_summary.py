@@ -46,10 +46,20 @@ def number(text: str | None) -> float | None:
 
 
 def kernels(folder: Path) -> list[str]:
+    return kernel_rows(folder, "kernels.csv", "kernels_main.log", "")
+
+
+def native(folder: Path) -> list[str]:
+    return ["", "native backend (kernels/: the CUDA C++ kernels through CuPy on a GPU, the CPU library on a CPU):",
+            *kernel_rows(folder, "native.csv", "kernels_native.log", "native ")]
+
+
+def kernel_rows(folder: Path, name: str, log: str, what: str) -> list[str]:
+    """The check counts, failures and floor/time tables of one ``bench/kernels.py`` CSV."""
     lines: list[str] = []
-    rows = read_csv(folder / "kernels.csv")
+    rows = read_csv(folder / name)
     if not rows:
-        return ["kernels.csv: no rows (see kernels_main.log)"]
+        return [f"{name}: no rows (see {log})"]
     checked = [r for r in rows if r.get("check")]
     if checked:
         timed, far = [r for r in checked if r.get("op") != "far"], [r for r in checked if r.get("op") == "far"]
@@ -63,7 +73,7 @@ def kernels(folder: Path) -> list[str]:
         lines += [f"  {r['check']}: {r['dtype']} b{r['block']} {r['size']} {r['kernel']}: {r.get('detail', '')[:200]}"
                   for r in bad[:20]]
         if len(bad) > 20:
-            lines.append(f"  ... and {len(bad) - 20} more (kernels.csv)")
+            lines.append(f"  ... and {len(bad) - 20} more ({name})")
     errors = [r for r in rows if r.get("error")]
     lines += [f"  ERROR: {r['dtype']} b{r['block']} {r['size']} {r['kernel']}: {r['error'][:200]}" for r in errors[:10]]
     timed = [r for r in rows if number(r.get("floor/time")) is not None]
@@ -73,7 +83,8 @@ def kernels(folder: Path) -> list[str]:
         copy = sorted(number(r["copy GB/s"]) for r in at if number(r.get("copy GB/s")))
         lines.append("")
         ceiling = f"; copy measured at {copy[len(copy) // 2]:.0f} GB/s median" if copy else ""
-        lines.append(f"floor/time at {size} elements (1.0 = a copy of the same bytes{ceiling}; ! = check failed):")
+        lines.append(f"{what}floor/time at {size} elements (1.0 = a copy of the same bytes{ceiling}; ! = check "
+                     "failed):")
         table: dict[str, dict[str, str]] = {}
         for r in at:
             mark = "" if r.get("check", "PASS") == "PASS" else "!"
@@ -141,7 +152,7 @@ def engine(folder: Path) -> list[str]:
     return lines
 
 
-SECTIONS: dict[str, list[Callable[[Path], list[str]]]] = {"kernels": [kernels, sweep], "tests": [tests],
+SECTIONS: dict[str, list[Callable[[Path], list[str]]]] = {"kernels": [kernels, native, sweep], "tests": [tests],
                                                           "engine": [engine]}
 
 

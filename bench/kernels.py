@@ -34,8 +34,9 @@ program and ``--tile-warps`` warps (``zeropp.quant._triton.common.tile_override`
 launchers' default tile; with ``--check`` every tile's output is checked too. Table: op, bits, block, elements,
 warps, time, floor/time, and the speed against the default tile.
 
-On a CPU the torch reference runs (``ZEROPP_QUANT_BACKEND=torch`` unless set): the numbers say how fast the
-reference is on this machine, and nothing about the GPU kernels' targets.
+On a CPU the native CPU library runs where it is built, else the torch reference (``--backend`` picks one; the
+Triton interpreter would take hours): the numbers say how fast the CPU backends are on this machine, and nothing
+about the GPU kernels' targets.
 
 A script rather than pytest-benchmark: the result that matters is the ratio to a copy measured in the same run
 with CUDA events, printed as one table (or CSV); pytest-benchmark times with host clocks around each call and
@@ -99,6 +100,7 @@ class Case:
     layout: PackLayout | None = None  # set when the output is packs
     ds_fn: Callable[[], object] | None = None
     ds_note: str = ""
+    groups: int = 1  # runs summed, for the reductions
 
 
 def ds_setup(wanted: bool, factory: Callable[[], Callable[[], object]], note: str = ""):
@@ -259,7 +261,7 @@ def build_cases(n: int, dtype: torch.dtype, block_size: int, world: int, nodes: 
         return Case(f"reduce_requantize int4 d={d}", "reduce_requantize", 4, n, rbuf.numel() + rout.numel(),
                     lambda: quant.reduce_requantize(rbuf, fmt4, d, nodes, cn, out=rout), rout,
                     lambda: ref.reduce_requantize(rbuf, fmt4, d, nodes, cn), PackLayout(fmt4, nodes, cn),
-                    *ds_setup(ds_ok and n % (d * nodes * block_size) == 0, ds_reduce))
+                    *ds_setup(ds_ok and n % (d * nodes * block_size) == 0, ds_reduce), groups=d)
 
     for d in (2, 4, 8):
         rows[f"reduce_requantize int4 d={d}"] = lambda d=d: reduce_row(d)
@@ -346,6 +348,18 @@ def run_config(args, n: int, dtype: str, block: int, device: torch.device, timer
         emit(row)
 
 
+def default_tile(c: Case, block: int) -> tuple[int, int]:
+    """The tile the launcher of ``c``'s op picks by itself: (elements per program, warps)."""
+    from zeropp.quant import BlockFormat
+    from zeropp.quant._triton import common, reduce
+
+    if c.op == "reduce_requantize":
+        shape = reduce.requantize_shape(BlockFormat(c.bits, block), c.groups)
+    else:
+        shape = common.launch_shape(c.op, block)
+    return shape.blocks_per_program * block, shape.num_warps
+
+
 def sweep_config(args, n: int, dtype: str, block: int, device: torch.device, timer: Timer, copies: Copies,
                  emit: Callable[[dict], None]) -> None:
     """The sweep rows of one size, dtype and block size: each main row at every tile of the grid and the default."""
@@ -357,7 +371,7 @@ def sweep_config(args, n: int, dtype: str, block: int, device: torch.device, tim
     cases = build_cases(n, DTYPES[dtype], block, args.world, args.nodes, args.ranks_per_node, device, None,
                         Reference(), keep)
     for c in cases:
-        default = (max(getattr(common, "TILE_ELEMENTS", {}).get(c.op, block), block), getattr(common, "NUM_WARPS", 4))
+        default = default_tile(c, block)
         grid = sorted({(max(e, block), w) for e in args.tile_elements for w in args.tile_warps} | {default})
         expected = c.expected().to(device) if args.check else None
         base = {"dtype": dtype, "block": block, "kernel": c.name, "op": c.op, "bits": c.bits, "numel": n,
@@ -445,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
                    help=f"--sweep: warps per program (default {' '.join(map(str, SWEEP_WARPS))})")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--kernels", nargs="+", help="only rows whose name contains one of these")
-    p.add_argument("--backend", choices=["auto", "torch", "triton"], help="sets ZEROPP_QUANT_BACKEND")
+    p.add_argument("--backend", choices=["auto", "torch", "triton", "native"], help="sets ZEROPP_QUANT_BACKEND")
     p.add_argument("--no-deepspeed", action="store_true", help="do not time DeepSpeed's kernels")
     p.add_argument("--csv", metavar="PATH", help="also write the rows as CSV ('-' for stdout), rewritten after each")
     p.add_argument("--quiet", dest="progress", action="store_false", help="no per-row progress on stderr")
@@ -455,9 +469,11 @@ def main(argv: list[str] | None = None) -> int:
     gpu = device.type == "cuda"
     if args.backend:
         os.environ["ZEROPP_QUANT_BACKEND"] = args.backend
-    elif not gpu:
-        os.environ.setdefault("ZEROPP_QUANT_BACKEND", "torch")  # the interpreter would take hours
     from zeropp import quant
+    from zeropp.quant import native
+
+    if not args.backend and not gpu:  # the interpreter would take hours
+        os.environ.setdefault("ZEROPP_QUANT_BACKEND", "native" if native.available() else "torch")
     from zeropp.quant.format import DEFAULT_BLOCK_SIZE
 
     blocks = args.block_size or [DEFAULT_BLOCK_SIZE]

@@ -1,7 +1,7 @@
 """A pytest plugin that runs one contiguous share of the collected tests, for spreading a suite over several pytest
 processes where pytest-xdist is not installed (``bench/gpu_check.sh tests``)::
 
-    PYTEST_SHARD=2/3 python -m pytest -p pytest_shard tests/quant/test_triton_kernels.py    # bench/ on PYTHONPATH
+    PYTEST_SHARD=2/3 python -m pytest -p pytest_shard tests/quant/test_kernels.py    # bench/ on PYTHONPATH
 
 Shard ``i`` of ``k`` (1-based) keeps items ``[(i - 1) * n // k, i * n // k)`` of the ``n`` collected, in collection
 order, so the parametrizations of one test (which share compiled kernels) mostly stay in one process; the others are

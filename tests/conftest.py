@@ -4,6 +4,11 @@ Without a GPU the Triton kernels run under Triton's interpreter, which must be s
 first imported. With it on, ``zeropp.quant`` would send CPU tensors to the (slow) interpreted kernels, so tests
 pick the backend explicitly with ``ZEROPP_QUANT_BACKEND`` (see the ``quant_backend`` fixture), and multi-process
 tests pass ``ZEROPP_QUANT_BACKEND=torch`` to their workers unless they mean to run the kernels.
+
+The native CPU library (``build/libzeropp_cpu.so``, made by ``setup.sh``) is tested where it is built; where it is
+not, its tests are skipped with the reason, unless ``ZEROPP_REQUIRE_NATIVE=1`` (set by ``.ci/run``) makes that a
+failure. The native CUDA kernels (``build/zeropp_cuda.fatbin``, launched through CuPy) are tested where they can
+run; on a machine with a CUDA device ``ZEROPP_REQUIRE_NATIVE=1`` makes a missing fatbin or CuPy a failure too.
 """
 
 import os
@@ -15,6 +20,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from zeropp.quant import native, native_cuda  # noqa: E402
+
 
 @pytest.fixture(scope="session")
 def kernel_device() -> str:
@@ -22,8 +29,38 @@ def kernel_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.fixture(params=["torch", "triton"])
+def native_library(path: str | None = None) -> native.Library:
+    """The native CPU library at ``path`` (default: the one ``zeropp.quant`` loads); skips the test, naming what
+    is missing, when it does not load (fails instead under ``ZEROPP_REQUIRE_NATIVE=1``)."""
+    try:
+        return native.Library(path) if path else native.library()
+    except native.NativeLibraryError as e:
+        if os.environ.get("ZEROPP_REQUIRE_NATIVE") == "1":
+            pytest.fail(f"ZEROPP_REQUIRE_NATIVE=1 but the native CPU library does not load: {e}")
+        pytest.skip(f"native CPU library not built: {e}")
+
+
+def native_cuda_module() -> native_cuda.Module:
+    """The native CUDA kernels (the fatbin ``zeropp.quant`` loads); skips the test, naming what is missing (a CUDA
+    device, CuPy, the fatbin), when they cannot run; fails instead under ``ZEROPP_REQUIRE_NATIVE=1`` on a machine
+    with a CUDA device."""
+    try:
+        return native_cuda.library()
+    except native_cuda.NativeCudaError as e:
+        if os.environ.get("ZEROPP_REQUIRE_NATIVE") == "1" and torch.cuda.is_available():
+            pytest.fail(f"ZEROPP_REQUIRE_NATIVE=1 but the native CUDA kernels cannot run: {e}")
+        pytest.skip(f"native CUDA kernels cannot run: {e}")
+
+
+@pytest.fixture(params=["torch", "triton", "native"])
 def quant_backend(request, monkeypatch, kernel_device) -> str:
     """Run a test once per backend of ``zeropp.quant``; yields the device to put tensors on."""
-    monkeypatch.setenv("ZEROPP_QUANT_BACKEND", request.param)
+    if request.param == "native":
+        native_library()
+    if request.param == "triton" and kernel_device == "cuda":
+        # CUDA tensors run Triton by default; forcing it would also send the CPU tensors a test builds its
+        # expectations from to Triton, which runs them only under the interpreter
+        monkeypatch.delenv("ZEROPP_QUANT_BACKEND", raising=False)
+    else:
+        monkeypatch.setenv("ZEROPP_QUANT_BACKEND", request.param)
     return kernel_device if request.param == "triton" else "cpu"

@@ -195,8 +195,8 @@ def test_opcode_classes_and_access_widths():
                 "I2FP.F32.S32": "conv", "MUFU.RCP": "sfu", "SHFL.BFLY": "shfl", "LDG.E.128": "mem", "LDC": "mem",
                 "ULDC.64": "uniform", "R2UR": "uniform", "BSSY": "ctrl", "EXIT": "ctrl", "S2R": "ctrl"}
     assert {op: cm.opcode_class(op) for op in expected} == expected
-    counts = Counter({"LDG.E.128": 4, "LDG.E": 1, "LDG.E.U8": 2, "STG.E.64": 2})
-    assert cm.access_widths(counts, "LDG") == "128x4 32x1 8x2"
+    counts = Counter({"LDG.E.128": 4, "LDG.E": 1, "LDG.E.U8": 2, "STG.E.64": 2, "LDGSTS.E.BYPASS.128": 3})
+    assert cm.access_widths(counts, "LDG") == "128x4 128x3a 32x1 8x2"
     assert cm.access_widths(counts, "STG") == "64x2"
     assert cm.access_widths(Counter(), "STG") == "-"
 

@@ -1,7 +1,7 @@
 """The quantization spec checked against independent computations (numpy float32 / float64, hand-made layouts).
 
-Tests taking the ``quant_backend`` fixture run once with the torch reference and once with the Triton kernels
-(the interpreter on a CPU-only machine), through the public ops.
+Tests taking the ``quant_backend`` fixture run once per backend, through the public ops: the torch reference, the
+Triton kernels (the interpreter on a CPU-only machine) and the native CPU library.
 """
 
 import os

@@ -207,8 +207,9 @@ def test_every_launched_kernel_is_covered(compiled):
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_compiles_for_sm90_as_launched(compiled, case):
     """The kernel compiles to a cubin for sm_90, with the launcher's constexprs and options."""
-    from zeropp.quant import DEFAULT_BLOCK_SIZE
+    from zeropp.quant import DEFAULT_BLOCK_SIZE, BlockFormat
     from zeropp.quant._triton.common import launch_shape
+    from zeropp.quant._triton.reduce import requantize_shape
 
     out, _ = compiled
     cid = case_id(case)
@@ -223,7 +224,10 @@ def test_compiles_for_sm90_as_launched(compiled, case):
     assert re.search(rf"^\.visible \.entry {entry['kernel']}\(", ptx, re.MULTILINE)
 
     block_size = DEFAULT_BLOCK_SIZE if case["block_size"] == "default" else case["block_size"]
-    shape = launch_shape(case["op"], block_size, expected_aligned(case))
+    if case["op"] == "reduce_requantize":
+        shape = requantize_shape(BlockFormat(case["bits"], block_size), case["groups"])
+    else:
+        shape = launch_shape(case["op"], block_size, expected_aligned(case))
     constexprs = entry["constexprs"]
     assert constexprs["BLOCK_SIZE"] == block_size and constexprs["BITS"] == case["bits"]
     assert constexprs["BLOCKS"] == shape.blocks_per_program

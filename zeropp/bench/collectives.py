@@ -189,7 +189,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     p.add_argument("--backend", choices=("auto", "nccl", "gloo"), default="auto",
-                   help="torch.distributed backend (auto: nccl when CUDA is available, else gloo)")
+                   help="torch.distributed backend (auto: nccl with a GPU per rank on the host, else gloo on CPU)")
     p.add_argument("--csv", help="write the rows to this CSV file (rank 0)")
     p.add_argument("--plot", help="write a PNG of bandwidth vs size to this file (rank 0; needs matplotlib)")
     args = p.parse_args(argv)
@@ -207,6 +207,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def pick_backend(choice: str) -> tuple[str, torch.device]:
+    """The torch.distributed backend and this rank's device for ``--backend choice``: NCCL on GPU ``LOCAL_RANK``
+    needs a GPU per local rank (``auto`` takes it only then), gloo runs on CPU tensors."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if choice == "nccl" and local_world > gpus:
+        raise SystemExit(f"--backend nccl needs one GPU per rank: {local_world} ranks on this host but {gpus} "
+                         "GPUs; use --backend gloo (CPU tensors) or fewer ranks per host")
+    if choice == "nccl" or (choice == "auto" and 0 < local_world <= gpus):
+        return "nccl", torch.device("cuda", local_rank)
+    return "gloo", torch.device("cpu")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the sweep on this rank; returns the process exit status (0)."""
     args = parse_args(argv)
@@ -214,11 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         print("run under torchrun, e.g.: torchrun --nproc-per-node 4 -m zeropp.bench.collectives "
               "--ranks-per-node 2", file=sys.stderr)
         raise SystemExit(2)
-    use_cuda = torch.cuda.is_available() and args.backend != "gloo"
-    backend = args.backend if args.backend != "auto" else ("nccl" if use_cuda else "gloo")
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    backend, device = pick_backend(args.backend)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     dist.init_process_group(backend)
     try:
         topo = comm.Topology(ranks_per_node=args.ranks_per_node)

@@ -1,11 +1,15 @@
-"""Public quantization ops: input checks, then dispatch to the Triton kernels or the torch reference.
+"""Public quantization ops: input checks, then dispatch to a backend.
 
 Backend choice, per call, from the tensor and the environment:
 
-* CUDA tensors run the Triton kernels;
-* CPU tensors run the torch reference (``zeropp.quant.reference``), or the Triton kernels under Triton's
-  interpreter when ``TRITON_INTERPRET=1`` is set (it must be set before ``triton`` is first imported);
-* ``ZEROPP_QUANT_BACKEND=torch`` or ``=triton`` forces one backend.
+* CUDA tensors run the Triton kernels; the native CUDA kernels (``zeropp.quant.native_cuda``: ``kernels/cuda``
+  built by CMake into a fatbin, launched through CuPy) run them when ``ZEROPP_QUANT_BACKEND=native`` asks for them;
+* CPU tensors run the native CPU library (``zeropp.quant.native``, built from ``kernels/cpu`` by CMake) when it is
+  built, else the torch reference (``zeropp.quant.reference``); under Triton's interpreter (``TRITON_INTERPRET=1``,
+  set before ``triton`` is first imported) they run the Triton kernels;
+* ``ZEROPP_QUANT_BACKEND=native``, ``=triton`` or ``=torch`` forces one backend: ``native`` is the CPU library for
+  CPU tensors and the CUDA kernels for CUDA tensors (an error says so, and how to fix it, when the forced one
+  cannot run the tensor). Every backend gives the reference's bits.
 
 The ops below ``dequantize`` work on the chunked packed layout of ``zeropp.quant.format`` and are what the
 collectives are built from.
@@ -18,7 +22,7 @@ from types import ModuleType
 
 import torch
 
-from . import reference
+from . import native, native_cuda, reference
 from .format import (
     DEFAULT_BLOCK_SIZE,
     BlockFormat,
@@ -27,16 +31,28 @@ from .format import (
 )
 from .tensor import QuantizedTensor
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "native")
 
 
 def backend_name(t: torch.Tensor) -> str:
-    """``"triton"`` or ``"torch"``: the backend the ops use for tensors like ``t`` right now."""
+    """``"triton"``, ``"native"`` or ``"torch"``: the backend the ops use for tensors like ``t`` right now."""
     choice = os.environ.get("ZEROPP_QUANT_BACKEND", "auto")
     if choice not in BACKENDS:
         raise ValueError(f"ZEROPP_QUANT_BACKEND={choice!r} is not one of {BACKENDS}")
     if choice == "torch":
         return "torch"
+    if choice == "native":
+        if t.is_cuda:
+            if not native_cuda.available():
+                raise RuntimeError(
+                    "ZEROPP_QUANT_BACKEND=native was asked for a CUDA tensor, but the native CUDA kernels cannot "
+                    f"run: {native_cuda.unavailable_reason()}; or leave ZEROPP_QUANT_BACKEND unset (CUDA tensors "
+                    "then run the Triton kernels)"
+                )
+            return "native"
+        if not native.available():
+            raise RuntimeError(f"ZEROPP_QUANT_BACKEND=native, but {native.unavailable_reason()}")
+        return "native"
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     if t.is_cuda or interpret:
         return "triton"
@@ -45,12 +61,15 @@ def backend_name(t: torch.Tensor) -> str:
             "ZEROPP_QUANT_BACKEND=triton was asked for a CPU tensor, but Triton kernels run on the CPU only "
             "under its interpreter: set TRITON_INTERPRET=1 before importing zeropp, or use a CUDA tensor"
         )
-    return "torch"
+    return "native" if native.available() else "torch"
 
 
 def _backend(t: torch.Tensor) -> ModuleType:
-    if backend_name(t) == "torch":
+    name = backend_name(t)
+    if name == "torch":
         return reference
+    if name == "native":
+        return native_cuda if t.is_cuda else native
     from . import _triton
 
     return _triton

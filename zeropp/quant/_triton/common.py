@@ -2,8 +2,10 @@
 
 **Grid.** A kernel runs on a 2-D grid: ``program_id(1)`` is a pack of the chunked layout and ``program_id(0)`` a
 tile of ``BLOCKS`` consecutive blocks of that pack (the last tile of a pack may be short). No program ever spans
-two packs, so no index is divided at run time; the swizzled quantize uses a 3-D grid (see ``quantize.py``).
-Offsets are int64 per pack and int32 inside a tile, so buffers past 2**31 bytes work.
+two packs, so no index is divided at run time; the swizzled quantize uses a 3-D grid (see ``quantize.py``). The
+fused reduce-requantize is the exception: a persistent grid of a few programs per multiprocessor, each looping
+over tiles with the next tiles' loads in flight (one division per tile; see ``reduce.py``). Offsets are int64 per
+pack and int32 inside a tile, so buffers past 2**31 bytes work.
 
 **Codes as words.** The code bytes of a block are read and written as int32 words (a block's codes are a
 multiple of 4 bytes and every pack starts 4-byte aligned, ``format.py``): 4 int8 codes or 8 int4 codes per
@@ -35,6 +37,7 @@ handles every scale (subnormal, infinite, NaN) as the reference does. The fast p
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -126,15 +129,29 @@ def tile_override(op: str, elements: int, num_warps: int) -> Iterator[None]:
             _overrides[op] = previous
 
 
-def launch_shape(op: str, block_size: int, aligned: bool = True) -> LaunchShape:
-    """The tile of ``op`` for ``block_size``: ``TILE_ELEMENTS[op]`` elements (or one block if larger) at
-    ``NUM_WARPS`` warps; on unaligned data no more blocks than keeps ``MAX_ROWS_PER_THREAD``."""
-    elements, num_warps = _overrides.get(op, (TILE_ELEMENTS[op], NUM_WARPS))
+def launch_shape(op: str, block_size: int, aligned: bool = True, elements: int | None = None) -> LaunchShape:
+    """The tile of ``op`` for ``block_size``: ``elements`` (default ``TILE_ELEMENTS[op]``) elements, or one block
+    if larger, at ``NUM_WARPS`` warps (a ``tile_override`` replaces both); on unaligned data no more blocks than
+    keeps ``MAX_ROWS_PER_THREAD``."""
+    elements, num_warps = _overrides.get(op, (elements or TILE_ELEMENTS[op], NUM_WARPS))
     blocks = max(1, elements // block_size)
     if not aligned:
         threads = 32 * num_warps
         blocks = min(blocks, max(1, MAX_ROWS_PER_THREAD * threads // min(block_size, threads)))
     return LaunchShape(blocks, num_warps)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def multiprocessors(device: torch.device) -> int:
+    """Streaming multiprocessors a persistent grid is sized for: the GPU's own count; 132 (an H100, what
+    ``aot.py`` compiles for) for meta tensors; 1 under the interpreter, so that programs loop over several tiles."""
+    if device.type == "cuda":
+        return _cuda_multiprocessors(device.index if device.index is not None else torch.cuda.current_device())
+    return 132 if device.type == "meta" else 1
 
 
 def is_aligned(t: torch.Tensor, *counts: int) -> bool:

@@ -16,6 +16,8 @@ import triton.language as tl
 
 from ..format import BlockFormat
 from .common import (
+    TILE_ELEMENTS,
+    LaunchShape,
     code_words,
     decode_words,
     div_fast,
@@ -25,12 +27,28 @@ from .common import (
     is_aligned,
     launch,
     launch_shape,
+    multiprocessors,
     opaque_zero,
     quantize_rows,
     row_counts,
     scale_ptrs,
     to_output,
 )
+
+PIPELINE_STAGES = 3
+"""Tiles in flight per program of the persistent reduce-requantize (``tl.range``'s ``num_stages``)."""
+MAX_TILE_ROWS = 128
+"""Blocks per reduce-requantize tile at most: each thread holds per-row values (scale, reciprocal, mask) of every
+row, and the pipelined loop spilled with 256 (block 16, d = 8, triton 3.6 on an H100)."""
+SHARED_BYTES = 160 * 1024
+"""Shared memory the pipeline's buffers may take per program (an A100 allows 163 KiB, an H100 227 KiB): fewer stages
+where a tile is too large for ``PIPELINE_STAGES``."""
+STAGE_CODE_BYTES = 16384
+"""Code bytes, over all groups, of one reduce-requantize tile at most (``requantize_shape``)."""
+SM_CODE_BYTES = 32768
+"""Tile code bytes over the reduce-requantize programs per multiprocessor: ``SM_CODE_BYTES // tile bytes``
+programs (at least one) per SM. These three were chosen by a sweep on an H100 (bench/RESULTS.md): int4, d = 2
+at 8192 elements x 4 programs per SM, d = 4 at 8192 x 2 and d = 8 at 4096 x 2 were the fastest."""
 
 DIVIDE_BY_MULTIPLY = 0
 """``reduce_dequantize`` divides by multiplying with the divisor's exact reciprocal (a power of two)."""
@@ -83,34 +101,38 @@ def _reduce_requantize_kernel(
     blocks_per_pack,
     pack_bytes,
     group_bytes,
+    tiles_per_pack,
+    tiles,
     GROUPS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BITS: tl.constexpr,
     BLOCKS: tl.constexpr,
+    STAGES: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Sum and requantize ``BLOCKS`` blocks of pack ``program_id(1)`` of ``out`` per program.
+    """Sum and requantize tiles ``p, p + P, p + 2P, ...`` of the ``tiles`` tiles of ``out`` in program ``p`` of
+    ``P``; tile ``t`` is the ``BLOCKS`` blocks from block ``(t % tiles_per_pack) * BLOCKS`` of pack
+    ``t // tiles_per_pack``.
 
     ``buf_ptr``: ``GROUPS`` runs of ``group_bytes`` bytes, each the same packs as ``out_ptr``; output block ``g``
-    is the sum of block ``g`` of every run. Whole blocks are summed, padding included, as in the reference.
+    is the sum of block ``g`` of every run. Whole blocks are summed, padding included, as in the reference. The
+    loop keeps ``STAGES`` tiles in flight (``tl.range``'s software pipelining): the next tiles' codes and scales
+    load while this one is summed and requantized. Every load and store is masked by the tile's rows, even on full
+    tiles: a load under a branch would not be pipelined.
     """
     WORDS: tl.constexpr = BLOCK_SIZE * BITS // 32
-    first_block = tl.program_id(0) * BLOCKS
-    pack_offset = tl.program_id(1).to(tl.int64) * pack_bytes
-    full = first_block + BLOCKS <= blocks_per_pack
-    rows = first_block + tl.arange(0, BLOCKS) < blocks_per_pack
-    acc = _sum_groups(buf_ptr, pack_offset, group_bytes, blocks_per_pack, first_block, rows, full, GROUPS, BLOCKS,
-                      WORDS, BITS)
-    codes, scale = quantize_rows(acc, BITS)
-    words = encode_words(codes, BITS)
-    word_ptrs = code_words(out_ptr, pack_offset, first_block, BLOCKS, WORDS)
-    out_scales = scale_ptrs(out_ptr, pack_offset, blocks_per_pack, first_block, BLOCKS, WORDS * 4)
-    if full:
-        tl.store(word_ptrs, words)
-        tl.store(out_scales, scale)
-    else:
+    for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), num_stages=STAGES):
+        pack = tile // tiles_per_pack
+        first_block = (tile - pack * tiles_per_pack) * BLOCKS
+        pack_offset = pack.to(tl.int64) * pack_bytes
+        rows = first_block + tl.arange(0, BLOCKS) < blocks_per_pack
+        acc = _sum_groups(buf_ptr, pack_offset, group_bytes, blocks_per_pack, first_block, rows, False, GROUPS,
+                          BLOCKS, WORDS, BITS)
+        codes, scale = quantize_rows(acc, BITS)
+        words = encode_words(codes, BITS)
+        word_ptrs = code_words(out_ptr, pack_offset, first_block, BLOCKS, WORDS)
         tl.store(word_ptrs, words, mask=rows[:, None])
-        tl.store(out_scales, scale, mask=rows)
+        tl.store(scale_ptrs(out_ptr, pack_offset, blocks_per_pack, first_block, BLOCKS, WORDS * 4), scale, mask=rows)
 
 
 @triton.jit
@@ -161,24 +183,40 @@ def _reduce_dequantize_kernel(
         tl.store(out, y, mask=tl.arange(0, BLOCK_SIZE)[None, :] < count[:, None])
 
 
+def requantize_shape(fmt: BlockFormat, groups: int) -> LaunchShape:
+    """The reduce-requantize tile for ``groups`` runs: the largest power-of-two number of elements whose codes over
+    all groups fit ``STAGE_CODE_BYTES`` (at most ``TILE_ELEMENTS`` and ``MAX_TILE_ROWS`` blocks, at least a
+    block)."""
+    fitting = STAGE_CODE_BYTES * 8 // (groups * fmt.bits)
+    elements = min(TILE_ELEMENTS["reduce_requantize"], 1 << max(fitting.bit_length() - 1, 0),
+                   MAX_TILE_ROWS * fmt.block_size)
+    return launch_shape("reduce_requantize", fmt.block_size, elements=elements)
+
+
 def reduce_requantize(
     buf: torch.Tensor, fmt: BlockFormat, groups: int, chunks: int, chunk_numel: int, out: torch.Tensor
 ) -> None:
     """Sum ``groups`` runs of ``chunks`` packs pack-wise in float32 and pack the ``chunks`` sums into ``out``.
 
     ``buf``: uint8, ``groups * chunks`` packs of ``chunk_numel`` elements; pack ``m`` of ``out`` is the sum of
-    packs ``i * chunks + m``. Same result as ``reference.reduce_requantize``.
+    packs ``i * chunks + m``. Same result as ``reference.reduce_requantize``. A persistent grid: ``SM_CODE_BYTES``
+    of tile codes per multiprocessor, each program looping over its tiles.
     """
     if chunk_numel == 0:
         return
     blocks_per_pack = fmt.num_blocks(chunk_numel)
     pack_bytes = fmt.packed_bytes(chunk_numel)
-    # Whole blocks of codes: the layout is vectorizable whatever the sizes.
-    shape = launch_shape("reduce_requantize", fmt.block_size)
-    grid = (triton.cdiv(blocks_per_pack, shape.blocks_per_program), chunks)
+    shape = requantize_shape(fmt, groups)
+    tiles_per_pack = triton.cdiv(blocks_per_pack, shape.blocks_per_program)
+    tiles = chunks * tiles_per_pack
+    tile_code_bytes = groups * shape.blocks_per_program * fmt.block_size * fmt.bits // 8
+    programs = multiprocessors(buf.device) * max(1, SM_CODE_BYTES // tile_code_bytes)
+    # the pipeline buffers STAGES - 1 tiles of codes and scales in shared memory (a swept tile can be too big)
+    tile_bytes = tile_code_bytes + groups * shape.blocks_per_program * 4
+    stages = max(1, min(PIPELINE_STAGES, 1 + SHARED_BYTES // tile_bytes))
     launch(
         _reduce_requantize_kernel,
-        grid,
+        (min(tiles, programs),),
         shape,
         fmt,
         buf.device,
@@ -187,7 +225,10 @@ def reduce_requantize(
         blocks_per_pack,
         pack_bytes,
         chunks * pack_bytes,
+        tiles_per_pack,
+        tiles,
         GROUPS=groups,
+        STAGES=stages,
     )
 
 

@@ -1,14 +1,18 @@
-"""The Triton kernels (``zeropp.quant._triton``) against the torch reference (``zeropp.quant.reference``).
+"""The kernels against the torch reference (``zeropp.quant.reference``): the Triton kernels
+(``zeropp.quant._triton``), the native CPU library (``zeropp.quant.native``) in both of its builds, the
+vectorized one and the portable baseline, and the native CUDA kernels (``zeropp.quant.native_cuda``).
 
-Kernels run on ``kernel_device`` (the GPU, or the CPU under Triton's interpreter); the reference always runs on
-the CPU. Codes must agree bit for bit and scales exactly (NaN where the reference has NaN). Dequantized values
-must agree exactly too, the final reduce's included: the kernels do the same correctly rounded float32 operations
-in the same order (IEEE division, no FMA contraction) and round to the output dtype to nearest even, so anything
-looser would let an approximate division or a reordered sum through.
+Triton kernels run on ``kernel_device`` (the GPU, or the CPU under Triton's interpreter), the native CPU ones on
+the CPU and the native CUDA ones on the GPU (skipped, saying what is missing, where they cannot run); the reference
+always runs on the CPU. Codes must agree bit for bit and scales exactly (NaN where the reference has NaN).
+Dequantized values must agree exactly too, the final reduce's included: the kernels do the spec's correctly rounded
+operations in the same order (the exact products and FMAs of ``format.py``, IEEE division) and round to the output
+dtype to nearest even, so anything looser would let an approximate division or a reordered sum through.
 """
 
-import os
 import zlib
+from dataclasses import dataclass
+from types import ModuleType, SimpleNamespace
 
 import pytest
 import torch
@@ -16,10 +20,30 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zeropp.quant as zq
-from zeropp.quant import BlockFormat, _triton, reference
+from conftest import native_cuda_module, native_library
+from zeropp.quant import BlockFormat, _triton, native, native_cuda, reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 SWIZZLES = [(1, 1), (2, 2), (2, 4), (4, 2), (1, 4)]  # (nodes, ranks_per_node)
+
+
+@dataclass
+class Kernels:
+    """One implementation under test: its ops (the reference's signatures) and the device its tensors live on."""
+
+    ops: ModuleType | native.Library | native_cuda.Module
+    device: str
+
+
+@pytest.fixture(scope="session", params=["triton", "native", "native-baseline", "native-cuda"])
+def kernels(request, kernel_device) -> Kernels:
+    if request.param == "triton":
+        return Kernels(_triton, kernel_device)
+    if request.param == "native":
+        return Kernels(native_library(), "cpu")
+    if request.param == "native-cuda":
+        return Kernels(native_cuda_module(), "cuda")
+    return Kernels(native_library(str(native.DEFAULT_PATH.with_name("libzeropp_cpu_baseline.so"))), "cpu")
 
 
 @pytest.fixture
@@ -67,14 +91,14 @@ def assert_same_packs(actual: torch.Tensor, expected: torch.Tensor, fmt: BlockFo
     assert_same_floats(scales, ref_scales)
 
 
-def check_quantize(x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, device: str) -> torch.Tensor:
+def check_quantize(x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, kernels: Kernels) -> torch.Tensor:
     """Quantize ``x`` with both backends, compare, and return the reference buffer."""
     nbytes = fmt.chunked_bytes(x.numel(), chunks)
     expected = torch.empty(nbytes, dtype=torch.uint8)
     reference.quantize_chunks(x, fmt, chunks, nodes, expected)
     # Garbage in ``out`` shows any byte the kernel fails to write (padding codes included).
-    actual = torch.full((nbytes,), 0xAB, dtype=torch.uint8, device=device)
-    _triton.quantize_chunks(x.to(device), fmt, chunks, nodes, actual)
+    actual = torch.full((nbytes,), 0xAB, dtype=torch.uint8, device=kernels.device)
+    kernels.ops.quantize_chunks(x.to(kernels.device), fmt, chunks, nodes, actual)
     assert_same_packs(actual, expected, fmt, chunks, x.numel())
     return expected
 
@@ -89,18 +113,18 @@ QUANTIZE_CASES = [(bits, bs, n) for bits in (8, 4) for bs in (16, 64, 256, 2048)
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits,block_size,numel", QUANTIZE_CASES)
-def test_quantize(bits, block_size, numel, dtype, kernel_device, gen):
+def test_quantize(bits, block_size, numel, dtype, kernels, gen):
     """One pack of any size from any input dtype."""
-    check_quantize(random_values(numel, dtype, gen), BlockFormat(bits, block_size), 1, 1, kernel_device)
+    check_quantize(random_values(numel, dtype, gen), BlockFormat(bits, block_size), 1, 1, kernels)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("nodes,ranks_per_node", SWIZZLES[1:])
 @pytest.mark.parametrize("numel", [5, 203, 4099])
-def test_swizzle_quantize(numel, nodes, ranks_per_node, bits, kernel_device, gen):
+def test_swizzle_quantize(numel, nodes, ranks_per_node, bits, kernels, gen):
     """Slices reordered by ``swizzle_source``, including slices that are short or empty (numel 5 over 8)."""
     x = random_values(numel, torch.bfloat16, gen)
-    check_quantize(x, BlockFormat(bits, 64), nodes * ranks_per_node, nodes, kernel_device)
+    check_quantize(x, BlockFormat(bits, 64), nodes * ranks_per_node, nodes, kernels)
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
@@ -112,11 +136,11 @@ def test_swizzle_quantize(numel, nodes, ranks_per_node, bits, kernel_device, gen
     dtype=st.sampled_from(DTYPES),
     seed=st.integers(0, 2**31 - 1),
 )
-def test_quantize_chunks_property(numel, bits, block_size, swizzle, dtype, seed, kernel_device):
+def test_quantize_chunks_property(numel, bits, block_size, swizzle, dtype, seed, kernels):
     """Random sizes, formats and swizzles: tiles that straddle packs, packs with a ragged or empty last slice."""
     nodes, ranks_per_node = swizzle
     x = random_values(numel, dtype, torch.Generator().manual_seed(seed))
-    check_quantize(x, BlockFormat(bits, block_size), nodes * ranks_per_node, nodes, kernel_device)
+    check_quantize(x, BlockFormat(bits, block_size), nodes * ranks_per_node, nodes, kernels)
 
 
 DEQUANTIZE_CASES = [(bits, bs) for bits in (8, 4) for bs in (16, 64, 256, 2048)]
@@ -127,23 +151,23 @@ DEQUANTIZE_CASES = [(bits, bs) for bits in (8, 4) for bs in (16, 64, 256, 2048)]
 @pytest.mark.parametrize(
     "chunks,chunk_numel,out_numel", [(1, 1, 1), (1, 2049, 2049), (3, 1001, 3000), (2, 300, 250)]
 )
-def test_dequantize(chunks, chunk_numel, out_numel, bits, block_size, out_dtype, kernel_device, gen):
+def test_dequantize(chunks, chunk_numel, out_numel, bits, block_size, out_dtype, kernels, gen):
     """Packs straight into ``out``; the last slice may be short (3 x 1001 packs into 3000 elements) or missing."""
     fmt = BlockFormat(bits, block_size)
     buf = random_packs(fmt, chunks, chunk_numel, gen)
     expected = torch.empty(out_numel, dtype=out_dtype)
     reference.dequantize_chunks(buf, fmt, chunks, chunk_numel, expected)
-    actual = torch.full((out_numel,), float("nan"), dtype=out_dtype, device=kernel_device)
-    _triton.dequantize_chunks(buf.to(kernel_device), fmt, chunks, chunk_numel, actual)
+    actual = torch.full((out_numel,), float("nan"), dtype=out_dtype, device=kernels.device)
+    kernels.ops.dequantize_chunks(buf.to(kernels.device), fmt, chunks, chunk_numel, actual)
     assert_same_floats(actual, expected)
 
 
-def test_dequantize_into_view(kernel_device, gen):
+def test_dequantize_into_view(kernels, gen):
     """``out`` a view into the middle of a larger tensor: the elements around it are left untouched."""
     fmt = BlockFormat(4, 64)
     buf = random_packs(fmt, 2, 300, gen)
-    big = torch.full((1000,), -7.0, dtype=torch.bfloat16, device=kernel_device)
-    _triton.dequantize_chunks(buf.to(kernel_device), fmt, 2, 300, big[123:723])
+    big = torch.full((1000,), -7.0, dtype=torch.bfloat16, device=kernels.device)
+    kernels.ops.dequantize_chunks(buf.to(kernels.device), fmt, 2, 300, big[123:723])
     expected = torch.empty(600, dtype=torch.bfloat16)
     reference.dequantize_chunks(buf, fmt, 2, 300, expected)
     assert_same_floats(big[123:723], expected)
@@ -152,14 +176,17 @@ def test_dequantize_into_view(kernel_device, gen):
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("block_size", [16, 256, 2048])
-@pytest.mark.parametrize("groups,chunks,chunk_numel", [(1, 1, 1), (2, 4, 37), (3, 2, 1000), (8, 1, 2100)])
-def test_reduce_requantize(groups, chunks, chunk_numel, bits, block_size, kernel_device, gen):
+@pytest.mark.parametrize("groups,chunks,chunk_numel",
+                         [(1, 1, 1), (2, 4, 37), (3, 2, 1000), (8, 1, 2100), (4, 2, 5 * 4096 + 77)])
+def test_reduce_requantize(groups, chunks, chunk_numel, bits, block_size, kernels, gen):
+    """The last case makes the persistent Triton kernel loop: under the interpreter (one multiprocessor) two
+    programs take 3 (int4) or 6 (int8) tiles each, the last one partial."""
     fmt = BlockFormat(bits, block_size)
     buf = random_packs(fmt, groups * chunks, chunk_numel, gen)
     expected = torch.empty(chunks * fmt.packed_bytes(chunk_numel), dtype=torch.uint8)
     reference.reduce_requantize(buf, fmt, groups, chunks, chunk_numel, expected)
-    actual = torch.full_like(expected, 0xAB, device=kernel_device)
-    _triton.reduce_requantize(buf.to(kernel_device), fmt, groups, chunks, chunk_numel, actual)
+    actual = torch.full_like(expected, 0xAB, device=kernels.device)
+    kernels.ops.reduce_requantize(buf.to(kernels.device), fmt, groups, chunks, chunk_numel, actual)
     assert_same_packs(actual, expected, fmt, chunks, chunks * chunk_numel)
 
 
@@ -169,7 +196,7 @@ def test_reduce_requantize(groups, chunks, chunk_numel, bits, block_size, kernel
     "groups,chunk_numel,out_numel,divisor",
     [(1, 1, 1, 1.0), (2, 2049, 2049, 8.0), (3, 1000, 999, 3.0), (2, 5000, 300, 6.0)],
 )
-def test_reduce_dequantize(groups, chunk_numel, out_numel, divisor, bits, block_size, out_dtype, kernel_device, gen):
+def test_reduce_dequantize(groups, chunk_numel, out_numel, divisor, bits, block_size, out_dtype, kernels, gen):
     """The mean over ``groups`` packs; the last rank's ``out`` may be shorter than a pack (999 of 1000), even by
     many blocks (300 of 5000)."""
     fmt = BlockFormat(bits, block_size)
@@ -177,8 +204,8 @@ def test_reduce_dequantize(groups, chunk_numel, out_numel, divisor, bits, block_
     # The float32 result, cast once: the same as the reference writing ``out_dtype`` directly.
     expected32 = torch.empty(out_numel, dtype=torch.float32)
     reference.reduce_dequantize(buf, fmt, groups, chunk_numel, expected32, divisor)
-    actual = torch.full((out_numel,), float("nan"), dtype=out_dtype, device=kernel_device)
-    _triton.reduce_dequantize(buf.to(kernel_device), fmt, groups, chunk_numel, actual, divisor)
+    actual = torch.full((out_numel,), float("nan"), dtype=out_dtype, device=kernels.device)
+    kernels.ops.reduce_dequantize(buf.to(kernels.device), fmt, groups, chunk_numel, actual, divisor)
     assert_same_floats(actual, expected32.to(out_dtype))
 
 
@@ -211,17 +238,17 @@ def special_blocks(block_size: int, qmax: int) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("block_size", [16, 64])
-def test_special_values(block_size, bits, dtype, kernel_device):
+def test_special_values(block_size, bits, dtype, kernels):
     """NaN, +-Inf, all-zero, huge, subnormal, rounding-tie blocks through every op, including their sums."""
     fmt = BlockFormat(bits, block_size)
     x = special_blocks(block_size, fmt.qmax).to(dtype)
     numel = x.numel()
-    expected = check_quantize(x, fmt, 1, 1, kernel_device)
+    expected = check_quantize(x, fmt, 1, 1, kernels)
     _, scales = split_packs(expected, fmt, 1, numel)
     assert scales[0, 0].isnan() and scales[0, 1] == float("inf") and scales[0, 4] == 0
 
-    out = torch.empty(numel, dtype=torch.float32, device=kernel_device)
-    _triton.dequantize_chunks(expected.to(kernel_device), fmt, 1, numel, out)
+    out = torch.empty(numel, dtype=torch.float32, device=kernels.device)
+    kernels.ops.dequantize_chunks(expected.to(kernels.device), fmt, 1, numel, out)
     ref = torch.empty(numel, dtype=torch.float32)
     reference.dequantize_chunks(expected, fmt, 1, numel, ref)
     assert_same_floats(out, ref)
@@ -230,18 +257,18 @@ def test_special_values(block_size, bits, dtype, kernel_device):
     twice = torch.cat([expected, expected])
     req = torch.empty_like(expected)
     reference.reduce_requantize(twice, fmt, 2, 1, numel, req)
-    actual = torch.empty_like(expected, device=kernel_device)
-    _triton.reduce_requantize(twice.to(kernel_device), fmt, 2, 1, numel, actual)
+    actual = torch.empty_like(expected, device=kernels.device)
+    kernels.ops.reduce_requantize(twice.to(kernels.device), fmt, 2, 1, numel, actual)
     assert_same_packs(actual, req, fmt, 1, numel)
     assert split_packs(req, fmt, 1, numel)[1][0, 5] == float("inf")
 
     reference.reduce_dequantize(twice, fmt, 2, numel, ref, 2.0)
-    _triton.reduce_dequantize(twice.to(kernel_device), fmt, 2, numel, out, 2.0)
+    kernels.ops.reduce_dequantize(twice.to(kernels.device), fmt, 2, numel, out, 2.0)
     assert_same_floats(out, ref.to(out.dtype))
 
 
 @pytest.mark.parametrize("out_dtype,low_bits", [(torch.bfloat16, 16), (torch.float16, 13)])
-def test_output_cast_rounds_half_to_even(out_dtype, low_bits, kernel_device, gen):
+def test_output_cast_rounds_half_to_even(out_dtype, low_bits, kernels, gen):
     """Every dequantized value an exact tie of the output dtype: codes +-1, +-2, +-4 times scales whose float32
     bits end in binary 100...0 at the cut (``low_bits`` bits are dropped), with random rounding-bit parity; the
     first block has a NaN scale."""
@@ -257,54 +284,55 @@ def test_output_cast_rounds_half_to_even(out_dtype, low_bits, kernel_device, gen
     buf = torch.cat([codes.reshape(-1), scales.view(torch.uint8)])
     expected = torch.empty(blocks * 16, dtype=out_dtype)
     reference.dequantize_chunks(buf, fmt, 1, blocks * 16, expected)
-    actual = torch.empty(blocks * 16, dtype=out_dtype, device=kernel_device)
-    _triton.dequantize_chunks(buf.to(kernel_device), fmt, 1, blocks * 16, actual)
+    actual = torch.empty(blocks * 16, dtype=out_dtype, device=kernels.device)
+    kernels.ops.dequantize_chunks(buf.to(kernels.device), fmt, 1, blocks * 16, actual)
     assert_same_floats(actual, expected)
 
 
-def test_empty_launches_nothing(kernel_device):
+def test_empty_launches_nothing(kernels):
     """numel 0: every op returns without touching anything (a grid of 0 programs is never launched)."""
     fmt = BlockFormat(8, 16)
-    empty_bytes = torch.empty(0, dtype=torch.uint8, device=kernel_device)
-    _triton.quantize_chunks(torch.empty(0, device=kernel_device), fmt, 4, 2, empty_bytes)
-    _triton.reduce_requantize(empty_bytes, fmt, 2, 4, 0, empty_bytes)
-    out = torch.empty(0, device=kernel_device)
-    _triton.dequantize_chunks(empty_bytes, fmt, 4, 0, out)
-    _triton.reduce_dequantize(empty_bytes, fmt, 2, 0, out, 4.0)
+    empty_bytes = torch.empty(0, dtype=torch.uint8, device=kernels.device)
+    kernels.ops.quantize_chunks(torch.empty(0, device=kernels.device), fmt, 4, 2, empty_bytes)
+    kernels.ops.reduce_requantize(empty_bytes, fmt, 2, 4, 0, empty_bytes)
+    out = torch.empty(0, device=kernels.device)
+    kernels.ops.dequantize_chunks(empty_bytes, fmt, 4, 0, out)
+    kernels.ops.reduce_dequantize(empty_bytes, fmt, 2, 0, out, 4.0)
     # A short last rank can own nothing while the packs are not empty.
-    buf = torch.full((2 * fmt.packed_bytes(20),), 0xAB, dtype=torch.uint8, device=kernel_device)
-    _triton.reduce_dequantize(buf, fmt, 2, 20, out, 4.0)
+    buf = torch.full((2 * fmt.packed_bytes(20),), 0xAB, dtype=torch.uint8, device=kernels.device)
+    kernels.ops.reduce_dequantize(buf, fmt, 2, 20, out, 4.0)
     assert (buf == 0xAB).all()
 
 
 @pytest.mark.parametrize("bits,block_size", [(8, 2048), (4, 256)])
-def test_large(bits, block_size, kernel_device, gen):
+def test_large(bits, block_size, kernels, gen):
     """About 100k elements through quantize (swizzled), requantize after hop 1 and the final reduce."""
     fmt = BlockFormat(bits, block_size)
     nodes, ranks_per_node = 2, 2
     world = nodes * ranks_per_node
     numel = 100_003
     x = random_values(numel, torch.bfloat16, gen)
-    buf = check_quantize(x, fmt, world, nodes, kernel_device)
+    buf = check_quantize(x, fmt, world, nodes, kernels)
     chunk = zq.chunk_numel(numel, world)
 
     # Hop 1 sums ranks_per_node runs of `nodes` packs; pretend all peers sent this same buffer.
     peers = torch.cat([buf.view(ranks_per_node, -1)[0]] * ranks_per_node)
     expected = torch.empty(nodes * fmt.packed_bytes(chunk), dtype=torch.uint8)
     reference.reduce_requantize(peers, fmt, ranks_per_node, nodes, chunk, expected)
-    actual = torch.empty_like(expected, device=kernel_device)
-    _triton.reduce_requantize(peers.to(kernel_device), fmt, ranks_per_node, nodes, chunk, actual)
+    actual = torch.empty_like(expected, device=kernels.device)
+    kernels.ops.reduce_requantize(peers.to(kernels.device), fmt, ranks_per_node, nodes, chunk, actual)
     assert_same_packs(actual, expected, fmt, nodes, nodes * chunk)
 
     ref = torch.empty(chunk - 1, dtype=torch.float32)
     reference.reduce_dequantize(expected, fmt, nodes, chunk, ref, float(world))
-    out = torch.empty(chunk - 1, dtype=torch.bfloat16, device=kernel_device)
-    _triton.reduce_dequantize(expected.to(kernel_device), fmt, nodes, chunk, out, float(world))
+    out = torch.empty(chunk - 1, dtype=torch.bfloat16, device=kernels.device)
+    kernels.ops.reduce_dequantize(expected.to(kernels.device), fmt, nodes, chunk, out, float(world))
     assert_same_floats(out, ref.to(out.dtype))
 
 
 def test_public_ops_run_the_kernels(quant_backend, monkeypatch, gen):
-    """Through ``zeropp.quant`` with each backend forced: the same bytes and values as the reference."""
+    """Through ``zeropp.quant`` with each backend: the same bytes and values as the reference, and the Triton
+    kernels called exactly when the Triton backend runs."""
     calls = []
     for name in ("quantize_chunks", "dequantize_chunks"):
         kernel = getattr(_triton, name)
@@ -317,5 +345,68 @@ def test_public_ops_run_the_kernels(quant_backend, monkeypatch, gen):
     ref = torch.empty(1000, dtype=torch.float16)
     reference.dequantize_chunks(expected, BlockFormat(4, 64), 1, 1000, ref)
     assert_same_floats(zq.dequantize(q), ref)
-    forced = os.environ["ZEROPP_QUANT_BACKEND"]
-    assert calls == (["quantize_chunks", "dequantize_chunks"] if forced == "triton" else [])
+    assert calls == (["quantize_chunks", "dequantize_chunks"] if zq.backend_name(q.buffer) == "triton" else [])
+
+
+def test_native_forced_for_cuda_tensors(monkeypatch):
+    """``ZEROPP_QUANT_BACKEND=native`` sends CUDA tensors to the native CUDA kernels, or says why they cannot run
+    and how to fix it. Without a GPU a stand-in plays the CUDA tensor (the dispatch reads only ``is_cuda``)."""
+    monkeypatch.setenv("ZEROPP_QUANT_BACKEND", "native")
+    cuda_tensor = torch.empty(1, device="cuda") if torch.cuda.is_available() else SimpleNamespace(is_cuda=True)
+    reason = native_cuda.unavailable_reason()
+    if reason is None:
+        assert zq.backend_name(cuda_tensor) == "native"
+    else:
+        with pytest.raises(RuntimeError, match="native CUDA kernels cannot run") as raised:
+            zq.backend_name(cuda_tensor)
+        assert reason in str(raised.value)
+
+
+def test_public_ops_run_native_cuda(monkeypatch, gen):
+    """Through ``zeropp.quant`` with ``ZEROPP_QUANT_BACKEND=native`` on CUDA tensors: the native CUDA kernels run
+    (each op launches one kernel) and give the reference's bytes and values."""
+    native_cuda_module()
+    launched = []
+    launch = native_cuda.Module.launch
+    monkeypatch.setattr(native_cuda.Module, "launch", lambda self, *a: (launched.append(a[1]), launch(self, *a))[1])
+    monkeypatch.setenv("ZEROPP_QUANT_BACKEND", "native")
+    fmt = BlockFormat(4, 64)
+    x = random_values(1000, torch.float16, gen)
+    q = zq.quantize(x.cuda(), bits=4, block_size=64)
+    expected = torch.empty(fmt.packed_bytes(1000), dtype=torch.uint8)
+    reference.quantize_chunks(x, fmt, 1, 1, expected)
+    assert_same_packs(q.buffer, expected, fmt, 1, 1000)
+    ref = torch.empty(1000, dtype=torch.float16)
+    reference.dequantize_chunks(expected, fmt, 1, 1000, ref)
+    assert_same_floats(zq.dequantize(q), ref)
+    ops = ("quantize_chunks", "dequantize_chunks")
+    assert launched == [native_cuda.kernel_name(op, 4, torch.float16) for op in ops]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_native_threads_agree(threads, gen):
+    """The native library splits the blocks over ``torch.get_num_threads()`` OpenMP threads: any count writes the
+    reference's bytes (uneven splits included: 3 threads over 2 x 1001-element packs)."""
+    lib = native_library()
+    fmt = BlockFormat(4, 16)
+    x = random_values(2002, torch.float16, gen)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        actual = torch.full((fmt.chunked_bytes(2002, 2),), 0xAB, dtype=torch.uint8)
+        lib.quantize_chunks(x, fmt, 2, 2, actual)
+        summed = torch.empty(fmt.packed_bytes(1001), dtype=torch.uint8)
+        lib.reduce_requantize(actual, fmt, 2, 1, 1001, summed)
+        values = torch.empty(1001, dtype=torch.bfloat16)
+        lib.reduce_dequantize(actual, fmt, 2, 1001, values, 2.0)
+    finally:
+        torch.set_num_threads(previous)
+    expected = torch.empty_like(actual)
+    reference.quantize_chunks(x, fmt, 2, 2, expected)
+    assert_same_packs(actual, expected, fmt, 2, 2002)
+    expected_sum = torch.empty_like(summed)
+    reference.reduce_requantize(expected, fmt, 2, 1, 1001, expected_sum)
+    assert_same_packs(summed, expected_sum, fmt, 1, 1001)
+    expected_values = torch.empty(1001, dtype=torch.bfloat16)
+    reference.reduce_dequantize(expected, fmt, 2, 1001, expected_values, 2.0)
+    assert_same_floats(values, expected_values)

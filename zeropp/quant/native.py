@@ -1,0 +1,144 @@
+"""The native CPU backend: ``kernels/cpu/quant.cpp`` built into ``libzeropp_cpu.so``, called through ctypes.
+
+The functions take the arguments of ``zeropp.quant.reference`` (validated by ``zeropp.quant.ops``), write into
+``out`` and agree with the reference bit for bit; they run on CPU tensors, on ``torch.get_num_threads()`` OpenMP
+threads. No torch C++ ABI is involved: the library sees raw pointers.
+
+The library is looked for at ``ZEROPP_NATIVE_LIB`` (a path) if that is set, else at ``build/libzeropp_cpu.so`` in
+the source tree, which ``cmake -S . -B build && cmake --build build`` (run by ``setup.sh``) makes. ``available()``
+says whether it loaded; ``unavailable_reason()`` says why not.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from .format import BlockFormat
+
+ABI_VERSION = 1
+"""The ``zeropp_cpu_abi_version()`` this module is written for (kernels/cpu/quant.cpp)."""
+
+LIBRARY_NAME = "libzeropp_cpu.so"
+DEFAULT_PATH = Path(__file__).resolve().parents[2] / "build" / LIBRARY_NAME
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+BUILD_HINT = "build it with `cmake -S . -B build && cmake --build build` in the zeropp checkout (setup.sh does)"
+
+
+class NativeLibraryError(RuntimeError):
+    """The native library is missing, of another ABI version, or refused its arguments."""
+
+
+class Library:
+    """The four ops of one loaded ``libzeropp_cpu`` (a path, for tests that load a second build)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise NativeLibraryError(f"{self.path} does not exist; {BUILD_HINT}")
+        try:
+            lib = ctypes.CDLL(str(self.path))
+        except OSError as e:
+            raise NativeLibraryError(f"{self.path} did not load ({e}); rebuild it: {BUILD_HINT}") from e
+        version = lib.zeropp_cpu_abi_version()
+        if version != ABI_VERSION:
+            raise NativeLibraryError(
+                f"{self.path} has ABI version {version}, this zeropp needs {ABI_VERSION}; rebuild it: {BUILD_HINT}"
+            )
+        i32, i64, ptr, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+        signatures = {
+            "zeropp_quantize_chunks": [ptr, i32, i64, i32, i32, i64, i64, ptr, i32],
+            "zeropp_dequantize_chunks": [ptr, i32, i32, i64, i64, ptr, i32, i64, i32],
+            "zeropp_reduce_requantize": [ptr, i32, i32, i32, i64, i64, ptr, i32],
+            "zeropp_reduce_dequantize": [ptr, i32, i32, i32, i64, ptr, i32, i64, f32, i32],
+        }
+        for name, argtypes in signatures.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, i32
+        self._lib = lib
+
+    def _call(self, name: str, *args: object) -> None:
+        status = getattr(self._lib, name)(*args, torch.get_num_threads())
+        if status:
+            raise NativeLibraryError(f"{name} refused its arguments (status {status}): {args}")
+
+    def quantize_chunks(self, x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, out: torch.Tensor) -> None:
+        """As ``reference.quantize_chunks``."""
+        x = x.contiguous()
+        self._call("zeropp_quantize_chunks", x.data_ptr(), _DTYPES[x.dtype], x.numel(), fmt.bits, fmt.block_size,
+                   chunks, nodes, out.data_ptr())
+
+    def dequantize_chunks(self, buf: torch.Tensor, fmt: BlockFormat, chunks: int, chunk_numel: int,
+                          out: torch.Tensor) -> None:
+        """As ``reference.dequantize_chunks``."""
+        self._call("zeropp_dequantize_chunks", buf.data_ptr(), fmt.bits, fmt.block_size, chunks, chunk_numel,
+                   out.data_ptr(), _DTYPES[out.dtype], out.numel())
+
+    def reduce_requantize(self, buf: torch.Tensor, fmt: BlockFormat, groups: int, chunks: int, chunk_numel: int,
+                          out: torch.Tensor) -> None:
+        """As ``reference.reduce_requantize``."""
+        if chunk_numel:
+            self._call("zeropp_reduce_requantize", buf.data_ptr(), fmt.bits, fmt.block_size, groups, chunks,
+                       chunk_numel, out.data_ptr())
+
+    def reduce_dequantize(self, buf: torch.Tensor, fmt: BlockFormat, groups: int, chunk_numel: int,
+                          out: torch.Tensor, divisor: float) -> None:
+        """As ``reference.reduce_dequantize`` (``divisor`` rounded to float32, as the reference's tensor is)."""
+        self._call("zeropp_reduce_dequantize", buf.data_ptr(), fmt.bits, fmt.block_size, groups, chunk_numel,
+                   out.data_ptr(), _DTYPES[out.dtype], out.numel(), divisor)
+
+
+def library_path() -> Path:
+    """Where the library is looked for: ``ZEROPP_NATIVE_LIB`` if set, else ``DEFAULT_PATH``."""
+    return Path(os.environ.get("ZEROPP_NATIVE_LIB") or DEFAULT_PATH)
+
+
+@functools.lru_cache(maxsize=None)
+def _load(path: Path) -> Library | NativeLibraryError:
+    try:
+        return Library(path)
+    except NativeLibraryError as e:
+        return e
+
+
+def library() -> Library:
+    """The library at ``library_path()``, loaded once; ``NativeLibraryError`` saying why if it cannot be."""
+    loaded = _load(library_path())
+    if isinstance(loaded, NativeLibraryError):
+        raise loaded
+    return loaded
+
+
+def available() -> bool:
+    """Whether the native CPU library loads."""
+    return not isinstance(_load(library_path()), NativeLibraryError)
+
+
+def unavailable_reason() -> str | None:
+    """Why the native CPU library does not load (``None`` when it does)."""
+    loaded = _load(library_path())
+    return str(loaded) if isinstance(loaded, NativeLibraryError) else None
+
+
+def quantize_chunks(x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, out: torch.Tensor) -> None:
+    library().quantize_chunks(x, fmt, chunks, nodes, out)
+
+
+def dequantize_chunks(buf: torch.Tensor, fmt: BlockFormat, chunks: int, chunk_numel: int, out: torch.Tensor) -> None:
+    library().dequantize_chunks(buf, fmt, chunks, chunk_numel, out)
+
+
+def reduce_requantize(buf: torch.Tensor, fmt: BlockFormat, groups: int, chunks: int, chunk_numel: int,
+                      out: torch.Tensor) -> None:
+    library().reduce_requantize(buf, fmt, groups, chunks, chunk_numel, out)
+
+
+def reduce_dequantize(buf: torch.Tensor, fmt: BlockFormat, groups: int, chunk_numel: int, out: torch.Tensor,
+                      divisor: float) -> None:
+    library().reduce_dequantize(buf, fmt, groups, chunk_numel, out, divisor)

@@ -1,0 +1,269 @@
+"""The native CUDA backend: ``kernels/cuda/quant.cu`` built into ``zeropp_cuda.fatbin``, launched through CuPy.
+
+The functions take the arguments of ``zeropp.quant.reference`` (validated by ``zeropp.quant.ops``), write into
+``out`` and agree with the reference bit for bit; they run on CUDA tensors, on torch's current stream of the
+tensors' device. No torch C++ ABI is involved: the kernels get raw ``data_ptr()`` pointers (zero-copy), so the
+fatbin works with any torch build. CuPy is imported only when a kernel is first needed; without it zeropp still
+imports and CUDA tensors run the Triton kernels.
+
+The fatbin is looked for at ``ZEROPP_NATIVE_CUDA_LIB`` (a path) if that is set, else at
+``build/zeropp_cuda.fatbin`` in the source tree, which ``cmake -S . -B build && cmake --build build`` (run by
+``setup.sh``) makes where nvcc is installed. ``available()`` says whether it loads; ``unavailable_reason()`` says
+why not.
+
+Launches (see the layout notes at the top of quant.cu): ``threads(block_size) = max(256, block_size / 16)``
+threads per CTA, 16 consecutive elements per thread, so a CTA holds a tile of ``16 * threads / block_size`` whole
+blocks. The grid is ``(tiles per pack, packs)``, the pack count split over ``grid.y`` and ``grid.z`` past 65535;
+the fused reduce-dequantize has one pack of output and a 1-D grid.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .format import BlockFormat
+
+ABI_VERSION = 1
+"""The ``zeropp_cuda_abi_version`` this module is written for (kernels/cuda/quant.cu)."""
+
+FATBIN_NAME = "zeropp_cuda.fatbin"
+DEFAULT_PATH = Path(__file__).resolve().parents[2] / "build" / FATBIN_NAME
+
+PER_THREAD = 16
+"""Elements per thread (``kPerThread`` in quant.cu)."""
+
+MIN_THREADS = 256
+"""Threads per CTA for block sizes up to 4096; larger blocks take ``block_size / PER_THREAD`` (512 at 8192)."""
+
+MAX_GRID_Y = 65535
+"""CUDA's limit on ``gridDim.y`` (and ``gridDim.z``); more packs continue in ``grid.z``."""
+
+_DTYPE_NAMES = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+
+OPS = ("quantize_chunks", "dequantize_chunks", "reduce_requantize", "reduce_dequantize")
+
+
+def kernel_name(op: str, bits: int, dtype: torch.dtype | None = None) -> str:
+    """The extern "C" name of ``op``'s kernel for ``bits`` and the float tensor's ``dtype`` (``None`` for
+    ``reduce_requantize``, which has none): ``zeropp_<op>_b<bits>[_f32|_bf16|_f16]``."""
+    return f"zeropp_{op}_b{bits}" + ("" if dtype is None else f"_{_DTYPE_NAMES[dtype]}")
+
+
+KERNEL_NAMES = tuple(
+    kernel_name(op, bits, None if op == "reduce_requantize" else dtype)
+    for op in OPS
+    for bits in (8, 4)
+    for dtype in ((None,) if op == "reduce_requantize" else tuple(_DTYPE_NAMES))
+)
+"""Every kernel this module launches (what the fatbin must hold; ``tests/quant/test_cuda_compile.py`` checks)."""
+
+BUILD_HINT = (
+    "build it with `cmake -S . -B build && cmake --build build` in the zeropp checkout (setup.sh does), with nvcc "
+    "on PATH"
+)
+CUPY_HINT = (
+    "install CuPy for your CUDA version: `pip install cupy-cuda12x` (CUDA 12) or `pip install cupy-cuda13x` (CUDA 13)"
+)
+
+
+class NativeCudaError(RuntimeError):
+    """The CUDA fatbin, CuPy or a CUDA device is missing, or the fatbin is of another ABI version."""
+
+
+def threads(block_size: int) -> int:
+    """Threads per CTA for ``block_size``: ``max(256, block_size / 16)``."""
+    return max(MIN_THREADS, block_size // PER_THREAD)
+
+
+def _grid(blocks: int, packs: int, block_size: int) -> tuple[int, int, int]:
+    """The grid over ``packs`` packs of ``blocks`` blocks each: ``(tiles per pack, grid.y, grid.z)`` with
+    ``grid.y * grid.z >= packs`` (the kernels skip the excess)."""
+    tile_blocks = threads(block_size) * PER_THREAD // block_size
+    y = min(packs, MAX_GRID_Y)
+    return -(-blocks // tile_blocks), y, -(-packs // y)
+
+
+def _pointer(t: torch.Tensor) -> np.uint64:
+    return np.uint64(t.data_ptr())
+
+
+def divide_mode(divisor: float) -> tuple[np.float32, np.float32, np.int32]:
+    """``divisor`` as the reference rounds it (float32), its reciprocal and whether the kernel must divide:
+    0 when ``divisor`` is a power of two whose reciprocal is a normal float32 (multiplying by it is the same
+    exact quotient, rounded once), else 1 (IEEE division of every element)."""
+    d = np.float32(divisor)
+    mantissa, exponent = math.frexp(float(d))
+    exact = not (mantissa == 0.5 and -126 <= 1 - exponent <= 127)
+    reciprocal = np.float32(0.0) if exact else np.float32(2.0 ** (1 - exponent))
+    return d, reciprocal, np.int32(exact)
+
+
+class Module:
+    """The kernels of one ``zeropp_cuda.fatbin`` (a path), loaded through CuPy on each device as it is used."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        if not torch.cuda.is_available():
+            raise NativeCudaError("no CUDA device is visible to torch (the native CUDA kernels run on CUDA tensors)")
+        try:
+            import cupy
+        except ImportError as e:
+            raise NativeCudaError(f"CuPy does not import ({e}); {CUPY_HINT}") from e
+        if not self.path.is_file():
+            raise NativeCudaError(f"{self.path} does not exist; {BUILD_HINT}")
+        self._cupy = cupy
+        self._raw = cupy.RawModule(path=str(self.path))
+        self._kernels: dict[str, Any] = {}
+        device = torch.device("cuda", torch.cuda.current_device())
+        with cupy.cuda.Device(device.index):
+            try:
+                memptr = self._raw.get_global("zeropp_cuda_abi_version")
+                version = int(cupy.ndarray((1,), cupy.int32, memptr).get()[0])
+            except Exception as e:  # noqa: BLE001 - any CUDA error: this fatbin cannot run here
+                raise NativeCudaError(
+                    f"{self.path} did not load on {device} ({type(e).__name__}: {e}); the fatbin must hold code for "
+                    f"this GPU ({BUILD_HINT}) and CuPy must match the CUDA driver ({CUPY_HINT})"
+                ) from e
+        if version != ABI_VERSION:
+            raise NativeCudaError(
+                f"{self.path} has ABI version {version}, this zeropp needs {ABI_VERSION}; rebuild it: {BUILD_HINT}"
+            )
+
+    def _kernel(self, name: str) -> Any:
+        kernel = self._kernels.get(name)
+        if kernel is None:
+            kernel = self._kernels[name] = self._raw.get_function(name)
+        return kernel
+
+    def launch(self, device: torch.device, name: str, grid: tuple[int, int, int], block: int,
+               args: tuple[Any, ...]) -> None:
+        """Launch kernel ``name`` on ``device``, on torch's current stream there; ``args`` are numpy scalars of
+        the kernel's parameter types (pointers as ``numpy.uint64``)."""
+        cupy = self._cupy
+        with cupy.cuda.Device(device.index):
+            stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)
+            with stream:
+                self._kernel(name)(grid, (block, 1, 1), args)
+
+    def quantize_chunks(self, x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, out: torch.Tensor) -> None:
+        """As ``reference.quantize_chunks``."""
+        numel = x.numel()
+        if numel == 0:
+            return
+        x = x.contiguous()
+        chunk_numel = -(-numel // chunks)
+        blocks = fmt.num_blocks(chunk_numel)
+        self.launch(
+            x.device,
+            kernel_name("quantize_chunks", fmt.bits, x.dtype),
+            _grid(blocks, chunks, fmt.block_size),
+            threads(fmt.block_size),
+            (_pointer(x), _pointer(out), np.int64(numel), np.int64(chunk_numel), np.int64(blocks),
+             np.int64(fmt.packed_bytes(chunk_numel)), np.int32(chunks), np.int32(nodes), np.int32(fmt.block_size)),
+        )
+
+    def dequantize_chunks(self, buf: torch.Tensor, fmt: BlockFormat, chunks: int, chunk_numel: int,
+                          out: torch.Tensor) -> None:
+        """As ``reference.dequantize_chunks``."""
+        out_numel = out.numel()
+        if out_numel == 0:
+            return
+        blocks = fmt.num_blocks(chunk_numel)
+        packs = -(-out_numel // chunk_numel)  # only the packs that hold output elements
+        self.launch(
+            buf.device,
+            kernel_name("dequantize_chunks", fmt.bits, out.dtype),
+            _grid(blocks, packs, fmt.block_size),
+            threads(fmt.block_size),
+            (_pointer(buf), _pointer(out), np.int64(out_numel), np.int64(chunk_numel), np.int64(blocks),
+             np.int64(fmt.packed_bytes(chunk_numel)), np.int32(packs), np.int32(fmt.block_size)),
+        )
+
+    def reduce_requantize(self, buf: torch.Tensor, fmt: BlockFormat, groups: int, chunks: int, chunk_numel: int,
+                          out: torch.Tensor) -> None:
+        """As ``reference.reduce_requantize``."""
+        if chunk_numel == 0:
+            return
+        blocks = fmt.num_blocks(chunk_numel)
+        self.launch(
+            buf.device,
+            kernel_name("reduce_requantize", fmt.bits),
+            _grid(blocks, chunks, fmt.block_size),
+            threads(fmt.block_size),
+            (_pointer(buf), _pointer(out), np.int64(blocks), np.int64(fmt.packed_bytes(chunk_numel)),
+             np.int32(groups), np.int32(chunks), np.int32(fmt.block_size)),
+        )
+
+    def reduce_dequantize(self, buf: torch.Tensor, fmt: BlockFormat, groups: int, chunk_numel: int,
+                          out: torch.Tensor, divisor: float) -> None:
+        """As ``reference.reduce_dequantize`` (``divisor`` rounded to float32, as the reference's tensor is)."""
+        out_numel = out.numel()
+        if out_numel == 0:
+            return
+        d, reciprocal, exact_division = divide_mode(divisor)
+        self.launch(
+            buf.device,
+            kernel_name("reduce_dequantize", fmt.bits, out.dtype),
+            _grid(fmt.num_blocks(out_numel), 1, fmt.block_size),
+            threads(fmt.block_size),
+            (_pointer(buf), _pointer(out), np.int64(out_numel), np.int64(fmt.num_blocks(chunk_numel)),
+             np.int64(fmt.packed_bytes(chunk_numel)), d, reciprocal, np.int32(groups), exact_division,
+             np.int32(fmt.block_size)),
+        )
+
+
+def library_path() -> Path:
+    """Where the fatbin is looked for: ``ZEROPP_NATIVE_CUDA_LIB`` if set, else ``DEFAULT_PATH``."""
+    return Path(os.environ.get("ZEROPP_NATIVE_CUDA_LIB") or DEFAULT_PATH)
+
+
+@functools.lru_cache(maxsize=None)
+def _load(path: Path) -> Module | NativeCudaError:
+    try:
+        return Module(path)
+    except NativeCudaError as e:
+        return e
+
+
+def library() -> Module:
+    """The fatbin at ``library_path()``, loaded once; ``NativeCudaError`` saying why if it cannot be."""
+    loaded = _load(library_path())
+    if isinstance(loaded, NativeCudaError):
+        raise loaded
+    return loaded
+
+
+def available() -> bool:
+    """Whether the native CUDA kernels can run: a CUDA device, CuPy and the fatbin, which loads."""
+    return not isinstance(_load(library_path()), NativeCudaError)
+
+
+def unavailable_reason() -> str | None:
+    """Why the native CUDA kernels cannot run (``None`` when they can)."""
+    loaded = _load(library_path())
+    return str(loaded) if isinstance(loaded, NativeCudaError) else None
+
+
+def quantize_chunks(x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, out: torch.Tensor) -> None:
+    library().quantize_chunks(x, fmt, chunks, nodes, out)
+
+
+def dequantize_chunks(buf: torch.Tensor, fmt: BlockFormat, chunks: int, chunk_numel: int, out: torch.Tensor) -> None:
+    library().dequantize_chunks(buf, fmt, chunks, chunk_numel, out)
+
+
+def reduce_requantize(buf: torch.Tensor, fmt: BlockFormat, groups: int, chunks: int, chunk_numel: int,
+                      out: torch.Tensor) -> None:
+    library().reduce_requantize(buf, fmt, groups, chunks, chunk_numel, out)
+
+
+def reduce_dequantize(buf: torch.Tensor, fmt: BlockFormat, groups: int, chunk_numel: int, out: torch.Tensor,
+                      divisor: float) -> None:
+    library().reduce_dequantize(buf, fmt, groups, chunk_numel, out, divisor)
