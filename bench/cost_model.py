@@ -27,11 +27,11 @@ that store the most bytes to global memory (a persistent kernel's path through i
 those the ones with the fewest masked global loads and stores (under a predicate guard), and of those the one with
 the fewest instructions (no masking arithmetic, no fallback: the exact-division slow path, the reference-arithmetic
 fallback). The fewest instructions alone is not it: ptxas turns some masked stores into branches around them, so
-a masked tail tile can be *shorter* while storing less. A kernel whose steady-state path stores nothing is refused, and the test checks that the path moves at least
-the bytes the row must move ("path bytes/elem", masked accesses counted in full). The longest
-path (most instructions, anything taken) is reported too. A loop (a back edge, found by depth-first search from
-the entry) counts ``trip_count`` times its body's path from header to latch and is left through any of its exits;
-a kernel with a loop and no trip count is an error. Per row:
+a masked tail tile can be *shorter* while storing less. A kernel whose steady-state path stores nothing is
+refused, and the test checks that the path moves at least the bytes the row must move ("path bytes/elem", masked
+accesses counted in full). The longest path (most instructions, anything taken) is reported too. A loop (a back
+edge, found by depth-first search from the entry) counts ``trip_count`` times its body's path from header to latch
+and is left through any of its exits; a kernel with a loop and no trip count is an error. Per row:
 
 * instr/elem: thread-level instructions per element = path instructions x 32 x num_warps / elements per program
   (``BLOCKS x BLOCK_SIZE`` of the compiled constexprs; for the reductions the elements of the *output* blocks),
@@ -753,6 +753,54 @@ def measure(selected: Sequence[Row], work_dir: Path, jobs: int = 1) -> list[dict
         return list(pool.map(one, ids))
 
 
+def cuda_flags() -> list[str]:
+    """The nvcc flags of ``set(ZEROPP_CUDA_FLAGS ...)`` in CMakeLists.txt (what the fatbin is built with)."""
+    found = re.search(r"set\(ZEROPP_CUDA_FLAGS ([^)]*)\)", (ROOT / "CMakeLists.txt").read_text())
+    if not found:
+        raise CostModelError("CMakeLists.txt has no set(ZEROPP_CUDA_FLAGS ...) line")
+    return found.group(1).split()
+
+
+def measure_cuda(selected: Sequence[Row], work_dir: Path, jobs: int = 1) -> list[dict[str, Any]]:
+    """The CUDA C++ kernels (``kernels/cuda/quant.cu``, compiled here for sm_90 with the fatbin's flags) that do
+    each row's work, counted like the Triton ones with ``native_cuda.PER_THREAD`` elements per thread; rows named
+    ``<row> [cuda]``, ``[{"skip": why}]`` without nvcc. The fused reductions are not counted: their sum loops over a
+    run-time number of groups and only loads, so the steady-state rule (most bytes stored) finds the path around
+    it, which moves too few bytes; such a row gets an ``error`` saying so."""
+    import shutil
+
+    import torch
+
+    from zeropp.quant import native_cuda
+
+    nvcc = shutil.which("nvcc")
+    if not nvcc:
+        return [{"skip": "no nvcc on PATH (the CUDA toolkit compiles kernels/cuda/quant.cu)"}]
+    cubin = work_dir / "quant_cuda.cubin"
+    built = subprocess.run([nvcc, "-cubin", *cuda_flags(), "-arch=sm_90", "-o", str(cubin),
+                            str(ROOT / "kernels" / "cuda" / "quant.cu")], capture_output=True, text=True)
+    if built.returncode:
+        return [{"skip": f"nvcc failed: {built.stderr[-500:]}"}]
+    ops = {"quantize": "quantize_chunks", "dequantize": "dequantize_chunks"}
+
+    def one(row: Row) -> dict[str, Any]:
+        case, name = row.case, f"{row.name} [cuda]"
+        dtype = None if case["op"] == "reduce_requantize" else getattr(torch, case["dtype"])
+        kernel = native_cuda.kernel_name(ops.get(case["op"], case["op"]), case["bits"], dtype)
+        try:
+            record = summarize(name, count_cubin(cubin, kernel, 1), native_cuda.PER_THREAD,
+                               row.nbytes / row.elements, row.elements, {})
+        except CostModelError as e:
+            return {"kernel": name, "error": str(e)}
+        if record["path bytes/elem"] < 0.99 * record["bytes/elem"]:
+            return {"kernel": name, "error": f"the steady-state path moves {record['path bytes/elem']} of the "
+                                             f"{record['bytes/elem']} bytes per element: it skips a loop of loads"}
+        return record
+
+    with ThreadPoolExecutor(max(1, jobs)) as pool:
+        return list(pool.map(one, selected))
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # The budget.
 
@@ -823,6 +871,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="compile and disassemble processes at once (default: the CPU count)")
     p.add_argument("--write-budget", action="store_true", help=f"write every row's instr/elem to {BUDGET_FILE.name}")
     p.add_argument("--check-budget", action="store_true", help=f"exit 1 if a row breaks {BUDGET_FILE.name}")
+    p.add_argument("--cuda", action="store_true",
+                   help="count the CUDA C++ kernels (kernels/cuda, needs nvcc) that do the rows' work instead")
     ext = p.add_argument_group("a cubin not from zeropp (e.g. DeepSpeed's, for calibration); times for 2^28 elements")
     ext.add_argument("--cubin", type=Path, help="count this cubin's kernel instead of the rows")
     ext.add_argument("--kernel", help="the kernel's name, or a substring naming one kernel of the cubin")
@@ -847,13 +897,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"steady-state path of {count.kernel} ({count.steady.cost.total} instructions per thread):")
             print(format_path(count.program, count.entry, count.steady))
     else:
-        if args.write_budget and args.kernels:
-            p.error("--write-budget writes every row: leave out --kernels")
+        if args.write_budget and (args.kernels or args.cuda):
+            p.error("--write-budget writes every Triton row: leave out --kernels and --cuda")
         selected = [r for r in rows() if not args.kernels or any(k in r.name for k in args.kernels)]
         if not selected:
             p.error(f"no row matches {args.kernels}")
         with tempfile.TemporaryDirectory() as tmp:
-            records = measure(selected, Path(args.work_dir or tmp), args.jobs)
+            records = (measure_cuda if args.cuda else measure)(selected, Path(args.work_dir or tmp), args.jobs)
         if "skip" in records[0]:
             print(f"cannot count here: {records[0]['skip']}", file=sys.stderr)
             return 1

@@ -270,3 +270,23 @@ def test_instructions_per_element_within_budget(measured):
         f"{cm.BUDGET_TOLERANCE:.0%} over):\n" + "\n".join(problems) + "\nIf the change is intended, update the "
         "budget: python bench/cost_model.py --write-budget (and commit bench/cost_budget.json)."
     )
+
+
+def test_the_cuda_kernels_are_counted_beside_the_triton_ones(tmp_path):
+    """``--cuda``: the CUDA C++ kernel of a single-pass row is counted (its path moves the row's bytes, with 128-bit
+    accesses); a fused reduction, whose run-time group loop only loads, is reported as not countable, not undercounted.
+    """
+    try:
+        cm.tool("nvdisasm")
+    except FileNotFoundError as e:
+        pytest.skip(f"cannot disassemble cubins here: {e}")
+    wanted = {"quantize int4 fp16 b128", "reduce_dequantize int4 g=2 fp16 b128"}
+    records = cm.measure_cuda([r for r in cm.rows() if r.name in wanted], tmp_path)
+    if "skip" in records[0]:
+        pytest.skip(records[0]["skip"])
+    by_name = {r["kernel"]: r for r in records}
+    quantize = by_name["quantize int4 fp16 b128 [cuda]"]
+    assert 5 < quantize["instr/elem"] < 40 and quantize["registers"] > 0
+    assert quantize["path bytes/elem"] >= 0.99 * quantize["bytes/elem"]
+    assert quantize["ld"].startswith("128x") and quantize["st"] != "-"
+    assert "skips a loop of loads" in by_name["reduce_dequantize int4 g=2 fp16 b128 [cuda]"]["error"]
