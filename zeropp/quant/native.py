@@ -12,13 +12,13 @@ says whether it loaded; ``unavailable_reason()`` says why not.
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 from pathlib import Path
 
 import torch
 
 from .format import BlockFormat
+from .native_loader import NativeBackend
 
 ABI_VERSION = 1
 """The ``zeropp_cpu_abi_version()`` this module is written for (kernels/cpu/quant.cpp)."""
@@ -94,51 +94,12 @@ class Library:
                    out.data_ptr(), _DTYPES[out.dtype], out.numel(), divisor)
 
 
-def library_path() -> Path:
-    """Where the library is looked for: ``ZEROPP_NATIVE_LIB`` if set, else ``DEFAULT_PATH``."""
-    return Path(os.environ.get("ZEROPP_NATIVE_LIB") or DEFAULT_PATH)
-
-
-@functools.lru_cache(maxsize=None)
-def _load(path: Path) -> Library | NativeLibraryError:
-    try:
-        return Library(path)
-    except NativeLibraryError as e:
-        return e
-
-
-def library() -> Library:
-    """The library at ``library_path()``, loaded once; ``NativeLibraryError`` saying why if it cannot be."""
-    loaded = _load(library_path())
-    if isinstance(loaded, NativeLibraryError):
-        raise loaded
-    return loaded
-
-
-def available() -> bool:
-    """Whether the native CPU library loads."""
-    return not isinstance(_load(library_path()), NativeLibraryError)
-
-
-def unavailable_reason() -> str | None:
-    """Why the native CPU library does not load (``None`` when it does)."""
-    loaded = _load(library_path())
-    return str(loaded) if isinstance(loaded, NativeLibraryError) else None
-
-
-def quantize_chunks(x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, out: torch.Tensor) -> None:
-    library().quantize_chunks(x, fmt, chunks, nodes, out)
-
-
-def dequantize_chunks(buf: torch.Tensor, fmt: BlockFormat, chunks: int, chunk_numel: int, out: torch.Tensor) -> None:
-    library().dequantize_chunks(buf, fmt, chunks, chunk_numel, out)
-
-
-def reduce_requantize(buf: torch.Tensor, fmt: BlockFormat, groups: int, chunks: int, chunk_numel: int,
-                      out: torch.Tensor) -> None:
-    library().reduce_requantize(buf, fmt, groups, chunks, chunk_numel, out)
-
-
-def reduce_dequantize(buf: torch.Tensor, fmt: BlockFormat, groups: int, chunk_numel: int, out: torch.Tensor,
-                      divisor: float) -> None:
-    library().reduce_dequantize(buf, fmt, groups, chunk_numel, out, divisor)
+_backend = NativeBackend("ZEROPP_NATIVE_LIB", DEFAULT_PATH, Library, NativeLibraryError)
+library_path = _backend.path
+library = _backend.library
+available = _backend.available
+unavailable_reason = _backend.unavailable_reason
+quantize_chunks = _backend.quantize_chunks
+dequantize_chunks = _backend.dequantize_chunks
+reduce_requantize = _backend.reduce_requantize
+reduce_dequantize = _backend.reduce_dequantize

@@ -19,7 +19,6 @@ the fused reduce-dequantize has one pack of output and a 1-D grid.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from pathlib import Path
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 
 from .format import BlockFormat
+from .native_loader import NativeBackend
 
 ABI_VERSION = 1
 """The ``zeropp_cuda_abi_version`` this module is written for (kernels/cuda/quant.cu)."""
@@ -219,51 +219,12 @@ class Module:
         )
 
 
-def library_path() -> Path:
-    """Where the fatbin is looked for: ``ZEROPP_NATIVE_CUDA_LIB`` if set, else ``DEFAULT_PATH``."""
-    return Path(os.environ.get("ZEROPP_NATIVE_CUDA_LIB") or DEFAULT_PATH)
-
-
-@functools.lru_cache(maxsize=None)
-def _load(path: Path) -> Module | NativeCudaError:
-    try:
-        return Module(path)
-    except NativeCudaError as e:
-        return e
-
-
-def library() -> Module:
-    """The fatbin at ``library_path()``, loaded once; ``NativeCudaError`` saying why if it cannot be."""
-    loaded = _load(library_path())
-    if isinstance(loaded, NativeCudaError):
-        raise loaded
-    return loaded
-
-
-def available() -> bool:
-    """Whether the native CUDA kernels can run: a CUDA device, CuPy and the fatbin, which loads."""
-    return not isinstance(_load(library_path()), NativeCudaError)
-
-
-def unavailable_reason() -> str | None:
-    """Why the native CUDA kernels cannot run (``None`` when they can)."""
-    loaded = _load(library_path())
-    return str(loaded) if isinstance(loaded, NativeCudaError) else None
-
-
-def quantize_chunks(x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, out: torch.Tensor) -> None:
-    library().quantize_chunks(x, fmt, chunks, nodes, out)
-
-
-def dequantize_chunks(buf: torch.Tensor, fmt: BlockFormat, chunks: int, chunk_numel: int, out: torch.Tensor) -> None:
-    library().dequantize_chunks(buf, fmt, chunks, chunk_numel, out)
-
-
-def reduce_requantize(buf: torch.Tensor, fmt: BlockFormat, groups: int, chunks: int, chunk_numel: int,
-                      out: torch.Tensor) -> None:
-    library().reduce_requantize(buf, fmt, groups, chunks, chunk_numel, out)
-
-
-def reduce_dequantize(buf: torch.Tensor, fmt: BlockFormat, groups: int, chunk_numel: int, out: torch.Tensor,
-                      divisor: float) -> None:
-    library().reduce_dequantize(buf, fmt, groups, chunk_numel, out, divisor)
+_backend = NativeBackend("ZEROPP_NATIVE_CUDA_LIB", DEFAULT_PATH, Module, NativeCudaError)
+library_path = _backend.path
+library = _backend.library
+available = _backend.available
+unavailable_reason = _backend.unavailable_reason
+quantize_chunks = _backend.quantize_chunks
+dequantize_chunks = _backend.dequantize_chunks
+reduce_requantize = _backend.reduce_requantize
+reduce_dequantize = _backend.reduce_dequantize
