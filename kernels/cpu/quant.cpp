@@ -3,31 +3,41 @@
 // sizes, dtype codes), loaded by zeropp/quant/native.py through ctypes.
 //
 // Exactness. Built without -ffast-math and with -ffp-contract=off, so every rounding is the one written
-// (-fno-trapping-math only lets the compiler compute both sides of a select, which is what vectorizes them):
+// (-fno-trapping-math only lets the compiler compute both sides of a select):
 //  * scale = absmax / qmax in float division; absmax on the magnitude bits as integers (a NaN's bits exceed
-//    Inf's, so the maximum propagates NaN, as the spec wants);
-//  * code = rne(x * r) of the exact product, r = 1 / scale rounded to 24 bits: for a normal scale r is a normal
-//    float and fmaf(x, r, 1.5 * 2^23) rounds the exact product once, to an integer; for a subnormal scale (r can
-//    overflow a float) the product is taken in double, where it is exact, and rounded by adding 1.5 * 2^52;
-//  * the fused sums are acc = fmaf(code, scale, acc), the spec's own operation.
-// The hot functions are compiled twice (GCC target clones): for x86-64-v3 (AVX2 and FMA, vectorized) and for
-// the baseline, where fmaf is the C library's exact software FMA; ZEROPP_BASELINE_ONLY builds the baseline alone
-// (a second library, so that the tests run both).
+//    Inf's, so the maximum propagates NaN, as the spec wants; float16 and bfloat16 magnitudes order the same way);
+//  * code = rne(x * r) of the exact product, r = 1 / scale rounded to 24 bits. The portable kernels take r and
+//    the product in double, where both are exact, and round it by adding 1.5 * 2^52. The AVX2 kernels do so for a
+//    subnormal scale only (r can then overflow a float); for a normal one r is a normal float (1.0f / scale,
+//    correctly rounded: scale <= FLT_MAX / 7) and fma(x, r, 1.5 * 2^23) rounds the exact product once, to an
+//    integer q; |x * r| <= qmax * (1 + 2^-22), so no clamp is needed, and the float's bits are those of
+//    1.5 * 2^23 plus q, so its low bits are q's;
+//  * the fused sums are acc = fma(code, scale, acc), the spec's own operation; the final division is IEEE
+//    division, or a multiplication by 1 / divisor where that is exact (a power of two): the same rounding of the
+//    same real number;
+//  * conversions to float16 and bfloat16 round to nearest even, NaN stays NaN.
+//
+// Two sets of kernels, chosen when the library is first called: the AVX2 kernels (AVX2, FMA and F16C, 8 floats a
+// vector; vcvtph2ps and vcvtps2ph are exact IEEE conversions) on x86-64 CPUs that have them, and the portable
+// kernels (plain C++, one element at a time; fmaf is the C library's exact FMA) elsewhere. ZEROPP_BASELINE_ONLY
+// builds the portable ones alone (a second library, so that the tests run both).
 #include <algorithm>
-#include <array>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #ifdef _OPENMP
 #include <omp.h>
 #endif
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(ZEROPP_BASELINE_ONLY)
-#define ZEROPP_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(ZEROPP_BASELINE_ONLY)
+#define ZEROPP_X86_KERNELS 1
+#include <cpuid.h>
+#include <immintrin.h>
 #else
-#define ZEROPP_CLONES
+#define ZEROPP_X86_KERNELS 0
 #endif
 #define ZEROPP_INLINE inline __attribute__((always_inline))
 
@@ -35,24 +45,33 @@ namespace {
 
 enum Dtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
-constexpr float kRounder = 12582912.0f;            // 1.5 * 2^23: x + kRounder rounds |x| < 2^22 to an integer
-constexpr double kRounder64 = 6755399441055744.0;  // 1.5 * 2^52, the same for doubles
+// How elements of a dtype are stored: float, or the 16 bits of a bfloat16 or float16.
+template <int D>
+using Storage = std::conditional_t<D == kFloat32, float, uint16_t>;
+
+constexpr double kRounder64 = 6755399441055744.0;  // 1.5 * 2^52: x + kRounder64 rounds |x| < 2^51 to an integer
 constexpr int kMaxBlock = 8192;
+
+template <int Bits>
+constexpr int kQmax = (1 << (Bits - 1)) - 1;
+
+// Blocks [first, first + count) of one pack: their codes, then their float32 scales (4 bytes each; the bytes may
+// be unaligned).
+template <typename Byte>
+struct Run {
+    Byte* codes;
+    Byte* scales;
+    int64_t count;
+};
 
 struct Layout {
     int bits, block;
     int64_t block_code_bytes() const { return int64_t(block) * bits / 8; }
     int64_t blocks(int64_t numel) const { return (numel + block - 1) / block; }
     int64_t pack_bytes(int64_t numel) const { return blocks(numel) * (block_code_bytes() + 4); }
-    const uint8_t* codes(const uint8_t* pack, int64_t b) const { return pack + b * block_code_bytes(); }
-    uint8_t* codes(uint8_t* pack, int64_t b) const { return pack + b * block_code_bytes(); }
-    float scale(const uint8_t* pack, int64_t blocks, int64_t b) const {
-        float s;
-        std::memcpy(&s, pack + blocks * block_code_bytes() + 4 * b, 4);
-        return s;
-    }
-    void set_scale(uint8_t* pack, int64_t blocks, int64_t b, float s) const {
-        std::memcpy(pack + blocks * block_code_bytes() + 4 * b, &s, 4);
+    template <typename Byte>
+    Run<Byte> run(Byte* pack, int64_t blocks, int64_t first, int64_t count) const {
+        return {pack + first * block_code_bytes(), pack + blocks * block_code_bytes() + 4 * first, count};
     }
 };
 
@@ -68,8 +87,16 @@ ZEROPP_INLINE float float_of(uint32_t u) {
     return v;
 }
 
-// float16 <-> float32 on the bits, in integer and exact float operations that vectorize (a scalar _Float16
-// conversion per element does not). Both agree with IEEE conversion (round to nearest even), NaN stays NaN.
+ZEROPP_INLINE float load_float(const uint8_t* p) {
+    float v;
+    std::memcpy(&v, p, 4);
+    return v;
+}
+
+ZEROPP_INLINE void store_float(uint8_t* p, float v) { std::memcpy(p, &v, 4); }
+
+// float16 <-> float32 on the bits, in integer and exact float operations. Both agree with IEEE conversion (round
+// to nearest even), NaN stays NaN.
 ZEROPP_INLINE float half_to_float(uint16_t h) {
     const uint32_t magnitude = uint32_t(h & 0x7FFF) << 13;
     float v = float_of(magnitude) * 0x1p112f;  // rebias the exponent: exact, subnormal halves included
@@ -88,196 +115,628 @@ ZEROPP_INLINE uint16_t float_to_half(float v) {
     return uint16_t(o | (sign >> 16));
 }
 
-// n elements of x (dtype D) from index `first` into float `out`
+ZEROPP_INLINE uint16_t float_to_bfloat16(float v) {
+    const uint32_t u = bits_of(v);
+    const uint32_t rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16;  // round 16 bits to nearest even
+    return uint16_t(v != v ? (u >> 16) | 0x40 : rounded);            // NaN stays NaN (quiet)
+}
+
 template <int D>
-ZEROPP_INLINE void load(const void* x, int64_t first, int n, float* out) {
-    if (D == kFloat32) {
-        std::memcpy(out, static_cast<const float*>(x) + first, sizeof(float) * n);
-    } else if (D == kBFloat16) {
-        const uint16_t* p = static_cast<const uint16_t*>(x) + first;
-        for (int i = 0; i < n; ++i) out[i] = float_of(uint32_t(p[i]) << 16);
+ZEROPP_INLINE float to_float(Storage<D> x) {
+    if constexpr (D == kFloat32) {
+        return x;
+    } else if constexpr (D == kBFloat16) {
+        return float_of(uint32_t(x) << 16);
     } else {
-        const uint16_t* p = static_cast<const uint16_t*>(x) + first;
-        for (int i = 0; i < n; ++i) out[i] = half_to_float(p[i]);
+        return half_to_float(x);
     }
 }
 
-// float v[0..n) converted (round to nearest even) into out (dtype D) from index `first`
 template <int D>
-ZEROPP_INLINE void store(const float* v, int n, void* out, int64_t first) {
-    if (D == kFloat32) {
-        std::memcpy(static_cast<float*>(out) + first, v, sizeof(float) * n);
-    } else if (D == kBFloat16) {
-        uint16_t* p = static_cast<uint16_t*>(out) + first;
-        for (int i = 0; i < n; ++i) {
-            uint32_t u = bits_of(v[i]);
-            uint32_t rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16;
-            p[i] = uint16_t(v[i] != v[i] ? (u >> 16) | 0x40 : rounded);  // NaN stays NaN (quiet)
-        }
+ZEROPP_INLINE Storage<D> from_float(float v) {
+    if constexpr (D == kFloat32) {
+        return v;
+    } else if constexpr (D == kBFloat16) {
+        return float_to_bfloat16(v);
     } else {
-        uint16_t* p = static_cast<uint16_t*>(out) + first;
-        for (int i = 0; i < n; ++i) p[i] = float_to_half(v[i]);
+        return float_to_half(v);
     }
 }
 
-// code * scale, clamped to the finite float range (NaN stays NaN)
-ZEROPP_INLINE float scaled(float code, float s) {
-    const float y = code * s;
-    return y > FLT_MAX ? FLT_MAX : (y < -FLT_MAX ? -FLT_MAX : y);
-}
+// ---------------------------------------------------------------------------------------------------------------
+// The portable kernels, one element at a time. Their encoding of a block also serves the vector kernels for the
+// blocks whose scale is not a normal float.
+namespace portable {
 
-// The values of block b of a pack (codes times its scale) into out[0..block).
+// The codes q[0..block) into `codes`: int8 bytes, or two int4 codes a byte, element 2k in the low nibble.
 template <int Bits>
-ZEROPP_INLINE void dequantize_values(const Layout& f, const uint8_t* pack, int64_t blocks, int64_t b, float* out) {
-    const uint8_t* c = f.codes(pack, b);
-    const float s = f.scale(pack, blocks, b);
-    if (Bits == 8) {
-        for (int i = 0; i < f.block; ++i) out[i] = scaled(float(int8_t(c[i])), s);
-    } else {  // both nibbles of each byte, sign-extended by arithmetic shifts, into alternate elements
-        for (int i = 0; i < f.block / 2; ++i) {
-            const int8_t byte = int8_t(c[i]);
-            out[2 * i] = scaled(float(int8_t(byte << 4) >> 4), s);
-            out[2 * i + 1] = scaled(float(byte >> 4), s);
+ZEROPP_INLINE void pack_codes(const int32_t* q, int block, uint8_t* codes) {
+    if constexpr (Bits == 8) {
+        for (int i = 0; i < block; ++i) codes[i] = uint8_t(q[i]);
+    } else {
+        for (int i = 0; i < block / 2; ++i) {
+            codes[i] = uint8_t((uint32_t(q[2 * i]) & 0xF) | uint32_t(q[2 * i + 1]) << 4);
         }
     }
 }
 
-// Quantize the float values v[0..block) into block b of `pack` (of `blocks` blocks): codes and scale.
+// The codes of v[0..block) for its `scale`, which is any float: 0 for an all-zero, NaN or Inf block. r is a double
+// (for a subnormal scale 1 / scale to 24 bits can overflow a float), where the product is exact and is rounded to
+// an integer by adding 1.5 * 2^52; the clamp only acts for a subnormal scale (the product can then round past qmax).
 template <int Bits>
-ZEROPP_INLINE void quantize_values(const float* v, const Layout& f, uint8_t* pack, int64_t blocks, int64_t b) {
-    constexpr int qmax = (1 << (Bits - 1)) - 1;
-    const int block = f.block;
-    uint32_t amax_bits = 0;
-    for (int i = 0; i < block; ++i) amax_bits = std::max(amax_bits, bits_of(v[i]) & 0x7FFFFFFFu);
-    const float scale = float_of(amax_bits) / float(qmax);  // NaN for a NaN block, Inf for an Inf one
-    f.set_scale(pack, blocks, b, scale);
-    uint8_t* codes = f.codes(pack, b);
-    if (!(scale > 0.0f && scale <= FLT_MAX)) {  // all zero, NaN or Inf: codes 0
-        std::memset(codes, 0, f.block_code_bytes());
+void encode(const float* v, int block, float scale, uint8_t* codes) {
+    if (!(scale > 0.0f && scale <= FLT_MAX)) {
+        std::memset(codes, 0, size_t(block) * Bits / 8);
         return;
     }
+    constexpr double qmax = kQmax<Bits>;
+    int e;
+    const double m = std::frexp(1.0 / double(scale), &e);
+    const double r = std::ldexp((std::ldexp(m, 24) + kRounder64) - kRounder64, e - 24);
     int32_t q[kMaxBlock];
-    if (scale >= FLT_MIN) {
-        const float r = float(1.0 / double(scale));  // correctly rounded (53 >= 2 * 24 + 2) and normal
-        for (int i = 0; i < block; ++i) {
-            float c = std::fma(v[i], r, kRounder) - kRounder;
-            q[i] = int32_t(std::min(std::max(c, float(-qmax)), float(qmax)));
-        }
-    } else {  // a subnormal scale: 1 / scale to 24 bits may not fit a float
-        int e;
-        const double m = std::frexp(1.0 / double(scale), &e);
-        const double r = std::ldexp((std::ldexp(m, 24) + kRounder64) - kRounder64, e - 24);
-        for (int i = 0; i < block; ++i) {
-            double c = (double(v[i]) * r + kRounder64) - kRounder64;
-            q[i] = int32_t(std::min(std::max(c, double(-qmax)), double(qmax)));
-        }
+    for (int i = 0; i < block; ++i) {
+        const double c = (double(v[i]) * r + kRounder64) - kRounder64;
+        q[i] = int32_t(std::min(std::max(c, -qmax), qmax));
     }
-    if (Bits == 8) {
-        for (int i = 0; i < block; ++i) codes[i] = uint8_t(q[i]);
-    } else {  // two codes per byte, element 2k in the low nibble: narrow to bytes, then combine byte pairs
-        uint8_t narrow[kMaxBlock];
-        for (int i = 0; i < block; ++i) narrow[i] = uint8_t(q[i]);
+    pack_codes<Bits>(q, block, codes);
+}
+
+// The same from x[0..block) of dtype D.
+template <int Bits, int D>
+void encode(const Storage<D>* x, int block, float scale, uint8_t* codes) {
+    float v[kMaxBlock];
+    for (int i = 0; i < block; ++i) v[i] = to_float<D>(x[i]);
+    encode<Bits>(v, block, scale, codes);
+}
+
+// Codes and scale of the float values v[0..block).
+template <int Bits>
+void quantize_block(const float* v, int block, uint8_t* codes, uint8_t* scale) {
+    uint32_t absmax_bits = 0;
+    for (int i = 0; i < block; ++i) absmax_bits = std::max(absmax_bits, bits_of(v[i]) & 0x7FFFFFFFu);
+    const float s = float_of(absmax_bits) / float(kQmax<Bits>);  // NaN for a NaN block, Inf for an Inf one
+    store_float(scale, s);
+    encode<Bits>(v, block, s, codes);
+}
+
+// The two int4 codes of a byte (element 2k in the low nibble), sign-extended by arithmetic shifts.
+ZEROPP_INLINE float low_code(uint8_t byte) { return float(int8_t(byte << 4) >> 4); }
+ZEROPP_INLINE float high_code(uint8_t byte) { return float(int8_t(byte) >> 4); }
+
+// The codes of a block as floats, into q[0..block).
+template <int Bits>
+ZEROPP_INLINE void decode(const uint8_t* codes, int block, float* q) {
+    if constexpr (Bits == 8) {
+        for (int i = 0; i < block; ++i) q[i] = float(int8_t(codes[i]));
+    } else {
         for (int i = 0; i < block / 2; ++i) {
-            uint16_t pair;
-            std::memcpy(&pair, narrow + 2 * i, 2);  // little-endian: the even code in the low byte
-            codes[i] = uint8_t((pair & 0xF) | ((pair >> 4) & 0xF0));
+            q[2 * i] = low_code(codes[i]);
+            q[2 * i + 1] = high_code(codes[i]);
         }
     }
 }
 
-// acc[0..block) = fma(code, scale, acc) over `groups` packs, pack g at base + g * stride: acc starts at 0.
+// acc[0..block) = the fused sum of one block of `groups` packs: acc = 0, then acc = fma(code, scale, acc) for each
+// pack in order; the block of pack g lies g * stride bytes after that of `in`.
 template <int Bits>
-ZEROPP_INLINE void sum_blocks(const Layout& f, const uint8_t* base, int64_t stride, int groups, int64_t blocks,
-                              int64_t b, float* acc) {
-    std::fill(acc, acc + f.block, 0.0f);
+void sum_block(const Run<const uint8_t>& in, int64_t stride, int groups, int block, float* acc) {
+    std::fill(acc, acc + block, 0.0f);
     for (int g = 0; g < groups; ++g) {
-        const uint8_t* pack = base + g * stride;
-        const uint8_t* c = f.codes(pack, b);
-        const float s = f.scale(pack, blocks, b);
-        if (Bits == 8) {
-            for (int i = 0; i < f.block; ++i) acc[i] = std::fma(float(int8_t(c[i])), s, acc[i]);
-        } else {
-            for (int i = 0; i < f.block / 2; ++i) {
-                const int8_t byte = int8_t(c[i]);
-                acc[2 * i] = std::fma(float(int8_t(byte << 4) >> 4), s, acc[2 * i]);
-                acc[2 * i + 1] = std::fma(float(byte >> 4), s, acc[2 * i + 1]);
+        const uint8_t* codes = in.codes + g * stride;
+        const float s = load_float(in.scales + g * stride);
+        if constexpr (Bits == 8) {
+            for (int i = 0; i < block; ++i) acc[i] = std::fma(float(int8_t(codes[i])), s, acc[i]);
+        } else {  // decoded in the same loop: on x86-64 without FMA, fmaf is a call, and a separate loop costs more
+            for (int i = 0; i < block / 2; ++i) {
+                acc[2 * i] = std::fma(low_code(codes[i]), s, acc[2 * i]);
+                acc[2 * i + 1] = std::fma(high_code(codes[i]), s, acc[2 * i + 1]);
             }
         }
     }
 }
 
-// (pack, block) of consecutive jobs, job = pack * blocks + block, without a division per job.
-struct Cursor {
-    int64_t pack, block;
-    Cursor(int64_t job, int64_t blocks) : pack(job / blocks), block(job % blocks) {}
-    void next(int64_t blocks) {
-        if (++block == blocks) {
-            block = 0;
-            ++pack;
+// The four kernels of every instruction set, on runs of whole blocks.
+struct Kernels {
+    // Codes and scales of the run's blocks from x[0 .. count * block).
+    template <int Bits, int D>
+    static void quantize(const Storage<D>* x, int block, const Run<uint8_t>& out) {
+        float v[kMaxBlock];
+        for (int64_t b = 0; b < out.count; ++b, x += block) {
+            for (int i = 0; i < block; ++i) v[i] = to_float<D>(x[i]);
+            quantize_block<Bits>(v, block, out.codes + b * block * Bits / 8, out.scales + 4 * b);
+        }
+    }
+
+    // The values of the run's blocks (code * scale, clamped to the finite floats: NaN stays NaN) into out.
+    template <int Bits, int D>
+    static void dequantize(const Run<const uint8_t>& in, int block, Storage<D>* out) {
+        float v[kMaxBlock];
+        for (int64_t b = 0; b < in.count; ++b, out += block) {
+            decode<Bits>(in.codes + b * block * Bits / 8, block, v);
+            const float s = load_float(in.scales + 4 * b);
+            for (int i = 0; i < block; ++i) {
+                const float y = v[i] * s;
+                v[i] = y > FLT_MAX ? FLT_MAX : (y < -FLT_MAX ? -FLT_MAX : y);
+            }
+            for (int i = 0; i < block; ++i) out[i] = from_float<D>(v[i]);
+        }
+    }
+
+    // The run's blocks of `groups` packs (pack g `stride` bytes after `in`), summed, requantized into out.
+    template <int Bits>
+    static void reduce_requantize(const Run<const uint8_t>& in, int64_t stride, int groups, int block,
+                                  const Run<uint8_t>& out) {
+        float acc[kMaxBlock];
+        for (int64_t b = 0; b < in.count; ++b) {
+            const int64_t code_offset = b * block * Bits / 8;
+            sum_block<Bits>({in.codes + code_offset, in.scales + 4 * b, 1}, stride, groups, block, acc);
+            quantize_block<Bits>(acc, block, out.codes + code_offset, out.scales + 4 * b);
+        }
+    }
+
+    // The run's blocks of `groups` packs, summed, divided by `divisor`, into out.
+    template <int Bits, int D>
+    static void reduce_dequantize(const Run<const uint8_t>& in, int64_t stride, int groups, int block, float divisor,
+                                  Storage<D>* out) {
+        float acc[kMaxBlock];
+        for (int64_t b = 0; b < in.count; ++b, out += block) {
+            sum_block<Bits>({in.codes + b * block * Bits / 8, in.scales + 4 * b, 1}, stride, groups, block, acc);
+            for (int i = 0; i < block; ++i) acc[i] /= divisor;
+            for (int i = 0; i < block; ++i) out[i] = from_float<D>(acc[i]);
         }
     }
 };
 
+}  // namespace portable
+
+#if ZEROPP_X86_KERNELS
+// ---------------------------------------------------------------------------------------------------------------
+// The AVX2 kernels: 8 floats a vector. Blocks are powers of two of at least 16 elements, so the loops take whole
+// vectors.
+namespace avx2 {
+
+// Blocks are quantized in batches: first each block's largest magnitude, then the scales and their reciprocals of
+// all of them in one vector (which takes the divisions' latency off each block's path), then the codes of each. A
+// batch is kBatchElements elements (at most kBatch blocks, at least one): its second pass reads them again from
+// the cache while no new data streams in, so larger batches slow the whole.
+constexpr int kBatch = 8, kBatchElements = 1024;
+
+inline int batch_blocks(int block) { return std::clamp(kBatchElements / block, 1, kBatch); }
+
+constexpr float kRounder = 12582912.0f;  // 1.5 * 2^23: x + kRounder rounds |x| < 2^22 to an integer
+
+// Whether r = 1 / divisor is a float, so that x * r rounds as x / divisor does.
+inline bool exact_reciprocal(float divisor) {
+    const float r = 1.0f / divisor;
+    return std::isfinite(r) && double(r) * double(divisor) == 1.0;  // a product of two floats is exact in double
+}
+
+#define ZEROPP_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define ZEROPP_AVX2_INLINE inline __attribute__((always_inline, target("avx2,fma,f16c")))
+
+ZEROPP_AVX2_INLINE __m128i load_u128(const void* p) { return _mm_loadu_si128(static_cast<const __m128i*>(p)); }
+
+// Eight elements as floats (exact conversions).
+template <int D>
+ZEROPP_AVX2_INLINE __m256 load8(const Storage<D>* p) {
+    if constexpr (D == kFloat32) {
+        return _mm256_loadu_ps(p);
+    } else if constexpr (D == kBFloat16) {
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(load_u128(p)), 16));
+    } else {
+        return _mm256_cvtph_ps(load_u128(p));
+    }
+}
+
+// The bfloat16 bits of v (in the low half of each lane), rounded to nearest even; NaN stays NaN (quiet).
+ZEROPP_AVX2_INLINE __m256i bfloat16_bits(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v), high = _mm256_srli_epi32(u, 16);
+    const __m256i bias = _mm256_add_epi32(_mm256_and_si256(high, _mm256_set1_epi32(1)), _mm256_set1_epi32(0x7FFF));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, bias), 16);
+    const __m256i quiet = _mm256_or_si256(high, _mm256_set1_epi32(0x40));
+    return _mm256_blendv_epi8(rounded, quiet, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+
+// Sixteen floats (v0, then v1) stored as dtype D, rounded to nearest even. float16 goes through registers: Zen 4
+// runs vcvtps2ph with a memory operand at half the speed.
+template <int D>
+ZEROPP_AVX2_INLINE void store16(Storage<D>* p, __m256 v0, __m256 v1) {
+    if constexpr (D == kFloat32) {
+        _mm256_storeu_ps(p, v0);
+        _mm256_storeu_ps(p + 8, v1);
+    } else {
+        __m256i halves;
+        if constexpr (D == kBFloat16) {  // packus works per 128-bit lane
+            halves = _mm256_permute4x64_epi64(_mm256_packus_epi32(bfloat16_bits(v0), bfloat16_bits(v1)), 0xD8);
+        } else {
+            halves = _mm256_setr_m128i(_mm256_cvtps_ph(v0, _MM_FROUND_TO_NEAREST_INT),
+                                       _mm256_cvtps_ph(v1, _MM_FROUND_TO_NEAREST_INT));
+        }
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), halves);
+    }
+}
+
+// Eight codes as floats, from the block's codes of element i on.
+template <int Bits>
+ZEROPP_AVX2_INLINE __m256 decode8(const uint8_t* codes, int i) {
+    if constexpr (Bits == 8) {
+        return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i))));
+    } else {  // the 4 bytes in every lane; nibble k shifted to the top, then arithmetically back down
+        uint32_t word;
+        std::memcpy(&word, codes + i / 2, 4);
+        const __m256i shifts = _mm256_setr_epi32(28, 24, 20, 16, 12, 8, 4, 0);
+        const __m256i top = _mm256_sllv_epi32(_mm256_set1_epi32(int(word)), shifts);
+        return _mm256_cvtepi32_ps(_mm256_srai_epi32(top, 28));
+    }
+}
+
+// The codes of 8 elements for the reciprocal r of a normal scale: y = fma(x, r, kRounder) has the bits of kRounder
+// plus the code (see the top).
+template <int D>
+ZEROPP_AVX2_INLINE __m256i codes8(const Storage<D>* x, __m256 r) {
+    const __m256 rounder = _mm256_set1_ps(kRounder);
+    const __m256 y = _mm256_fmadd_ps(load8<D>(x), r, rounder);
+    return _mm256_sub_epi32(_mm256_castps_si256(y), _mm256_castps_si256(rounder));
+}
+
+// The sixteen codes (int32, |q| <= 127) of a 16-element block stored.
+template <int Bits>
+ZEROPP_AVX2_INLINE void store_codes16(uint8_t* codes, __m256i q0, __m256i q1) {
+    const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32(q0, q1), 0xD8);  // packs works per lane
+    const __m128i bytes = _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
+    if constexpr (Bits == 8) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), bytes);
+    } else {  // low nibbles of each byte pair: the even one times 1 plus the odd one times 16
+        const __m128i nibbles = _mm_and_si128(bytes, _mm_set1_epi8(0xF));
+        const __m128i pairs = _mm_maddubs_epi16(nibbles, _mm_set1_epi16(0x1001));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(codes), _mm_packus_epi16(pairs, pairs));
+    }
+}
+
+// Thirty-two codes (int32, |q| <= 127) stored from element i of the block's codes.
+template <int Bits>
+ZEROPP_AVX2_INLINE void store_codes32(uint8_t* codes, int i, __m256i q0, __m256i q1, __m256i q2, __m256i q3) {
+    // packs works per 128-bit lane: the bytes come out as 4-byte groups 0 2 4 6 1 3 5 7
+    const __m256i mixed = _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3));
+    const __m256i bytes = _mm256_permutevar8x32_epi32(mixed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    if constexpr (Bits == 8) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + i), bytes);
+    } else {  // low nibbles of each byte pair: the even one times 1 plus the odd one times 16
+        const __m256i nibbles = _mm256_and_si256(bytes, _mm256_set1_epi8(0xF));
+        const __m256i pairs = _mm256_maddubs_epi16(nibbles, _mm256_set1_epi16(0x1001));
+        const __m128i packed = _mm_packus_epi16(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + i / 2), packed);
+    }
+}
+
+ZEROPP_AVX2_INLINE __m256i magnitude_bits(__m256 v) {
+    return _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x7FFFFFFF));
+}
+
+// The largest of the 8 unsigned lanes of m.
+ZEROPP_AVX2_INLINE uint32_t horizontal_max(__m256i m) {
+    __m128i h = _mm_max_epu32(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+    h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0x4E));
+    h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0xB1));
+    return uint32_t(_mm_cvtsi128_si32(h));
+}
+
+// The block's largest magnitude, in its own dtype. 16-bit dtypes are compared on their magnitude bits.
+template <int D>
+ZEROPP_AVX2_INLINE Storage<D> absmax(const Storage<D>* x, int block) {
+    if constexpr (D == kFloat32) {
+        __m256i m0 = _mm256_setzero_si256(), m1 = m0;
+        for (int i = 0; i < block; i += 16) {
+            m0 = _mm256_max_epu32(m0, magnitude_bits(_mm256_loadu_ps(x + i)));
+            m1 = _mm256_max_epu32(m1, magnitude_bits(_mm256_loadu_ps(x + i + 8)));
+        }
+        return float_of(horizontal_max(_mm256_max_epu32(m0, m1)));
+    } else {
+        __m256i m = _mm256_setzero_si256();
+        for (int i = 0; i < block; i += 16) {
+            const __m256i words = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + i));
+            m = _mm256_max_epu16(m, _mm256_and_si256(words, _mm256_set1_epi16(0x7FFF)));
+        }
+        // the largest of the 16 words: the complement of the smallest complement (minpos)
+        const __m128i h = _mm_max_epu16(_mm256_castsi256_si128(m), _mm256_extracti128_si256(m, 1));
+        return uint16_t(~_mm_cvtsi128_si32(_mm_minpos_epu16(_mm_xor_si128(h, _mm_set1_epi16(-1)))));
+    }
+}
+
+// The scales of up to kBatch blocks from their largest magnitudes (dtype D), and r = 1 / scale rounded to a float
+// (used for normal scales only).
 template <int Bits, int D>
-ZEROPP_CLONES void quantize_job(const void* x, int64_t numel, const Layout& f, int64_t chunks, int64_t nodes,
-                                uint8_t* out, int64_t first_job, int64_t end_job) {
+ZEROPP_AVX2_INLINE void batch_scales(const Storage<D>* largest, float* scale, float* r) {
+    const __m256 s = _mm256_div_ps(load8<D>(largest), _mm256_set1_ps(float(kQmax<Bits>)));
+    _mm256_storeu_ps(scale, s);
+    _mm256_storeu_ps(r, _mm256_div_ps(_mm256_set1_ps(1.0f), s));
+}
+
+// The codes of x[0..block) for its `scale`, any float (r: its reciprocal, as batch_scales gives it).
+template <int Bits, int D>
+ZEROPP_AVX2_INLINE void encode(const Storage<D>* x, int block, float scale, float r, uint8_t* codes) {
+    if (!(scale >= FLT_MIN && scale <= FLT_MAX)) return portable::encode<Bits, D>(x, block, scale, codes);
+    const __m256 vr = _mm256_set1_ps(r);
+    if (block == 16) return store_codes16<Bits>(codes, codes8<D>(x, vr), codes8<D>(x + 8, vr));
+    for (int i = 0; i < block; i += 32) {
+        store_codes32<Bits>(codes, i, codes8<D>(x + i, vr), codes8<D>(x + i + 8, vr), codes8<D>(x + i + 16, vr),
+                            codes8<D>(x + i + 24, vr));
+    }
+}
+
+// The reductions keep the sums of 16 elements in two vectors: elements 0..7 and 8..15 for int8; for int4 the even
+// and the odd elements, which a byte's two nibbles split into at less cost than into element order.
+
+// Sixteen codes from element i of a block's codes, as floats in the sums' order.
+template <int Bits>
+ZEROPP_AVX2_INLINE void decode16(const uint8_t* codes, int i, __m256& first, __m256& second) {
+    if constexpr (Bits == 8) {
+        first = decode8<8>(codes, i);
+        second = decode8<8>(codes, i + 8);
+    } else {  // each byte sign-extended; its low nibble shifted to the top and back down, its high one down
+        const __m256i bytes = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i / 2)));
+        first = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(bytes, 28), 28));
+        second = _mm256_cvtepi32_ps(_mm256_srai_epi32(bytes, 4));
+    }
+}
+
+// Sixteen values in the sums' order stored as dtype D, in element order.
+template <int Bits, int D>
+ZEROPP_AVX2_INLINE void store_sums16(Storage<D>* p, __m256 first, __m256 second) {
+    if constexpr (Bits == 8) {
+        store16<D>(p, first, second);
+    } else if constexpr (D == kFloat32) {  // unpack works per 128-bit lane
+        const __m256 low = _mm256_unpacklo_ps(first, second), high = _mm256_unpackhi_ps(first, second);
+        _mm256_storeu_ps(p, _mm256_permute2f128_ps(low, high, 0x20));
+        _mm256_storeu_ps(p + 8, _mm256_permute2f128_ps(low, high, 0x31));
+    } else if constexpr (D == kBFloat16) {  // an even element in the low half of each 32-bit lane, the odd one above
+        const __m256i pairs = _mm256_or_si256(bfloat16_bits(first), _mm256_slli_epi32(bfloat16_bits(second), 16));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), pairs);
+    } else {
+        const __m128i even = _mm256_cvtps_ph(first, _MM_FROUND_TO_NEAREST_INT);
+        const __m128i odd = _mm256_cvtps_ph(second, _MM_FROUND_TO_NEAREST_INT);
+        const __m256i halves = _mm256_setr_m128i(_mm_unpacklo_epi16(even, odd), _mm_unpackhi_epi16(even, odd));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), halves);
+    }
+}
+
+// sums[2u], sums[2u + 1] = the fused sums of the 16 elements from element i + 16 u of one block of `groups` packs
+// (see portable::sum_block), a pack at a time: 2 U independent chains of FMAs, so that their latency overlaps.
+template <int Bits, int U>
+ZEROPP_AVX2_INLINE void sum_units(const Run<const uint8_t>& in, int64_t stride, int groups, int i,
+                                  __m256 (&sums)[2 * U]) {
+    for (__m256& sum : sums) sum = _mm256_setzero_ps();
+    for (int g = 0; g < groups; ++g) {
+        const uint8_t* codes = in.codes + g * stride;
+        const __m256 s = _mm256_set1_ps(load_float(in.scales + g * stride));
+        for (int u = 0; u < U; ++u) {
+            __m256 first, second;
+            decode16<Bits>(codes, i + 16 * u, first, second);
+            sums[2 * u] = _mm256_fmadd_ps(first, s, sums[2 * u]);
+            sums[2 * u + 1] = _mm256_fmadd_ps(second, s, sums[2 * u + 1]);
+        }
+    }
+}
+
+// 16-element units summed at a time: 4, or the whole of a smaller block.
+constexpr int kSumUnits = 4;
+
+// acc[0..block) = the fused sum of one block of `groups` packs, in the sums' order, U units at a time; returns its
+// largest magnitude.
+template <int Bits, int U>
+ZEROPP_AVX2_INLINE float sum_block(const Run<const uint8_t>& in, int64_t stride, int groups, int block, float* acc) {
+    __m256i m = _mm256_setzero_si256();
+    for (int i = 0; i < block; i += 16 * U) {
+        __m256 sums[2 * U];
+        sum_units<Bits, U>(in, stride, groups, i, sums);
+        for (int v = 0; v < 2 * U; ++v) {
+            _mm256_store_ps(acc + i + 8 * v, sums[v]);
+            m = _mm256_max_epu32(m, magnitude_bits(sums[v]));
+        }
+    }
+    return float_of(horizontal_max(m));
+}
+
+// The codes of a block's sums acc[0..block) (in the sums' order) for its `scale`, as encode.
+template <int Bits>
+ZEROPP_AVX2_INLINE void encode_sums(const float* acc, int block, float scale, float r, uint8_t* codes) {
+    if constexpr (Bits == 8) {
+        encode<8, kFloat32>(acc, block, scale, r, codes);
+    } else if (!(scale >= FLT_MIN && scale <= FLT_MAX)) {
+        float v[kMaxBlock];  // in element order: element 16 u + 2 j + h is acc[16 u + 8 h + j]
+        for (int i = 0; i < block; ++i) v[i] = acc[i / 16 * 16 + i % 2 * 8 + i % 16 / 2];
+        portable::encode<4>(v, block, scale, codes);
+    } else {
+        const __m256 vr = _mm256_set1_ps(r), rounder = _mm256_set1_ps(kRounder);
+        for (int i = 0; i < block; i += 16) {
+            const __m256i even = _mm256_castps_si256(_mm256_fmadd_ps(_mm256_load_ps(acc + i), vr, rounder));
+            const __m256i odd = _mm256_castps_si256(_mm256_fmadd_ps(_mm256_load_ps(acc + i + 8), vr, rounder));
+            // the low nibbles of the codes (see codes8): a pair's byte in each 32-bit lane
+            const __m256i pairs = _mm256_or_si256(_mm256_and_si256(even, _mm256_set1_epi32(0xF)),
+                                                  _mm256_and_si256(_mm256_slli_epi32(odd, 4), _mm256_set1_epi32(0xF0)));
+            const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
+            _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i / 2), _mm_packus_epi16(words, words));
+        }
+    }
+}
+
+// y clamped to the finite floats, for a float32 output (min and max return their second operand for a NaN). A
+// 16-bit output needs no clamp: +-FLT_MAX and +-Inf both round to +-Inf there.
+template <int D>
+ZEROPP_AVX2_INLINE __m256 clamp_finite(__m256 y) {
+    if constexpr (D != kFloat32) return y;
+    return _mm256_max_ps(_mm256_set1_ps(-FLT_MAX), _mm256_min_ps(_mm256_set1_ps(FLT_MAX), y));
+}
+
+// The run's blocks of `groups` packs, summed, divided by the divisor (Multiply: times its exact reciprocal `by`),
+// U units at a time.
+template <int Bits, int D, int U, bool Multiply>
+ZEROPP_AVX2_INLINE void mean_blocks(const Run<const uint8_t>& in, int64_t stride, int groups, int block, __m256 by,
+                                    Storage<D>* out) {
+    for (int64_t b = 0; b < in.count; ++b, out += block) {
+        const Run<const uint8_t> one{in.codes + b * block * Bits / 8, in.scales + 4 * b, 1};
+        for (int i = 0; i < block; i += 16 * U) {
+            __m256 sums[2 * U];
+            sum_units<Bits, U>(one, stride, groups, i, sums);
+            for (__m256& sum : sums) sum = Multiply ? _mm256_mul_ps(sum, by) : _mm256_div_ps(sum, by);
+            for (int u = 0; u < U; ++u) store_sums16<Bits, D>(out + i + 16 * u, sums[2 * u], sums[2 * u + 1]);
+        }
+    }
+}
+
+struct Kernels {  // as portable::Kernels
+    template <int Bits, int D>
+    ZEROPP_AVX2 static void quantize(const Storage<D>* x, int block, const Run<uint8_t>& out) {
+        const int batch = batch_blocks(block);
+        for (int64_t first = 0; first < out.count; first += batch) {
+            const int n = int(std::min<int64_t>(batch, out.count - first));
+            const Storage<D>* blocks = x + first * block;
+            Storage<D> largest[kBatch] = {};
+            for (int k = 0; k < n; ++k) largest[k] = absmax<D>(blocks + k * block, block);
+            float scale[kBatch], r[kBatch];
+            batch_scales<Bits, D>(largest, scale, r);
+            std::memcpy(out.scales + 4 * first, scale, 4 * n);
+            for (int k = 0; k < n; ++k) {
+                encode<Bits, D>(blocks + k * block, block, scale[k], r[k], out.codes + (first + k) * block * Bits / 8);
+            }
+        }
+    }
+
+    template <int Bits, int D>
+    ZEROPP_AVX2 static void dequantize(const Run<const uint8_t>& in, int block, Storage<D>* out) {
+        for (int64_t b = 0; b < in.count; ++b, out += block) {
+            const uint8_t* codes = in.codes + b * block * Bits / 8;
+            const __m256 s = _mm256_set1_ps(load_float(in.scales + 4 * b));
+            for (int i = 0; i < block; i += 16) {
+                store16<D>(out + i, clamp_finite<D>(_mm256_mul_ps(decode8<Bits>(codes, i), s)),
+                           clamp_finite<D>(_mm256_mul_ps(decode8<Bits>(codes, i + 8), s)));
+            }
+        }
+    }
+
+    template <int Bits>
+    ZEROPP_AVX2 static void reduce_requantize(const Run<const uint8_t>& in, int64_t stride, int groups, int block,
+                                              const Run<uint8_t>& out) {
+        alignas(32) float acc[kMaxBlock];  // the sums of a batch of blocks
+        const int batch = batch_blocks(block);
+        for (int64_t first = 0; first < in.count; first += batch) {
+            const int n = int(std::min<int64_t>(batch, in.count - first));
+            float largest[kBatch] = {};
+            for (int k = 0; k < n; ++k) {
+                const Run<const uint8_t> one{in.codes + (first + k) * block * Bits / 8, in.scales + 4 * (first + k), 1};
+                largest[k] = block >= 16 * kSumUnits
+                                 ? sum_block<Bits, kSumUnits>(one, stride, groups, block, acc + k * block)
+                                 : sum_block<Bits, 1>(one, stride, groups, block, acc + k * block);
+            }
+            float scale[kBatch], r[kBatch];
+            batch_scales<Bits, kFloat32>(largest, scale, r);
+            std::memcpy(out.scales + 4 * first, scale, 4 * n);
+            for (int k = 0; k < n; ++k) {
+                encode_sums<Bits>(acc + k * block, block, scale[k], r[k], out.codes + (first + k) * block * Bits / 8);
+            }
+        }
+    }
+
+    template <int Bits, int D>
+    ZEROPP_AVX2 static void reduce_dequantize(const Run<const uint8_t>& in, int64_t stride, int groups, int block,
+                                              float divisor, Storage<D>* out) {
+        const bool multiply = exact_reciprocal(divisor), units = block >= 16 * kSumUnits;
+        const __m256 by = _mm256_set1_ps(multiply ? 1.0f / divisor : divisor);
+        if (multiply && units) return mean_blocks<Bits, D, kSumUnits, true>(in, stride, groups, block, by, out);
+        if (units) return mean_blocks<Bits, D, kSumUnits, false>(in, stride, groups, block, by, out);
+        if (multiply) return mean_blocks<Bits, D, 1, true>(in, stride, groups, block, by, out);
+        mean_blocks<Bits, D, 1, false>(in, stride, groups, block, by, out);
+    }
+};
+
+}  // namespace avx2
+
+#endif
+
+// ---------------------------------------------------------------------------------------------------------------
+// The ops: jobs (one block of one pack each) split over threads, each thread's range cut into runs of consecutive
+// blocks of one pack for the kernels of an instruction set (Isa: portable::Kernels or avx2::Kernels). Blocks cut
+// short by the end of the input or output go through a block-sized buffer.
+
+// body(pack, first block, count) for the runs of consecutive blocks of one pack that make up [first_job, end_job),
+// job = pack * blocks + block.
+template <typename Body>
+void for_each_run(int64_t first_job, int64_t end_job, int64_t blocks, Body body) {
+    for (int64_t job = first_job; job < end_job;) {
+        const int64_t block = job % blocks, count = std::min(blocks - block, end_job - job);
+        body(job / blocks, block, count);
+        job += count;
+    }
+}
+
+// The elements of `count` blocks that exist, of `available` from the first (none if negative).
+inline int64_t present(int64_t available, int64_t count, int block) {
+    return std::clamp<int64_t>(available, 0, count * block);
+}
+
+template <class Isa, int Bits, int D>
+void quantize_jobs(const Storage<D>* x, int64_t numel, const Layout& f, int64_t chunks, int64_t nodes, uint8_t* out,
+                   int64_t first_job, int64_t end_job) {
     const int64_t slice = (numel + chunks - 1) / chunks, blocks = f.blocks(slice), per_node = chunks / nodes;
-    float v[kMaxBlock];
-    Cursor at(first_job, blocks);
-    for (int64_t job = first_job; job < end_job; ++job, at.next(blocks)) {
-        const int64_t p = at.pack, b = at.block;
+    for_each_run(first_job, end_job, blocks, [&](int64_t p, int64_t b, int64_t count) {
         const int64_t source = (p % nodes) * per_node + p / nodes;  // format.swizzle_source
         const int64_t start = source * slice + b * f.block;
-        const int64_t end = std::min(std::min(start + f.block, (source + 1) * slice), numel);
-        const int n = int(std::max<int64_t>(end - start, 0));
-        load<D>(x, start, n, v);
-        std::fill(v + n, v + f.block, 0.0f);
-        quantize_values<Bits>(v, f, out + p * f.pack_bytes(slice), blocks, b);
-    }
+        const int64_t n = present(std::min((source + 1) * slice, numel) - start, count, f.block), full = n / f.block;
+        uint8_t* pack = out + p * f.pack_bytes(slice);
+        if (full) Isa::template quantize<Bits, D>(x + start, f.block, f.run(pack, blocks, b, full));
+        for (int64_t k = full; k < count; ++k) {  // zero padded: the slice's short last block, and empty ones
+            Storage<D> padded[kMaxBlock];
+            const int64_t m = std::clamp<int64_t>(n - k * f.block, 0, f.block);
+            if (m) std::copy_n(x + (start + k * f.block), m, padded);
+            std::fill(padded + m, padded + f.block, Storage<D>(0));
+            Isa::template quantize<Bits, D>(padded, f.block, f.run(pack, blocks, b + k, 1));
+        }
+    });
 }
 
-template <int Bits, int D>
-ZEROPP_CLONES void dequantize_job(const uint8_t* buf, const Layout& f, int64_t chunk_numel, void* out,
-                                  int64_t out_numel, int64_t first_job, int64_t end_job) {
+template <class Isa, int Bits, int D>
+void dequantize_jobs(const uint8_t* buf, const Layout& f, int64_t chunk_numel, Storage<D>* out, int64_t out_numel,
+                     int64_t first_job, int64_t end_job) {
     const int64_t blocks = f.blocks(chunk_numel), pack_bytes = f.pack_bytes(chunk_numel);
-    float v[kMaxBlock];
-    Cursor at(first_job, blocks);
-    for (int64_t job = first_job; job < end_job; ++job, at.next(blocks)) {
-        const int64_t k = at.pack, b = at.block;
+    for_each_run(first_job, end_job, blocks, [&](int64_t k, int64_t b, int64_t count) {
         const int64_t first = k * chunk_numel + b * f.block;
-        const int n = int(std::min(std::min<int64_t>(f.block, chunk_numel - b * f.block), out_numel - first));
-        if (n <= 0) continue;
-        dequantize_values<Bits>(f, buf + k * pack_bytes, blocks, b, v);
-        store<D>(v, n, out, first);
-    }
+        const int64_t n = present(std::min(chunk_numel - b * f.block, out_numel - first), count, f.block);
+        const int64_t full = n / f.block;
+        const uint8_t* pack = buf + k * pack_bytes;
+        if (full) Isa::template dequantize<Bits, D>(f.run(pack, blocks, b, full), f.block, out + first);
+        if (n > full * f.block) {  // the chunk's or the output's short last block
+            Storage<D> values[kMaxBlock];
+            Isa::template dequantize<Bits, D>(f.run(pack, blocks, b + full, 1), f.block, values);
+            std::copy(values, values + (n - full * f.block), out + first + full * f.block);
+        }
+    });
 }
 
-template <int Bits>
-ZEROPP_CLONES void reduce_requantize_job(const uint8_t* buf, const Layout& f, int groups, int64_t chunks,
-                                         int64_t chunk_numel, uint8_t* out, int64_t first_job, int64_t end_job) {
+template <class Isa, int Bits>
+void reduce_requantize_jobs(const uint8_t* buf, const Layout& f, int groups, int64_t chunks, int64_t chunk_numel,
+                            uint8_t* out, int64_t first_job, int64_t end_job) {
     const int64_t blocks = f.blocks(chunk_numel), pack_bytes = f.pack_bytes(chunk_numel);
-    float acc[kMaxBlock];
-    Cursor at(first_job, blocks);
-    for (int64_t job = first_job; job < end_job; ++job, at.next(blocks)) {
-        const int64_t m = at.pack, b = at.block;
-        sum_blocks<Bits>(f, buf + m * pack_bytes, chunks * pack_bytes, groups, blocks, b, acc);
-        quantize_values<Bits>(acc, f, out + m * pack_bytes, blocks, b);
-    }
+    for_each_run(first_job, end_job, blocks, [&](int64_t m, int64_t b, int64_t count) {
+        Isa::template reduce_requantize<Bits>(f.run(buf + m * pack_bytes, blocks, b, count), chunks * pack_bytes,
+                                              groups, f.block, f.run(out + m * pack_bytes, blocks, b, count));
+    });
 }
 
-template <int Bits, int D>
-ZEROPP_CLONES void reduce_dequantize_job(const uint8_t* buf, const Layout& f, int groups, int64_t chunk_numel,
-                                         void* out, int64_t out_numel, float divisor, int64_t first_job,
-                                         int64_t end_job) {
+template <class Isa, int Bits, int D>
+void reduce_dequantize_jobs(const uint8_t* buf, const Layout& f, int groups, int64_t chunk_numel, Storage<D>* out,
+                            int64_t out_numel, float divisor, int64_t first_job, int64_t end_job) {
     const int64_t blocks = f.blocks(chunk_numel), pack_bytes = f.pack_bytes(chunk_numel);
-    float acc[kMaxBlock];
-    for (int64_t job = first_job; job < end_job; ++job) {
-        const int64_t first = job * f.block;
-        const int n = int(std::min<int64_t>(f.block, out_numel - first));
-        if (n <= 0) continue;
-        sum_blocks<Bits>(f, buf, pack_bytes, groups, blocks, job, acc);
-        for (int i = 0; i < f.block; ++i) acc[i] = acc[i] / divisor;
-        store<D>(acc, n, out, first);
+    const int64_t first = first_job * f.block;
+    const int64_t n = present(out_numel - first, end_job - first_job, f.block), full = n / f.block;
+    if (full) {
+        Isa::template reduce_dequantize<Bits, D>(f.run(buf, blocks, first_job, full), pack_bytes, groups, f.block,
+                                                 divisor, out + first);
+    }
+    if (n > full * f.block) {  // the output's short last block
+        Storage<D> values[kMaxBlock];
+        Isa::template reduce_dequantize<Bits, D>(f.run(buf, blocks, first_job + full, 1), pack_bytes, groups,
+                                                 f.block, divisor, values);
+        std::copy(values, values + (n - full * f.block), out + first + full * f.block);
     }
 }
 
@@ -300,59 +759,103 @@ void parallel(int64_t jobs, int threads, Body body) {
     }
 }
 
+// Each op with the kernels of one instruction set, for compile-time bits and dtype (run<Bits, D>).
+template <class Isa>
+struct Quantize {
+    template <int Bits, int D>
+    static void run(const void* x, int64_t numel, const Layout& f, int64_t chunks, int64_t nodes, uint8_t* out,
+                    int threads) {
+        const int64_t jobs = chunks * f.blocks((numel + chunks - 1) / chunks);
+        parallel(jobs, threads, [&](int64_t a, int64_t e) {
+            quantize_jobs<Isa, Bits, D>(static_cast<const Storage<D>*>(x), numel, f, chunks, nodes, out, a, e);
+        });
+    }
+};
+
+template <class Isa>
+struct Dequantize {
+    template <int Bits, int D>
+    static void run(const uint8_t* buf, const Layout& f, int64_t chunks, int64_t chunk_numel, void* out,
+                    int64_t out_numel, int threads) {
+        parallel(chunks * f.blocks(chunk_numel), threads, [&](int64_t a, int64_t e) {
+            dequantize_jobs<Isa, Bits, D>(buf, f, chunk_numel, static_cast<Storage<D>*>(out), out_numel, a, e);
+        });
+    }
+};
+
+template <class Isa>
+struct ReduceRequantize {  // D unused: the packs have no float dtype
+    template <int Bits, int D>
+    static void run(const uint8_t* buf, const Layout& f, int groups, int64_t chunks, int64_t chunk_numel,
+                    uint8_t* out, int threads) {
+        parallel(chunks * f.blocks(chunk_numel), threads, [&](int64_t a, int64_t e) {
+            reduce_requantize_jobs<Isa, Bits>(buf, f, groups, chunks, chunk_numel, out, a, e);
+        });
+    }
+};
+
+template <class Isa>
+struct ReduceDequantize {
+    template <int Bits, int D>
+    static void run(const uint8_t* buf, const Layout& f, int groups, int64_t chunk_numel, void* out,
+                    int64_t out_numel, float divisor, int threads) {
+        parallel(f.blocks(out_numel), threads, [&](int64_t a, int64_t e) {
+            reduce_dequantize_jobs<Isa, Bits, D>(buf, f, groups, chunk_numel, static_cast<Storage<D>*>(out),
+                                                 out_numel, divisor, a, e);
+        });
+    }
+};
+
+// Op<Isa>::run<Bits, D>(args...) for the runtime bits and dtype.
+template <template <class> class Op, class Isa, int Bits, typename... Args>
+void run_dtype(int dtype, Args... args) {
+    if (dtype == kFloat32) {
+        Op<Isa>::template run<Bits, kFloat32>(args...);
+    } else if (dtype == kBFloat16) {
+        Op<Isa>::template run<Bits, kBFloat16>(args...);
+    } else {
+        Op<Isa>::template run<Bits, kFloat16>(args...);
+    }
+}
+
+template <template <class> class Op, class Isa, typename... Args>
+void run_format(int bits, int dtype, Args... args) {
+    if (bits == 8) {
+        run_dtype<Op, Isa, 8>(dtype, args...);
+    } else {
+        run_dtype<Op, Isa, 4>(dtype, args...);
+    }
+}
+
+#if ZEROPP_X86_KERNELS
+// Whether this CPU (and its operating system, which must save the vector registers) runs the AVX2 kernels. F16C
+// is read from CPUID: clang's __builtin_cpu_supports does not know it.
+bool avx2_usable() {
+    static const bool usable = [] {
+        __builtin_cpu_init();
+        unsigned eax, ebx, ecx, edx;
+        const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C);
+        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
+    }();
+    return usable;
+}
+#endif
+
+// The same with the best kernels for this CPU.
+template <template <class> class Op, typename... Args>
+void dispatch(int bits, int dtype, Args... args) {
+#if ZEROPP_X86_KERNELS
+    if (avx2_usable()) return run_format<Op, avx2::Kernels>(bits, dtype, args...);
+#endif
+    run_format<Op, portable::Kernels>(bits, dtype, args...);
+}
+
 int check(int bits, int block, int dtype) {
     if (bits != 8 && bits != 4) return 1;
     if (block < 16 || block > kMaxBlock || (block & (block - 1))) return 2;
     if (dtype < kFloat32 || dtype > kFloat16) return 3;
     return 0;
 }
-
-// Each op's instantiation for (bits, dtype): [0] int8, [1] int4; then the dtype code.
-template <template <int, int> class Op>
-constexpr auto table() {
-    return std::array<std::array<decltype(&Op<8, kFloat32>::run), 3>, 2>{{
-        {&Op<8, kFloat32>::run, &Op<8, kBFloat16>::run, &Op<8, kFloat16>::run},
-        {&Op<4, kFloat32>::run, &Op<4, kBFloat16>::run, &Op<4, kFloat16>::run},
-    }};
-}
-
-template <int Bits, int D>
-struct Quantize {
-    static void run(const void* x, int64_t numel, const Layout& f, int64_t chunks, int64_t nodes, uint8_t* out,
-                    int threads, int64_t jobs) {
-        parallel(jobs, threads,
-                 [&](int64_t a, int64_t e) { quantize_job<Bits, D>(x, numel, f, chunks, nodes, out, a, e); });
-    }
-};
-
-template <int Bits, int D>
-struct Dequantize {
-    static void run(const uint8_t* buf, const Layout& f, int64_t chunk_numel, void* out, int64_t out_numel,
-                    int threads, int64_t jobs) {
-        parallel(jobs, threads,
-                 [&](int64_t a, int64_t e) { dequantize_job<Bits, D>(buf, f, chunk_numel, out, out_numel, a, e); });
-    }
-};
-
-template <int Bits, int D>
-struct ReduceRequantize {  // D unused: the packs have no float dtype
-    static void run(const uint8_t* buf, const Layout& f, int groups, int64_t chunks, int64_t chunk_numel,
-                    uint8_t* out, int threads, int64_t jobs) {
-        parallel(jobs, threads, [&](int64_t a, int64_t e) {
-            reduce_requantize_job<Bits>(buf, f, groups, chunks, chunk_numel, out, a, e);
-        });
-    }
-};
-
-template <int Bits, int D>
-struct ReduceDequantize {
-    static void run(const uint8_t* buf, const Layout& f, int groups, int64_t chunk_numel, void* out,
-                    int64_t out_numel, float divisor, int threads, int64_t jobs) {
-        parallel(jobs, threads, [&](int64_t a, int64_t e) {
-            reduce_dequantize_job<Bits, D>(buf, f, groups, chunk_numel, out, out_numel, divisor, a, e);
-        });
-    }
-};
 
 }  // namespace
 
@@ -370,9 +873,7 @@ int zeropp_quantize_chunks(const void* x, int dtype, int64_t numel, int bits, in
     if (int bad = check(bits, block, dtype)) return bad;
     if (chunks < 1 || nodes < 1 || chunks % nodes) return 4;
     if (numel == 0) return 0;
-    const Layout f{bits, block};
-    const int64_t jobs = chunks * f.blocks((numel + chunks - 1) / chunks);
-    table<Quantize>()[bits == 4][dtype](x, numel, f, chunks, nodes, out, threads, jobs);
+    dispatch<Quantize>(bits, dtype, x, numel, Layout{bits, block}, chunks, nodes, out, threads);
     return 0;
 }
 
@@ -380,8 +881,7 @@ int zeropp_quantize_chunks(const void* x, int dtype, int64_t numel, int bits, in
 int zeropp_dequantize_chunks(const uint8_t* buf, int bits, int block, int64_t chunks, int64_t chunk_numel,
                              void* out, int dtype, int64_t out_numel, int threads) {
     if (int bad = check(bits, block, dtype)) return bad;
-    const Layout f{bits, block};
-    table<Dequantize>()[bits == 4][dtype](buf, f, chunk_numel, out, out_numel, threads, chunks * f.blocks(chunk_numel));
+    dispatch<Dequantize>(bits, dtype, buf, Layout{bits, block}, chunks, chunk_numel, out, out_numel, threads);
     return 0;
 }
 
@@ -390,9 +890,7 @@ int zeropp_reduce_requantize(const uint8_t* buf, int bits, int block, int groups
                              int64_t chunk_numel, uint8_t* out, int threads) {
     if (int bad = check(bits, block, kFloat32)) return bad;
     if (groups < 1 || chunks < 1) return 4;
-    const Layout f{bits, block};
-    table<ReduceRequantize>()[bits == 4][kFloat32](buf, f, groups, chunks, chunk_numel, out, threads,
-                                                   chunks * f.blocks(chunk_numel));
+    dispatch<ReduceRequantize>(bits, kFloat32, buf, Layout{bits, block}, groups, chunks, chunk_numel, out, threads);
     return 0;
 }
 
@@ -402,9 +900,8 @@ int zeropp_reduce_dequantize(const uint8_t* buf, int bits, int block, int groups
                              int dtype, int64_t out_numel, float divisor, int threads) {
     if (int bad = check(bits, block, dtype)) return bad;
     if (groups < 1) return 4;
-    const Layout f{bits, block};
-    table<ReduceDequantize>()[bits == 4][dtype](buf, f, groups, chunk_numel, out, out_numel, divisor, threads,
-                                                f.blocks(out_numel));
+    dispatch<ReduceDequantize>(bits, dtype, buf, Layout{bits, block}, groups, chunk_numel, out, out_numel, divisor,
+                               threads);
     return 0;
 }
 

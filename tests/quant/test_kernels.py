@@ -46,6 +46,13 @@ def kernels(request, kernel_device) -> Kernels:
     return Kernels(native_library(str(native.DEFAULT_PATH.with_name("libzeropp_cpu_baseline.so"))), "cpu")
 
 
+@pytest.fixture(scope="session", params=["native", "native-baseline"])
+def native_kernels(request) -> Kernels:
+    """The native CPU library alone, in both of its builds."""
+    baseline = native.DEFAULT_PATH.with_name("libzeropp_cpu_baseline.so")
+    return Kernels(native_library(str(baseline) if request.param == "native-baseline" else None), "cpu")
+
+
 @pytest.fixture
 def gen(request) -> torch.Generator:
     """A CPU generator seeded from the test's id, so every parametrization draws its own reproducible data."""
@@ -265,6 +272,39 @@ def test_special_values(block_size, bits, dtype, kernels):
     reference.reduce_dequantize(twice, fmt, 2, numel, ref, 2.0)
     kernels.ops.reduce_dequantize(twice.to(kernels.device), fmt, 2, numel, out, 2.0)
     assert_same_floats(out, ref.to(out.dtype))
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning", "ignore:overflow:RuntimeWarning")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("block_size", [16, 32, 128, 8192])
+def test_native_special_values_every_path(block_size, bits, dtype, native_kernels):
+    """Every code path of the native kernels on the special blocks, from and into every dtype: the vector kernels'
+    paths for blocks of 16, 32 and more elements (8192, the largest, is alone in its batch), the portable encoding
+    they fall back on for zero, NaN, Inf and subnormal scales, and the final division by a power of two (a
+    multiplication, also by a subnormal reciprocal) and by other divisors (3, and 2^-130, whose reciprocal
+    overflows)."""
+    fmt = BlockFormat(bits, block_size)
+    x = special_blocks(block_size, fmt.qmax).to(dtype)
+    numel = x.numel()
+    packed = check_quantize(x, fmt, 1, 1, native_kernels)
+    twice = torch.cat([packed, packed])
+    summed = torch.empty_like(packed)
+    reference.reduce_requantize(twice, fmt, 2, 1, numel, summed)
+    actual = torch.full_like(summed, 0xAB)
+    native_kernels.ops.reduce_requantize(twice, fmt, 2, 1, numel, actual)
+    assert_same_packs(actual, summed, fmt, 1, numel)
+    for out_dtype in DTYPES:
+        expected = torch.empty(numel, dtype=out_dtype)
+        reference.dequantize_chunks(packed, fmt, 1, numel, expected)
+        out = torch.full((numel,), float("nan"), dtype=out_dtype)
+        native_kernels.ops.dequantize_chunks(packed, fmt, 1, numel, out)
+        assert_same_floats(out, expected)
+        for divisor in (2.0, 3.0, 2.0**127, 2.0**-130):
+            expected32 = torch.empty(numel, dtype=torch.float32)
+            reference.reduce_dequantize(twice, fmt, 2, numel, expected32, divisor)
+            native_kernels.ops.reduce_dequantize(twice, fmt, 2, numel, out, divisor)
+            assert_same_floats(out, expected32.to(out_dtype))
 
 
 @pytest.mark.parametrize("out_dtype,low_bits", [(torch.bfloat16, 16), (torch.float16, 13)])

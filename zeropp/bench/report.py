@@ -5,12 +5,16 @@ from __future__ import annotations
 import csv
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Union
 
 
 def write_csv(rows: Sequence[Mapping[str, Any]], path: str) -> None:
-    """Write ``rows`` as CSV to ``path`` (``"-"``: standard output); the columns are every key seen, in order."""
+    """Write ``rows`` as CSV to ``path`` (``"-"``: standard output; missing folders are made); the columns are every
+    key seen, in order."""
     keys = list(dict.fromkeys(k for row in rows for k in row))
+    if path != "-":
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
     out = sys.stdout if path == "-" else open(path, "w", newline="")
     try:
         writer = csv.DictWriter(out, fieldnames=keys)
