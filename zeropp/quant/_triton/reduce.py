@@ -37,18 +37,18 @@ from .common import (
 
 PIPELINE_STAGES = 3
 """Tiles in flight per program of the persistent reduce-requantize (``tl.range``'s ``num_stages``)."""
+STAGE_CODE_BYTES = 16384
+"""Code bytes, over all groups, of one reduce-requantize tile at most (``requantize_shape``)."""
+SM_CODE_BYTES = 32768
+"""Tile code bytes over the reduce-requantize programs per multiprocessor: ``SM_CODE_BYTES // tile bytes``
+programs (at least one) per SM. The three above were chosen by a sweep on an H100 (bench/RESULTS.md): int4, d = 2
+at 8192 elements x 4 programs per SM, d = 4 at 8192 x 2 and d = 8 at 4096 x 2 were the fastest."""
 MAX_TILE_ROWS = 128
 """Blocks per reduce-requantize tile at most: each thread holds per-row values (scale, reciprocal, mask) of every
 row, and the pipelined loop spilled with 256 (block 16, d = 8, triton 3.6 on an H100)."""
 SHARED_BYTES = 160 * 1024
 """Shared memory the pipeline's buffers may take per program (an A100 allows 163 KiB, an H100 227 KiB): fewer stages
 where a tile is too large for ``PIPELINE_STAGES``."""
-STAGE_CODE_BYTES = 16384
-"""Code bytes, over all groups, of one reduce-requantize tile at most (``requantize_shape``)."""
-SM_CODE_BYTES = 32768
-"""Tile code bytes over the reduce-requantize programs per multiprocessor: ``SM_CODE_BYTES // tile bytes``
-programs (at least one) per SM. These three were chosen by a sweep on an H100 (bench/RESULTS.md): int4, d = 2
-at 8192 elements x 4 programs per SM, d = 4 at 8192 x 2 and d = 8 at 4096 x 2 were the fastest."""
 
 DIVIDE_BY_MULTIPLY = 0
 """``reduce_dequantize`` divides by multiplying with the divisor's exact reciprocal (a power of two)."""
