@@ -88,9 +88,11 @@ struct Elements<kFloat32> {
     static __device__ __forceinline__ void store1(float* p, float v) { *p = v; }
 };
 
-// bfloat16 and float16 elements are handled as their 16-bit patterns, two per 32-bit word (element 2k low).
-template <>
-struct Elements<kBFloat16> {
+// bfloat16 and float16 elements are handled as their 16-bit patterns, two per 32-bit word (element 2k low): one
+// template for both, each format giving only its conversions of a word to two floats and back (rounded to nearest
+// even) and of one element.
+template <typename Format>
+struct HalfElements {
     using T = uint16_t;
     static __device__ __forceinline__ void load16(const uint16_t* p, float (&v)[kPerThread]) {
 #pragma unroll
@@ -99,62 +101,54 @@ struct Elements<kBFloat16> {
             const uint32_t w[4] = {a.x, a.y, a.z, a.w};
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                v[8 * k + 2 * j] = __uint_as_float(w[j] << 16);
-                v[8 * k + 2 * j + 1] = __uint_as_float(w[j] & 0xFFFF0000u);
-            }
-        }
-    }
-    static __device__ __forceinline__ float load1(const uint16_t* p) {
-        return __uint_as_float(uint32_t(__ldg(reinterpret_cast<const unsigned short*>(p))) << 16);
-    }
-    static __device__ __forceinline__ void store16(uint16_t* p, const float (&v)[kPerThread]) {
-#pragma unroll
-        for (int k = 0; k < kPerThread / 8; ++k) {
-            uint32_t w[4];
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                w[j] = bit_cast<uint32_t>(__floats2bfloat162_rn(v[8 * k + 2 * j], v[8 * k + 2 * j + 1]));
-            }
-            reinterpret_cast<uint4*>(p)[k] = make_uint4(w[0], w[1], w[2], w[3]);
-        }
-    }
-    static __device__ __forceinline__ void store1(uint16_t* p, float v) {
-        *p = __bfloat16_as_ushort(__float2bfloat16_rn(v));
-    }
-};
-
-template <>
-struct Elements<kFloat16> {
-    using T = uint16_t;
-    static __device__ __forceinline__ void load16(const uint16_t* p, float (&v)[kPerThread]) {
-#pragma unroll
-        for (int k = 0; k < kPerThread / 8; ++k) {
-            const uint4 a = __ldg(reinterpret_cast<const uint4*>(p) + k);
-            const uint32_t w[4] = {a.x, a.y, a.z, a.w};
-#pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                const float2 f = __half22float2(bit_cast<__half2>(w[j]));
+                const float2 f = Format::unpack(w[j]);
                 v[8 * k + 2 * j] = f.x;
                 v[8 * k + 2 * j + 1] = f.y;
             }
         }
     }
     static __device__ __forceinline__ float load1(const uint16_t* p) {
-        return __half2float(__ushort_as_half(__ldg(reinterpret_cast<const unsigned short*>(p))));
+        return Format::to_float(__ldg(reinterpret_cast<const unsigned short*>(p)));
     }
     static __device__ __forceinline__ void store16(uint16_t* p, const float (&v)[kPerThread]) {
 #pragma unroll
         for (int k = 0; k < kPerThread / 8; ++k) {
             uint32_t w[4];
 #pragma unroll
-            for (int j = 0; j < 4; ++j) {
-                w[j] = bit_cast<uint32_t>(__floats2half2_rn(v[8 * k + 2 * j], v[8 * k + 2 * j + 1]));
-            }
+            for (int j = 0; j < 4; ++j) w[j] = Format::pack(v[8 * k + 2 * j], v[8 * k + 2 * j + 1]);
             reinterpret_cast<uint4*>(p)[k] = make_uint4(w[0], w[1], w[2], w[3]);
         }
     }
-    static __device__ __forceinline__ void store1(uint16_t* p, float v) { *p = __half_as_ushort(__float2half_rn(v)); }
+    static __device__ __forceinline__ void store1(uint16_t* p, float v) { *p = Format::from_float(v); }
 };
+
+struct BFloat16Format {
+    static __device__ __forceinline__ float2 unpack(uint32_t w) {
+        return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xFFFF0000u));
+    }
+    static __device__ __forceinline__ uint32_t pack(float a, float b) {
+        return bit_cast<uint32_t>(__floats2bfloat162_rn(a, b));
+    }
+    static __device__ __forceinline__ float to_float(unsigned short h) { return __uint_as_float(uint32_t(h) << 16); }
+    static __device__ __forceinline__ uint16_t from_float(float v) {
+        return __bfloat16_as_ushort(__float2bfloat16_rn(v));
+    }
+};
+
+struct Float16Format {
+    static __device__ __forceinline__ float2 unpack(uint32_t w) { return __half22float2(bit_cast<__half2>(w)); }
+    static __device__ __forceinline__ uint32_t pack(float a, float b) {
+        return bit_cast<uint32_t>(__floats2half2_rn(a, b));
+    }
+    static __device__ __forceinline__ float to_float(unsigned short h) { return __half2float(__ushort_as_half(h)); }
+    static __device__ __forceinline__ uint16_t from_float(float v) { return __half_as_ushort(__float2half_rn(v)); }
+};
+
+template <>
+struct Elements<kBFloat16> : HalfElements<BFloat16Format> {};
+
+template <>
+struct Elements<kFloat16> : HalfElements<Float16Format> {};
 
 // How many of a thread's 16 elements lie in the first `available` (any int64) from its first: 0 to 16.
 __device__ __forceinline__ int present(int64_t available) {
