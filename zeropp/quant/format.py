@@ -40,6 +40,7 @@ and each slice's pack is contiguous: ``chunks * packed_bytes(chunk_numel)`` byte
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -111,6 +112,14 @@ class BlockFormat:
         """Bytes of ``numel`` elements of ``dtype`` divided by the bytes of their pack (scales included)."""
         packed = self.packed_bytes(numel)
         return numel * dtype.itemsize / packed if packed else 1.0
+
+
+def exact_reciprocal(divisor: float) -> float | None:
+    """``1 / divisor`` when multiplying by it is the same as dividing by ``divisor`` (a float32 value): for a power
+    of two whose reciprocal is a normal float32, the quotient is the same real number, rounded once. ``None``
+    otherwise. How the backends' fused final reduce divides by the world size."""
+    mantissa, exponent = math.frexp(divisor)
+    return 2.0 ** (1 - exponent) if mantissa == 0.5 and -126 <= 1 - exponent <= 127 else None
 
 
 def chunk_numel(numel: int, chunks: int) -> int:

@@ -19,7 +19,6 @@ the fused reduce-dequantize has one pack of output and a 1-D grid.
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .format import BlockFormat
+from .format import BlockFormat, exact_reciprocal
 from .native_loader import NativeBackend
 
 ABI_VERSION = 1
@@ -99,10 +98,8 @@ def divide_mode(divisor: float) -> tuple[np.float32, np.float32, np.int32]:
     0 when ``divisor`` is a power of two whose reciprocal is a normal float32 (multiplying by it is the same
     exact quotient, rounded once), else 1 (IEEE division of every element)."""
     d = np.float32(divisor)
-    mantissa, exponent = math.frexp(float(d))
-    exact = not (mantissa == 0.5 and -126 <= 1 - exponent <= 127)
-    reciprocal = np.float32(0.0) if exact else np.float32(2.0 ** (1 - exponent))
-    return d, reciprocal, np.int32(exact)
+    reciprocal = exact_reciprocal(float(d))
+    return d, np.float32(reciprocal or 0.0), np.int32(reciprocal is None)
 
 
 class Module:

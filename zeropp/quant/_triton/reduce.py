@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..format import BlockFormat
+from ..format import BlockFormat, exact_reciprocal
 from .common import (
     TILE_ELEMENTS,
     LaunchShape,
@@ -236,8 +236,7 @@ def divide_mode(divisor: float) -> tuple[int, float]:
     """How ``reduce_dequantize`` divides by ``divisor``, and the correctly rounded float32 ``1 / divisor``."""
     d = np.float32(divisor)
     reciprocal = float(np.float32(1.0) / d)
-    mantissa, _ = np.frexp(d)
-    if float(d) == divisor and mantissa == 0.5 and np.isfinite(reciprocal) and reciprocal >= 2.0**-126:
+    if float(d) == divisor and exact_reciprocal(divisor) is not None:
         return DIVIDE_BY_MULTIPLY, reciprocal
     if float(d) == divisor and divisor.is_integer() and 1 <= divisor <= 2**16:
         return DIVIDE_FAST, reciprocal
