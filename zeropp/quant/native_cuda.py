@@ -139,15 +139,17 @@ class Module:
             kernel = self._kernels[name] = self._raw.get_function(name)
         return kernel
 
-    def launch(self, device: torch.device, name: str, grid: tuple[int, int, int], block: int,
+    def launch(self, device: torch.device, name: str, fmt: BlockFormat, blocks: int, packs: int,
                args: tuple[Any, ...]) -> None:
-        """Launch kernel ``name`` on ``device``, on torch's current stream there; ``args`` are numpy scalars of
-        the kernel's parameter types (pointers as ``numpy.uint64``)."""
+        """Launch kernel ``name`` over ``packs`` packs of ``blocks`` blocks of ``fmt`` (``_grid``, ``threads``) on
+        ``device``, on torch's current stream there; ``args`` are numpy scalars of the kernel's parameter types
+        (pointers as ``numpy.uint64``)."""
         cupy = self._cupy
+        grid, block = _grid(blocks, packs, fmt.block_size), (threads(fmt.block_size), 1, 1)
         with cupy.cuda.Device(device.index):
             stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream)
             with stream:
-                self._kernel(name)(grid, (block, 1, 1), args)
+                self._kernel(name)(grid, block, args)
 
     def quantize_chunks(self, x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, out: torch.Tensor) -> None:
         """As ``reference.quantize_chunks``."""
@@ -160,8 +162,9 @@ class Module:
         self.launch(
             x.device,
             kernel_name("quantize_chunks", fmt.bits, x.dtype),
-            _grid(blocks, chunks, fmt.block_size),
-            threads(fmt.block_size),
+            fmt,
+            blocks,
+            chunks,
             (_pointer(x), _pointer(out), np.int64(numel), np.int64(chunk_numel), np.int64(blocks),
              np.int64(fmt.packed_bytes(chunk_numel)), np.int32(chunks), np.int32(nodes), np.int32(fmt.block_size)),
         )
@@ -177,8 +180,9 @@ class Module:
         self.launch(
             buf.device,
             kernel_name("dequantize_chunks", fmt.bits, out.dtype),
-            _grid(blocks, packs, fmt.block_size),
-            threads(fmt.block_size),
+            fmt,
+            blocks,
+            packs,
             (_pointer(buf), _pointer(out), np.int64(out_numel), np.int64(chunk_numel), np.int64(blocks),
              np.int64(fmt.packed_bytes(chunk_numel)), np.int32(packs), np.int32(fmt.block_size)),
         )
@@ -192,8 +196,9 @@ class Module:
         self.launch(
             buf.device,
             kernel_name("reduce_requantize", fmt.bits),
-            _grid(blocks, chunks, fmt.block_size),
-            threads(fmt.block_size),
+            fmt,
+            blocks,
+            chunks,
             (_pointer(buf), _pointer(out), np.int64(blocks), np.int64(fmt.packed_bytes(chunk_numel)),
              np.int32(groups), np.int32(chunks), np.int32(fmt.block_size)),
         )
@@ -208,8 +213,9 @@ class Module:
         self.launch(
             buf.device,
             kernel_name("reduce_dequantize", fmt.bits, out.dtype),
-            _grid(fmt.num_blocks(out_numel), 1, fmt.block_size),
-            threads(fmt.block_size),
+            fmt,
+            fmt.num_blocks(out_numel),
+            1,
             (_pointer(buf), _pointer(out), np.int64(out_numel), np.int64(fmt.num_blocks(chunk_numel)),
              np.int64(fmt.packed_bytes(chunk_numel)), d, reciprocal, np.int32(groups), exact_division,
              np.int32(fmt.block_size)),
