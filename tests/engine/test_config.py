@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import sys
 
 import pytest
 
-from zeropp.config import Config, ConfigError, load_config
+from zeropp.config import Config, ConfigError, ZeroConfig, load_config, to_dict
 
 BASE = {"train_micro_batch_size_per_gpu": 2}
 
@@ -111,16 +113,38 @@ def err(config, world: int = 1) -> str:
         ({**BASE, "optimizer": {"type": "SGD", "params": {"betas": [0.9, 0.9]}}}, 1,
          ["optimizer.params.betas", "momentum"]),
         # DeepSpeed keys we do not support: said so
-        ({**BASE, "scheduler": {"type": "WarmupLR"}}, 1, ["scheduler", "does not support"]),
+        ({**BASE, "scheduler": {"type": "LRRangeTest"}}, 1, ["scheduler.type='LRRangeTest'", "WarmupCosineLR"]),
         ({**BASE, "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}, 1,
-         ["zero_optimization.offload_optimizer", "does not support", "offload"]),
+         ["zero_optimization.offload_optimizer.device='cpu'", "offload is not supported", 'set it to "none"']),
         ({**BASE, "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, 1,
-         ["offload_param", "does not support"]),
-        ({**BASE, "zero_optimization": {"sub_group_size": 1e9}}, 1, ["sub_group_size", "does not support"]),
+         ["offload_param.device='nvme'", "not supported"]),
+        ({**BASE, "zero_optimization": {"zero_quantized_nontrainable_weights": True}}, 1,
+         ["zero_quantized_nontrainable_weights", "does not support", "remove it"]),
+        ({**BASE, "tensorboard": {"enabled": True, "output_path": "tb"}}, 1, ["tensorboard.enabled=true", "false"]),
+        ({**BASE, "prescale_gradients": True}, 1, ["prescale_gradients=True", "set it to false"]),
+        ({**BASE, "gradient_predivide_factor": 2.0}, 1, ["gradient_predivide_factor=2.0", "set it to 1.0"]),
+        ({**BASE, "communication_data_type": "int8"}, 1, ["communication_data_type='int8'", '"bf16"']),
+        ({**BASE, "steps_per_print": 0}, 1, ["steps_per_print=0", ">= 1"]),
+        ({**BASE, "wall_clock_breakdown": 1}, 1, ["wall_clock_breakdown=1", "true or false"]),
+        ({**BASE, "bf16": {"enabled": True}, "bfloat16": {"enabled": True}}, 1, ["bfloat16 and bf16", "only bf16"]),
+        ({**BASE, "bf16": {"enabled": True, "immediate_grad_update": True}}, 1,
+         ["bf16.immediate_grad_update=true", "stage 1"]),
+        ({**BASE, "scheduler": {"type": "WarmupDecayLR", "params": {}}}, 1,
+         ["scheduler.params.total_num_steps is required"]),
+        ({**BASE, "scheduler": {"type": "WarmupLR", "params": {"warmup_type": "exp"}}}, 1,
+         ["scheduler.params.warmup_type='exp'", '"linear"']),
+        ({**BASE, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}}, 1,
+         ["scheduler.params.warmup_num_steps=0", ">= 1"]),
+        ({**BASE, "scheduler": {"type": "WarmupLR", "params": {"warmup_steps": 10}}}, 1,
+         ["scheduler.params.warmup_steps", "did you mean 'warmup_num_steps'"]),
+        ({**BASE, "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.1, "cycle_max_lr": 1,
+                                                                "cycle_min_mom": 0.95}}}, 1,
+         ["cycle_min_mom=0.95", "<= cycle_max_mom=0.9"]),
         ({**BASE, "zero_optimization": {"stage": 0}}, 1, ["stage=0", "not supported"]),
-        ({**BASE, "zero_optimization": {"contiguous_gradients": False}}, 1,
-         ["contiguous_gradients=False", "not supported"]),
-        ({**BASE, "fp16": {"enabled": True, "auto_cast": True}}, 1, ["fp16.auto_cast", "does not support"]),
+        ({**BASE, "zero_optimization": {"ignore_unused_parameters": False}}, 1,
+         ["ignore_unused_parameters=False", "not supported", "set it to true"]),
+        ({**BASE, "zero_optimization": {"reduce_scatter": "no"}}, 1, ["reduce_scatter='no'", "true or false"]),
+        ({**BASE, "fp16": {"enabled": True, "auto_cast": True}}, 1, ["fp16.auto_cast=True", "set it to false"]),
         ({**BASE, "optimizer": {"type": "OneBitAdam"}}, 1, ["OneBitAdam", "does not support"]),
         ({**BASE, "optimizer": {"type": "AdamW", "params": {"amsgrad": True}}}, 1, ["amsgrad", "does not support"]),
         # bad values
@@ -185,3 +209,241 @@ def test_quantized_collectives_at_every_stage_hpz_at_stage_3_only():
         assert (z.weight_bits, z.gradient_bits) == (8, 4)
     with pytest.raises(ConfigError, match="zero_hpz_partition_size=2 applies to the stage-3"):
         cfg(zero_optimization={"stage": 2, "zero_hpz_partition_size": 2})
+
+
+# ---- configs as DeepSpeed and its users publish them ----------------------------------------------------------
+
+# DeepSpeed's ZeRO++ tutorial (deepspeed.ai/tutorials/zeropp), its zero_optimization block verbatim; the tutorial
+# launches with --fp16 and DeepSpeed needs a batch size, so those two are added.
+ZEROPP_TUTORIAL = {
+    "train_micro_batch_size_per_gpu": 1,
+    "fp16": {"enabled": True},
+    "zero_optimization": {
+        "stage": 3,
+        "reduce_bucket_size": 10000000,
+        "reduce_scatter": False,
+        "zero_quantized_weights": True,
+        "zero_hpz_partition_size": 16,
+        "zero_quantized_gradients": True,
+        "contiguous_gradients": True,
+        "overlap_comm": True,
+    },
+}
+
+# The Hugging Face Trainer's ZeRO-3 template (transformers tests/deepspeed/ds_config_zero3.json), verbatim.
+HF_ZERO3 = {
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16,
+             "hysteresis": 2, "min_loss_scale": 1},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto",
+                                                  "warmup_num_steps": "auto"}},
+    "zero_optimization": {
+        "stage": 3,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True},
+        "overlap_comm": True,
+        "contiguous_gradients": True,
+        "sub_group_size": 1e14,
+        "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto",
+        "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9,
+        "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_fp16_weights_on_model_save": True,
+    },
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": "auto",
+    "steps_per_print": 2000,
+    "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto",
+    "wall_clock_breakdown": False,
+}
+HF_AUTO_KEYS = [
+    "fp16.enabled", "optimizer.params.lr", "optimizer.params.betas", "optimizer.params.eps",
+    "optimizer.params.weight_decay", "scheduler.params.warmup_min_lr", "scheduler.params.warmup_max_lr",
+    "scheduler.params.warmup_num_steps", "zero_optimization.reduce_bucket_size",
+    "zero_optimization.stage3_prefetch_bucket_size", "zero_optimization.stage3_param_persistence_threshold",
+    "gradient_accumulation_steps", "gradient_clipping", "train_batch_size", "train_micro_batch_size_per_gpu",
+]
+
+
+def hf_filled() -> dict:
+    """HF_ZERO3 with the values the Trainer fills in for --per_device_train_batch_size 4 --learning_rate 3e-5
+    --warmup_steps 500 on 2 ranks, and offload turned off the documented way (``"device": "none"``)."""
+    c = json.loads(json.dumps(HF_ZERO3))
+    c["fp16"]["enabled"] = True
+    c["optimizer"]["params"] = {"lr": 3e-5, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+    c["scheduler"]["params"] = {"warmup_min_lr": 0, "warmup_max_lr": 3e-5, "warmup_num_steps": 500}
+    z = c["zero_optimization"]
+    z.update(reduce_bucket_size=589824, stage3_prefetch_bucket_size=530841, stage3_param_persistence_threshold=7680)
+    z["offload_optimizer"]["device"] = z["offload_param"]["device"] = "none"
+    c.update(gradient_accumulation_steps=1, gradient_clipping=1.0, train_batch_size=8, train_micro_batch_size_per_gpu=4)
+    return c
+
+
+def deepspeed_chat(stage: int, enable_tensorboard: bool = False) -> dict:
+    """DeepSpeed-Chat's training config (DeepSpeedExamples applications/DeepSpeed-Chat/dschat/utils/ds_utils.py,
+    ``get_train_ds_config(offload=False, dtype="bf16", stage=stage)``), as that function builds it."""
+    device = "none"
+    zero_opt_dict = {
+        "stage": stage,
+        "overlap_comm": True,
+        "offload_param": {"device": device},
+        "offload_optimizer": {"device": device},
+        "stage3_param_persistence_threshold": 1e4,
+        "stage3_max_live_parameters": 3e7,
+        "stage3_prefetch_bucket_size": 3e7,
+        "memory_efficient_linear": False,
+    }
+    return {
+        "train_batch_size": 32,
+        "train_micro_batch_size_per_gpu": 4,
+        "steps_per_print": 10,
+        "zero_optimization": zero_opt_dict,
+        "bfloat16": {"enabled": True},
+        "gradient_clipping": 1.0,
+        "prescale_gradients": False,
+        "wall_clock_breakdown": False,
+        "hybrid_engine": {"enabled": False, "max_out_tokens": 512, "inference_tp_size": 1,
+                          "release_inference_cache": False, "pin_parameters": True, "tp_gather_partition_size": 8},
+        "tensorboard": {"enabled": enable_tensorboard, "output_path": "/tmp/step1_tensorboard/ds_tensorboard_logs/",
+                        "job_name": "step1_model_tensorboard"},
+    }
+
+
+def test_zeropp_tutorial_config():
+    c = load_config(ZEROPP_TUTORIAL, world_size=32)
+    z = c.zero
+    assert (z.stage, z.weight_bits, z.gradient_bits, z.zero_hpz_partition_size) == (3, 8, 4, 16)
+    assert z.reduce_bucket_size == 10_000_000 and z.overlap_comm and c.fp16.enabled
+    assert (c.train_batch_size, c.gradient_accumulation_steps, c.steps_per_print) == (32, 1, 10)
+
+
+def test_hf_trainer_zero3_template_filled_in():
+    c = load_config(hf_filled(), world_size=2)
+    assert (c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps) == (8, 4, 1)
+    assert c.scheduler.type == "WarmupLR"
+    assert dict(c.scheduler.params) == {"warmup_min_lr": 0.0, "warmup_max_lr": 3e-5, "warmup_num_steps": 500,
+                                        "warmup_type": "log", "last_batch_iteration": -1}
+    z = c.zero
+    assert (z.stage3_max_live_parameters, z.stage3_max_reuse_distance) == (10**9, 10**9)
+    assert z.stage3_param_persistence_threshold == 7680 and z.sub_group_size == 10**14
+    assert z.stage3_gather_16bit_weights_on_model_save  # from DeepSpeed's older spelling
+    assert z.reduce_bucket_size == 589824 and isinstance(z.stage3_max_live_parameters, int)
+    assert (c.steps_per_print, c.wall_clock_breakdown, c.communication_data_type) == (2000, False, None)
+
+
+def test_hf_trainer_zero3_template_as_published_is_one_error_naming_every_auto():
+    message = err(HF_ZERO3, world=2)
+    assert message.startswith("3 problems in the config:"), message
+    lines = message.splitlines()[1:]
+    assert len(lines) == 3, message
+    auto_line = lines[0]
+    assert "Hugging Face Trainer" in auto_line
+    for key in HF_AUTO_KEYS:
+        assert key in auto_line, (key, auto_line)
+    assert auto_line.count(",") == len(HF_AUTO_KEYS) - 1  # no other key named
+    assert "offload_optimizer.device='cpu'" in lines[1] and "offload_param.device='cpu'" in lines[2]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_deepspeed_chat_config(stage):
+    c = load_config(deepspeed_chat(stage), world_size=8)
+    assert c.bf16.enabled and not c.fp16.enabled and c.gradient_clipping == 1.0
+    assert (c.train_batch_size, c.train_micro_batch_size_per_gpu, c.gradient_accumulation_steps) == (32, 4, 1)
+    z = c.zero
+    assert (z.stage, z.stage3_param_persistence_threshold, z.stage3_max_live_parameters) == (stage, 10**4, 3 * 10**7)
+    assert z.stage3_prefetch_bucket_size == 3 * 10**7 and z.overlap_comm
+    assert "tensorboard.enabled=true" in err(deepspeed_chat(stage, enable_tensorboard=True), world=8)
+
+
+def test_five_problems_in_one_error():
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_cliping": 1.0,                                     # misspelt
+        "fp16": {"enabled": True, "loss_scale_window": 0},           # out of range
+        "scheduler": {"type": "WarmupCosineLR", "params": {}},       # total_num_steps missing
+        "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}, "zero_hpz_partition_size": "2"},
+    }
+    message = err(config)
+    lines = message.splitlines()
+    assert lines[0] == "5 problems in the config:" and len(lines) == 6, message
+    for needle in ["'gradient_cliping'; did you mean 'gradient_clipping'", "fp16.loss_scale_window=0 must be >= 1",
+                   "scheduler.params.total_num_steps is required", "offload_param.device='cpu'",
+                   "zero_hpz_partition_size='2' must be an integer"]:
+        assert sum(needle in line for line in lines[1:]) == 1, (needle, message)
+
+
+def test_no_follow_on_errors():
+    """A bad stage is one problem: the checks that depend on it (hpZ needs stage 3) are not made on a fallback."""
+    message = err({**BASE, "zero_optimization": {"stage": "three", "zero_hpz_partition_size": 2}})
+    assert "\n" not in message and "stage='three' must be an integer" in message
+
+
+@pytest.mark.parametrize("given, expected", [("fp32", "fp32"), ("float32", "fp32"), ("FP16", "fp16"),
+                                             ("half", "fp16"), ("bf16", "bf16"), ("bfloat16", "bf16"), (None, None)])
+def test_communication_data_type_spellings(given, expected):
+    assert cfg(communication_data_type=given).communication_data_type == expected
+
+
+def test_new_keys_take_deepspeeds_defaults():
+    c = cfg()
+    z = c.zero
+    assert (c.steps_per_print, c.wall_clock_breakdown, c.scheduler, c.communication_data_type) == (10, False, None,
+                                                                                                   None)
+    assert (z.stage3_max_live_parameters, z.stage3_max_reuse_distance, z.stage3_param_persistence_threshold) == (
+        1_000_000_000, 1_000_000_000, 100_000)
+    assert z.stage3_model_persistence_threshold == sys.maxsize
+    assert (z.allgather_bucket_size, z.sub_group_size, z.stage3_gather_16bit_weights_on_model_save) == (
+        500_000_000, 1_000_000_000, False)
+
+
+@pytest.mark.parametrize("kind, params, expected", [
+    ("warmupdecaylr", {"total_num_steps": 100}, {"total_num_steps": 100, "warmup_min_lr": 0.0, "warmup_max_lr": 0.001,
+                                                 "warmup_num_steps": 1000, "warmup_type": "log"}),
+    ("WarmupCosineLR", {"total_num_steps": 10, "warmup_type": "linear"},
+     {"total_num_steps": 10, "warmup_min_ratio": 0.0, "warmup_num_steps": 1000, "cos_min_ratio": 0.0001,
+      "warmup_type": "linear"}),
+    ("OneCycle", {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3},
+     {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3, "decay_lr_rate": 0.0, "cycle_first_step_size": 2000,
+      "cycle_second_step_size": None, "cycle_first_stair_count": 0, "cycle_second_stair_count": None,
+      "decay_step_size": 0, "cycle_momentum": True, "cycle_min_mom": 0.8, "cycle_max_mom": 0.9,
+      "decay_mom_rate": 0.0}),
+    ("WarmupLR", {"warmup_min_lr": [0, 1e-5]}, {"warmup_min_lr": (0.0, 1e-5), "warmup_max_lr": None,
+                                                "warmup_num_steps": 1000, "warmup_type": "log"}),
+])
+def test_scheduler_defaults_are_deepspeeds(kind, params, expected):
+    s = cfg(scheduler={"type": kind, "params": params}).scheduler
+    assert s.type.lower() == kind.lower() and dict(s.params) == {**expected, "last_batch_iteration": -1}
+
+
+def test_round_trip_keeps_every_field():
+    """``to_dict`` then ``Config.parse`` gives the same config, with every field away from its default."""
+    config = {
+        "train_batch_size": 24, "gradient_accumulation_steps": 3, "gradient_clipping": 0.5,
+        "steps_per_print": 7, "wall_clock_breakdown": True, "communication_data_type": "bfloat16",
+        "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 50,
+                 "hysteresis": 3, "min_loss_scale": 0.5},
+        "optimizer": {"type": "Adam", "params": {"lr": 0.1, "betas": [0.8, 0.9], "adam_w_mode": False}},
+        "scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1,
+                                                      "cycle_second_step_size": 7, "last_batch_iteration": 3}},
+        "zero_optimization": {
+            "stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
+            "zero_hpz_partition_size": 2, "reduce_bucket_size": 11, "stage3_prefetch_bucket_size": 12,
+            "overlap_comm": False, "stage3_max_live_parameters": 13, "stage3_max_reuse_distance": 14,
+            "stage3_param_persistence_threshold": 15, "stage3_model_persistence_threshold": 16,
+            "allgather_bucket_size": 17, "sub_group_size": 18, "stage3_gather_16bit_weights_on_model_save": True,
+            "zeropp": {"weight_bits": 4, "gradient_bits": 8, "block_size": 64, "error_feedback": True},
+        },
+    }
+    c = load_config(config, world_size=4)
+    defaults = Config(train_batch_size=1, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)
+    for f in dataclasses.fields(Config):
+        if f.name not in ("world_size", "bf16"):  # bf16 and fp16 cannot both be on: fp16 is
+            assert getattr(c, f.name) != getattr(defaults, f.name), f.name
+    for f in dataclasses.fields(ZeroConfig):
+        if f.name != "overlap_comm":  # its default is true at stage 3: false is the non-default here
+            assert getattr(c.zero, f.name) != getattr(ZeroConfig(), f.name), f.name
+    assert not c.zero.overlap_comm
+    assert Config.parse(to_dict(c), world_size=4) == c
+    assert load_config(c, world_size=2) == dataclasses.replace(c, world_size=2, train_batch_size=12)

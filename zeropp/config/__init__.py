@@ -1,0 +1,154 @@
+"""DeepSpeed-compatible training configuration, parsed and validated once, at ``zeropp.initialize``.
+
+``load_config(config, world_size)`` takes a dict or the path of a JSON file and returns a frozen ``Config``.
+Keys are spelled as DeepSpeed spells them, with DeepSpeed's defaults::
+
+    {
+      "train_batch_size": 32,                     # = micro batch * gradient_accumulation_steps * world size
+      "train_micro_batch_size_per_gpu": 4,
+      "gradient_accumulation_steps": 2,
+      "gradient_clipping": 1.0,                   # clip by global norm; 0 (default) = off
+      "steps_per_print": 10,                      # rank 0 prints one progress line every N optimizer steps
+      "wall_clock_breakdown": false,              # add forward/backward/step times (ms) to that line
+      "communication_data_type": null,            # dtype of the exact gradient reduce-scatter (null: compute dtype)
+      "bf16": {"enabled": false},                 # also read under DeepSpeed's older name "bfloat16"
+      "fp16": {"enabled": false, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+               "hysteresis": 2, "min_loss_scale": 1},           # loss_scale 0 = dynamic
+      "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8,
+                                                 "weight_decay": 0.01}},
+      "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3,
+                                                    "warmup_num_steps": 1000, "warmup_type": "log"}},
+      "zero_optimization": {
+        "stage": 3,                               # 1, 2 or 3
+        "zero_quantized_weights": false,          # qwZ (stages 1-3: every weight all-gather)
+        "zero_quantized_gradients": false,        # qgZ (stages 1-3: every gradient reduce-scatter)
+        "zero_hpz_partition_size": 1,             # hpZ, stage 3: ranks holding the secondary shard (1 = off);
+                                                  # must divide the ranks per node (checked at initialize)
+        "reduce_bucket_size": 500000000,
+        "stage3_prefetch_bucket_size": 50000000,
+        "overlap_comm": false,                    # default true at stage 3, as DeepSpeed
+        "stage3_max_live_parameters": 1000000000,
+        "stage3_max_reuse_distance": 1000000000,
+        "stage3_param_persistence_threshold": 100000,
+        "stage3_model_persistence_threshold": sys.maxsize,
+        "stage3_gather_16bit_weights_on_model_save": false,
+        "zeropp": {"weight_bits": 8, "gradient_bits": 4, "block_size": 128, "error_feedback": false}
+      }
+    }
+
+Batch sizes follow DeepSpeed's rules: any two of ``train_batch_size``, ``train_micro_batch_size_per_gpu`` and
+``gradient_accumulation_steps`` determine the third; ``train_batch_size`` alone means one accumulation step;
+``train_micro_batch_size_per_gpu`` alone means one accumulation step too; all three must agree.
+
+Optimizers (``optimizer.type``, case-insensitive), with torch.optim's parameter names and defaults:
+
+* ``AdamW``: ``lr`` (1e-3), ``betas`` ([0.9, 0.999]), ``eps`` (1e-8), ``weight_decay`` (0.01);
+* ``Adam``: the same with ``weight_decay`` 0 and, as in DeepSpeed, ``adam_w_mode`` (default **true**: the weight
+  decay is decoupled, i.e. AdamW); ``adam_w_mode: false`` gives torch.optim.Adam's L2 penalty;
+* ``SGD``: ``lr`` (1e-3), ``momentum`` (0), ``dampening`` (0), ``weight_decay`` (0), ``nesterov`` (false).
+
+The implementation switches ``torch_adam``, ``fused`` and ``foreach`` are accepted and change nothing (the arithmetic
+is torch.optim's single-tensor one); ``bias_correction`` is accepted as true only.
+
+Schedulers (``scheduler.type``; ``zeropp.engine.scheduler`` has the formulas), DeepSpeed's types with DeepSpeed's
+parameter names and defaults, stepped once per applied optimizer step (``engine.step()`` at an accumulation
+boundary; not on an fp16-skipped step, as DeepSpeed):
+
+* ``WarmupLR``: ``warmup_min_lr`` (0), ``warmup_max_lr`` (the optimizer's lr), ``warmup_num_steps`` (1000),
+  ``warmup_type`` (``"log"`` or ``"linear"``; DeepSpeed falls back to log on anything else, zeropp rejects it);
+* ``WarmupDecayLR``: the same plus ``total_num_steps`` (required) and ``warmup_max_lr`` 0.001: linear decay to
+  ``warmup_min_lr`` at ``total_num_steps``;
+* ``WarmupCosineLR``: ``total_num_steps`` (required), ``warmup_min_ratio`` (0), ``warmup_num_steps`` (1000),
+  ``cos_min_ratio`` (1e-4), ``warmup_type`` (log): ratios of each group's lr at construction;
+* ``OneCycle``: ``cycle_min_lr``, ``cycle_max_lr`` (required), ``decay_lr_rate`` (0), ``cycle_first_step_size``
+  (2000), ``cycle_second_step_size`` (= first), ``cycle_first_stair_count`` (0), ``cycle_second_stair_count``
+  (= first), ``decay_step_size`` (0), ``cycle_momentum`` (true: Adam's ``betas`` become ``(mom, 0.99)``, as
+  DeepSpeed; ignored with a warning for SGD), ``cycle_min_mom`` (0.8), ``cycle_max_mom`` (0.9),
+  ``decay_mom_rate`` (0).
+
+Each also takes ``last_batch_iteration`` (-1: start from the beginning).
+
+``communication_data_type`` (``"fp32"``, ``"fp16"``, ``"bf16"``; also ``"float32"``, ``"float"``, ``"float16"``,
+``"half"``, ``"bfloat16"``; null: DeepSpeed's default, the compute dtype): the dtype in which the exact (not qgZ)
+gradient reduce-scatter sends and sums. qgZ always quantizes from and sums in fp32.
+
+DeepSpeed's stage-3 tuning keys, with DeepSpeed's defaults and their meaning in zeropp, where a unit (a group of
+parameters gathered together, ``zeropp.engine.policy``) plays the part of DeepSpeed's parameter:
+
+* ``stage3_max_live_parameters``: at most this many elements of gathered units held at once beyond the one in use
+  (look-ahead and units kept for reuse);
+* ``stage3_max_reuse_distance``: a unit whose next use (in the recorded order of the previous step) comes within
+  this many gathered elements is kept gathered instead of freed, e.g. the last unit of the forward, whose
+  backward follows at once;
+* ``stage3_param_persistence_threshold``: a unit with fewer elements than this stays gathered for the whole run
+  (never freed, no re-gather); ``stage3_model_persistence_threshold``: the total elements of such persistent
+  units is at most this;
+* ``stage3_gather_16bit_weights_on_model_save``: ``engine.save_16bit_model`` at stage 3 gathers the whole weights
+  and writes them; false (DeepSpeed's default) writes nothing and warns, as DeepSpeed
+  (``stage3_gather_fp16_weights_on_model_save``, DeepSpeed's older spelling, is read too);
+* ``allgather_bucket_size`` (5e8) and ``sub_group_size`` (1e9) are read and have no effect: the stage-1/2 weight
+  gather runs unit by unit, and the optimizer steps each unit's shard in turn.
+
+Our own keys live in ``zero_optimization.zeropp`` (all optional):
+
+* ``weight_bits`` (8 or 4, default 8): code width of the qwZ weight all-gather when ``zero_quantized_weights``;
+* ``gradient_bits`` (8 or 4, default 4): code width of the qgZ reduce-scatter when ``zero_quantized_gradients``;
+* ``block_size`` (a power of two from 16 to 8192, default 128): elements per quantization block;
+* ``error_feedback`` (default false): keep each gradient buffer's qgZ quantization residual and add it back at
+  the next reduction (``zeropp.comm.ErrorFeedback``); needs ``zero_quantized_gradients``.
+
+DeepSpeed keys accepted as harmless (decided one by one):
+
+* describing what zeropp does, accepted with that value only: ``prescale_gradients: false``,
+  ``gradient_predivide_factor: 1.0``, ``memory_breakdown: false``, ``dump_state: false``, ``sparse_gradients:
+  false``, ``fp32_allreduce: false`` (for an fp32 reduction set ``communication_data_type``), ``fp16.auto_cast:
+  false``, ``fp16.consecutive_hysteresis: false``, ``fp16.fp16_master_weights_and_grads: false``, and in
+  ``zero_optimization``: ``ignore_unused_parameters: true``, ``load_from_fp32_weights: true``,
+  ``elastic_checkpoint``, ``cpu_offload``, ``cpu_offload_params``, ``cpu_offload_use_pin_memory``,
+  ``legacy_stage1``, ``use_all_reduce_for_fetch_params``, ``pipeline_loading_checkpoint``: all ``false``;
+* ``zero_optimization.offload_optimizer`` / ``offload_param`` with ``"device": "none"`` (DeepSpeed's default:
+  off; the block's other keys are not read); any other device is an error (no offload);
+* how DeepSpeed implements what zeropp computes its own way, any boolean, no effect on the result:
+  ``contiguous_gradients``, ``allgather_partitions``, ``reduce_scatter`` (false: DeepSpeed all-reduces; zeropp
+  always reduce-scatters, the same average), ``round_robin_gradients``, ``memory_efficient_linear``,
+  ``log_trace_cache_warnings``; ``zero_allow_untested_optimizer`` (only the optimizers above exist);
+* ``bf16.immediate_grad_update``: stages 2 and 3 always reduce each micro-batch's gradient into the fp32 shard
+  (the immediate update), so any value is accepted there; stage 1 accumulates in the bf16 ``.grad`` (DeepSpeed's
+  ZeRO-1), so true is an error at stage 1;
+* feature blocks zeropp does not have, accepted while ``enabled`` is false (or absent): ``amp``, ``torch_autocast``,
+  ``flops_profiler``, ``tensorboard``, ``wandb``, ``csv_monitor``, ``comms_logger``, ``hybrid_engine``,
+  ``elasticity``, ``autotuning``, ``data_efficiency``, ``curriculum_learning``.
+
+Errors (``ConfigError``, a ``ValueError``) are raised here, never mid-run, and list every problem of the config at
+once, one line each naming the key and what to change. An unknown key gets the closest valid spelling and the valid
+keys at its level. A DeepSpeed key that zeropp does not implement (real offload, pipeline, activation checkpointing,
+``zero_quantized_nontrainable_weights``, MiCS, ...) says so. ``"auto"`` values (placeholders the Hugging Face
+Trainer fills in) give one line naming every ``"auto"`` key.
+
+One file per responsibility: ``errors`` (``ConfigError``, the problem collector), ``readers`` (reading one value
+or block), ``blocks`` (``bf16``, ``fp16``, ``zero_optimization``), ``optimizer``, ``scheduler``, ``batch`` (the
+batch-size arithmetic), ``training`` (``Config``, the top-level keys), ``load`` (``load_config``, ``to_dict``).
+"""
+
+from .blocks import BF16Config, FP16Config, ZeroConfig, ZeroppConfig
+from .errors import ConfigError, Problems
+from .load import load_config, to_dict
+from .optimizer import OptimizerConfig
+from .scheduler import SCHEDULER_TYPES, SchedulerConfig
+from .training import COMMUNICATION_DTYPES, Config
+
+__all__ = [
+    "COMMUNICATION_DTYPES",
+    "SCHEDULER_TYPES",
+    "BF16Config",
+    "Config",
+    "ConfigError",
+    "FP16Config",
+    "OptimizerConfig",
+    "Problems",
+    "SchedulerConfig",
+    "ZeroConfig",
+    "ZeroppConfig",
+    "load_config",
+    "to_dict",
+]

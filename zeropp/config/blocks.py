@@ -1,0 +1,248 @@
+"""The precision and ZeRO blocks: ``bf16``, ``fp16``, ``zero_optimization`` and its ``zeropp`` sub-block (what each
+key means: the ``zeropp.config`` docstring)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import Problems
+from .readers import (
+    as_bool,
+    check_fixed,
+    check_keys,
+    dotted,
+    get_block,
+    get_bool,
+    get_float,
+    get_int,
+    is_auto,
+)
+
+
+@dataclass(frozen=True)
+class BF16Config:
+    """``bf16`` (DeepSpeed also reads it as ``bfloat16``): compute in bfloat16 with fp32 master weights, optimizer
+    state and gradient shards."""
+
+    enabled: bool = False
+
+    @classmethod
+    def parse(cls, block: Mapping[str, Any], p: Problems, where: str = "bf16", stage: int | None = None) -> BF16Config:
+        check_keys(p, block, where, ["enabled", "immediate_grad_update"])
+        if "immediate_grad_update" in block:
+            name = f"{where}.immediate_grad_update"
+            if as_bool(p, block["immediate_grad_update"], name) and stage == 1:
+                p.add(name, f"{name}=true asks for each micro-batch's gradient in fp32 at once; stage 1 accumulates "
+                            "micro-batches in the bf16 .grad (as DeepSpeed's ZeRO-1): set it to false, or use stage "
+                            "2 or 3 (which always reduce each micro-batch into the fp32 gradient shard)")
+        return cls(enabled=get_bool(p, block, "enabled", where, False))
+
+
+_FP16_FIXED = {
+    "auto_cast": (False, "inputs are not cast; the model runs in the compute dtype"),
+    "consecutive_hysteresis": (False, "the hysteresis counter is restored only by a scale increase"),
+    "fp16_master_weights_and_grads": (False, "master weights and gradients are always fp32"),
+}
+
+
+@dataclass(frozen=True)
+class FP16Config:
+    """``fp16``: compute in float16 with loss scaling; ``loss_scale`` 0 means dynamic (DeepSpeed's default)."""
+
+    enabled: bool = False
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+
+    @property
+    def dynamic(self) -> bool:
+        return self.loss_scale == 0.0
+
+    @classmethod
+    def parse(cls, block: Mapping[str, Any], p: Problems) -> FP16Config:
+        w = "fp16"
+        valid = ["enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale"]
+        check_keys(p, block, w, [*valid, *_FP16_FIXED])
+        check_fixed(p, block, w, _FP16_FIXED)
+        d = cls()
+        return cls(
+            enabled=get_bool(p, block, "enabled", w, False),
+            loss_scale=get_float(p, block, "loss_scale", w, d.loss_scale, minimum=0.0),
+            initial_scale_power=get_int(p, block, "initial_scale_power", w, d.initial_scale_power, minimum=0),
+            loss_scale_window=get_int(p, block, "loss_scale_window", w, d.loss_scale_window, minimum=1),
+            hysteresis=get_int(p, block, "hysteresis", w, d.hysteresis, minimum=1),
+            min_loss_scale=get_float(p, block, "min_loss_scale", w, d.min_loss_scale, minimum=0.0),
+        )
+
+
+_POW2_BLOCKS = [2**k for k in range(4, 14)]
+
+
+@dataclass(frozen=True)
+class ZeroppConfig:
+    """``zero_optimization.zeropp``: our own ZeRO++ settings (see the ``zeropp.config`` docstring)."""
+
+    weight_bits: int = 8
+    gradient_bits: int = 4
+    block_size: int = 128
+    error_feedback: bool = False
+
+    @classmethod
+    def parse(cls, block: Mapping[str, Any], p: Problems) -> ZeroppConfig:
+        w = "zero_optimization.zeropp"
+        check_keys(p, block, w, ["weight_bits", "gradient_bits", "block_size", "error_feedback"])
+        d = cls()
+        values: dict[str, Any] = {}
+        for key in ("weight_bits", "gradient_bits"):
+            bits = get_int(p, block, key, w, getattr(d, key))
+            if bits not in (4, 8):
+                p.add(f"{w}.{key}", f"{w}.{key}={bits} must be 8 or 4")
+                bits = getattr(d, key)
+            values[key] = bits
+        size = get_int(p, block, "block_size", w, d.block_size)
+        if size not in _POW2_BLOCKS:
+            p.add(f"{w}.block_size", f"{w}.block_size={size} must be a power of two from 16 to 8192")
+            size = d.block_size
+        values["block_size"] = size
+        values["error_feedback"] = get_bool(p, block, "error_feedback", w, False)
+        return cls(**values)
+
+
+# DeepSpeed keys we know but do not implement: key -> why / what instead
+_ZERO_UNSUPPORTED = {
+    "zero_quantized_nontrainable_weights": "frozen parameters are not quantized",
+    "mics_shard_size": "MiCS is not supported",
+    "mics_hierarchical_params_gather": "MiCS is not supported",
+    "override_module_apply": "not supported",
+}
+
+# DeepSpeed keys that describe what zeropp always does: accepted with that value only
+_ZERO_FIXED = {
+    "ignore_unused_parameters": (True, "unused parameters are always allowed (their gradient is zero)"),
+    "load_from_fp32_weights": (True, "checkpoints always hold and load the fp32 master weights"),
+    "elastic_checkpoint": (False, "elastic checkpoints are not supported (checkpoints load at any world size)"),
+    "cpu_offload": (False, "CPU offload is not supported"),
+    "cpu_offload_params": (False, "CPU offload is not supported"),
+    "cpu_offload_use_pin_memory": (False, "CPU offload is not supported"),
+    "legacy_stage1": (False, "only the current stage 1 exists"),
+    "use_all_reduce_for_fetch_params": (False, "parameters are always fetched by all-gather"),
+    "pipeline_loading_checkpoint": (False, "pipeline parallelism is not supported"),
+}
+
+# DeepSpeed keys that choose how DeepSpeed implements something whose result zeropp computes its own way: any
+# boolean is accepted and changes nothing (the trained weights are the same)
+_ZERO_NO_EFFECT = ["contiguous_gradients", "allgather_partitions", "reduce_scatter", "round_robin_gradients",
+                   "memory_efficient_linear", "log_trace_cache_warnings"]
+
+_OFFLOAD = ("offload_optimizer", "offload_param")
+
+_STAGE3_DEFAULTS = {
+    "stage3_max_live_parameters": 1_000_000_000,
+    "stage3_max_reuse_distance": 1_000_000_000,
+    "stage3_param_persistence_threshold": 100_000,
+    "stage3_model_persistence_threshold": sys.maxsize,
+    "allgather_bucket_size": 500_000_000,
+    "sub_group_size": 1_000_000_000,
+}
+
+
+@dataclass(frozen=True)
+class ZeroConfig:
+    """``zero_optimization``: the ZeRO stage, the ZeRO++ switches, the bucket sizes and DeepSpeed's stage-3 tuning
+    keys (their meaning in zeropp: the ``zeropp.config`` docstring)."""
+
+    stage: int = 1
+    zero_quantized_weights: bool = False
+    zero_quantized_gradients: bool = False
+    zero_hpz_partition_size: int = 1
+    reduce_bucket_size: int = 500_000_000
+    stage3_prefetch_bucket_size: int = 50_000_000
+    overlap_comm: bool = False  # parse(): DeepSpeed's default, true for stage 3
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_model_persistence_threshold: int = sys.maxsize
+    allgather_bucket_size: int = 500_000_000
+    sub_group_size: int = 1_000_000_000
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    zeropp: ZeroppConfig = field(default_factory=ZeroppConfig)
+
+    @property
+    def weight_bits(self) -> int | None:
+        """Bits of the weight all-gather: ``zeropp.weight_bits`` with qwZ on, else ``None`` (exact)."""
+        return self.zeropp.weight_bits if self.zero_quantized_weights else None
+
+    @property
+    def gradient_bits(self) -> int | None:
+        """Bits of the gradient reduce-scatter: ``zeropp.gradient_bits`` with qgZ on, else ``None`` (exact)."""
+        return self.zeropp.gradient_bits if self.zero_quantized_gradients else None
+
+    @property
+    def hpz(self) -> bool:
+        return self.zero_hpz_partition_size > 1
+
+    @classmethod
+    def parse(cls, block: Mapping[str, Any], p: Problems) -> ZeroConfig:
+        w = "zero_optimization"
+        valid = ["stage", "zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size",
+                 "reduce_bucket_size", "stage3_prefetch_bucket_size", "overlap_comm", "zeropp",
+                 "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+                 *_STAGE3_DEFAULTS, *_OFFLOAD, *_ZERO_FIXED, *_ZERO_NO_EFFECT]
+        check_keys(p, block, w, valid, _ZERO_UNSUPPORTED)
+        check_fixed(p, block, w, _ZERO_FIXED)
+        for key in _ZERO_NO_EFFECT:
+            if key in block:
+                as_bool(p, block[key], f"{w}.{key}")
+        for key in _OFFLOAD:
+            _check_offload(p, get_block(p, block, key, w), f"{w}.{key}")
+        d = cls()
+        stage = get_int(p, block, "stage", w, d.stage)
+        if p.ok(f"{w}.stage"):
+            if stage == 0:
+                p.add(f"{w}.stage", f"{w}.stage=0 (plain data parallelism) is not supported; use stage 1, 2 or 3")
+            elif stage not in (1, 2, 3):
+                p.add(f"{w}.stage", f"{w}.stage={stage} must be 1, 2 or 3")
+        qg = get_bool(p, block, "zero_quantized_gradients", w, False)
+        hpz = get_int(p, block, "zero_hpz_partition_size", w, 1, minimum=1)
+        if hpz > 1 and stage != 3 and p.ok(f"{w}.stage"):
+            p.add(f"{w}.zero_hpz_partition_size", f"{w}.zero_hpz_partition_size={hpz} applies to the stage-3 "
+                                                  "backward weight all-gather; set stage to 3 (or the size to 1)")
+        zeropp = ZeroppConfig.parse(get_block(p, block, "zeropp", w), p)
+        if zeropp.error_feedback and not qg and p.ok(f"{w}.zero_quantized_gradients"):
+            p.add(f"{w}.zeropp.error_feedback",
+                  f"{w}.zeropp.error_feedback=true needs {w}.zero_quantized_gradients=true")
+        gather_key = "stage3_gather_16bit_weights_on_model_save"
+        old_key = "stage3_gather_fp16_weights_on_model_save"  # DeepSpeed's older spelling of the same key
+        if gather_key in block and old_key in block:
+            p.add(f"{w}.{old_key}", f"{w}.{old_key} is the old spelling of {w}.{gather_key}; give only one")
+        gather = get_bool(p, block, gather_key if gather_key in block else old_key, w, False)
+        return cls(
+            stage=stage,
+            zero_quantized_weights=get_bool(p, block, "zero_quantized_weights", w, False),
+            zero_quantized_gradients=qg,
+            zero_hpz_partition_size=hpz,
+            reduce_bucket_size=get_int(p, block, "reduce_bucket_size", w, d.reduce_bucket_size, minimum=1),
+            stage3_prefetch_bucket_size=get_int(p, block, "stage3_prefetch_bucket_size", w,
+                                                d.stage3_prefetch_bucket_size, minimum=0),
+            overlap_comm=get_bool(p, block, "overlap_comm", w, stage == 3),
+            **{key: get_int(p, block, key, w, default, minimum=0) for key, default in _STAGE3_DEFAULTS.items()},
+            stage3_gather_16bit_weights_on_model_save=gather,
+            zeropp=zeropp,
+        )
+
+
+def _check_offload(p: Problems, block: Mapping[str, Any], where: str) -> None:
+    """``offload_optimizer`` / ``offload_param``: ``device`` ``"none"`` (DeepSpeed's default) is off and accepted,
+    with the block's other keys (pin_memory, nvme_path, ...) unread; any other device is a problem."""
+    name = dotted(where, "device")
+    device = block.get("device", "none")
+    if device is None or is_auto(p, device, name):
+        return
+    if device != "none":
+        p.add(name, f"{name}={device!r}: CPU/NVMe offload is not supported; set it to \"none\" (or remove the "
+                    f"{where!r} block)")
