@@ -43,7 +43,7 @@ def make_engine(cfg: dict, seed: int = 0, model: GPTConfig = DROPOUT, groups: bo
 
 def train(engine, rank: int, world: int, batches: list) -> list[float]:
     """One optimizer step per global batch; this rank's micro-batch losses (exact values, for bit comparisons)."""
-    accum = engine.gradient_accumulation_steps
+    accum = engine.gradient_accumulation_steps()
     losses = []
     for inputs, targets in batches:
         for k in range(accum):

@@ -16,7 +16,8 @@ What is saved, by DCP key (every rank writes only what it owns; no data moves be
   for SGD), fp32, in the master's layout.
 * ``model.<name>`` for persistent buffers and frozen parameters: plain tensors, whole (the same on every rank).
 * ``engine``: one pickled dict (``_engine_state``): optimizer type, per-group hyperparameters and step counts,
-  ``micro_steps`` / ``global_steps`` / ``skipped_steps``, the fp16 ``LossScaler`` state, the parameter shapes and
+  ``micro_steps`` / ``global_steps`` / ``skipped_steps`` / ``global_samples``, the learning-rate scheduler's
+  ``state_dict()`` (when it has one; restored into the engine's scheduler), the fp16 ``LossScaler`` state, the parameter shapes and
   the module's state-dict keys (tied aliases included), the world size.
 * ``rank<r>.rng`` (pickled, one per rank ``r``, its global rank): torch's CPU RNG, the CUDA RNGs when CUDA is
   initialized, Python's ``random`` and numpy's global RNG when numpy is importable.
@@ -42,7 +43,7 @@ import io
 import os
 import random
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -121,7 +122,7 @@ def _sharded(engine: ZeroEngine, unit: Unit, index: int, local: torch.Tensor) ->
         shards, metadata, process_group=engine.topology.group)
 
 
-def _aliases(engine: ZeroEngine) -> dict[str, str]:
+def state_dict_sources(engine: ZeroEngine) -> dict[str, str]:
     """Every key of ``module.state_dict()`` -> the key its value is saved under: a trainable parameter's unit name,
     else the first key holding the same tensor."""
     canonical = {id(unit.params[i]): name for name, unit, i in _params(engine)}
@@ -135,7 +136,7 @@ def _others(engine: ZeroEngine) -> dict[str, torch.Tensor]:
     """The persistent buffers and frozen parameters, by the key they are saved under."""
     trainable = {name for name, _, _ in _params(engine)}
     values = engine.module.state_dict(keep_vars=True)
-    return {key: values[key].detach() for key in dict.fromkeys(_aliases(engine).values()) if key not in trainable}
+    return {key: values[key].detach() for key in dict.fromkeys(state_dict_sources(engine).values()) if key not in trainable}
 
 
 def _pack(obj: Any) -> bytes:
@@ -179,13 +180,21 @@ def _engine_state(engine: ZeroEngine) -> dict[str, Any]:
         "skipped_steps": engine.skipped_steps,
         "overflow": engine.overflow,
         "global_grad_norm": engine.get_global_grad_norm(),
+        "global_samples": engine.global_samples,
+        "lr_scheduler": _scheduler_state(engine),
         "loss_scaler": None if scaler is None else {
             "scale": scaler.scale, "hysteresis": scaler.hysteresis, "iteration": scaler.iteration,
             "last_overflow_iteration": scaler.last_overflow_iteration},
         "shapes": {name: tuple(unit.shapes[i]) for name, unit, i in _params(engine)},
-        "aliases": _aliases(engine),
+        "aliases": state_dict_sources(engine),
         "world_size": engine.comm.world_size,
     }
+
+
+def _scheduler_state(engine: ZeroEngine) -> Any:
+    """The learning-rate scheduler's ``state_dict()`` (``None`` without a scheduler or without that method)."""
+    state_dict = getattr(engine.lr_scheduler, "state_dict", None)
+    return state_dict() if callable(state_dict) else None
 
 
 def _layout_of_nodes(engine: ZeroEngine) -> list[int]:
@@ -376,6 +385,9 @@ def load(engine: ZeroEngine, load_dir: str | os.PathLike[str], tag: str | None =
     engine.skipped_steps = values["skipped_steps"]
     engine.overflow = values["overflow"]
     engine._global_grad_norm = values["global_grad_norm"]
+    engine.global_samples = values.get("global_samples", engine.global_steps * engine.train_batch_size())
+    if engine.lr_scheduler is not None and values.get("lr_scheduler") is not None:
+        engine.lr_scheduler.load_state_dict(values["lr_scheduler"])
     if engine.loss_scaler is not None and values["loss_scaler"] is not None:
         for attr, value in values["loss_scaler"].items():
             setattr(engine.loss_scaler, attr, value)
@@ -406,7 +418,42 @@ def consolidated_state_dict(engine: ZeroEngine, *, rank0_only: bool = False) -> 
     if not keep:
         return {}
     others = {key: value.clone() for key, value in _others(engine).items()}
-    return {key: whole[src] if src in whole else others[src] for key, src in _aliases(engine).items()}
+    return {key: whole[src] if src in whole else others[src] for key, src in state_dict_sources(engine).items()}
+
+
+@torch.no_grad()
+def load_whole_state_dict(engine: ZeroEngine, state_dict: Mapping[str, torch.Tensor],
+                          strict: bool) -> tuple[list[str], list[str]]:
+    """Load a whole state dict of the module (``ZeroEngine.load_state_dict``): each trainable parameter's elements
+    in this rank's master shard are copied from it (any dtype, converted to fp32), then every unit is published
+    (stages 1 and 2: an all-gather); buffers and frozen parameters are copied into the module. Returns ``(missing
+    keys, unexpected keys)``; with ``strict`` either raises ``KeyError`` before anything is loaded."""
+    sources = state_dict_sources(engine)
+    missing = [key for key in sources if key not in state_dict]
+    unexpected = [key for key in state_dict if key not in sources]
+    if strict and (missing or unexpected):
+        raise KeyError(f"load_state_dict(strict=True): missing keys {missing}, unexpected keys {unexpected}; pass "
+                       "the module's whole state dict, or strict=False")
+    values: dict[str, torch.Tensor] = {}
+    for key, src in sources.items():
+        if key in state_dict:
+            values.setdefault(src, state_dict[key])
+    for name, unit, i in _params(engine):
+        if name in values and tuple(values[name].shape) != tuple(unit.shapes[i]):
+            raise ValueError(f"load_state_dict: {name!r} has shape {tuple(values[name].shape)}, the model's is "
+                             f"{tuple(unit.shapes[i])}")
+    for unit in engine.units:
+        for i, a, b in unit.param_ranges():
+            value = values.get(unit.param_names[i])
+            if value is not None:
+                flat = value.detach().reshape(-1).to(device=unit.master.device, dtype=torch.float32)
+                lo = unit.start + a - unit.offsets[i]
+                unit.master[a:b].copy_(flat[lo : lo + b - a])
+        unit.publish()
+    for key, tensor in _others(engine).items():
+        if key in values:
+            tensor.copy_(values[key])
+    return missing, unexpected
 
 
 def consolidate(checkpoint_dir: str | os.PathLike[str], tag: str | None = None) -> dict[str, torch.Tensor]:

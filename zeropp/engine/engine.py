@@ -2,11 +2,21 @@
 
 Use (the DeepSpeed protocol; every rank runs the same calls)::
 
-    engine, optimizer, _, _ = zeropp.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    engine, optimizer, _, lr_scheduler = zeropp.initialize(model=model, model_parameters=model.parameters(),
+                                                           config=cfg)
     for batch in micro_batches:              # train_micro_batch_size_per_gpu samples on this rank
         loss = engine(batch)                 # the model's forward; returns what the model returns
         engine.backward(loss)                # loss / gradient_accumulation_steps, then backward
         engine.step()                        # steps the optimizer every gradient_accumulation_steps micro-batches
+                                             # (and lr_scheduler after each applied optimizer step)
+
+DeepSpeed's engine API is there too: ``train_batch_size()``, ``train_micro_batch_size_per_gpu()``,
+``gradient_accumulation_steps()``, ``local_rank``, ``global_rank``, ``world_size``, ``device``, ``get_lr()``,
+``get_mom()``, ``was_step_applied()``, ``zero_grad()``, ``no_sync()`` (stage 1 only, as DeepSpeed),
+``global_samples``, ``lr_scheduler``, ``parameters()``/``named_parameters()`` (the module's),
+``state_dict()``/``load_state_dict()`` (whole weights in the compute dtype; at stage 3 a collective gather) and
+``save_16bit_model(dir, filename)``. ``steps_per_print``/``wall_clock_breakdown`` print one progress line on the
+first rank (``zeropp.engine.monitor``).
 
 What each stage keeps on a rank, for a unit of ``N`` parameters over ``P`` ranks (``Unit`` has the layout):
 
@@ -90,8 +100,9 @@ reduce-scatter completes before backward resumes. Either way the values are bit-
 
 Limits: one reduce-scatter per unit (``reduce_bucket_size`` does not merge units into buckets). Frozen parameters
 stay whole on every rank. In stage 3 on more than one rank, outside the engine's forward and backward the module's
-trainable parameters are empty tensors: read the weights with ``engine.full_parameters()`` (the compute weights) or
-``engine.consolidated_state_dict()`` (the fp32 masters). Checkpoints (``save_checkpoint``/``load_checkpoint``,
+trainable parameters are empty tensors: read the weights with ``engine.full_parameters()`` (the compute weights),
+``engine.state_dict()`` (the masters in the compute dtype) or ``engine.consolidated_state_dict()`` (the fp32
+masters), all collectives. Checkpoints (``save_checkpoint``/``load_checkpoint``,
 ``zeropp.engine.checkpoint``) are taken at accumulation boundaries only and load at any world size and layout, but
 the qgZ error-feedback residuals are kept only by a load with the same world size and nodes (otherwise they restart
 at zero), and ranks the save did not have keep their own RNG state.
@@ -100,24 +111,29 @@ at zero), and ranks the save did not have keep their own RNG state.
 from __future__ import annotations
 
 import collections
+import contextlib
+import importlib.util
 import math
 import os
-from collections.abc import Iterable
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from .. import comm
-from ..config import Config
+from ..config import Config, ConfigError
 from . import checkpoint
 from .collectives import Collectives
 from .hooks import GradientReadiness, install_stage3_hooks
 from .loss_scaler import LossScaler
+from .monitor import Monitor
 from .optimizer import PartitionedOptimizer
 from .policy import UnitPolicy, plan_units
 from .prefetch import Prefetcher
+from .scheduler import build_scheduler
 from .unit import GradientReduction, ReduceBuffers, Unit
 
 
@@ -146,6 +162,7 @@ class ZeroEngine:
         *,
         topology: comm.Topology,
         unit_policy: UnitPolicy | None = None,
+        lr_scheduler: Any = None,
     ) -> None:
         self.module = module
         self.config = config
@@ -182,7 +199,7 @@ class ZeroEngine:
         self._reductions: collections.deque[GradientReduction] = collections.deque()  # in flight, oldest first
         self._readiness = GradientReadiness(self.units, self._on_unit_ready) if self.stage >= 2 else None
 
-        self.gradient_accumulation_steps = config.gradient_accumulation_steps
+        self._accumulation_steps = config.gradient_accumulation_steps
         self.compute_dtype = compute_dtype(config)
         self.loss_scaler = LossScaler(config.fp16) if config.fp16.enabled else None
         self.micro_steps = 0
@@ -192,6 +209,11 @@ class ZeroEngine:
         self._global_grad_norm: float | torch.Tensor | None = None  # a device tensor until first read
         self._forward_pending = False  # a forward with grad ran and awaits its backward
         self._backward_pending = False  # a backward ran and awaits its step()
+        self._step_applied = False  # the last boundary's optimizer step was applied (not skipped for fp16)
+        self._no_sync = False  # inside no_sync(): backward neither reduces nor counts a micro-batch
+        self.global_samples = 0  # samples of every finished accumulation window (train_batch_size each)
+        self.lr_scheduler = self._build_scheduler(lr_scheduler)
+        self.monitor = Monitor(config.steps_per_print, config.wall_clock_breakdown, topology.rank == 0, self.device)
 
     # ---- the DeepSpeed protocol -------------------------------------------------------------------------------
 
@@ -205,7 +227,9 @@ class ZeroEngine:
                 "forward() after backward() without step(): call engine.step() after every engine.backward() "
                 "(it steps the optimizer only every gradient_accumulation_steps micro-batches)"
             )
+        self.monitor.begin("forward")
         out = self.module(*args, **kwargs)
+        self.monitor.end("forward")
         if torch.is_grad_enabled():
             self._forward_pending = True
         return out
@@ -231,18 +255,25 @@ class ZeroEngine:
                 "frozen?"
             )
         self._forward_pending = False
+        self.monitor.begin("backward")
         if self._readiness is not None:
             self._readiness.reset()
-        scaled = loss.float() / self.gradient_accumulation_steps
+        scaled = loss.float() / self._accumulation_steps
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.scale
         scaled.backward()
         self._finish_backward()
-        self._backward_pending = True
+        self.monitor.end("backward")
+        self.monitor.loss(loss)
+        self._backward_pending = not self._no_sync
         return loss
 
-    def step(self) -> None:
-        """End a micro-batch; at the accumulation boundary clip, step the optimizer and publish the weights."""
+    def step(self, lr_kwargs: Mapping[str, Any] | None = None) -> None:
+        """End a micro-batch; at the accumulation boundary clip, step the optimizer, publish the weights and, when
+        the step was applied, step ``lr_scheduler`` (``lr_kwargs`` go to its ``step``, as in DeepSpeed)."""
+        if self._no_sync:
+            raise EngineUsageError("step() inside no_sync(): leave the no_sync block first; its backward passes only "
+                                   "accumulate gradients, the first backward after it reduces them all")
         if not self._backward_pending:
             raise EngineUsageError(
                 "step() called without backward(): each micro-batch is loss = engine(batch); "
@@ -253,6 +284,7 @@ class ZeroEngine:
         self.micro_steps += 1
         if not boundary:
             return
+        self.monitor.begin("step")
         self.overflow = False
         stats = self._gradient_stats()
         if self.loss_scaler is not None:
@@ -277,13 +309,19 @@ class ZeroEngine:
             self.optimizer.step()
             for unit in self.units:
                 unit.publish()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+        self._step_applied = not self.overflow
         for unit in self.units:
             unit.grad_shard.zero_()
         self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        self.monitor.end("step")
+        self.monitor.boundary(self)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-batch is the last of its accumulation window (the next step() steps)."""
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+        return (self.micro_steps + 1) % self._accumulation_steps == 0
 
     def train(self, mode: bool = True) -> ZeroEngine:
         self.module.train(mode)
@@ -304,6 +342,150 @@ class ZeroEngine:
             self._global_grad_norm = float(self._global_grad_norm)
         return self._global_grad_norm
 
+    # ---- DeepSpeed's engine API --------------------------------------------------------------------------
+
+    def train_batch_size(self) -> int:
+        """Samples per optimizer step over all ranks (``train_batch_size`` of the config)."""
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """Samples per micro-batch on one rank."""
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step."""
+        return self._accumulation_steps
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its machine: ``$LOCAL_RANK`` (torchrun's, the device index) when set, else its
+        index in its node of the topology."""
+        value = os.environ.get("LOCAL_RANK")
+        return int(value) if value not in (None, "") else self.topology.local_rank
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank in the default process group."""
+        return self.topology.global_rank
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of the data-parallel group (the whole world unless ``initialize`` got a ``topology``)."""
+        return self.topology.world_size
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the model's parameters and of every shard."""
+        return self.units[0].master.device
+
+    def get_lr(self) -> list[float]:
+        """The learning rate of every parameter group (what the next optimizer step uses)."""
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def get_mom(self) -> list[Any]:
+        """Each parameter group's ``betas`` (Adam, AdamW) or ``momentum`` (SGD), as DeepSpeed's ``get_mom``."""
+        key = "momentum" if self.optimizer.type == "SGD" else "betas"
+        return [group[key] for group in self.optimizer.param_groups]
+
+    def was_step_applied(self) -> bool:
+        """Whether the last accumulation boundary's optimizer step was applied (false before the first one, and
+        when fp16 skipped it for an overflow)."""
+        return self._step_applied
+
+    def zero_grad(self) -> None:
+        """Drop the gradients accumulated since the last optimizer step: every unit's fp32 gradient shard and
+        (stage 1 between boundaries) the parameters' ``.grad``. ``step()`` already clears them at each boundary;
+        this is for discarding a partial accumulation window."""
+        for unit in self.units:
+            unit.grad_shard.zero_()
+            for p in unit.params:
+                p.grad = None
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """DeepSpeed's ``no_sync``: inside the block, ``backward`` only accumulates gradients in the parameters'
+        ``.grad`` (no reduction, no micro-batch counted) and ``step()`` is an error; the first backward after the
+        block ends reduces everything accumulated. Stage 1 only: stages 2 and 3 reduce-scatter each unit's gradient
+        during backward (DeepSpeed raises for them too); use ``gradient_accumulation_steps`` there."""
+        if self.stage != 1:
+            raise EngineUsageError(f"no_sync() needs ZeRO stage 1: stage {self.stage} reduce-scatters every unit's "
+                                   "gradient during backward; use gradient_accumulation_steps instead")
+        if self._no_sync:
+            raise EngineUsageError("no_sync() is already active; it cannot be nested")
+        if self._backward_pending:
+            raise EngineUsageError("no_sync() after backward() without step(): call engine.step() first")
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """The module's parameters (at stage 3 on several ranks, trainable ones are empty outside the engine's
+        forward and backward; ``full_parameters`` gathers them)."""
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """The module's named parameters (see ``parameters``)."""
+        return self.module.named_parameters(prefix, recurse)
+
+    def state_dict(self, prefix: str = "") -> dict[str, torch.Tensor]:
+        """The module's state dict in the compute dtype, every parameter whole. Stages 1 and 2: the module's own
+        tensors (detached). Stage 3: a collective (every rank calls it; one exact all-gather per unit) returning
+        new tensors: the fp32 master weights rounded to the compute dtype (under qwZ: the exact weights, not the
+        dequantized copy the forward uses); buffers and frozen parameters as the module holds them."""
+        if self.stage != 3 or self.world_size == 1:
+            return {prefix + k: v for k, v in self.module.state_dict(keep_vars=False).items()}
+        dtype = self.compute_dtype
+        trainable = {name for unit in self.units for name in unit.param_names}
+        aliases = checkpoint.state_dict_sources(self)
+        out = {}
+        for key, value in self.consolidated_state_dict().items():
+            out[prefix + key] = value.to(dtype) if aliases[key] in trainable else value
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> LoadResult:
+        """Load a whole (unsharded) state dict of the module, e.g. from ``state_dict`` or ``save_16bit_model``:
+        each trainable parameter into this rank's fp32 master shard (then published to the compute weights, as
+        after an optimizer step: at stages 1 and 2 an all-gather, so a collective), buffers and frozen parameters
+        into the module. The optimizer state is kept. With ``strict``, missing or unexpected keys raise
+        ``KeyError`` naming them (nothing is loaded then); else they are returned, as ``nn.Module.load_state_dict``
+        does."""
+        if self._backward_pending or self._forward_pending:
+            raise EngineUsageError("load_state_dict() between a forward/backward and its step(); call it at an "
+                                   "accumulation boundary")
+        return LoadResult(*checkpoint.load_whole_state_dict(self, state_dict, strict))
+
+    def save_16bit_model(self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin") -> bool:
+        """Write the whole model's state dict in the compute dtype (``state_dict``) to ``save_dir/save_filename``
+        from the data-parallel group's first rank: ``torch.save``, or safetensors when the name ends in
+        ``.safetensors`` (needs the ``safetensors`` package). A collective: every rank calls it. At stage 3 it
+        gathers only with ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` (as DeepSpeed: without
+        it nothing is written, a warning says so, and it returns ``False``). Returns whether the file was written
+        (on every rank). Tied parameters are written once per key (safetensors: as separate copies)."""
+        if self.stage == 3 and self.world_size > 1 and \
+                not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+            warnings.warn("save_16bit_model() wrote nothing: at stage 3 it needs zero_optimization."
+                          "stage3_gather_16bit_weights_on_model_save=true (as DeepSpeed)", stacklevel=2)
+            return False
+        use_safetensors = str(save_filename).endswith(".safetensors")
+        if use_safetensors and importlib.util.find_spec("safetensors") is None:
+            raise ImportError(f"save_16bit_model(save_filename={save_filename!r}) writes safetensors, which is not "
+                              "installed: pip install safetensors, or use a .bin name for torch.save")
+        state = self.state_dict()
+        if self.topology.rank == 0:
+            path = Path(save_dir) / save_filename
+            path.parent.mkdir(parents=True, exist_ok=True)
+            state = {k: v.detach().clone().contiguous() for k, v in state.items()}
+            if use_safetensors:
+                from safetensors.torch import save_file
+
+                save_file(state, str(path), metadata={"format": "pt"})
+            else:
+                torch.save(state, path)
+        self.comm.all_reduce_sum(torch.zeros(1, device=self.device))  # the file exists for every rank on return
+        return True
+
     # ---- gradients ----------------------------------------------------------------------------------------
 
     def _on_unit_ready(self, unit: Unit) -> None:
@@ -323,13 +505,29 @@ class ZeroEngine:
         while len(self._reductions) > 1 and sum(r.numel for r in self._reductions) > self.reduce_bucket_size:
             self._reductions.popleft().wait()
 
+    def _build_scheduler(self, given: Any) -> Any:
+        """The config's ``scheduler`` block built over the optimizer, or ``given`` (a scheduler object, or a callable
+        taking the optimizer and returning one); both is a ``ConfigError``."""
+        if given is not None and self.config.scheduler is not None:
+            raise ConfigError("initialize(lr_scheduler=...) and the config's scheduler block are both given; keep "
+                              "one (DeepSpeed would silently prefer the config's)")
+        if self.config.scheduler is not None:
+            return build_scheduler(self.config.scheduler, self.optimizer)
+        if given is None:
+            return None
+        scheduler = given if hasattr(given, "step") else given(self.optimizer) if callable(given) else given
+        if not callable(getattr(scheduler, "step", None)):
+            raise ConfigError(f"lr_scheduler must have a step() method, or be a callable taking the optimizer and "
+                              f"returning such a scheduler; got a {type(scheduler).__name__}")
+        return scheduler
+
     def _finish_backward(self) -> None:
         """Reduce what the hooks did not (stage 1 at the boundary; units with a parameter that got no gradient),
         wait for every reduction in flight and free every stage-3 unit, root included. Same unit order on every
         rank."""
         for unit in self.units:
             if self.stage == 1:
-                if self.is_gradient_accumulation_boundary():
+                if self.is_gradient_accumulation_boundary() and not self._no_sync:
                     self._reduce(unit)
             elif self._readiness is not None and not self._readiness.is_done(unit):
                 self._reduce(unit)
@@ -409,10 +607,10 @@ class ZeroEngine:
         (layout and contents: ``zeropp.engine.checkpoint``). ``client_state`` is saved from the first rank and
         returned by ``load_checkpoint``. A collective; only at an accumulation boundary (after ``step()``). Returns
         the checkpoint's directory."""
-        if self._backward_pending or self.micro_steps % self.gradient_accumulation_steps != 0:
+        if self._backward_pending or self.micro_steps % self._accumulation_steps != 0:
             raise EngineUsageError(
                 f"save_checkpoint() in the middle of an accumulation window (micro step {self.micro_steps}, "
-                f"gradient_accumulation_steps {self.gradient_accumulation_steps}"
+                f"gradient_accumulation_steps {self._accumulation_steps}"
                 f"{', backward() without step()' if self._backward_pending else ''}): the accumulated gradients are "
                 "not saved; call it after the step() that ends the window"
             )
@@ -429,7 +627,7 @@ class ZeroEngine:
             zeropp.engine.checkpoint.CheckpointError: the checkpoint is of another model (the parameter is named),
                 optimizer type or number of parameter groups.
         """
-        if self._backward_pending or self.micro_steps % self.gradient_accumulation_steps != 0:
+        if self._backward_pending or self.micro_steps % self._accumulation_steps != 0:
             raise EngineUsageError(
                 "load_checkpoint() in the middle of an accumulation window would mix its gradients into the loaded "
                 "state; call it before the first micro-batch or after a step() that ends a window"
@@ -446,6 +644,13 @@ class ZeroEngine:
     def __repr__(self) -> str:
         return (f"ZeroEngine(stage={self.stage}, units={len(self.units)}, world_size={self.comm.world_size}, "
                 f"optimizer={self.optimizer.type})")
+
+
+class LoadResult(NamedTuple):
+    """What ``ZeroEngine.load_state_dict`` did not match (as ``nn.Module.load_state_dict``'s result)."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
 
 
 def compute_dtype(config: Config) -> torch.dtype:

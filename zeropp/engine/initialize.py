@@ -17,31 +17,48 @@ from .policy import UnitPolicy
 
 
 def initialize(
-    model: nn.Module,
-    model_parameters: Iterable[Any] | None = None,
-    config: Mapping[str, Any] | str | os.PathLike[str] | Config | None = None,
-    *,
+    args: Any = None,
+    model: nn.Module | None = None,
     optimizer: Any = None,
+    model_parameters: Iterable[Any] | None = None,
     training_data: Any = None,
     lr_scheduler: Any = None,
+    distributed_port: int | None = None,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Any = None,
+    config: Mapping[str, Any] | str | os.PathLike[str] | Config | None = None,
+    mesh_param: Any = None,
+    config_params: Mapping[str, Any] | str | os.PathLike[str] | Config | None = None,
+    *,
     topology: comm.Topology | None = None,
     unit_policy: UnitPolicy | None = None,
-) -> tuple[ZeroEngine, Any, None, None]:
-    """Wrap ``model`` for ZeRO training; returns ``(engine, optimizer, None, None)`` like ``deepspeed.initialize``.
+) -> tuple[ZeroEngine, Any, None, Any]:
+    """Wrap ``model`` for ZeRO training; returns ``(engine, optimizer, None, lr_scheduler)`` like
+    ``deepspeed.initialize`` (the same parameters, in the same order).
 
     Collective: every rank of the data-parallel group calls it with the same model structure and config. The
     first rank's initial weights are broadcast to the others.
 
     Args:
+        args: an argparse namespace; only its ``deepspeed_config`` (a JSON path) is read, when ``config`` is not
+            given (as DeepSpeed).
         model: the model, on its device, every trainable parameter float32 or the config's compute dtype
             (bfloat16 with ``bf16.enabled``, float16 with ``fp16.enabled``); with bf16/fp16 it is cast in place to
             the compute dtype (``model.to``), as DeepSpeed does.
         model_parameters: the parameters to optimize (default: every parameter that requires grad), or parameter
             groups (dicts with ``params`` and per-group hyperparameters). Freeze the others with
             ``requires_grad_(False)``.
+        lr_scheduler: a learning-rate scheduler over the returned optimizer (an object with ``step()``; with
+            ``state_dict``/``load_state_dict`` it is checkpointed), or a callable taking the optimizer and returning
+            one, as DeepSpeed. The engine steps it after every applied optimizer step. Not together with the
+            config's ``scheduler`` block (a ``ConfigError``). ``torch.optim.lr_scheduler`` classes accept only a
+            ``torch.optim.Optimizer``; use ``zeropp.engine.scheduler``'s or the config's.
         config: a dict, the path of a JSON file, or a ``Config`` (see ``zeropp.config``). It must have an
-            ``optimizer`` block.
-        optimizer, training_data, lr_scheduler: DeepSpeed's client objects; not supported (must be None).
+            ``optimizer`` block. ``config_params`` is DeepSpeed's older name for it.
+        optimizer, training_data, mpu, collate_fn, mesh_param: DeepSpeed's client objects; not supported (must be
+            None). ``distributed_port`` and ``dist_init_required`` are accepted and unused: the process group must
+            already be initialized.
         topology: the data-parallel group and node layout (default: the world, ``comm.get_default_topology()``).
         unit_policy: which modules become units (default: each child of each outermost ``nn.ModuleList``;
             see ``zeropp.engine.policy``).
@@ -50,15 +67,24 @@ def initialize(
         ConfigError: a bad config, or a setting this engine does not implement yet; nothing is raised mid-run
             for configuration reasons.
     """
+    if config is not None and config_params is not None:
+        raise ConfigError("initialize got both config= and config_params= (its older name); pass one")
+    config = config if config is not None else config_params
+    if config is None and getattr(args, "deepspeed_config", None) is not None:
+        config = args.deepspeed_config
     if config is None:
         raise ConfigError("initialize needs config=: a dict or the path of a JSON file (see zeropp.config)")
     for name, value, hint in (
         ("optimizer", optimizer, "set the config's optimizer block (AdamW, Adam or SGD)"),
         ("training_data", training_data, "build your own DataLoader over this rank's slice of the data"),
-        ("lr_scheduler", lr_scheduler, "set optimizer.param_groups[i]['lr'] yourself"),
+        ("collate_fn", collate_fn, "build your own DataLoader over this rank's slice of the data"),
+        ("mpu", mpu, "model (tensor/pipeline) parallelism is not supported; zeropp is data-parallel"),
+        ("mesh_param", mesh_param, "device meshes are not supported; pass topology= for the data-parallel layout"),
     ):
         if value is not None:
             raise ConfigError(f"initialize({name}=...) is not supported: {hint}")
+    if model is None:
+        raise TypeError("initialize needs model=: the nn.Module to train")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if not dist.is_available() or not dist.is_initialized():
@@ -82,8 +108,9 @@ def initialize(
         model.to(dtype)  # as DeepSpeed: every floating parameter and buffer, frozen ones included
     if model_parameters is None:
         model_parameters = [p for p in model.parameters() if p.requires_grad]
-    engine = ZeroEngine(model, cfg, model_parameters, topology=topo, unit_policy=unit_policy)
-    return engine, engine.optimizer, None, None
+    engine = ZeroEngine(model, cfg, model_parameters, topology=topo, unit_policy=unit_policy,
+                        lr_scheduler=lr_scheduler)
+    return engine, engine.optimizer, None, engine.lr_scheduler
 
 
 def _check_supported(cfg: Config, topo: comm.Topology) -> None:
