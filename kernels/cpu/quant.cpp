@@ -502,9 +502,10 @@ ZEROPP_AVX2_INLINE void store_sums16(Storage<D>* p, __m256 first, __m256 second)
 
 // sums[2u], sums[2u + 1] = the fused sums of the 16 elements from element i + 16 u of one block of `groups` packs
 // (see portable::sum_block), a pack at a time: 2 U independent chains of FMAs, so that their latency overlaps.
-template <int Bits, int U>
-ZEROPP_AVX2_INLINE void sum_units(const Run<const uint8_t>& in, int64_t stride, int groups, int i,
+template <int Bits, int U, int G = 0>
+ZEROPP_AVX2_INLINE void sum_units(const Run<const uint8_t>& in, int64_t stride, int runtime_groups, int i,
                                   __m256 (&sums)[2 * U]) {
+    const int groups = G ? G : runtime_groups;
     for (__m256& sum : sums) sum = _mm256_setzero_ps();
     for (int g = 0; g < groups; ++g) {
         const uint8_t* codes = in.codes + g * stride;
@@ -523,12 +524,12 @@ constexpr int kSumUnits = 4;
 
 // acc[0..block) = the fused sum of one block of `groups` packs, in the sums' order, U units at a time; returns its
 // largest magnitude.
-template <int Bits, int U>
+template <int Bits, int U, int G>
 ZEROPP_AVX2_INLINE float sum_block(const Run<const uint8_t>& in, int64_t stride, int groups, int block, float* acc) {
     __m256i m = _mm256_setzero_si256();
     for (int i = 0; i < block; i += 16 * U) {
         __m256 sums[2 * U];
-        sum_units<Bits, U>(in, stride, groups, i, sums);
+        sum_units<Bits, U, G>(in, stride, groups, i, sums);
         for (int v = 0; v < 2 * U; ++v) {
             _mm256_store_ps(acc + i + 8 * v, sums[v]);
             m = _mm256_max_epu32(m, magnitude_bits(sums[v]));
@@ -614,8 +615,8 @@ struct Kernels {  // as portable::Kernels
         }
     }
 
-    template <int Bits>
-    ZEROPP_AVX2 static void reduce_requantize(const Run<const uint8_t>& in, int64_t stride, int groups, int block,
+    template <int Bits, int G>
+    ZEROPP_AVX2 static void reduce_requantize_groups(const Run<const uint8_t>& in, int64_t stride, int groups, int block,
                                               const Run<uint8_t>& out) {
         alignas(32) float acc[kMaxBlock];  // the sums of a batch of blocks
         const int batch = batch_blocks(block);
@@ -625,8 +626,8 @@ struct Kernels {  // as portable::Kernels
             for (int k = 0; k < n; ++k) {
                 const Run<const uint8_t> one{in.codes + (first + k) * block * Bits / 8, in.scales + 4 * (first + k), 1};
                 largest[k] = block >= 16 * kSumUnits
-                                 ? sum_block<Bits, kSumUnits>(one, stride, groups, block, acc + k * block)
-                                 : sum_block<Bits, 1>(one, stride, groups, block, acc + k * block);
+                                 ? sum_block<Bits, kSumUnits, G>(one, stride, groups, block, acc + k * block)
+                                 : sum_block<Bits, 1, G>(one, stride, groups, block, acc + k * block);
             }
             float scale[kBatch], r[kBatch];
             batch_scales<Bits, kFloat32>(largest, scale, r);
@@ -634,6 +635,17 @@ struct Kernels {  // as portable::Kernels
             for (int k = 0; k < n; ++k) {
                 encode_sums<Bits>(acc + k * block, block, scale[k], r[k], out.codes + (first + k) * block * Bits / 8);
             }
+        }
+    }
+
+    template <int Bits>
+    ZEROPP_AVX2 static void reduce_requantize(const Run<const uint8_t>& in, int64_t stride, int groups, int block,
+                                              const Run<uint8_t>& out) {
+        switch (groups) {
+            case 2: return reduce_requantize_groups<Bits, 2>(in, stride, groups, block, out);
+            case 4: return reduce_requantize_groups<Bits, 4>(in, stride, groups, block, out);
+            case 8: return reduce_requantize_groups<Bits, 8>(in, stride, groups, block, out);
+            default: return reduce_requantize_groups<Bits, 0>(in, stride, groups, block, out);
         }
     }
 
