@@ -327,9 +327,12 @@ def _read_own(path: Path, keys: list[str]) -> dict[str, Any]:
 
 def _check_compatible(engine: ZeroEngine, metadata: dict[str, Any], saved: dict[str, Any], path: Path) -> None:
     """Raise ``CheckpointError`` naming the first difference between the checkpoint and the engine."""
-    if saved["format_version"] != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {str(path)!r} has format version {saved['format_version']}, this zeropp "
-                              f"reads {FORMAT_VERSION}")
+    version = saved["format_version"]
+    frozen = _frozen(engine)
+    if version not in (1, FORMAT_VERSION) or (version == 1 and frozen):
+        raise CheckpointError(f"checkpoint {str(path)!r} has format version {version}, this zeropp reads "
+                              f"{FORMAT_VERSION} (and version 1 for models without frozen parameters, which version 1 "
+                              "saved whole)")
     shapes = {name: tuple(unit.shapes[i]) for name, unit, i in _params(engine)}
     for name, shape in shapes.items():
         if name not in saved["shapes"]:
@@ -341,7 +344,7 @@ def _check_compatible(engine: ZeroEngine, metadata: dict[str, Any], saved: dict[
     if extra:
         raise CheckpointError(f"checkpoint {str(path)!r} has trainable parameters this model lacks (or holds "
                               f"frozen): {extra}")
-    for key, entry in _frozen(engine).items():
+    for key, entry in frozen.items():
         shape = tuple(_frozen_shape(*entry))
         if tuple(saved["frozen_shapes"].get(key, ())) != shape:
             raise CheckpointError(f"frozen parameter {key!r} (shape {shape}) is not in checkpoint {str(path)!r} with "
@@ -478,6 +481,6 @@ def consolidate(checkpoint_dir: str | os.PathLike[str], tag: str | None = None) 
              for key in dict.fromkeys(saved["aliases"].values())}
     _load_alone(state, path)
     values = {key[len("model."):]: value for key, value in state.items()}
-    for name, shape in {**saved["shapes"], **saved["frozen_shapes"]}.items():
+    for name, shape in {**saved["shapes"], **saved.get("frozen_shapes", {})}.items():
         values[name] = values[name].view(shape)
     return {key: values[src] for key, src in saved["aliases"].items()}
