@@ -26,6 +26,20 @@ block grid (qwZ/qgZ): the script prints the padding elements and the exact predi
 
 Rank 0 prints the table (every rank's numbers are gathered: they differ only if the layout does); ``--json`` writes
 rank 0's numbers for tests.
+
+``--meta`` (construction without the whole model, ``zeropp.Init``): builds the model on the meta device (the preset
+with ``--n-layer``/``--n-embd`` overrides) and lets ``initialize`` materialise it unit by unit, then reports, per
+rank, the process's peak resident memory during ``initialize`` above its resident memory just before it (peak RSS
+from ``getrusage``, current RSS from ``/proc/self/statm``) against
+
+* the ZeRO formula for what exists after ``initialize`` at stage 3 with AdamW: ``(b + 4 + 4 + 8) * Psi / N`` (compute
+  shard, fp32 gradient shard, fp32 master, two moments; allocated at ``initialize``) plus the construction transient
+  of the largest unit: its parameters in fp32 (built) and its flat buffer in the compute dtype;
+* the whole model in fp32 (``4 * Psi``), which the construction transient (peak minus the model-state tensors) must
+  stay far below (with AdamW the sharded states alone, ``20 * Psi / N`` in fp32, exceed ``4 * Psi`` below 5 ranks);
+
+and the most parameter elements that had storage at once during materialisation (``Materializer
+.largest_live_numel``, read from the model's parameters). No training step is run in this mode.
 """
 
 from __future__ import annotations
@@ -180,6 +194,63 @@ def report(r: dict, all_ranks: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def current_rss() -> int:
+    """This process's resident memory now, in bytes (``/proc/self/statm``)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def measure_meta(preset: str, dtype: str, n_layer: int | None, n_embd: int | None) -> dict:
+    """Build on the meta device, initialize at stage 3 (AdamW), and return the peak memory numbers (module
+    docstring, ``--meta``)."""
+    overrides = {k: v for k, v in (("n_layer", n_layer), ("n_embd", n_embd)) if v is not None}
+    cfg = GPTConfig.preset(preset, **overrides)
+    with zeropp.Init():
+        model = GPT(cfg)
+    psi = sum(p.numel() for p in model.parameters())
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+    if dtype != "fp32":
+        config[dtype] = {"enabled": True}
+    rss_before = current_rss()
+    engine, _, _, _ = zeropp.initialize(model=model, config=config, init_seed=0)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss_before
+    n, b = engine.comm.world_size, DTYPES[dtype][1]
+    largest = max(sum(s.numel() for s in u.shapes) for u in engine.units)
+    states = (b + 4 + 4 + 8) * psi / n
+    transient = (4 + b) * largest
+    measured_states = sum(nbytes(u.shard) + nbytes(u.grad_shard) + nbytes(u.master) for u in engine.units) + sum(
+        nbytes(t) for ts in engine.optimizer.state.values() for t in ts)
+    return {"preset": preset, "n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "dtype": dtype, "world": n, "psi": psi,
+            "units": len(engine.units), "largest_unit": largest, "peak_above_before": peak,
+            "rss_before": rss_before, "formula_states": states, "formula_transient": transient,
+            "measured_states": measured_states, "whole_fp32": 4 * psi,
+            "largest_live_numel": engine.materializer.largest_live_numel}
+
+
+def report_meta(all_ranks: list[dict]) -> str:
+    r = all_ranks[0]
+    lines = [
+        f"GPT preset {r['preset']!r} (n_layer {r['n_layer']}, n_embd {r['n_embd']}) built on the meta device: "
+        f"Psi = {r['psi']:,} parameters ({r['whole_fp32'] / MiB:.0f} MiB in fp32), {r['units']} units, the largest "
+        f"{r['largest_unit']:,}; {r['dtype']}, stage 3, world {r['world']}, AdamW",
+        f"formula per rank: model states ({DTYPES[r['dtype']][1]}+4+4+8)*Psi/N = {r['formula_states'] / MiB:.1f} MiB "
+        f"+ construction transient (4+{DTYPES[r['dtype']][1]})*largest unit = {r['formula_transient'] / MiB:.1f} MiB "
+        f"= {(r['formula_states'] + r['formula_transient']) / MiB:.1f} MiB",
+        "",
+        "| rank | peak RSS above before initialize (MiB) | / formula | model-state tensors (MiB) | peak - model "
+        "states (MiB) | / whole model fp32 | most parameter elements live at once | / Psi |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for i, x in enumerate(all_ranks):
+        formula = x["formula_states"] + x["formula_transient"]
+        above = x["peak_above_before"] - x["measured_states"]  # the construction transient, measured
+        lines.append(f"| {i} | {x['peak_above_before'] / MiB:.1f} | {x['peak_above_before'] / formula:.3f} | "
+                     f"{x['measured_states'] / MiB:.1f} | {above / MiB:.1f} | {above / x['whole_fp32']:.3f} | "
+                     f"{x['largest_live_numel']:,} | {x['largest_live_numel'] / x['psi']:.3f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="small")
@@ -190,9 +261,23 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq", type=int, default=16)
     parser.add_argument("--micro", type=int, default=1)
     parser.add_argument("--json", help="write rank 0's numbers here")
+    parser.add_argument("--meta", action="store_true", help="build on the meta device; report construction peaks")
+    parser.add_argument("--n-layer", type=int, help="--meta: override the preset's n_layer")
+    parser.add_argument("--n-embd", type=int, help="--meta: override the preset's n_embd")
     args = parser.parse_args(argv)
     torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
     init_distributed()
+    if args.meta:
+        r = measure_meta(args.preset, args.dtype, args.n_layer, args.n_embd)
+        all_ranks: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
+        dist.all_gather_object(all_ranks, r)
+        if dist.get_rank() == 0:
+            print(report_meta(all_ranks), flush=True)
+            if args.json:
+                Path(args.json).write_text(json.dumps({"ranks": all_ranks}, indent=1))
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     r = measure(args.preset, args.dtype, args.stage, args.hpz, args.quantized, args.seq, args.micro)
     all_ranks: list[dict] = [None] * dist.get_world_size()  # type: ignore[list-item]
     if dist.get_world_size() > 1:

@@ -35,10 +35,18 @@ def test_policy_by_type_and_frozen():
     for p in model.blocks[1].parameters():
         p.requires_grad_(False)
     plans = plan_units(model, units_of_type(Block, nn.LayerNorm))
-    # nested units: block 0's LayerNorms are units of their own; a fully frozen block is no unit
-    assert [p.name for p in plans] == ["", "blocks.0", "blocks.0.ln_1", "blocks.0.ln_2", "ln_f"]
+    # nested units: block 0's LayerNorms are units of their own; a fully frozen block is a unit of frozen parameters
+    assert [p.name for p in plans] == ["", "blocks.0", "blocks.0.ln_1", "blocks.0.ln_2", "blocks.1", "blocks.1.ln_1",
+                                       "blocks.1.ln_2", "ln_f"]
     assert names(plans[0]) == ["wte.weight"]
+    assert [n for n, _ in plans[0].frozen] == ["wpe.weight"]
     assert "blocks.0.ln_1.weight" not in names(plans[1]) and "blocks.0.attn.c_attn.weight" in names(plans[1])
+    frozen_block = plans[4]
+    assert frozen_block.params == [] and [n for n, _ in frozen_block.frozen] == [
+        n for n, _ in model.blocks[1].named_parameters(prefix="blocks.1") if ".ln_" not in n]
+    # every parameter, trainable or frozen, in exactly one unit
+    owned = [id(p) for plan in plans for _, p in plan.params + plan.frozen]
+    assert sorted(owned) == sorted(id(p) for p in model.parameters())
     with pytest.raises(ValueError, match="at least one"):
         units_of_type()
 

@@ -9,6 +9,8 @@ One file per responsibility:
 * ``loss_scaler.py``: ``LossScaler``, fp16 dynamic loss scaling (DeepSpeed's rules);
 * ``optimizer.py``: ``PartitionedOptimizer``, AdamW/Adam/SGD on the shards, torch.optim's arithmetic;
 * ``engine.py``: ``ZeroEngine``, the forward/backward/step protocol;
+* ``materialize.py``: ``Init`` and the unit-by-unit materialisation of a model built on the meta device;
+* ``gathered.py``: whole parameters on demand (``gathered_parameters``, ``model.state_dict()`` at stage 3);
 * ``checkpoint.py``: sharded save/load with torch.distributed.checkpoint (any world size), the consolidated state dict;
 * ``initialize.py``: ``initialize``, the entry point (also ``zeropp.initialize``).
 """
@@ -17,6 +19,7 @@ from .checkpoint import CheckpointError, consolidate
 from .engine import EngineUsageError, ZeroEngine
 from .initialize import initialize
 from .loss_scaler import LossScaler
+from .materialize import Init, reset_parameters_by_unit, unit_seed
 from .optimizer import PartitionedOptimizer
 from .policy import UnitPlan, UnitPolicy, default_unit_modules, plan_units, units_of_type
 from .unit import Unit
@@ -24,6 +27,7 @@ from .unit import Unit
 __all__ = [
     "CheckpointError",
     "EngineUsageError",
+    "Init",
     "LossScaler",
     "PartitionedOptimizer",
     "Unit",
@@ -34,5 +38,7 @@ __all__ = [
     "default_unit_modules",
     "initialize",
     "plan_units",
+    "reset_parameters_by_unit",
+    "unit_seed",
     "units_of_type",
 ]

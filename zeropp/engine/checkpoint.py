@@ -14,11 +14,16 @@ What is saved, by DCP key (every rank writes only what it owns; no data moves be
   the checkpoint: a load at any world size and alignment reads back exactly the pieces its own shards need.
 * ``optim.<kind>.<name>``: the optimizer state (``exp_avg`` and ``exp_avg_sq`` for Adam/AdamW, ``momentum_buffer``
   for SGD), fp32, in the master's layout.
-* ``model.<name>`` for persistent buffers and frozen parameters: plain tensors, whole (the same on every rank).
+* ``model.<name>``, frozen parameter ``<name>`` (a tied one once): its compute-dtype values as a logical 1-D tensor
+  of ``numel`` elements; at stage 3 (where frozen parameters are sharded, ``unit.FrozenFlat``) a ``ShardedTensor`` of
+  the pieces in this rank's frozen shard, as for the masters; at stages 1 and 2 (whole on every rank) a plain 1-D
+  view. So a checkpoint loads at any stage, world size and layout.
+* ``model.<name>`` for persistent buffers: plain tensors, whole (each rank's own: buffers are not synchronized).
 * ``engine``: one pickled dict (``_engine_state``): optimizer type, per-group hyperparameters and step counts,
   ``micro_steps`` / ``global_steps`` / ``skipped_steps`` / ``global_samples``, the learning-rate scheduler's
-  ``state_dict()`` (when it has one; restored into the engine's scheduler), the fp16 ``LossScaler`` state, the parameter shapes and
-  the module's state-dict keys (tied aliases included), the world size.
+  ``state_dict()`` (when it has one; restored into the engine's scheduler), the fp16 ``LossScaler`` state, the
+  parameter shapes and the frozen parameters' shapes, the module's state-dict keys (tied aliases included), the
+  world size.
 * ``rank<r>.rng`` (pickled, one per rank ``r``, its global rank): torch's CPU RNG, the CUDA RNGs when CUDA is
   initialized, Python's ``random`` and numpy's global RNG when numpy is importable.
 * ``rank<r>.error_feedback.<unit index>.residual`` / ``.partial_residual``: qgZ error-feedback residuals (fp32) of
@@ -39,6 +44,7 @@ are read into tensors made by ``comm.ErrorFeedback.allocate`` with the saved lay
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import random
@@ -50,11 +56,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
-from .unit import Unit
+from .unit import FrozenFlat, Unit
 
 if TYPE_CHECKING:
     from .engine import ZeroEngine
@@ -64,7 +71,7 @@ try:
 except ImportError:  # numpy is optional: its RNG is saved when it is there
     numpy = None
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: frozen parameters saved 1-D (sharded at stage 3)
 LATEST = "latest"
 
 
@@ -83,7 +90,7 @@ class _Piece:
     shard_start: int
 
 
-def _pieces(unit: Unit, index: int) -> list[_Piece]:
+def _pieces(unit: Unit | FrozenFlat, index: int) -> list[_Piece]:
     """Every rank's piece of parameter ``index`` of ``unit`` (non-empty ones, by rank): the unit's layout is the
     same arithmetic on every rank (``zeropp.engine.unit``), so no communication is needed."""
     off, numel, s = unit.offsets[index], unit.shapes[index].numel(), unit.shard_numel
@@ -102,9 +109,10 @@ def _params(engine: ZeroEngine) -> Iterator[tuple[str, Unit, int]]:
             yield name, unit, i
 
 
-def _sharded(engine: ZeroEngine, unit: Unit, index: int, local: torch.Tensor) -> ShardedTensor | None:
-    """Parameter ``index`` of ``unit`` as a 1-D fp32 ``ShardedTensor`` whose local shard views ``local`` (a tensor in
-    the layout of this rank's master shard); ``None`` when this rank holds no element of it."""
+def _sharded(engine: ZeroEngine, unit: Unit | FrozenFlat, index: int, local: torch.Tensor) -> ShardedTensor | None:
+    """Parameter ``index`` of ``unit`` (a ``Unit`` or its ``FrozenFlat``) as a 1-D ``ShardedTensor`` of ``local``'s
+    dtype whose local shard views ``local`` (a tensor in the layout of this rank's shard); ``None`` when this rank
+    holds no element of it."""
     ranks = engine.topology.ranks
     device = local.device
     pieces = _pieces(unit, index)
@@ -114,7 +122,7 @@ def _sharded(engine: ZeroEngine, unit: Unit, index: int, local: torch.Tensor) ->
     if not mine:
         return None
     shards = [Shard(local[p.shard_start : p.shard_start + p.hi - p.lo], m) for p, m in mine]
-    props = TensorProperties(dtype=torch.float32, layout=torch.strided, requires_grad=False,
+    props = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
                              memory_format=torch.contiguous_format, pin_memory=False)
     metadata = ShardedTensorMetadata(shards_metadata=metas, size=torch.Size([unit.shapes[index].numel()]),
                                      tensor_properties=props)
@@ -122,21 +130,47 @@ def _sharded(engine: ZeroEngine, unit: Unit, index: int, local: torch.Tensor) ->
         shards, metadata, process_group=engine.topology.group)
 
 
+def _module_state(engine: ZeroEngine) -> dict[str, Any]:
+    """``module.state_dict(keep_vars=True)`` as the module holds it (the stage-3 gathering hooks suspended)."""
+    gathering = engine.state_dict_gathering
+    with gathering.suspended() if gathering is not None else contextlib.nullcontext():
+        return engine.module.state_dict(keep_vars=True)
+
+
 def state_dict_sources(engine: ZeroEngine) -> dict[str, str]:
     """Every key of ``module.state_dict()`` -> the key its value is saved under: a trainable parameter's unit name,
     else the first key holding the same tensor."""
     canonical = {id(unit.params[i]): name for name, unit, i in _params(engine)}
     out = {}
-    for key, value in engine.module.state_dict(keep_vars=True).items():
+    for key, value in _module_state(engine).items():
         out[key] = canonical.setdefault(id(value), key)
     return out
 
 
+def _frozen(engine: ZeroEngine) -> dict[str, tuple[nn.Parameter, FrozenFlat | None, int]]:
+    """Every frozen parameter by the key it is saved under: ``(parameter, its FrozenFlat, index)`` when sharded
+    (stage 3), ``(parameter, None, 0)`` when whole."""
+    sharded = {id(p): (flat, i) for unit in engine.units if (flat := unit.frozen) is not None
+               for i, p in enumerate(flat.params)}
+    values = _module_state(engine)
+    out = {}
+    for key in dict.fromkeys(state_dict_sources(engine).values()):
+        value = values[key]
+        if isinstance(value, nn.Parameter) and not value.requires_grad:
+            flat, i = sharded.get(id(value), (None, 0))
+            out[key] = (value, flat, i)
+    return out
+
+
+def _frozen_shape(param: nn.Parameter, flat: FrozenFlat | None, index: int) -> torch.Size:
+    return flat.shapes[index] if flat is not None else param.shape
+
+
 def _others(engine: ZeroEngine) -> dict[str, torch.Tensor]:
-    """The persistent buffers and frozen parameters, by the key they are saved under."""
-    trainable = {name for name, _, _ in _params(engine)}
-    values = engine.module.state_dict(keep_vars=True)
-    return {key: values[key].detach() for key in dict.fromkeys(state_dict_sources(engine).values()) if key not in trainable}
+    """The persistent buffers (and other non-parameter entries), by the key they are saved under."""
+    skip = {name for name, _, _ in _params(engine)} | set(_frozen(engine))
+    values = _module_state(engine)
+    return {key: values[key].detach() for key in dict.fromkeys(state_dict_sources(engine).values()) if key not in skip}
 
 
 def _pack(obj: Any) -> bytes:
@@ -186,6 +220,7 @@ def _engine_state(engine: ZeroEngine) -> dict[str, Any]:
             "scale": scaler.scale, "hysteresis": scaler.hysteresis, "iteration": scaler.iteration,
             "last_overflow_iteration": scaler.last_overflow_iteration},
         "shapes": {name: tuple(unit.shapes[i]) for name, unit, i in _params(engine)},
+        "frozen_shapes": {key: tuple(_frozen_shape(*entry)) for key, entry in _frozen(engine).items()},
         "aliases": state_dict_sources(engine),
         "world_size": engine.comm.world_size,
     }
@@ -236,6 +271,11 @@ def _tensors(engine: ZeroEngine) -> dict[str, Any]:
             state[f"model.{name}"] = master
             for kind, shards in engine.optimizer.state.items():
                 state[f"optim.{kind}.{name}"] = _sharded(engine, unit, i, shards[u])
+    for key, (param, flat, i) in _frozen(engine).items():
+        if flat is None:
+            state[f"model.{key}"] = param.detach().view(-1)
+        elif (piece := _sharded(engine, flat, i, flat.shard)) is not None:
+            state[f"model.{key}"] = piece
     for key, value in _others(engine).items():
         state[f"model.{key}"] = value
     return state
@@ -297,9 +337,12 @@ def _read_own(path: Path, keys: list[str]) -> dict[str, Any]:
 
 def _check_compatible(engine: ZeroEngine, metadata: dict[str, Any], saved: dict[str, Any], path: Path) -> None:
     """Raise ``CheckpointError`` naming the first difference between the checkpoint and the engine."""
-    if saved["format_version"] != FORMAT_VERSION:
-        raise CheckpointError(f"checkpoint {str(path)!r} has format version {saved['format_version']}, this zeropp "
-                              f"reads {FORMAT_VERSION}")
+    version = saved["format_version"]
+    frozen = _frozen(engine)
+    if version not in (1, FORMAT_VERSION) or (version == 1 and frozen):
+        raise CheckpointError(f"checkpoint {str(path)!r} has format version {version}, this zeropp reads "
+                              f"{FORMAT_VERSION} (and version 1 for models without frozen parameters, which version 1 "
+                              "saved whole)")
     shapes = {name: tuple(unit.shapes[i]) for name, unit, i in _params(engine)}
     for name, shape in shapes.items():
         if name not in saved["shapes"]:
@@ -311,11 +354,16 @@ def _check_compatible(engine: ZeroEngine, metadata: dict[str, Any], saved: dict[
     if extra:
         raise CheckpointError(f"checkpoint {str(path)!r} has trainable parameters this model lacks (or holds "
                               f"frozen): {extra}")
+    for key, entry in frozen.items():
+        shape = tuple(_frozen_shape(*entry))
+        if tuple(saved["frozen_shapes"].get(key, ())) != shape:
+            raise CheckpointError(f"frozen parameter {key!r} (shape {shape}) is not in checkpoint {str(path)!r} with "
+                                  "that shape (another model, or one trained with other parameters frozen?)")
     for key, value in _others(engine).items():
         md = metadata.get(f"model.{key}")
         if not isinstance(md, TensorStorageMetadata) or md.size != value.shape:
-            raise CheckpointError(f"buffer or frozen parameter {key!r} (shape {tuple(value.shape)}) is not in "
-                                  f"checkpoint {str(path)!r} with that shape (another model?)")
+            raise CheckpointError(f"buffer {key!r} (shape {tuple(value.shape)}) is not in checkpoint {str(path)!r} "
+                                  "with that shape (another model?)")
     if saved["optimizer"] != engine.optimizer.type:
         raise CheckpointError(f"checkpoint {str(path)!r} was saved with optimizer {saved['optimizer']}, this engine "
                               f"runs {engine.optimizer.type}")
@@ -368,13 +416,15 @@ def load(engine: ZeroEngine, load_dir: str | os.PathLike[str], tag: str | None =
     saved = _read_own(path, own)
     _check_compatible(engine, metadata, saved["engine"], path)
 
-    # every tensor is read in place: masters, optimizer state, buffers and frozen parameters, qgZ residuals
+    # every tensor is read in place: masters, optimizer state, frozen parameters (shards), buffers, qgZ residuals
     state = _tensors(engine)
     state.update(_error_feedback_targets(engine, saved.get(_error_feedback_key(engine))))
     dcp.load(state, checkpoint_id=path, process_group=engine.topology.group)
 
     for unit in engine.units:
         unit.publish()  # compute shard (and stages 1/2: whole parameters) from the masters; stage 3: freed
+        if unit.frozen is not None:
+            unit.frozen.secondary = None  # hpZ: held the values before the load
     values = saved["engine"]
     opt = engine.optimizer
     for group, hyper in zip(opt.param_groups, values["param_groups"]):
@@ -402,22 +452,31 @@ def load(engine: ZeroEngine, load_dir: str | os.PathLike[str], tag: str | None =
 @torch.no_grad()
 def consolidated_state_dict(engine: ZeroEngine, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
     """The model's state dict with every trainable parameter whole, from the fp32 master weights (exact: not the
-    qwZ-dequantized compute copy), shaped as the parameter, fp32; buffers and frozen parameters as the module holds
-    them. Keys and tied aliases are the module's ``state_dict()``'s, so the unwrapped model's ``load_state_dict``
-    takes it. A collective: one exact fp32 all-gather of each unit's master shards in turn (``N`` elements of
-    transient memory for a unit of ``N``). With ``rank0_only`` only the data-parallel group's first rank returns
+    qwZ-dequantized compute copy), shaped as the parameter, fp32; frozen parameters whole in the compute dtype (an
+    exact all-gather of their shards at stage 3); buffers as the module holds them. Keys and tied aliases are the
+    module's ``state_dict()``'s, so the unwrapped model's ``load_state_dict`` takes it. A collective: one exact fp32
+    all-gather of each unit's master shards in turn (``N`` elements of transient memory for a unit of ``N``). With ``rank0_only`` only the data-parallel group's first rank returns
     it (the others get ``{}``)."""
     keep = not rank0_only or engine.comm.rank == 0
     whole: dict[str, torch.Tensor] = {}
+    by_param: dict[int, torch.Tensor] = {}  # sharded frozen parameters
     for unit in engine.units:
         full = torch.empty(unit.full.numel(), dtype=torch.float32, device=unit.master.device)
         engine.comm.gather_exact(unit.master, full)
         if keep:
             for name, off, shape in zip(unit.param_names, unit.offsets, unit.shapes):
                 whole[name] = full[off : off + shape.numel()].view(shape).clone()
+        if unit.frozen is not None:
+            values = unit.frozen.shard.new_empty(unit.comm.world_size * unit.frozen.shard_numel)
+            engine.comm.gather_exact(unit.frozen.shard, values)
+            if keep:
+                for p, off, shape in zip(unit.frozen.params, unit.frozen.offsets, unit.frozen.shapes):
+                    by_param[id(p)] = values[off : off + shape.numel()].view(shape).clone()
     if not keep:
         return {}
     others = {key: value.clone() for key, value in _others(engine).items()}
+    for key, (param, flat, _) in _frozen(engine).items():
+        others[key] = by_param[id(param)] if flat is not None else param.detach().clone()
     return {key: whole[src] if src in whole else others[src] for key, src in state_dict_sources(engine).items()}
 
 
@@ -426,8 +485,8 @@ def load_whole_state_dict(engine: ZeroEngine, state_dict: Mapping[str, torch.Ten
                           strict: bool) -> tuple[list[str], list[str]]:
     """Load a whole state dict of the module (``ZeroEngine.load_state_dict``): each trainable parameter's elements
     in this rank's master shard are copied from it (any dtype, converted to fp32), then every unit is published
-    (stages 1 and 2: an all-gather); buffers and frozen parameters are copied into the module. Returns ``(missing
-    keys, unexpected keys)``; with ``strict`` either raises ``KeyError`` before anything is loaded."""
+    (stages 1 and 2: an all-gather); buffers and whole frozen parameters are copied into the module, sharded frozen
+    parameters (stage 3) into this rank's frozen shard. Returns ``(missing keys, unexpected keys)``; with ``strict`` either raises ``KeyError`` before anything is loaded."""
     sources = state_dict_sources(engine)
     missing = [key for key in sources if key not in state_dict]
     unexpected = [key for key in state_dict if key not in sources]
@@ -453,6 +512,19 @@ def load_whole_state_dict(engine: ZeroEngine, state_dict: Mapping[str, torch.Ten
     for key, tensor in _others(engine).items():
         if key in values:
             tensor.copy_(values[key])
+    for key, (param, flat, i) in _frozen(engine).items():
+        if key not in values:
+            continue
+        if flat is None:
+            param.copy_(values[key])
+            continue
+        # this rank's piece of the sharded frozen parameter; the hpZ secondary no longer holds its values
+        whole = values[key].detach().reshape(-1).to(device=flat.shard.device, dtype=flat.shard.dtype)
+        lo, hi = flat.offsets[i], flat.offsets[i] + flat.shapes[i].numel()
+        a, b = max(lo, flat.start), min(hi, flat.start + flat.shard_numel)
+        if a < b:
+            flat.shard[a - flat.start : b - flat.start].copy_(whole[a - lo : b - lo])
+        flat.secondary = None
     return missing, unexpected
 
 
@@ -470,6 +542,6 @@ def consolidate(checkpoint_dir: str | os.PathLike[str], tag: str | None = None) 
              for key in dict.fromkeys(saved["aliases"].values())}
     _load_alone(state, path)
     values = {key[len("model."):]: value for key, value in state.items()}
-    for name, shape in saved["shapes"].items():
+    for name, shape in {**saved["shapes"], **saved.get("frozen_shapes", {})}.items():
         values[name] = values[name].view(shape)
     return {key: values[src] for key, src in saved["aliases"].items()}

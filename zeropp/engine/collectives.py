@@ -2,9 +2,10 @@
 
 The weight all-gather and the gradient reduce-scatter call ``zeropp.comm`` with the configured ``bits``
 (``None``: exact; 8/4: qwZ/qgZ) and block size, so switching ZeRO++ on is a matter of the values held here. The
-engine never calls a quantization kernel itself (engine -> comm -> quant). The two small collectives that
-``zeropp.comm`` does not provide (the initial broadcast of the weights and the all-reduce of the squared gradient
-norm) are plain ``torch.distributed`` calls on the topology's data-parallel group.
+engine never calls a quantization kernel itself (engine -> comm -> quant). The small collectives that ``zeropp.comm``
+does not provide (the broadcasts of the weights — initial, and ``gathered_parameters``' write-back — and the
+all-reduce of the squared gradient norm) are plain ``torch.distributed`` calls on the topology's data-parallel
+group.
 """
 
 from __future__ import annotations
@@ -108,6 +109,12 @@ class Collectives:
         """Sum ``tensor`` over the ranks, in place."""
         if self.world_size > 1:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.topology.group)
+        return tensor
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
+        """Overwrite ``tensor`` with global rank ``src``'s values (a member of the data-parallel group), in place."""
+        if self.world_size > 1:
+            dist.broadcast(tensor, src=src, group=self.topology.group)
         return tensor
 
     def broadcast_from_first(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -98,13 +98,27 @@ DeepSpeed) lets each unit's gradient reduce-scatter run while autograd goes on, 
 flat fp32 buffers in flight exceed ``reduce_bucket_size`` elements, and for all at the end of backward; off, every
 reduce-scatter completes before backward resumes. Either way the values are bit-identical: only the timing changes.
 
-Limits: one reduce-scatter per unit (``reduce_bucket_size`` does not merge units into buckets). Frozen parameters
-stay whole on every rank. In stage 3 on more than one rank, outside the engine's forward and backward the module's
-trainable parameters are empty tensors: read the weights with ``engine.full_parameters()`` (the compute weights),
-``engine.state_dict()`` (the masters in the compute dtype) or ``engine.consolidated_state_dict()`` (the fp32
-masters), all collectives. Checkpoints (``save_checkpoint``/``load_checkpoint``,
-``zeropp.engine.checkpoint``) are taken at accumulation boundaries only and load at any world size and layout, but
-the qgZ error-feedback residuals are kept only by a load with the same world size and nodes (otherwise they restart
+Frozen parameters (``requires_grad=False``): stages 1 and 2 keep them whole on every rank, never communicated; stage
+3 shards them with their unit in a second flat buffer (``unit.FrozenFlat``: ``N_frozen / P`` per rank, compute dtype,
+no master, gradient or optimizer state, no reduce-scatter), gathered with the unit (qwZ and hpZ apply) and freed
+with it; a unit holding frozen parameters is freed in backward only once the gradients of its inputs are complete
+(``hooks``).
+
+Construction without the whole model (``zeropp.engine.materialize``): a model built on the meta device
+(``zeropp.Init``) is materialised unit by unit as the units are built, each unit from its own seed, so no rank
+holds more than one unit's whole parameters at a time and the weights are the same at every world size.
+
+Outside the engine's forward and backward at stage 3 on more than one rank the module's parameters are empty tensors:
+``model.state_dict()`` still returns them whole (gathered on demand, a collective; ``zeropp.engine.gathered``),
+``with engine.gathered_parameters(modules, modifier_rank=None)`` makes them whole (and writes back what one rank
+changed), and ``engine.full_parameters()`` (the compute weights) or ``engine.consolidated_state_dict()`` (the fp32
+masters) copy them out; ``engine.state_dict()`` gives the masters in the compute dtype. Entry points other than the
+model's ``forward`` (a ``generate`` calling submodules) gather the units whose submodules they call (``hooks``).
+
+Limits: one reduce-scatter per unit (``reduce_bucket_size`` does not merge units into buckets). Checkpoints
+(``save_checkpoint``/``load_checkpoint``, ``zeropp.engine.checkpoint``) are taken at accumulation boundaries only and
+load at any world size and layout, but the qgZ error-feedback residuals are kept only by a load with the same world
+size and nodes (otherwise they restart
 at zero), and ranks the save did not have keep their own RNG state.
 """
 
@@ -125,11 +139,13 @@ from torch import nn
 
 from .. import comm
 from ..config import Config, ConfigError
-from . import checkpoint
+from . import checkpoint, gathered
 from .collectives import Collectives
-from .hooks import GradientReadiness, install_stage3_hooks
+from .gathered import StateDictGathering
+from .hooks import GradientReadiness, install_entry_hooks, install_stage3_hooks
 from .loss_scaler import LossScaler
 from .monitor import Monitor
+from .materialize import Materializer, MetaInit
 from .optimizer import PartitionedOptimizer
 from .policy import UnitPolicy, plan_units
 from .prefetch import Prefetcher
@@ -163,6 +179,7 @@ class ZeroEngine:
         topology: comm.Topology,
         unit_policy: UnitPolicy | None = None,
         lr_scheduler: Any = None,
+        meta_init: MetaInit | None = None,
     ) -> None:
         self.module = module
         self.config = config
@@ -177,30 +194,45 @@ class ZeroEngine:
             hpz=zero.zero_hpz_partition_size if self.stage == 3 else 1,
             error_feedback=zero.zeropp.error_feedback,
         )
+        self.compute_dtype = compute_dtype(config)
         sharded = self.stage == 3
-        plans = [plan for plan in plan_units(module, unit_policy) if plan.params]
+        plans = plan_units(module, unit_policy)
+        # built on the meta device: each unit is materialised just before it is built (then, stage 3, freed)
+        self.materializer = None if meta_init is None else Materializer(
+            module, plans, seed=meta_init.seed, param_init_fn=meta_init.param_init_fn, device=meta_init.device,
+            dtype=self.compute_dtype)
         buffers = ReduceBuffers()
-        self.units = [
-            Unit(plan.name, plan.params, self.comm, sharded=sharded, reduce_buffers=buffers) for plan in plans
-        ]
-        modules = {plan.name: plan.module for plan in plans}
+        self.units = []
+        modules = {}
+        for plan in plans:
+            if self.materializer is not None:
+                self.materializer.materialize(plan)
+            frozen = plan.frozen if sharded else []  # stages 1/2: frozen parameters stay whole, in no unit
+            if plan.params or frozen:
+                self.units.append(Unit(plan.name, plan.params, self.comm, sharded=sharded, reduce_buffers=buffers,
+                                       frozen=frozen, broadcast=self.materializer is None))
+                modules[plan.name] = plan.module
         assert config.optimizer is not None
         self.optimizer = PartitionedOptimizer(config.optimizer, self.units, model_parameters)
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self.prefetcher = Prefetcher(zero.stage3_prefetch_bucket_size if sharded else 0)
+        self.state_dict_gathering: StateDictGathering | None = None
         if sharded:
             self._hooks.append(module.register_forward_pre_hook(lambda *_: self.prefetcher.begin_forward()))
             for unit in self.units:
                 self._hooks += install_stage3_hooks(
-                    unit, modules[unit.name], root=unit.name == "", prefetcher=self.prefetcher
+                    unit, modules[unit.name], root=unit.name == "", prefetcher=self.prefetcher, release=self._release
                 )
+                self._hooks += install_entry_hooks(unit, _holders(module, unit, modules[unit.name]),
+                                                   prefetcher=self.prefetcher)
+            if self.comm.world_size > 1:
+                self.state_dict_gathering = StateDictGathering(module, self.units)
         self.overlap_comm = zero.overlap_comm
         self.reduce_bucket_size = zero.reduce_bucket_size
         self._reductions: collections.deque[GradientReduction] = collections.deque()  # in flight, oldest first
         self._readiness = GradientReadiness(self.units, self._on_unit_ready) if self.stage >= 2 else None
 
         self._accumulation_steps = config.gradient_accumulation_steps
-        self.compute_dtype = compute_dtype(config)
         self.loss_scaler = LossScaler(config.fp16) if config.fp16.enabled else None
         self.micro_steps = 0
         self.global_steps = 0
@@ -489,9 +521,18 @@ class ZeroEngine:
     # ---- gradients ----------------------------------------------------------------------------------------
 
     def _on_unit_ready(self, unit: Unit) -> None:
-        """A unit's gradients are complete (stages 2 and 3): reduce-scatter them now, free the unit."""
+        """A unit's gradients are complete (stages 2 and 3): reduce-scatter them now, free the unit (unless the
+        backward of its frozen weights may still be to come: ``hooks``)."""
         self._reduce(unit)
-        unit.free()
+        if not unit.pending_input_grads:
+            unit.free()
+
+    def _release(self, unit: Unit) -> None:
+        """Stage 3, a unit with frozen parameters: the gradients of its module's inputs are complete; free it once
+        its trainable gradients are too (``hooks``)."""
+        assert self._readiness is not None  # stage 3
+        if not unit.pending_input_grads and (not unit.params or self._readiness.is_done(unit)):
+            unit.free()
 
     def _reduce(self, unit: Unit) -> None:
         """Start ``unit``'s gradient reduce-scatter. Without ``overlap_comm`` wait for it at once; with it, let it
@@ -526,11 +567,14 @@ class ZeroEngine:
         wait for every reduction in flight and free every stage-3 unit, root included. Same unit order on every
         rank."""
         for unit in self.units:
-            if self.stage == 1:
+            if not unit.params:
+                pass  # frozen parameters only: nothing to reduce
+            elif self.stage == 1:
                 if self.is_gradient_accumulation_boundary() and not self._no_sync:
                     self._reduce(unit)
             elif self._readiness is not None and not self._readiness.is_done(unit):
                 self._reduce(unit)
+            unit.pending_input_grads = 0
             unit.free()
         while self._reductions:
             self._reductions.popleft().wait()
@@ -592,13 +636,26 @@ class ZeroEngine:
         for unit in self.units:
             was = unit.gathered
             unit.gather()
-            for p in unit.params:
+            for p in unit.params + (unit.frozen.params if unit.frozen is not None else []):
                 by_id[id(p)] = p.detach().clone()
             if not was:
                 unit.free()
         for name, p in self.module.named_parameters():
             out[name] = by_id[id(p)] if id(p) in by_id else p.detach().clone()
         return out
+
+    def gathered_parameters(self, modules: nn.Module | Iterable[nn.Module] | None = None, *,
+                            modifier_rank: int | None = None) -> contextlib.AbstractContextManager[None]:
+        """DeepSpeed's ``GatheredParameters``: inside the ``with`` block the parameters of ``modules`` (default: the
+        whole model), trainable and frozen, are whole on every rank, with the compute shards' exact values; on exit
+        they are freed again (stage 3). With ``modifier_rank`` (a global rank), the values that rank wrote into them
+        in place are broadcast on exit and become the weights: compute shards and fp32 masters (the elements whose
+        compute-dtype value changed). A collective; not between a forward and its ``step()``. Details:
+        ``zeropp.engine.gathered``."""
+        if self._forward_pending or self._backward_pending:
+            raise EngineUsageError("gathered_parameters() between a forward and its step(): use it before the forward "
+                                   "or after engine.step()")
+        return gathered.gathered_parameters(self.units, self.module, modules, modifier_rank, self.comm)
 
     def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
                         client_state: dict[str, Any] | None = None) -> Path:
@@ -661,6 +718,13 @@ def compute_dtype(config: Config) -> torch.dtype:
     if config.fp16.enabled:
         return torch.float16
     return torch.float32
+
+
+def _holders(model: nn.Module, unit: Unit, unit_module: nn.Module) -> list[nn.Module]:
+    """The modules other than ``unit_module`` that directly hold a parameter of ``unit`` (trainable or frozen)."""
+    mine = {id(p) for p in unit.params + (unit.frozen.params if unit.frozen is not None else [])}
+    return [m for m in model.modules()
+            if m is not unit_module and any(id(p) in mine for p in m.parameters(recurse=False))]
 
 
 def _describe(x: Any) -> str:

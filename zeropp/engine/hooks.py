@@ -9,6 +9,21 @@ Stage 3 (``install_stage3_hooks``), per unit module:
   calls ``unit.gather()`` again (from the hpZ secondary shards once hpZ is on). The outputs themselves are
   returned unchanged (no wrapping autograd function, no views).
 
+Units holding frozen parameters: the backward of a frozen weight (the gradient of a frozen ``Linear``'s input) needs
+the weight but accumulates no gradient, so it may run after every trainable parameter of the unit is done (autograd
+runs ``AccumulateGrad`` as early as it can; a LoRA adapter's branch finishes before the frozen base's). The forward
+post-hook therefore also registers a gradient hook on the unit module's inputs that require grad (mode "all"; counted
+in ``Unit.pending_input_grads``): once it ran, every backward node between the unit's inputs and outputs has run, and
+``release(unit)`` may free it (the engine frees when that count is zero and the trainable gradients are complete).
+
+Other entry points (``install_entry_hooks``): a model method other than ``forward`` (``generate``) may call a unit's
+submodules directly (``model.wte(idx)``, ``model.lm_head(x)``), bypassing the unit module's hooks. Every module that
+directly holds a parameter of a stage-3 unit (other than the unit's own module) gets pre/post hooks that gather the
+unit when it is not whole and, if they gathered it, free it afterwards as the unit module's hooks would (and, with
+grad enabled, gather it again for the backward). Inside the unit module's forward the unit is whole already and
+they do nothing. Parameters read directly in such a method (``self.pos_emb`` rather than a submodule call) are not
+seen: wrap that method in ``engine.gathered_parameters()``.
+
 With prefetching on (``zeropp.engine.prefetch``) each of those gathers is followed by starting the gathers of the
 units expected next; the gather of a unit whose all-gather was started earlier only waits for it.
 
@@ -57,14 +72,31 @@ def _gather_before_backward(unit: Unit, output: Any, prefetcher: Prefetcher) -> 
         register_multi_grad_hook(tensors, hook, mode="any")
 
 
-def install_stage3_hooks(unit: Unit, module: nn.Module, *, root: bool, prefetcher: Prefetcher) -> list[RemovableHandle]:
-    """Forward pre/post hooks of a stage-3 unit on its module (see the module docstring)."""
+def _release_after_inputs(unit: Unit, args: Any, kwargs: Any, release: Callable[[Unit], None]) -> None:
+    """Units with frozen parameters: count a gradient hook on the inputs that require grad (see the module
+    docstring); when it runs, call ``release(unit)``."""
+    inputs = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if inputs:
+        unit.pending_input_grads += 1
+
+        def hook(_grads: Any) -> None:
+            unit.pending_input_grads -= 1
+            release(unit)
+
+        register_multi_grad_hook(inputs, hook, mode="all")
+
+
+def install_stage3_hooks(
+    unit: Unit, module: nn.Module, *, root: bool, prefetcher: Prefetcher, release: Callable[[Unit], None]
+) -> list[RemovableHandle]:
+    """Forward pre/post hooks of a stage-3 unit on its module (see the module docstring); ``release(unit)`` is
+    called when the gradients of the unit's inputs are complete (units with frozen parameters)."""
 
     def pre_forward(_module: nn.Module, _args: Any) -> None:
         unit.gather()
         prefetcher.after_forward_gather(unit)
 
-    def post_forward(_module: nn.Module, _args: Any, output: Any) -> Any:
+    def post_forward(_module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         if not torch.is_grad_enabled():
             if not _in_backward():
                 unit.free()
@@ -73,9 +105,36 @@ def install_stage3_hooks(unit: Unit, module: nn.Module, *, root: bool, prefetche
             if not _in_backward():
                 unit.free()
             _gather_before_backward(unit, output, prefetcher)
+            if unit.frozen is not None:
+                _release_after_inputs(unit, args, kwargs, release)
         return output  # the root unit stays whole until the engine finishes backward
 
-    return [module.register_forward_pre_hook(pre_forward), module.register_forward_hook(post_forward)]
+    return [module.register_forward_pre_hook(pre_forward),
+            module.register_forward_hook(post_forward, with_kwargs=True)]
+
+
+def install_entry_hooks(unit: Unit, modules: list[nn.Module], *, prefetcher: Prefetcher) -> list[RemovableHandle]:
+    """Stage 3: hooks on ``modules`` (those directly holding a parameter of ``unit``, the unit's module excepted)
+    that gather the unit for a call made outside the unit module's forward (see the module docstring)."""
+    opened: list[bool] = []  # per call in progress: whether its pre-hook gathered the unit
+
+    def pre_forward(_module: nn.Module, _args: Any) -> None:
+        was = unit.gathered
+        unit.gather()  # also waits for a prefetched gather in flight
+        opened.append(not was)
+
+    def post_forward(_module: nn.Module, _args: Any, output: Any) -> Any:
+        if opened.pop():
+            if not _in_backward():
+                unit.free()
+            if torch.is_grad_enabled():
+                _gather_before_backward(unit, output, prefetcher)
+        return output
+
+    handles = []
+    for module in modules:
+        handles += [module.register_forward_pre_hook(pre_forward), module.register_forward_hook(post_forward)]
+    return handles
 
 
 class GradientReadiness:

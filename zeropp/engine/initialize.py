@@ -13,6 +13,7 @@ from torch import nn
 from .. import comm
 from ..config import Config, ConfigError, load_config
 from .engine import ZeroEngine, compute_dtype
+from .materialize import MetaInit, ParamInitFn, meta_state
 from .policy import UnitPolicy
 
 
@@ -33,19 +34,26 @@ def initialize(
     *,
     topology: comm.Topology | None = None,
     unit_policy: UnitPolicy | None = None,
+    param_init_fn: ParamInitFn | None = None,
+    init_seed: int = 0,
+    device: torch.device | str | None = None,
 ) -> tuple[ZeroEngine, Any, None, Any]:
     """Wrap ``model`` for ZeRO training; returns ``(engine, optimizer, None, lr_scheduler)`` like
     ``deepspeed.initialize`` (the same parameters, in the same order).
 
-    Collective: every rank of the data-parallel group calls it with the same model structure and config. The
-    first rank's initial weights are broadcast to the others.
+    Collective: every rank of the data-parallel group calls it with the same model structure and config. A model
+    built eagerly: the first rank's initial weights are broadcast to the others. A model built on the meta device
+    (``zeropp.Init`` or ``torch.device("meta")``): materialised unit by unit on every rank from ``init_seed``, the
+    same values on every rank and at every world size, never the whole model at once
+    (``zeropp.engine.materialize``).
 
     Args:
         args: an argparse namespace; only its ``deepspeed_config`` (a JSON path) is read, when ``config`` is not
             given (as DeepSpeed).
-        model: the model, on its device, every trainable parameter float32 or the config's compute dtype
-            (bfloat16 with ``bf16.enabled``, float16 with ``fp16.enabled``); with bf16/fp16 it is cast in place to
-            the compute dtype (``model.to``), as DeepSpeed does.
+        model: the model, on its device (or the meta device), every trainable parameter float32 or the config's
+            compute dtype (bfloat16 with ``bf16.enabled``, float16 with ``fp16.enabled``); with bf16/fp16 it is
+            cast in place to the compute dtype (``model.to``; a meta model's tensors after their initialisation),
+            as DeepSpeed does.
         model_parameters: the parameters to optimize (default: every parameter that requires grad), or parameter
             groups (dicts with ``params`` and per-group hyperparameters). Freeze the others with
             ``requires_grad_(False)``.
@@ -62,6 +70,10 @@ def initialize(
         topology: the data-parallel group and node layout (default: the world, ``comm.get_default_topology()``).
         unit_policy: which modules become units (default: each child of each outermost ``nn.ModuleList``;
             see ``zeropp.engine.policy``).
+        param_init_fn: meta models: ``fn(module)`` initialises one module's own parameters and buffers in place
+            (default: ``module.reset_parameters()``), FSDP's argument.
+        init_seed: meta models: the seed the per-unit seeds derive from (``materialize.unit_seed``).
+        device: meta models: where to materialise (default: the current CUDA device under NCCL, else the CPU).
 
     Raises:
         ConfigError: a bad config, or a setting this engine does not implement yet; nothing is raised mid-run
@@ -104,12 +116,22 @@ def initialize(
             "(neither bf16.enabled nor fp16.enabled)"
         raise ConfigError(f"the model has trainable parameters of dtype {', '.join(wrong)} but {what}; pass a "
                           f"float32 model (the engine casts it) or one in {dtype}, or change the config")
-    if dtype != torch.float32:
+    meta = meta_state(model)
+    if not meta and (param_init_fn is not None or device is not None):
+        raise ConfigError("param_init_fn= and device= apply to a model built on the meta device (zeropp.Init()); "
+                          "this model's parameters already have values: leave them out")
+    meta_init = None
+    if meta:
+        if device is None:
+            nccl = dist.get_backend(topo.group) == "nccl"
+            device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        meta_init = MetaInit(seed=init_seed, param_init_fn=param_init_fn, device=torch.device(device))
+    elif dtype != torch.float32:
         model.to(dtype)  # as DeepSpeed: every floating parameter and buffer, frozen ones included
     if model_parameters is None:
         model_parameters = [p for p in model.parameters() if p.requires_grad]
     engine = ZeroEngine(model, cfg, model_parameters, topology=topo, unit_policy=unit_policy,
-                        lr_scheduler=lr_scheduler)
+                        lr_scheduler=lr_scheduler, meta_init=meta_init)
     return engine, engine.optimizer, None, engine.lr_scheduler
 
 

@@ -9,13 +9,14 @@ class instead; any callable ``model -> iterable of modules`` works.
 Ownership (``plan_units``): a parameter belongs to the innermost unit module that contains it. A parameter
 reached from two different units (tied or shared weights) belongs to the root unit, which stays gathered for the
 whole forward and backward, so every user of the parameter sees it. Frozen parameters (``requires_grad=False``)
-belong to no unit: they stay whole on every rank and are never communicated.
+follow the same rule into ``UnitPlan.frozen`` (stage 3 shards them with their unit; stages 1 and 2 keep them whole on
+every rank and never communicate them, but a model built on the meta device is still materialised unit by unit).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
@@ -49,17 +50,19 @@ def units_of_type(*types: type[nn.Module]) -> UnitPolicy:
 
 @dataclass
 class UnitPlan:
-    """One unit: its module (the model for the root unit), its qualified name, and its trainable parameters with
-    their qualified names, in first-seen order."""
+    """One unit: its module (the model for the root unit), its qualified name, its trainable parameters with their
+    qualified names, in first-seen order, and likewise its frozen ones."""
 
     name: str
     module: nn.Module
     params: list[tuple[str, nn.Parameter]]
+    frozen: list[tuple[str, nn.Parameter]] = field(default_factory=list)
 
 
 def plan_units(model: nn.Module, policy: UnitPolicy | None = None) -> list[UnitPlan]:
     """The units of ``model``: the root unit first (named ``""``), then the policy's modules in model order.
-    Units without trainable parameters are left out, except the root (it may be empty)."""
+    Units without parameters are left out, except the root (it may be empty); a unit with only frozen parameters is
+    kept (``UnitPlan.frozen``)."""
     picked = list((policy or default_unit_modules)(model))
     names: dict[int, str] = {}  # module -> its first qualified name
     order: dict[str, int] = {}  # qualified name -> position in model order
@@ -88,17 +91,16 @@ def plan_units(model: nn.Module, policy: UnitPolicy | None = None) -> list[UnitP
     owners: dict[int, set[str]] = {}
     first: dict[int, tuple[str, nn.Parameter]] = {}
     for pname, param in model.named_parameters(remove_duplicate=False):
-        if not param.requires_grad:
-            continue
         owners.setdefault(id(param), set()).add(owner(pname))
         first.setdefault(id(param), (pname, param))
     members: dict[str, list[tuple[str, nn.Parameter]]] = {"": [], **{p: [] for p in prefixes}}
+    frozen: dict[str, list[tuple[str, nn.Parameter]]] = {"": [], **{p: [] for p in prefixes}}
     for key, (pname, param) in first.items():
         units = owners[key]
-        members[units.pop() if len(units) == 1 else ""].append((pname, param))
+        (members if param.requires_grad else frozen)[units.pop() if len(units) == 1 else ""].append((pname, param))
     ordered = [""] + sorted(prefixes, key=order.__getitem__)
     return [
-        UnitPlan(name=p, module=model if p == "" else modules[p], params=members[p])
+        UnitPlan(name=p, module=model if p == "" else modules[p], params=members[p], frozen=frozen[p])
         for p in ordered
-        if p == "" or members[p]
+        if p == "" or members[p] or frozen[p]
     ]

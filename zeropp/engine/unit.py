@@ -40,6 +40,20 @@ identity matters: tied weights, user references) and point into it: ``param.data
   parameters empty. Releasing the *storage* rather than dropping the tensor matters: autograd may have saved views
   of a weight (``weight.t()`` inside ``F.linear``), and those views see the re-gathered values in backward.
 
+Frozen parameters (``requires_grad=False``, floating) of a stage-3 unit live in a second flat buffer,
+``FrozenFlat``, laid out and sharded by the same rules (its own ``P * S'`` elements, the same alignment) but with only
+the compute-dtype ``shard`` and, while gathered, ``full``: no master, no gradient shard, no optimizer state, no
+reduce-scatter. ``gather()`` gathers both buffers (qwZ and hpZ apply to both), ``free()`` frees both. Why a second
+buffer rather than the same one: every element of the trainable buffer costs a fp32 master, a fp32 gradient shard
+and the optimizer's state on some rank, and a slot in every gradient reduce-scatter; for LoRA, where the frozen base
+is 10-100x the adapters, sharing the buffer would multiply those by as much. The price is one more all-gather per
+gather of a unit holding frozen parameters. Frozen values never change in training, so their hpZ secondary, made at
+the first gather, is kept for the run (``publish`` leaves it; ``write_back`` drops it).
+
+Construction (``broadcast``): a unit built from an eagerly constructed model takes the first rank's values (one
+broadcast of ``full``); one built from a model materialised by ``zeropp.engine.materialize`` (every rank computed the
+same values from the same seeds) takes its own, with no communication.
+
 Gradients arrive in the parameters' ``.grad`` (autograd's normal accumulation); ``reduce_gradients()`` packs them
 into one flat fp32 buffer (zeros where a parameter got no gradient; bf16/fp16 gradients upcast), drops the ``.grad``
 tensors and starts the reduce-scatter (qgZ when on, with this unit's ``ErrorFeedback`` when configured); the
@@ -56,6 +70,20 @@ from .. import comm as _comm
 from .collectives import Collectives
 
 
+def flat_layout(numels: list[int], align: int, world: int) -> tuple[list[int], int, int]:
+    """The layout of tensors of ``numels`` elements in one flat buffer sharded over ``world`` ranks (see the module
+    docstring): each tensor's offset (a multiple of ``align``), the end of the last one, and the shard size ``S``
+    (a multiple of ``align``; the buffer has ``world * S`` elements)."""
+    offsets: list[int] = []
+    numel = 0
+    for n in numels:
+        numel = -(-numel // align) * align  # each parameter starts on the block grid
+        offsets.append(numel)
+        numel += n
+    shard_numel = -(-numel // (world * align)) * align if numel else 0
+    return offsets, numel, shard_numel
+
+
 class Unit:
     """The flat sharded parameter group of one module (see the module docstring).
 
@@ -65,6 +93,16 @@ class Unit:
         comm: the engine's collectives.
         sharded: stage 3 (parameters freed between uses) when true; stages 1 and 2 keep them whole.
         reduce_buffers: the pool the flat gradient buffers come from (the engine shares one among its units).
+        frozen: stage 3: the unit's frozen ``(qualified name, parameter)`` pairs, sharded in a ``FrozenFlat``
+            (floating ones; others stay whole on every rank).
+        broadcast: take the first rank's values (a model built eagerly on every rank); ``False``: every rank
+            already holds the same values (a materialised model), nothing is sent.
+
+    Attributes:
+        pinned: while positive, ``free()`` leaves the unit whole (``ZeroEngine.gathered_parameters``).
+        pending_input_grads: stage 3, units with frozen parameters: gradient hooks on the unit module's inputs
+            registered by this forward that have not run yet (``hooks``): their backward may still read the frozen
+            weights, so the unit is not freed before they ran.
     """
 
     def __init__(
@@ -75,6 +113,8 @@ class Unit:
         *,
         sharded: bool,
         reduce_buffers: ReduceBuffers | None = None,
+        frozen: list[tuple[str, nn.Parameter]] | None = None,
+        broadcast: bool = True,
     ) -> None:
         self.name = name
         self.param_names = [n for n, _ in params]
@@ -91,21 +131,17 @@ class Unit:
                 f"unit {name or '<root>'!r} mixes dtypes {sorted(map(str, dtypes))} or devices "
                 f"{sorted(map(str, devices))}; give all trainable parameters one dtype and device"
             )
-        dtype = next(iter(dtypes), torch.float32)
-        device = next(iter(devices), torch.device("cpu"))
+        frozen_floating = [(n, p) for n, p in frozen or [] if p.dtype.is_floating_point]
+        fallback = self.params or [p for _, p in frozen_floating]  # a unit of frozen parameters only
+        dtype = self.params[0].dtype if self.params else fallback[0].dtype if fallback else torch.float32
+        device = fallback[0].device if fallback else torch.device("cpu")
         if not dtype.is_floating_point:
             raise TypeError(f"unit {name or '<root>'!r}: parameters of dtype {dtype} cannot be trained")
         self.shapes = [p.shape for p in self.params]
-        self.align = align = comm.alignment
-        self.offsets: list[int] = []
-        numel = 0
-        for p in self.params:
-            numel = -(-numel // align) * align  # each parameter starts on the block grid
-            self.offsets.append(numel)
-            numel += p.numel()
-        self.numel = numel  # last parameter's end: parameters and the gaps between them
+        self.align = comm.alignment
         world, rank = comm.world_size, comm.rank
-        self.shard_numel = -(-numel // (world * align)) * align if numel else 0
+        # numel: the last parameter's end (parameters and the gaps between them)
+        self.offsets, self.numel, self.shard_numel = flat_layout([p.numel() for p in self.params], self.align, world)
         self.start = rank * self.shard_numel  # this rank's slice of the padded flat buffer
         padded = world * self.shard_numel
 
@@ -113,7 +149,8 @@ class Unit:
         with torch.no_grad():
             for p, off in zip(self.params, self.offsets):
                 self.full[off : off + p.numel()].copy_(p.detach().reshape(-1))
-        comm.broadcast_from_first(self.full)  # every rank starts from the first rank's weights
+        if broadcast:
+            comm.broadcast_from_first(self.full)  # every rank starts from the first rank's weights
         local = self.full[self.start : self.start + self.shard_numel]
         self.shard = local if self.single else local.clone()
         self.master = local.to(torch.float32, copy=True)
@@ -122,6 +159,10 @@ class Unit:
         self.hpz = comm.hpz if sharded else 1
         self.secondary: torch.Tensor | None = None  # hpZ: this rank's 1/hpz of the gathered values
         self.error_feedback = _comm.ErrorFeedback() if comm.error_feedback else None
+        self.frozen = (FrozenFlat(frozen_floating, comm, hpz=self.hpz, broadcast=broadcast)
+                       if frozen_floating else None)
+        self.pinned = 0
+        self.pending_input_grads = 0
         self.gathered = True
         self._gathering: _comm.CollectiveWork | None = None  # a started (prefetched) gather not yet waited for
         self._bind()
@@ -157,11 +198,15 @@ class Unit:
                 self._gathering = self.comm.gather_secondary(self.secondary, self.full)
             else:
                 self._gathering = self.comm.gather_params(self.shard, self.full)
+            if self.frozen is not None:
+                self.frozen.start_gather()
             self.gathered = True
         if wait:
             self._finish_gather()
 
     def _finish_gather(self) -> None:
+        if self.frozen is not None:
+            self.frozen.finish_gather()
         work, self._gathering = self._gathering, None
         if work is None:
             return
@@ -171,19 +216,88 @@ class Unit:
             self.secondary = self.full[a:b].clone()
         self._bind()
 
+    def gather_exact(self) -> None:
+        """Make the parameters whole from an exact all-gather of the compute shards (never quantized; no hpZ
+        secondary made or used): the values the shards hold, for reading or modifying them
+        (``ZeroEngine.gathered_parameters``; ``end_exact`` ends it). Stage 3: a unit already whole is freed first
+        (it may hold qwZ-dequantized values); stages 1 and 2 under qwZ overwrite the dequantized whole parameters.
+        No-op while pinned (an enclosing call already did it), at one rank, and in exact stages 1 and 2."""
+        if self.pinned or self.single:
+            return
+        if not self.sharded:
+            if self.comm.weight_bits is not None:
+                self.comm.gather_exact(self.shard, self.full)
+            return
+        self.free()
+        self.full.untyped_storage().resize_(self._full_nbytes)
+        self.comm.gather_exact(self.shard, self.full)
+        if self.frozen is not None:
+            self.frozen.gather_exact()
+        self.gathered = True
+        self._bind()
+
+    def end_exact(self) -> None:
+        """After ``gather_exact`` (and ``write_back``), once unpinned: stage 3 frees the unit; stages 1 and 2 under
+        qwZ gather the dequantized values back into the whole parameters (what they compute with, as after
+        ``publish``)."""
+        if self.pinned or self.single:
+            return
+        if self.sharded:
+            self.free()
+        elif self.comm.weight_bits is not None:
+            self.comm.gather_params(self.shard, self.full).wait()
+
     def free(self) -> None:
-        """Stage 3: release ``full``'s memory and leave the parameters empty. No-op in stages 1 and 2."""
-        if not self.sharded or not self.gathered:
+        """Stage 3: release ``full``'s memory (and the frozen buffer's) and leave the parameters empty. No-op in
+        stages 1 and 2, and while the unit is pinned."""
+        if not self.sharded or not self.gathered or self.pinned:
             return
         self._finish_gather()  # a prefetched gather may still be writing into full
         for p in self.params:
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self.full.untyped_storage().resize_(0)
+        if self.frozen is not None:
+            self.frozen.free()
         self.gathered = False
+
+    @torch.no_grad()
+    def write_back(self, src: int) -> None:
+        """Take the whole parameters of global rank ``src`` (a member of the data-parallel group) as the unit's new
+        weights: broadcast ``full`` (and the frozen buffer) from it, copy this rank's slice into ``shard`` and, for
+        the elements whose compute-dtype value differs from the master rounded to that dtype, into ``master`` (so
+        elements nobody changed keep their exact fp32 master under bf16/fp16); drop the hpZ secondaries. The unit
+        must be whole with exact values (``gather_exact``). A collective."""
+        self.comm.broadcast(self.full, src)
+        new = self.full[self.start : self.start + self.shard_numel]
+        changed = new != self.master.to(new.dtype)
+        torch.where(changed, new.to(torch.float32), self.master, out=self.master)
+        if not self.single:
+            self.shard.copy_(new)
+        self.secondary = None
+        if self.frozen is not None:
+            self.frozen.write_back(src)
+
+    @torch.no_grad()
+    def exact_values(self) -> dict[int, torch.Tensor]:
+        """Every parameter of the unit (trainable and frozen), whole, as a new tensor, by ``id`` of the parameter:
+        an exact all-gather of the compute shards into a transient flat buffer, a collective (none at one rank or
+        in exact stages 1 and 2, where the whole parameters are the shards' values; under qwZ they hold the
+        dequantized values there, so the shards are gathered)."""
+        out: dict[int, torch.Tensor] = {}
+        for flat in (self, self.frozen) if self.frozen is not None else (self,):
+            if flat.single or (not flat.sharded and flat.comm.weight_bits is None):
+                whole = flat.full
+            else:
+                whole = flat.shard.new_empty(flat.comm.world_size * flat.shard_numel)
+                flat.comm.gather_exact(flat.shard, whole)
+            for p, off, shape in zip(flat.params, flat.offsets, flat.shapes):
+                out[id(p)] = whole[off : off + shape.numel()].view(shape).clone()
+        return out
 
     def publish(self) -> None:
         """After an optimizer step: copy the master shard into ``shard`` and, in stages 1 and 2, all-gather it so
-        every rank's whole parameters hold the new values (stage 3 gathers at the next use)."""
+        every rank's whole parameters hold the new values (stage 3 gathers at the next use). Frozen parameters are
+        left as they are."""
         if self.sharded:
             self.free()
         self.secondary = None  # hpZ: the secondary holds the old weights
@@ -234,6 +348,93 @@ class Unit:
             if a < b:
                 out.append((i, a - lo, b - lo))
         return out
+
+
+class FrozenFlat:
+    """Stage 3: the frozen parameters of a unit in their own flat sharded buffer (see the module docstring): the
+    trainable buffer's layout rules and collectives, the compute-dtype ``shard`` only (no master, gradient or
+    optimizer state). Driven by its ``Unit`` (``gather``/``free``/``gather_exact``/``write_back``).
+
+    Args:
+        params: ``(qualified name, parameter)`` pairs, frozen, one floating dtype and device.
+        comm: the engine's collectives.
+        hpz: the hpZ partition size (1: off).
+        broadcast: take the first rank's values (see ``Unit``).
+    """
+
+    def __init__(self, params: list[tuple[str, nn.Parameter]], comm: Collectives, *, hpz: int,
+                 broadcast: bool) -> None:
+        self.param_names = [n for n, _ in params]
+        self.params = [p for _, p in params]
+        self.comm = comm
+        self.single = comm.world_size == 1
+        self.sharded = not self.single
+        kinds = {(p.dtype, p.device) for p in self.params}
+        if len(kinds) > 1:
+            raise ValueError(f"frozen parameters {self.param_names} mix dtypes or devices {sorted(map(str, kinds))}; "
+                             "give the frozen parameters of a unit one dtype and device")
+        self.shapes = [p.shape for p in self.params]
+        self.offsets, self.numel, self.shard_numel = flat_layout([p.numel() for p in self.params], comm.alignment,
+                                                                  comm.world_size)
+        self.start = comm.rank * self.shard_numel
+        first = self.params[0]
+        self.full = torch.zeros(comm.world_size * self.shard_numel, dtype=first.dtype, device=first.device)
+        with torch.no_grad():
+            for p, off in zip(self.params, self.offsets):
+                self.full[off : off + p.numel()].copy_(p.detach().reshape(-1))
+        if broadcast:
+            comm.broadcast_from_first(self.full)
+        local = self.full[self.start : self.start + self.shard_numel]
+        self.shard = local if self.single else local.clone()
+        self._full_nbytes = self.full.untyped_storage().nbytes()
+        self.hpz = hpz
+        self.secondary: torch.Tensor | None = None  # hpZ: made at the first gather, kept (the values never change)
+        self._gathering: _comm.CollectiveWork | None = None
+        self._bind()
+
+    def _bind(self) -> None:
+        for p, off, shape in zip(self.params, self.offsets, self.shapes):
+            p.data = self.full[off : off + shape.numel()].view(shape)
+
+    def start_gather(self) -> None:
+        """Start the all-gather into ``full`` (qwZ over the data-parallel group, or the secondaries' exact one inside
+        the hpZ partition); ``finish_gather`` waits for it."""
+        self.full.untyped_storage().resize_(self._full_nbytes)
+        if self.secondary is not None:
+            self._gathering = self.comm.gather_secondary(self.secondary, self.full)
+        else:
+            self._gathering = self.comm.gather_params(self.shard, self.full)
+
+    def finish_gather(self) -> None:
+        work, self._gathering = self._gathering, None
+        if work is None:
+            return
+        work.wait()
+        if self.hpz > 1 and self.secondary is None:
+            length = self.full.numel() // self.hpz
+            i = self.comm.partition_rank
+            self.secondary = self.full[i * length : (i + 1) * length].clone()
+        self._bind()
+
+    def gather_exact(self) -> None:
+        self.full.untyped_storage().resize_(self._full_nbytes)
+        self.comm.gather_exact(self.shard, self.full)
+        self._bind()
+
+    def free(self) -> None:
+        if not self.sharded:
+            return
+        self.finish_gather()
+        for p in self.params:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self.full.untyped_storage().resize_(0)
+
+    def write_back(self, src: int) -> None:
+        """Broadcast ``full`` from global rank ``src`` and keep this rank's slice; drop the hpZ secondary."""
+        self.comm.broadcast(self.full, src)
+        if not self.single:
+            self.shard.copy_(self.full[self.start : self.start + self.shard_numel])
+        self.secondary = None
 
 
 class ReduceBuffers:

@@ -153,7 +153,11 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, seed: int = 0) -> None:
-        """GPT-2 initialisation from a private generator: the same seed gives the same weights."""
+        """GPT-2 initialisation from a private generator: the same seed gives the same weights. A model built on the
+        meta device (``zeropp.Init``) has nothing to initialise: ``zeropp.initialize`` materialises it unit by unit
+        with each module's own ``reset_parameters`` (or a ``param_init_fn``)."""
+        if self.wte.weight.is_meta:
+            return
         gen = torch.Generator(device=self.wte.weight.device).manual_seed(seed)
         residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
         for name, module in self.named_modules():

@@ -1,0 +1,144 @@
+"""Whole parameters outside the engine's forward and backward: ``gathered_parameters`` (DeepSpeed's
+``GatheredParameters``) and ``model.state_dict()`` at stage 3.
+
+At stage 3 on more than one rank a unit's parameters are empty tensors except while the engine's hooks hold it
+gathered. Two ways to see them whole:
+
+* ``with engine.gathered_parameters(modules=None, modifier_rank=None):`` — the parameters (trainable and frozen) of
+  the units owning any parameter of ``modules`` (default: every unit) are whole on every rank inside the block,
+  from an exact all-gather of the compute shards (``Unit.gather_exact``: under qwZ the shards' values, not the
+  dequantized ones the forward computes with), and freed on exit. The units are pinned: forwards run inside (a
+  ``generate``) leave them whole. With ``modifier_rank=r`` (a global rank of the data-parallel group), what rank
+  ``r`` wrote into the parameters *in place* inside the block is broadcast on exit and becomes the weights: the
+  compute shards, the fp32 masters (the elements whose compute-dtype value changed) and, for stages 1 and 2 and
+  parameters outside units, the whole parameters of every rank (``Unit.write_back``). A collective on entry and,
+  with ``modifier_rank``, on exit: every rank enters with the same modules. Not between a forward and its
+  ``step()``.
+* ``model.state_dict()`` (also on a submodule, and what PEFT's ``save_pretrained`` and ``transformers``' call): at
+  stage 3 the engine's state-dict hooks (``nn.Module.register_state_dict_pre_hook`` / ``_post_hook``, public)
+  replace every unit parameter's entry by its whole value in the compute dtype, from an exact all-gather of its
+  unit's shards, one unit at a time (each unit once per call, in module order, so the calls match on every rank):
+  a collective, every rank must call it. Memory: the returned dict (the model's weights, whole) plus one unit's flat
+  buffer. With ``keep_vars=True`` these entries are tensors, not the ``nn.Parameter`` objects. The exact fp32
+  masters: ``engine.consolidated_state_dict()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from .collectives import Collectives
+from .unit import Unit
+
+
+def _param_owners(units: list[Unit]) -> dict[int, Unit]:
+    """``id`` of every parameter held by a unit (trainable and frozen) -> its unit."""
+    owners = {id(p): unit for unit in units for p in unit.params}
+    owners.update({id(p): unit for unit in units if unit.frozen is not None for p in unit.frozen.params})
+    return owners
+
+
+@contextlib.contextmanager
+def gathered_parameters(units: list[Unit], module: nn.Module, modules: nn.Module | Iterable[nn.Module] | None,
+                        modifier_rank: int | None, comm: Collectives) -> Iterator[None]:
+    """The context of ``ZeroEngine.gathered_parameters`` (see the module docstring); ``units``, ``module`` and
+    ``comm`` are the engine's."""
+    ranks = list(comm.topology.ranks)
+    if modifier_rank is not None and modifier_rank not in ranks:
+        raise ValueError(f"modifier_rank={modifier_rank} is not a global rank of the data-parallel group {ranks}")
+    if modules is None:
+        chosen = [module]
+    elif isinstance(modules, nn.Module):
+        chosen = [modules]
+    else:
+        chosen = list(modules)
+    params = {id(p): p for m in chosen for p in m.parameters()}
+    owners = _param_owners(units)
+    needed = {id(owners[key]) for key in params if key in owners}
+    picked = [u for u in units if id(u) in needed]  # the engine's order: the same collectives on every rank
+    loose = [p for key, p in params.items() if key not in owners]  # whole on every rank (stages 1/2 frozen, ...)
+    for unit in picked:
+        unit.gather_exact()
+        unit.pinned += 1
+    failed = False
+    try:
+        yield
+    except BaseException:
+        failed = True  # no write-back (the other ranks would wait in it); just release
+        raise
+    finally:
+        if modifier_rank is not None and not failed:
+            with torch.no_grad():
+                for unit in picked:
+                    unit.write_back(modifier_rank)
+                for p in loose:
+                    comm.broadcast(p.data, modifier_rank)
+        for unit in picked:
+            unit.pinned -= 1
+            unit.end_exact()
+
+
+class StateDictGathering:
+    """The stage-3 state-dict hooks on every module of ``model`` (see the module docstring).
+
+    A pre-hook counts the ``state_dict`` calls in progress; each module's post-hook replaces the entries of its own
+    parameters held by ``units`` with whole values (``Unit.exact_values``, gathered once per unit per outermost
+    call); when the outermost call ends the cache is dropped.
+    """
+
+    def __init__(self, model: nn.Module, units: list[Unit]) -> None:
+        self.owners = _param_owners(units)
+        self._depth = 0
+        self._cache: dict[int, dict[int, torch.Tensor]] = {}  # id(unit) -> its whole values by id(param)
+        self._suspended = 0
+        self.handles: list[RemovableHandle] = []
+        def pre(module: nn.Module, prefix: str, keep_vars: bool) -> None:  # the public API wants a function
+            self._pre(module, prefix, keep_vars)
+
+        def post(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+            self._post(module, state_dict, prefix, local_metadata)
+
+        for m in model.modules():
+            self.handles.append(m.register_state_dict_pre_hook(pre))
+            self.handles.append(m.register_state_dict_post_hook(post))
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """``state_dict()`` calls inside return what the module holds (the engine's own bookkeeping, no
+        communication)."""
+        self._suspended += 1
+        try:
+            yield
+        finally:
+            self._suspended -= 1
+
+    def _pre(self, _module: nn.Module, _prefix: str, _keep_vars: bool) -> None:
+        self._depth += 1
+
+    def _post(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, _local_metadata: Any) -> None:
+        try:
+            if self._suspended:
+                return
+            for name, p in module.named_parameters(recurse=False):
+                unit = self.owners.get(id(p))
+                key = prefix + name
+                if unit is None or key not in state_dict:
+                    continue
+                if id(unit) not in self._cache:
+                    self._cache[id(unit)] = unit.exact_values()
+                state_dict[key] = self._cache[id(unit)][id(p)]
+        finally:
+            self._depth -= 1
+            if self._depth == 0:
+                self._cache.clear()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
