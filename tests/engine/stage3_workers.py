@@ -233,6 +233,15 @@ def lora(rank: int, world: int, steps: int, hpz: int, save_dir: str | None, load
     compute = engine.full_parameters()  # the compute shards took the new values too
     out["modified_compute_equal"] = all(torch.equal(compute[n], expected[n]) for n in compute)
 
+    # engine.load_state_dict: a whole state dict (fresh random values) lands in the masters and the frozen shards
+    gen = torch.Generator().manual_seed(7)
+    fresh = {k: torch.randn(v.shape, generator=gen) for k, v in expected.items()}
+    engine.load_state_dict(fresh)
+    reloaded = engine.consolidated_state_dict()
+    out["load_state_dict_equal"] = all(torch.equal(reloaded[k], fresh[k]) for k in fresh)
+    engine.load_state_dict(after)
+    assert all(torch.equal(engine.consolidated_state_dict()[k], after[k]) for k in after)
+
     # checkpoints with frozen parameters: save here, load at another world size (the test runs both)
     if save_dir is not None:
         engine.save_checkpoint(save_dir, tag="lora")

@@ -48,6 +48,7 @@ def test_lora_frozen_sharded_gathered_state_dict_and_checkpoint(runs):
             assert abs(r["frozen_fraction"] - 1 / world) < 0.01, (world, r["frozen_fraction"])
             assert r["state_dict_equal"] and r["gathered_equal"], world
             assert r["modified_equal"] and r["modified_compute_equal"], world
+            assert r["load_state_dict_equal"], world
     saved = runs[4][0]["lora"]["saved"]
     for r in (x["lora"] for x in runs[2]):  # loaded at another world size: every weight, frozen ones included
         assert r["loaded"].keys() == saved.keys()
