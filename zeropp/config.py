@@ -9,6 +9,8 @@ Keys are spelled as DeepSpeed spells them::
       "gradient_accumulation_steps": 2,
       "gradient_clipping": 1.0,                   # clip by global norm; 0 (default) = off
       "bf16": {"enabled": false},
+      "communication_data_type": null,            # exact gradient reduce-scatter: "fp32", "bf16", "fp16";
+                                                  # null = the compute dtype (DeepSpeed's default)
       "fp16": {"enabled": false, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
                "hysteresis": 2, "min_loss_scale": 1},           # loss_scale 0 = dynamic
       "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8,
@@ -22,6 +24,10 @@ Keys are spelled as DeepSpeed spells them::
         "reduce_bucket_size": 500000000,
         "stage3_prefetch_bucket_size": 50000000,
         "overlap_comm": false,
+        "stage3_max_live_parameters": 1e9,        # stage 3: most elements kept whole for reuse (zeropp.engine.reuse)
+        "stage3_max_reuse_distance": 1e9,         # keep a unit whole when its next use is closer (elements)
+        "stage3_param_persistence_threshold": 1e5,  # units smaller than this stay whole all the time
+        "stage3_model_persistence_threshold": 9223372036854775807,  # most elements of all such units
         "zeropp": {"weight_bits": 8, "gradient_bits": 4, "block_size": 128, "error_feedback": false}
       }
     }
@@ -58,6 +64,7 @@ import difflib
 import json
 import math
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,7 +98,6 @@ _UNSUPPORTED_TOP = {
     "wandb": "monitoring back-ends are not supported",
     "csv_monitor": "monitoring back-ends are not supported",
     "comms_logger": "use zeropp.comm.stats() for communication volume",
-    "communication_data_type": "the reduction dtype is fixed (fp32 gradients, or qgZ)",
     "prescale_gradients": "gradients are averaged exactly once, in the reduce-scatter",
     "gradient_predivide_factor": "gradients are averaged exactly once, in the reduce-scatter",
     "sparse_gradients": "sparse gradients are not supported",
@@ -124,10 +130,6 @@ _UNSUPPORTED_ZERO = {
     "round_robin_gradients": "gradient partitions follow the reduce-scatter layout",
     "legacy_stage1": "only the current stage 1 exists",
     "ignore_unused_parameters": "unused parameters are always allowed (their gradient is zero)",
-    "stage3_max_live_parameters": "units are gathered one at a time; there is no live-parameter budget",
-    "stage3_max_reuse_distance": "units are gathered one at a time; there is no reuse distance",
-    "stage3_param_persistence_threshold": "every unit is sharded; none persists whole",
-    "stage3_model_persistence_threshold": "every unit is sharded; none persists whole",
     "stage3_gather_16bit_weights_on_model_save": "checkpoints are saved sharded",
     "stage3_gather_fp16_weights_on_model_save": "checkpoints are saved sharded",
     "zero_quantized_nontrainable_weights": "frozen parameters are not quantized",
@@ -368,6 +370,10 @@ class ZeroppConfig:
         return cls(**values)
 
 
+_STAGE3_SIZES = ("stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_param_persistence_threshold",
+                 "stage3_model_persistence_threshold")
+
+
 @dataclass(frozen=True)
 class ZeroConfig:
     """``zero_optimization``: the ZeRO stage, the ZeRO++ switches and the bucket sizes."""
@@ -379,6 +385,10 @@ class ZeroConfig:
     reduce_bucket_size: int = 500_000_000
     stage3_prefetch_bucket_size: int = 50_000_000
     overlap_comm: bool = False  # parse(): DeepSpeed's default, true for stage 3
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_model_persistence_threshold: int = sys.maxsize
     zeropp: ZeroppConfig = field(default_factory=ZeroppConfig)
 
     @property
@@ -399,7 +409,8 @@ class ZeroConfig:
     def parse(cls, block: Mapping[str, Any]) -> ZeroConfig:
         where = "zero_optimization"
         valid = ["stage", "zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size",
-                 "reduce_bucket_size", "stage3_prefetch_bucket_size", "overlap_comm", "zeropp", *_IMPLIED_ZERO]
+                 "reduce_bucket_size", "stage3_prefetch_bucket_size", "overlap_comm", "zeropp", *_STAGE3_SIZES,
+                 *_IMPLIED_ZERO]
         _check_keys(block, where, valid, _UNSUPPORTED_ZERO)
         for key, (value, why) in _IMPLIED_ZERO.items():
             if key in block and block[key] != value:
@@ -431,6 +442,7 @@ class ZeroConfig:
                                              f"{where}.stage3_prefetch_bucket_size", minimum=0),
             overlap_comm=_bool(block, "overlap_comm", where, stage == 3),
             zeropp=zeropp,
+            **{key: _int(block.get(key, getattr(d, key)), f"{where}.{key}", minimum=0) for key in _STAGE3_SIZES},
         )
 
 
@@ -447,6 +459,7 @@ class Config:
     fp16: FP16Config = field(default_factory=FP16Config)
     optimizer: OptimizerConfig | None = None
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
+    communication_data_type: str | None = None
 
     @property
     def zero(self) -> ZeroConfig:
@@ -458,7 +471,7 @@ class Config:
         if not isinstance(config, Mapping):
             raise ConfigError(f"the config must be a dict or the path of a JSON file, got {type(config).__name__}")
         valid = ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
-                 "gradient_clipping", "bf16", "fp16", "optimizer", "zero_optimization"]
+                 "gradient_clipping", "bf16", "fp16", "optimizer", "zero_optimization", "communication_data_type"]
         _check_keys(config, "", valid, _UNSUPPORTED_TOP)
         batch, micro, accum = _batch_sizes(config, world_size)
         bf16 = BF16Config.parse(_block(config, "bf16"))
@@ -476,7 +489,24 @@ class Config:
             fp16=fp16,
             optimizer=None if opt is None else OptimizerConfig.parse(_block(config, "optimizer")),
             zero_optimization=ZeroConfig.parse(_block(config, "zero_optimization")),
+            communication_data_type=_communication_data_type(config.get("communication_data_type")),
         )
+
+
+_COMMUNICATION_DATA_TYPES = {"fp32": "fp32", "float32": "fp32", "fp16": "fp16", "float16": "fp16",
+                              "bf16": "bf16", "bfloat16": "bf16"}
+
+
+def _communication_data_type(value: Any) -> str | None:
+    """``communication_data_type``: ``None`` (the compute dtype) or ``"fp32"``/``"fp16"``/``"bf16"``."""
+    if value is None:
+        return None
+    _reject_auto(value, "communication_data_type")
+    key = value.lower() if isinstance(value, str) else value
+    if key not in _COMMUNICATION_DATA_TYPES:
+        raise ConfigError(f"communication_data_type={value!r} must be one of \"fp32\", \"fp16\", \"bf16\" (or null: "
+                          "the compute dtype)")
+    return _COMMUNICATION_DATA_TYPES[key]
 
 
 def _batch_sizes(config: Mapping[str, Any], world: int) -> tuple[int, int, int]:
@@ -539,6 +569,7 @@ def _to_dict(config: Config) -> dict[str, Any]:
         "gradient_accumulation_steps": config.gradient_accumulation_steps,
         "gradient_clipping": config.gradient_clipping,
         "bf16": {"enabled": config.bf16.enabled},
+        "communication_data_type": config.communication_data_type,
         "fp16": {k: getattr(config.fp16, k) for k in FP16Config.__dataclass_fields__},
         "zero_optimization": {
             **{k: getattr(z, k) for k in ZeroConfig.__dataclass_fields__ if k != "zeropp"},

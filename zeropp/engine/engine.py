@@ -159,6 +159,7 @@ class ZeroEngine:
             block_size=zero.zeropp.block_size,
             hpz=zero.zero_hpz_partition_size if self.stage == 3 else 1,
             error_feedback=zero.zeropp.error_feedback,
+            communication_dtype=communication_dtype(config),
         )
         sharded = self.stage == 3
         plans = [plan for plan in plan_units(module, unit_policy) if plan.params]
@@ -456,6 +457,17 @@ def compute_dtype(config: Config) -> torch.dtype:
     if config.fp16.enabled:
         return torch.float16
     return torch.float32
+
+
+_COMMUNICATION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def communication_dtype(config: Config) -> torch.dtype:
+    """The dtype of the exact gradient reduce-scatter: ``communication_data_type`` when given, else the compute dtype
+    (DeepSpeed's default)."""
+    if config.communication_data_type is None:
+        return compute_dtype(config)
+    return _COMMUNICATION_DTYPES[config.communication_data_type]
 
 
 def _describe(x: Any) -> str:

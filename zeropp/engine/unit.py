@@ -41,8 +41,9 @@ identity matters: tied weights, user references) and point into it: ``param.data
   of a weight (``weight.t()`` inside ``F.linear``), and those views see the re-gathered values in backward.
 
 Gradients arrive in the parameters' ``.grad`` (autograd's normal accumulation); ``reduce_gradients()`` packs them
-into one flat fp32 buffer (zeros where a parameter got no gradient; bf16/fp16 gradients upcast), drops the ``.grad``
-tensors and starts the reduce-scatter (qgZ when on, with this unit's ``ErrorFeedback`` when configured); the
+into one flat buffer of ``Collectives.gradient_dtype`` (zeros where a parameter got no gradient): fp32 under qgZ or
+``communication_data_type`` fp32 (bf16/fp16 gradients upcast), else the communication dtype (a bf16 ``.grad`` copied
+as is); it drops the ``.grad`` tensors and starts the reduce-scatter (qgZ when on, with this unit's ``ErrorFeedback`` when configured); the
 returned ``GradientReduction``'s ``wait()`` adds this rank's slice to ``grad_shard``. ``gather(wait=False)`` likewise
 only starts the all-gather (the engine's prefetch), and the next ``gather()`` or ``free()`` waits for it.
 """
@@ -196,7 +197,7 @@ class Unit:
     def reduce_gradients(self) -> GradientReduction:
         """Start the reduce-scatter of the parameters' ``.grad`` (averaged over ranks); the returned handle's
         ``wait()`` adds this rank's slice to ``grad_shard``. The ``.grad`` tensors are dropped at once (their values
-        are copied into the flat fp32 buffer the collective sends), so a stage-3 unit may be freed before the wait.
+        are copied into the flat buffer the collective sends), so a stage-3 unit may be freed before the wait.
 
         One rank: the average is the gradient itself, so each ``.grad`` is added straight into ``grad_shard`` (the
         same fp32 sums as upcast, identity reduce-scatter, add) with no flat buffer; the call is counted as the
@@ -208,7 +209,7 @@ class Unit:
                     p.grad = None
             self.comm.count_local_reduce_scatter()
             return GradientReduction(None)
-        flat = self.reduce_buffers.take(self.full.numel(), self.full.device)
+        flat = self.reduce_buffers.take(self.full.numel(), self.full.device, self.comm.gradient_dtype)
         end = 0  # zero only what no gradient fills: the gaps between parameters, the padding, missing gradients
         for p, off in zip(self.params, self.offsets):
             if off > end:
@@ -237,7 +238,8 @@ class Unit:
 
 
 class ReduceBuffers:
-    """Flat fp32 buffers for gradient reduce-scatters, reused from one reduction to the next of the same size.
+    """Flat gradient buffers (fp32, or the ``communication_data_type``) for gradient reduce-scatters, reused from
+    one reduction to the next of the same size and dtype.
 
     A fresh multi-MB CPU allocation comes from the kernel and costs a page fault per 4 KiB page at first touch
     (measured: copying the gradients into fresh buffers took 30 ms per step on the small GPT at 4 ranks, 20 ms
@@ -248,25 +250,25 @@ class ReduceBuffers:
     """
 
     def __init__(self) -> None:
-        self._free: dict[tuple[int, torch.device], list[torch.Tensor]] = {}
+        self._free: dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]] = {}
 
-    def take(self, numel: int, device: torch.device) -> torch.Tensor:
-        """A float32 buffer of ``numel`` elements on ``device``, contents undefined."""
-        free = self._free.get((numel, torch.device(device)))
-        return free.pop() if free else torch.empty(numel, dtype=torch.float32, device=device)
+    def take(self, numel: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A buffer of ``numel`` elements of ``dtype`` on ``device``, contents undefined."""
+        free = self._free.get((numel, torch.device(device), dtype))
+        return free.pop() if free else torch.empty(numel, dtype=dtype, device=device)
 
     def give(self, buffer: torch.Tensor) -> None:
         """Return ``buffer`` (from ``take``, no longer used by any collective) for reuse (CPU buffers; others are
         left to their allocator)."""
         if buffer.device.type == "cpu":
-            self._free.setdefault((buffer.numel(), buffer.device), []).append(buffer)
+            self._free.setdefault((buffer.numel(), buffer.device, buffer.dtype), []).append(buffer)
 
 
 class GradientReduction:
     """A unit's gradient reduce-scatter in flight (``Unit.reduce_gradients``).
 
     Attributes:
-        numel: elements of the flat fp32 buffer it sends (held until ``wait``).
+        numel: elements of the flat buffer it sends (held until ``wait``).
     """
 
     def __init__(
