@@ -111,14 +111,14 @@ from torch import nn
 
 from .. import comm
 from ..config import Config
-from . import checkpoint
+from . import checkpoint, reuse
 from .collectives import Collectives
 from .hooks import GradientReadiness, install_stage3_hooks
 from .loss_scaler import LossScaler
 from .optimizer import PartitionedOptimizer
 from .policy import UnitPolicy, plan_units
 from .prefetch import Prefetcher
-from .unit import GradientReduction, ReduceBuffers, Unit
+from .unit import GradientReduction, ReduceBuffers, Unit, gather_bucketed
 
 
 class EngineUsageError(RuntimeError):
@@ -172,11 +172,20 @@ class ZeroEngine:
         self.optimizer = PartitionedOptimizer(config.optimizer, self.units, model_parameters)
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self.prefetcher = Prefetcher(zero.stage3_prefetch_bucket_size if sharded else 0)
+        self.persistent: list[Unit] = []
+        self._kept: set[int] = set()  # ids of the units kept whole from their forward to their backward
+        if sharded and self.comm.world_size > 1:
+            self.persistent = reuse.persistent_units(
+                self.units, zero.stage3_param_persistence_threshold, zero.stage3_model_persistence_threshold
+            )
+            for unit in self.persistent:
+                unit.persistent = True
         if sharded:
-            self._hooks.append(module.register_forward_pre_hook(lambda *_: self.prefetcher.begin_forward()))
+            self._hooks.append(module.register_forward_pre_hook(lambda *_: self._begin_forward()))
             for unit in self.units:
                 self._hooks += install_stage3_hooks(
-                    unit, modules[unit.name], root=unit.name == "", prefetcher=self.prefetcher
+                    unit, modules[unit.name], root=unit.name == "", prefetcher=self.prefetcher,
+                    keep=lambda u: id(u) in self._kept,
                 )
         self.overlap_comm = zero.overlap_comm
         self.reduce_bucket_size = zero.reduce_bucket_size
@@ -304,6 +313,16 @@ class ZeroEngine:
         if isinstance(self._global_grad_norm, torch.Tensor):
             self._global_grad_norm = float(self._global_grad_norm)
         return self._global_grad_norm
+
+    def _begin_forward(self) -> None:
+        """Stage 3, before the model's forward: gather the persistent units that need it in one collective, learn
+        the forward order and which units to keep whole for their backward (``zeropp.engine.reuse``)."""
+        gather_bucketed(self.persistent)
+        self.prefetcher.begin_forward()
+        zero = self.config.zero_optimization
+        root = [u for u in self.units if u.name == ""]
+        self._kept = reuse.kept_units(self.prefetcher.order, zero.stage3_max_reuse_distance,
+                                      zero.stage3_max_live_parameters, root + self.persistent)
 
     # ---- gradients ----------------------------------------------------------------------------------------
 

@@ -124,7 +124,8 @@ class Unit:
         self.secondary: torch.Tensor | None = None  # hpZ: this rank's 1/hpz of the gathered values
         self.error_feedback = _comm.ErrorFeedback() if comm.error_feedback else None
         self.gathered = True
-        self._gathering: _comm.CollectiveWork | None = None  # a started (prefetched) gather not yet waited for
+        self.persistent = False  # stage 3: whole all the time (``zeropp.engine.reuse``); set by the engine
+        self._gathering: _comm.CollectiveWork | _BucketPart | None = None  # a started gather not yet waited for
         self._bind()
         if sharded:
             self.free()
@@ -167,13 +168,19 @@ class Unit:
         if work is None:
             return
         work.wait()
-        if self.hpz > 1 and self.secondary is None:  # this was the data-parallel gather: keep the secondary
+        if self.hpz > 1 and self.secondary is None and not self.persistent:  # the data-parallel gather: keep the
+            # secondary (a persistent unit is never gathered again before the next step)
             a, b = self.secondary_range()
             self.secondary = self.full[a:b].clone()
         self._bind()
 
     def free(self) -> None:
-        """Stage 3: release ``full``'s memory and leave the parameters empty. No-op in stages 1 and 2."""
+        """Stage 3: release ``full``'s memory and leave the parameters empty. No-op in stages 1 and 2 and for a
+        persistent unit."""
+        if not self.persistent:
+            self._release()
+
+    def _release(self) -> None:
         if not self.sharded or not self.gathered:
             return
         self._finish_gather()  # a prefetched gather may still be writing into full
@@ -184,9 +191,9 @@ class Unit:
 
     def publish(self) -> None:
         """After an optimizer step: copy the master shard into ``shard`` and, in stages 1 and 2, all-gather it so
-        every rank's whole parameters hold the new values (stage 3 gathers at the next use)."""
+        every rank's whole parameters hold the new values (stage 3, persistent units too: gathers at the next use)."""
         if self.sharded:
-            self.free()
+            self._release()
         self.secondary = None  # hpZ: the secondary holds the old weights
         self.shard.copy_(self.master)
         if not self.sharded and not self.single:
@@ -235,6 +242,44 @@ class Unit:
             if a < b:
                 out.append((i, a - lo, b - lo))
         return out
+
+
+def gather_bucketed(units: list[Unit]) -> None:
+    """Stage 3: start ONE all-gather for all of ``units`` that are not gathered (the same on every rank): their
+    shards laid end to end, gathered over the data-parallel group (qwZ when on) into a temporary bucket, copied into
+    each unit's ``full`` when that unit's gather is waited for (``Unit.gather()``, ``free()``). The values are those
+    of one gather per unit: the shards are whole multiples of the quantization block when qwZ is on, so every block
+    of the bucket is a block of one unit's shard, quantized on its own."""
+    todo = [u for u in units if not u.gathered and u.sharded]
+    if not todo:
+        return
+    comm = todo[0].comm
+    if len(todo) == 1:  # nothing to merge
+        todo[0].gather(wait=False)
+        return
+    sizes = [u.shard_numel for u in todo]
+    width = sum(sizes)
+    shards = torch.cat([u.shard for u in todo])
+    bucket = torch.empty(comm.world_size * width, dtype=shards.dtype, device=shards.device)
+    work = comm.gather_params(shards, bucket)
+    at = 0
+    for unit, size in zip(todo, sizes):
+        unit.full.untyped_storage().resize_(unit._full_nbytes)
+        unit._gathering = _BucketPart(work, bucket.view(comm.world_size, width), at, size, unit.full)
+        unit.gathered = True
+        at += size
+
+
+class _BucketPart:
+    """One unit's part of a ``gather_bucketed`` all-gather: ``wait()`` waits for the shared collective (once) and
+    copies the unit's columns of the ``(P, width)`` bucket into its ``full`` (``(P, size)``)."""
+
+    def __init__(self, work: _comm.CollectiveWork, bucket: torch.Tensor, at: int, size: int, full: torch.Tensor):
+        self._work, self._bucket, self._at, self._size, self._full = work, bucket, at, size, full
+
+    def wait(self) -> None:
+        self._work.wait()  # a second wait on the shared handle returns at once
+        self._full.view(self._bucket.shape[0], self._size).copy_(self._bucket[:, self._at : self._at + self._size])
 
 
 class ReduceBuffers:
