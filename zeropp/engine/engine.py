@@ -111,7 +111,7 @@ from torch import nn
 
 from .. import comm
 from ..config import Config
-from . import checkpoint, reuse
+from . import checkpoint, host_memory, reuse
 from .collectives import Collectives
 from .hooks import GradientReadiness, install_stage3_hooks
 from .loss_scaler import LossScaler
@@ -290,6 +290,8 @@ class ZeroEngine:
         for unit in self.units:
             unit.grad_shard.zero_()
         self.global_steps += 1
+        if self.units and self.units[0].full.device.type == "cpu":
+            host_memory.release_free_heap()  # the step's freed buffers back to the OS (see host_memory)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-batch is the last of its accumulation window (the next step() steps)."""
