@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
-import zeropp
 from engine_workers import MODEL, gather_masters, text_batches
+
+import zeropp
 from zeropp.models import GPT
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from engine_launch import launch
 
 EVERY = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
@@ -50,7 +49,7 @@ def test_kept_units_are_not_gathered_again(tmp_path, zero) -> None:
             for key, want in every["masters"].items():
                 assert torch.equal(run["masters"][key], want), (name, key)
 
-        def calls(name: str) -> list[list[int]]:
+        def calls(name: str, res: dict = res) -> list[list[int]]:
             return [[c for c, _ in step] for step in res[name]["phases"]]
 
         assert calls("every") == [[3, 2, 0]] * 4

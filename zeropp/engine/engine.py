@@ -22,7 +22,19 @@ stage     parameters                      gradients
           post-forward hook, and again
           from the gradient of its output
           to the end of its backward
+          (kept whole in between when its
+          backward comes soon; small units
+          whole all the time: see below)
 ========  ==============================  =====================================================================
+
+Stage 3 keeps some units whole (``zeropp.engine.reuse``, DeepSpeed's keys counted per unit): a unit of fewer than
+``stage3_param_persistence_threshold`` elements (up to ``stage3_model_persistence_threshold`` in all) is
+*persistent* — gathered once per optimizer step, all such units in one bucketed all-gather at the start of the
+next forward, and never freed; after its forward a unit whose backward follows within ``stage3_max_reuse_distance``
+elements of other units' use is kept whole for it (while the units whole then stay within
+``stage3_max_live_parameters``): its backward gathers nothing. DeepSpeed's defaults (1e5, 1e9, 1e9) keep every
+unit of a model under 10^9 parameters whole from its forward to its backward, as DeepSpeed does; set the distance
+to 0 (and the threshold to 0) for every unit freed after each use. Values are bit-identical either way.
 
 Every stage: the optimizer steps the fp32 master shards (N / P elements each), the new values are copied into the
 compute-dtype shards, and in stages 1 and 2 all-gathered into the whole parameters. Gradient clipping by global
@@ -54,20 +66,28 @@ buffer              dtype       notes
 ``full``, params    compute     whole in stages 1/2; in stage 3 only while gathered (and hpZ secondary)
 ``shard``           compute     ``N / P``; what the weight all-gather (qwZ: quantizes) sends
 ``.grad``           compute     autograd's; stage 1 accumulates micro-batches in it (as DeepSpeed)
-reduce buffer       fp32        ``N``: the ``.grad`` upcast, then reduce-scattered (none at 1 rank); pooled
+reduce buffer       comm        ``N``: the ``.grad`` in ``communication_data_type`` (fp32 under qgZ), then
+                                reduce-scattered (none at 1 rank); pooled
 ``grad_shard``      fp32        ``N / P``; accumulates micro-batches
 ``master``          fp32        ``N / P``; the optimizer's weights, copied down to ``shard`` after a step
 optimizer state     fp32        ``N / P`` each (Adam: 2, SGD momentum: 1)
 ==================  ==========  =========================================================================
 
-The exact gradient reduce-scatter runs in fp32 (not in the compute dtype): the ``P``-term average then rounds
-once, in fp32, at twice the bytes of a bf16 reduce-scatter; qgZ always quantizes from and sums in fp32, so it
-sends the same bytes in every precision. Per rank at stage 3 with AdamW this is ``(2 + 4 + 12) * Psi / P`` bytes
-(compute shard, fp32 gradient shard, master and two moments) against DeepSpeed's ``(2 + 2 + 12)``: the gradient
-shard is kept in fp32 (no rounding of the accumulated gradient); plus the reduce buffers: one of each unit size
-(on CPU ``unit.ReduceBuffers`` keeps them for reuse), more with ``overlap_comm`` (those in flight at once). At
-one rank ``shard`` is a view of ``full`` (one copy of the weights, never freed) and gradients go straight into
-``grad_shard``.
+The exact gradient reduce-scatter runs in ``communication_data_type`` (top-level key: ``"fp32"``, ``"bf16"``,
+``"fp16"``; default the compute dtype, as DeepSpeed). fp32: gloo sums fp32 on the wire. bf16/fp16: each rank's
+``.grad`` goes on the wire as is (a bf16 gradient loses nothing; an fp32 one is rounded once), at half the bytes of
+fp32, and the receiver sums the ``P`` slices in float64 and divides by ``P`` after the sum, then adds the result to
+the fp32 ``grad_shard`` (``comm.reduce_scatter``'s ``wire_dtype``): no 16-bit sum, so neither the overflow that
+DeepSpeed's ``gradient_predivide_factor`` guards against nor pre-division's underflow of small fp16 gradients; the
+average is the exact mean rounded once to fp32 whenever the ranks' values lie within ``2^30`` of each other. qgZ
+always quantizes from and sums in fp32, so it sends the same bytes in every precision. Per rank at stage 3 with
+AdamW this is ``(2 + 4 + 12) * Psi / P`` bytes (compute shard, fp32 gradient shard, master and two moments) against
+DeepSpeed's ``(2 + 2 + 12)``: the gradient shard is kept in fp32 (no rounding of the accumulated gradient); plus
+the compute-dtype ``full`` of the persistent units (always) and of the units kept for reuse (from their forward to
+their backward), ``2 * N`` bytes each in bf16; plus the reduce buffers: one of each unit size (on CPU
+``unit.ReduceBuffers`` keeps them for reuse), more with ``overlap_comm`` (those in flight at once). On CPU the
+step returns the C heap's free pages to the OS (``host_memory``). At one rank ``shard`` is a view of ``full`` (one
+copy of the weights, never freed) and gradients go straight into ``grad_shard``.
 
 fp16 loss scaling (``zeropp.engine.loss_scaler``, DeepSpeed's rules): ``backward`` differentiates
 ``loss.float() / gradient_accumulation_steps * scale``. At the boundary ``step`` divides every ``grad_shard`` by
