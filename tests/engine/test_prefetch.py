@@ -3,7 +3,9 @@ collectives run, never what they compute: on 4 gloo ranks (2 emulated nodes of 2
 bit-identical losses and fp32 masters, exact and with full ZeRO++ (qwZ, hpZ, qgZ with error feedback). The
 prefetcher learns the forward order of the tiny GPT (root, blocks.0, blocks.1) and starts, per step after the first,
 the gathers of blocks.0 and blocks.1 from the root's pre-forward and blocks.0's from blocks.1's backward (3) with an
-unbounded bucket, and stops at the bucket bound otherwise.
+unbounded bucket, and stops at the bucket bound otherwise. Every unit is freed after its forward here (no persistent
+units, reuse distance 0: ``EVERY_GATHER``), so that every gather happens; ``test_reuse`` covers the units kept
+whole.
 """
 
 from __future__ import annotations
@@ -13,11 +15,12 @@ import torch
 
 from engine_launch import launch
 
-FULL = {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True,
+EVERY_GATHER = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
+FULL = {**EVERY_GATHER, "zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True,
         "zeropp": {"error_feedback": True}}
 
 
-@pytest.mark.parametrize("zero", [{}, FULL], ids=["exact", "zeropp"])
+@pytest.mark.parametrize("zero", [EVERY_GATHER, FULL], ids=["exact", "zeropp"])
 def test_prefetch_and_overlap_are_bit_identical(tmp_path, zero) -> None:
     runs = {
         "off": {"stage3_prefetch_bucket_size": 0, "overlap_comm": False},
@@ -49,11 +52,11 @@ def test_prefetch_and_overlap_are_bit_identical(tmp_path, zero) -> None:
 
 
 def test_prefetch_bucket_bounds_the_look_ahead(tmp_path) -> None:
-    sizes = launch("prefetch_workers:prefetch_runs", 2, tmp_path, zero={}, runs={"probe": {}}, steps=1)[0]
+    sizes = launch("prefetch_workers:prefetch_runs", 2, tmp_path, zero=EVERY_GATHER, runs={"probe": {}}, steps=1)[0]
     block = sizes["probe"]["unit_numel"]["blocks.0"]
     # room for exactly one block unit: the root starts blocks.0 only, blocks.0 starts blocks.1, and the backward of
     # blocks.1 starts blocks.0
-    res = launch("prefetch_workers:prefetch_runs", 2, tmp_path / "b", zero={},
+    res = launch("prefetch_workers:prefetch_runs", 2, tmp_path / "b", zero=EVERY_GATHER,
                  runs={"bounded": {"stage3_prefetch_bucket_size": block}}, steps=3)
     for r in res:
         assert r["bounded"]["started"] == [0, 3, 3]

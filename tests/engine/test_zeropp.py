@@ -19,7 +19,9 @@ with the formulas of ``zeropp.comm.accounting`` evaluated by hand from each unit
 multiple of the block size when anything is quantized): an exact gather or reduce-scatter of fp32 sends
 ``(P - d) * 4 S`` bytes across nodes; a qwZ gather ``(P - d) * (S * bits / 8 + 4 S / block)``; qgZ's second hop
 ``(n - 1) * (S * bits / 8 + 4 S / block)``; an hpZ backward gather ``0`` (and ``(h - 1) * 4 P S / h`` inside the
-node). Stage 3 gathers the root unit once per micro-batch (it stays whole through backward), the others twice.
+node). Stage 3 gathers the root unit once per micro-batch (it stays whole through backward), the others twice:
+every run frees every unit after its use (``EVERY_GATHER``: no persistent units, reuse distance 0; the tiny GPT's
+units would all persist under DeepSpeed's defaults, see ``test_reuse``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ RUNS = {
     "all-interleaved": {"interleaved": True, "zero": {**QW, **HPZ, **QG}},  # nodes {0, 2} and {1, 3}
     "all-w4-g8": {"zero": {**QW, **HPZ, **QG, "zeropp": {"weight_bits": 4, "gradient_bits": 8}}},
 }
+EVERY_GATHER = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
+for _run in RUNS.values():
+    _run["zero"] = {**EVERY_GATHER, **_run.get("zero", {})}
 
 
 def packed(s: int, bits: int) -> int:

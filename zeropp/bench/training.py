@@ -1,9 +1,11 @@
-"""End-to-end training benchmark: ZeRO-3 against ZeRO++ (qwZ, hpZ, qgZ) on an emulated cluster with slow links.
+"""End-to-end training benchmark: ZeRO-3 against ZeRO++ (qwZ, hpZ, qgZ), FSDP2 and HSDP (and DeepSpeed where
+it is installed) on an emulated cluster with slow links.
 
 Run it as one command; the driver launches the cluster (``zeropp.cluster``: one torchrun per emulated node, each in
 its own network namespace, nodes joined by links shaped to ``--rate``) and every rank runs the worker::
 
     python -m zeropp.bench.training --nodes 2 --ranks-per-node 2 --rate 1gbit --quick
+    python -m zeropp.bench.training --configs zero3,zeropp,fsdp2,hsdp --dtypes fp32,bf16   # side by side
 
 Without ``zeropp.cluster`` (or with ``--launcher torchrun``) it runs one unshaped torchrun with all ranks and
 ``ZEROPP_RANKS_PER_NODE`` (nodes emulated over loopback: the counters are right, the times are not those of a
@@ -11,15 +13,18 @@ slow link). ``--launcher none`` runs nothing: start the workers yourself under t
 zeropp.cluster ... -- python -m zeropp.bench.training ...``): a process started by torchrun (``LOCAL_RANK`` set)
 is always a worker.
 
-The worker trains the byte-level GPT (``zeropp.models.gpt``, fp32) on the stdlib text corpus (``zeropp.data``)
-with ``zeropp.initialize`` in each config of ``--configs``, one after the other in the same job (``--schedule
+The worker trains the byte-level GPT (``zeropp.models.gpt``) on the stdlib text corpus (``zeropp.data``) in each
+config of ``--configs`` and each dtype of ``--dtypes`` (fp32, bf16: ``bf16.enabled``, the gradient reduce-scatter in
+bf16 by DeepSpeed's default ``communication_data_type``), one after the other in the same job (``--schedule
 interleaved``: all at once, step by step), each from the same initial weights (same seed) on the same batches;
-``NAME@on`` / ``NAME@off`` sets ``overlap_comm`` for one config (default ``--overlap-comm on``):
+``NAME@on`` / ``NAME@off`` sets ``overlap_comm`` for one config (default ``--overlap-comm on``), ``NAME:bf16`` its
+dtype; with more than one dtype every config runs in each and is named ``NAME:DTYPE``. The ``zero_optimization``
+keys not listed keep DeepSpeed's defaults (``stage3_max_reuse_distance`` etc., ``zeropp.engine.reuse``):
 
 ==============  =====================================================================================
 config          ``zero_optimization``
 ==============  =====================================================================================
-``zero3``       stage 3, exact (fp32 all-gathers and fp32 reduce-scatter)
+``zero3``       stage 3, exact (all-gathers and reduce-scatter in the compute dtype)
 ``qwz``         + ``zero_quantized_weights`` (int8 weight all-gather)
 ``hpz``         + ``zero_hpz_partition_size`` = ranks per node (backward re-gather inside the node)
 ``qgz``         + ``zero_quantized_gradients`` (two-hop int4 gradient all-to-all)
@@ -27,7 +32,13 @@ config          ``zero_optimization``
 ``zeropp-w4``   full ZeRO++ with ``zeropp.weight_bits`` 4
 ``zeropp-g8``   full ZeRO++ with ``zeropp.gradient_bits`` 8 (not in the default list; cheaper on a CPU)
 ``zeropp-ef``   full ZeRO++ with ``zeropp.error_feedback`` (not in the default list)
+``fsdp2``       torch's FSDP2 (``fully_shard`` per block and on the model; ``zeropp.bench.fsdp``)
+``hsdp``        FSDP2 on a 2-D mesh: sharded inside a node, replicated across nodes
+``deepspeed``   DeepSpeed's ZeRO-3 on the same config dict (only where ``import deepspeed`` works)
 ==============  =====================================================================================
+
+FSDP2, HSDP and DeepSpeed move their bytes with torch's collectives, which ``zeropp.comm.stats()`` does not see:
+their rows have the NIC counters (shaped runs) and no counted MB.
 
 Per config, over the steps after ``--warmup`` (step time = the slowest rank's, per step):
 
@@ -89,9 +100,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "zeropp": {"error_feedback": True},
     },
 }
-DEFAULT_CONFIGS = ("zero3", "qwz", "hpz", "qgz", "zeropp", "zeropp-w4")
+EXTERNAL = ("fsdp2", "hsdp", "deepspeed")  # not zeropp engines: zeropp.bench.fsdp, DeepSpeed
+DEFAULT_CONFIGS = ("zero3", "qwz", "hpz", "qgz", "zeropp", "zeropp-w4", "fsdp2", "hsdp")
+DTYPES = ("fp32", "bf16")
 LABELS = {
-    "zero3": "ZeRO-3 (exact, fp32)",
+    "zero3": "ZeRO-3 (exact)",
     "qwz": "+qwZ (int8 weights)",
     "hpz": "+hpZ",
     "qgz": "+qgZ (int4 grads)",
@@ -99,6 +112,9 @@ LABELS = {
     "zeropp-w4": "ZeRO++, int4 weights",
     "zeropp-g8": "ZeRO++, int8 grads",
     "zeropp-ef": "ZeRO++, qgZ error feedback",
+    "fsdp2": "FSDP2 (torch fully_shard)",
+    "hsdp": "HSDP (FSDP2, replicated across nodes)",
+    "deepspeed": "DeepSpeed ZeRO-3",
 }
 DEFAULT_OUT = "bench/out/training"
 QUICK = {"steps": 10, "warmup": 3}
@@ -106,10 +122,23 @@ QUICK = {"steps": 10, "warmup": 3}
 _RATE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmg]?)(bit|bps)?\s*$", re.IGNORECASE)
 
 
+def parse_spec(spec: str) -> tuple[str, str, str]:
+    """``NAME[@on|@off][:DTYPE]`` -> (name, overlap ``""``/``"on"``/``"off"``, dtype ``""``/``"fp32"``/``"bf16"``)."""
+    rest, _, dtype = spec.partition(":")
+    base, _, overlap = rest.partition("@")
+    return base, overlap, dtype
+
+
 def label(name: str) -> str:
-    """The legend label of a config spec (``name`` or ``name@on``/``name@off``)."""
-    base, _, overlap = name.partition("@")
-    return LABELS[base] + (f", overlap {overlap}" if overlap else "")
+    """The legend label of a config spec (``name``, ``name@on``/``name@off``, ``name:bf16``)."""
+    base, overlap, dtype = parse_spec(name)
+    return LABELS[base] + (f", overlap {overlap}" if overlap else "") + (f", {dtype}" if dtype else "")
+
+
+def baseline_of(name: str) -> str:
+    """The spec of the exact ZeRO-3 run a config is compared with: ``zero3`` in the same dtype."""
+    _, _, dtype = parse_spec(name)
+    return "zero3" + (f":{dtype}" if dtype else "")
 
 
 def parse_rate(text: str | None) -> float | None:
@@ -137,7 +166,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step (default 1)")
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
                    help=f"comma-separated, from {','.join(CONFIGS)} (default: all but zeropp-g8 and zeropp-ef); NAME@off or "
-                   "NAME@on sets overlap_comm for that config only")
+                   "NAME@on sets overlap_comm for that config only; NAME:bf16 its dtype")
+    p.add_argument("--dtypes", default="fp32",
+                   help="comma-separated dtypes every config runs in, from fp32,bf16 (default fp32); with two, "
+                   "the rows are named NAME:DTYPE")
     p.add_argument("--block-size", type=int, default=None,
                    help="zeropp.block_size, elements per quantization block (default: the library's)")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -164,11 +196,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.steps, args.warmup = QUICK["steps"], QUICK["warmup"]
-    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
-    unknown = [c for c in args.configs if c.partition("@")[0] not in CONFIGS or c.partition("@")[2] not in
-               ("", "on", "off")]
+    args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    if not args.dtypes or any(d not in DTYPES for d in args.dtypes):
+        p.error(f"--dtypes {','.join(args.dtypes)}: choose from {','.join(DTYPES)}")
+    specs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    if len(args.dtypes) > 1:
+        specs = [f"{c}:{d}" for d in args.dtypes for c in specs if not parse_spec(c)[2]]
+    args.configs = specs
+    known = set(CONFIGS) | set(EXTERNAL)
+    unknown = [c for c in args.configs if parse_spec(c)[0] not in known or parse_spec(c)[1] not in ("", "on", "off")
+               or parse_spec(c)[2] not in ("", *DTYPES)]
     if unknown:
-        p.error(f"unknown config(s) {unknown}; choose from {list(CONFIGS)}")
+        p.error(f"unknown config(s) {unknown}; choose from {list(CONFIGS) + list(EXTERNAL)} (NAME@on/off, "
+                f"NAME:fp32/bf16)")
+    if any(parse_spec(c)[0] == "deepspeed" for c in args.configs):
+        try:
+            import deepspeed  # noqa: F401
+        except ImportError:
+            p.error("config deepspeed: DeepSpeed is not installed (import deepspeed failed); leave it out")
     if not 0 <= args.warmup < args.steps:
         p.error(f"need 0 <= --warmup < --steps, got {args.warmup} and {args.steps}")
     args.rate_bps = parse_rate(args.rate)
@@ -217,10 +262,16 @@ def nic_bytes() -> tuple[int, int] | None:
         return None
 
 
+def dtype_of(name: str, args: argparse.Namespace) -> str:
+    """A config spec's dtype: its ``:DTYPE``, else the one of ``--dtypes``."""
+    return parse_spec(name)[2] or args.dtypes[0]
+
+
 def zero_config(name: str, args: argparse.Namespace, ranks_per_node: int) -> dict[str, Any]:
-    base, _, overlap = name.partition("@")
+    """The DeepSpeed-style config dict of a zeropp (or DeepSpeed) config spec."""
+    base, overlap, _ = parse_spec(name)
     zero: dict[str, Any] = {"stage": 3, "overlap_comm": (overlap or args.overlap_comm) == "on"}
-    for key, value in CONFIGS[base].items():
+    for key, value in CONFIGS.get(base, {}).items():
         zero[key] = ranks_per_node if value == "rpn" else (dict(value) if isinstance(value, dict) else value)
     if args.block_size is not None and any(k.startswith("zero_quantized") for k in zero):
         zero.setdefault("zeropp", {})["block_size"] = args.block_size
@@ -230,6 +281,7 @@ def zero_config(name: str, args: argparse.Namespace, ranks_per_node: int) -> dic
         "gradient_clipping": args.clip,
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.01}},
         "zero_optimization": zero,
+        "bf16": {"enabled": dtype_of(name, args) == "bf16"},
     }
 
 
@@ -238,12 +290,24 @@ class ConfigRun:
 
     def __init__(self, name: str, args: argparse.Namespace, topo: Any) -> None:
         import zeropp
+        from zeropp.bench.fsdp import KINDS, FSDPTrainer
         from zeropp.models.gpt import GPT, GPTConfig
 
         self.name, self.args = name, args
+        base = parse_spec(name)[0]
         model = GPT(GPTConfig.preset(args.preset, block_size=max(args.seq, 1)), seed=args.seed)
-        self.engine, _, _, _ = zeropp.initialize(model=model, config=zero_config(name, args, topo.ranks_per_node),
-                                                 topology=topo)
+        config = zero_config(name, args, topo.ranks_per_node)
+        self.counted = base not in EXTERNAL  # zeropp.comm.stats() sees its collectives
+        if base in KINDS:
+            self.engine: Any = FSDPTrainer(model, base, ranks_per_node=topo.ranks_per_node,
+                                           dtype=dtype_of(name, args), lr=args.lr, weight_decay=0.01, clip=args.clip)
+        elif base == "deepspeed":
+            import deepspeed
+
+            self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                                        config=config)
+        else:
+            self.engine, _, _, _ = zeropp.initialize(model=model, config=config, topology=topo)
         self.engine.train()
         self.losses: list[float] = []
         self.times: list[float] = []
@@ -296,7 +360,8 @@ class ConfigRun:
             "losses": self.losses,
             "times": self.times,
             "phases": self.phases,
-            "per_kind": {k: {f: v / measured for f, v in fields.items()} for k, fields in self.sent.items()},
+            "per_kind": ({k: {f: v / measured for f, v in fields.items()} for k, fields in self.sent.items()}
+                         if self.counted else None),
             "nic": None if self.nic is None else (self.nic[0] / measured, self.nic[1] / measured),
             "window_s": self.window_s,
             "eval_loss": float(eval_loss.item()),
@@ -358,7 +423,7 @@ def summarize(name: str, per_rank: list[dict[str, Any]], args: argparse.Namespac
     mb = 1e6
 
     def sent(r: dict[str, Any], field: str, kinds: tuple[str, ...] | None = None) -> float:
-        return sum(v[field] for k, v in r["per_kind"].items() if kinds is None or k in kinds)
+        return sum(v[field] for k, v in (r["per_kind"] or {}).items() if kinds is None or k in kinds)
 
     nodes = world // ranks_per_node
     node_inter = [sum(sent(per_rank[n * ranks_per_node + i], "sent_inter") for i in range(ranks_per_node))
@@ -371,6 +436,7 @@ def summarize(name: str, per_rank: list[dict[str, Any]], args: argparse.Namespac
     row: dict[str, Any] = {
         "config": name,
         "label": label(name),
+        "dtype": dtype_of(name, args),
         "preset": args.preset,
         "world": world,
         "ranks_per_node": ranks_per_node,
@@ -408,7 +474,11 @@ def summarize(name: str, per_rank: list[dict[str, Any]], args: argparse.Namespac
         "loadavg_start": round(args.load[0], 2),
         "loadavg_end": round(args.load[1], 2),
     }
-    if args.rate_bps:
+    if all(r["per_kind"] is None for r in per_rank):  # torch's own collectives: not counted
+        for key in ("inter_MB_rank", "intra_MB_rank", "ag_inter_MB_rank", "rs_inter_MB_rank", "inter_MB_node",
+                    "intra_MB_node"):
+            row[key] = None
+    elif args.rate_bps:
         row["util_counted"] = round(max(node_inter) * 8 / median / args.rate_bps, 3)
     if nics:
         tx, rx = max(n[0] for n in nics), max(n[1] for n in nics)
@@ -502,24 +572,26 @@ def explanation(rows: list[dict[str, Any]], args: argparse.Namespace, world: int
              if shaped else
              f"{nodes} emulated nodes x {rpn} ranks on one machine with NO rate limit (loopback fallback, so the "
              f"times are not those of a slow link)")
-    base = next((r for r in rows if r["config"].partition("@")[0] == "zero3"), None)
-    best = next((r for r in rows if r["config"].partition("@")[0] == "zeropp"), None)
+    base = next((r for r in rows if parse_spec(r["config"])[0] == "zero3"), None)
+    best = next((r for r in rows if parse_spec(r["config"])[0] == "zeropp" and base is not None
+                 and r["dtype"] == base["dtype"]), None)
     result = ""
     if base and best:
         result = (f"; full ZeRO++ ran {best['speedup']:.2f}x as fast as ZeRO-3 ({best['step_s']:.3f} s vs "
                   f"{base['step_s']:.3f} s per step) while sending "
                   f"{best['inter_MB_node'] / max(base['inter_MB_node'], 1e-12):.2f}x its cross-node bytes")
     sentence = (f"You are seeing one training job of a {n_params / 1e6:.1f}M-parameter GPT on {where}, each "
-                f"config trained from the same weights on the same data; 'speedup' is ZeRO-3's step time divided "
-                f"by the config's{result}.")
+                f"config trained from the same weights on the same data; 'speedup' is ZeRO-3's step time (in the "
+                f"same dtype) divided by the config's{result}.")
     details = (
-        f"Details: {args.preset} preset, fp32, AdamW lr {args.lr:g} ({args.lr_warmup} warm-up steps), clipping "
+        f"Details: {args.preset} preset, {'/'.join(args.dtypes)}, AdamW lr {args.lr:g} ({args.lr_warmup} warm-up steps), clipping "
         f"{args.clip:g}, {args.micro_batch} x "
         f"{args.seq} tokens per rank per step, median "
         f"of {args.steps - args.warmup} steps after {args.warmup} warm-up, configs {args.schedule}, overlap_comm "
         f"{args.overlap_comm}; MB = 1e6 bytes sent per step (inter = across nodes, counted by zeropp.comm.stats; "
-        f"'NIC tx' measured on the node's interface); the ZeRO-3 baseline all-gathers and reduce-scatters fp32 "
-        f"(4 bytes per element, not bf16); load average {args.load[0]:.1f} -> {args.load[1]:.1f} on "
+        f"'NIC tx' measured on the node's interface; FSDP2/HSDP/DeepSpeed rows are not counted); ZeRO-3 "
+        f"all-gathers and reduce-scatters in the compute dtype (4 bytes per element in fp32, 2 in bf16) and keeps "
+        f"units whole by DeepSpeed's stage3_* defaults; load average {args.load[0]:.1f} -> {args.load[1]:.1f} on "
         f"{os.cpu_count()} cores."
     )
     return sentence + "\n" + details
@@ -536,8 +608,9 @@ def report(gathered: dict[str, list[dict[str, Any]]], args: argparse.Namespace, 
         row["shaped"] = shaped
         rows.append(row)
         curves += curve
-    base = next((r for r in rows if r["config"].partition("@")[0] == "zero3"), None)
+    by_name = {r["config"]: r for r in rows}
     for row in rows:
+        base = by_name.get(baseline_of(row["config"]))
         if base:
             row["speedup"] = round(base["step_s"] / row["step_s"], 3)
             row["loss_vs_zero3"] = round(row["eval_loss"] / base["eval_loss"] - 1, 4)
@@ -575,7 +648,7 @@ def plot(rows: list[dict[str, Any]], curves: list[dict[str, Any]], out: Path, ar
                 label=f"{row['label']} (eval {row['eval_loss']:.3f})")
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (mean over ranks)")
-    ax.set_title(f"Loss, {args.preset} GPT fp32, {where}\n(thin: per step; thick: mean of the last {k} steps)",
+    ax.set_title(f"Loss, {args.preset} GPT {'/'.join(args.dtypes)}, {where}\n(thin: per step; thick: mean of the last {k} steps)",
                  fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
@@ -593,8 +666,9 @@ def plot(rows: list[dict[str, Any]], curves: list[dict[str, Any]], out: Path, ar
     a1.set_ylabel("tokens / s")
     a1.set_title(f"Throughput ({where})")
     a1.tick_params(axis="x", rotation=30)
-    a2.bar(names, [r["inter_MB_node"] for r in rows], color="tab:red", label="cross-node (per node)")
-    a2.bar(names, [r["intra_MB_node"] for r in rows], bottom=[r["inter_MB_node"] for r in rows],
+    inter = [r["inter_MB_node"] or 0.0 for r in rows]  # FSDP2/HSDP/DeepSpeed: not counted
+    a2.bar(names, inter, color="tab:red", label="cross-node (per node)")
+    a2.bar(names, [r["intra_MB_node"] or 0.0 for r in rows], bottom=inter,
            color="tab:gray", alpha=0.6, label="intra-node (per node)")
     a2.set_ylabel("MB sent per step")
     a2.set_title("Traffic per step (zeropp.comm.stats)")

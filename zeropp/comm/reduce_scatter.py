@@ -18,6 +18,15 @@ One node skips 3–4 (step 5 sums the ``d`` packs of hop 1); one rank per node s
 Bytes per rank: hop 1 sends and receives ``(d - 1) * n * B`` intra-node, hop 2 ``(n - 1) * B`` inter-node;
 with int4 that is about ``numel / (2 d) * (n - 1) / n`` bytes across nodes, plus the scales.
 
+Exact path with ``wire_dtype`` (the engine's ``communication_data_type`` bf16/fp16): an ``all_to_all_single`` in
+that dtype moves the same bytes as a reduce-scatter in it, but the sum happens at the receiver in float64, not on
+the wire in 16 bits. The result is the correctly rounded mean of the ranks' wire values whenever their float64 sum
+is exact: always for ``P <= 2^11`` values of one 16-bit format whose magnitudes are within ``2^30`` of each other
+(bf16 keeps 8 significant bits, fp16 11; float64 53); outside that, within one float64 rounding of it. The division
+by ``P`` comes after the sum (post-divide): with no 16-bit sum there is nothing for DeepSpeed's pre-division
+(``gradient_predivide_factor``) to keep from overflowing, and pre-dividing would push small fp16 gradients into
+its subnormal range.
+
 Error bound (per element of the result, before the division by ``P``): the sum over the ``P`` ranks of their
 hop-1 errors (each at most half the scale of its block) plus the hop-2 requantization error of each partial sum
 (at most half the scale of the partial-sum block).
@@ -130,6 +139,7 @@ def reduce_scatter(
     async_op: bool = False,
     block_size: int = DEFAULT_BLOCK_SIZE,
     reduce_dtype: torch.dtype | None = None,
+    wire_dtype: torch.dtype | None = None,
     error_feedback: ErrorFeedback | None = None,
 ) -> torch.Tensor | CollectiveWork:
     """Sum or average ``full`` over the data-parallel group of ``topology``; rank ``r`` gets slice ``r``.
@@ -147,6 +157,12 @@ def reduce_scatter(
         reduce_dtype: exact path only: the dtype summed on the wire. Default ``full.dtype`` — bit-identical to
             ``reduce_scatter_tensor``, but gloo sums bf16/fp16 in that dtype, rounding at every step; pass
             ``torch.float32`` for one rounding at the end (twice the bytes of bf16). qgZ always sums in float32.
+        wire_dtype: exact path only, instead of ``reduce_dtype``: every rank's values travel in this dtype (one
+            ``all_to_all_single`` of the ``P`` slices: the bytes of a reduce-scatter in that dtype) and each rank
+            sums the ``P`` slices it receives itself, in float64 and in group-rank order, divides once and rounds
+            once into ``out``. Nothing is added in ``wire_dtype``, so a bf16/fp16 wire neither overflows in the
+            sum nor loses low bits to it (see the module docstring); values not already of ``wire_dtype`` are
+            rounded to it once, on the sender.
         error_feedback: qgZ only: an ``ErrorFeedback`` holding this buffer's residuals (default: none).
 
     Returns:
@@ -166,6 +182,11 @@ def reduce_scatter(
     check_out(out, stop - start, full.device, dtype=None, float_only=bits is not None)
     if not out.is_floating_point():
         raise TypeError(f"out has dtype {out.dtype}; reduce_scatter writes floating point values")
+    if wire_dtype is not None:
+        if bits is not None or reduce_dtype is not None:
+            raise ValueError("wire_dtype applies to the exact path (bits=None) and replaces reduce_dtype; pass one")
+        if not wire_dtype.is_floating_point:
+            raise TypeError(f"wire_dtype={wire_dtype} must be a floating point dtype")
     if reduce_dtype is not None:
         if bits is not None:
             raise ValueError("reduce_dtype applies to the exact path (bits=None); qgZ always sums in float32")
@@ -179,12 +200,15 @@ def reduce_scatter(
             topo.group, full.device, "reduce_scatter",
             {"numel": numel, "dtype": dtype_code(full.dtype), "bits": bits or 0, "block_size": block_size,
              "op": 0 if reduce_op is ReduceOp.SUM else 1,
-             "reduce_dtype": dtype_code(reduce_dtype) if reduce_dtype is not None else -2},
+             "reduce_dtype": dtype_code(reduce_dtype) if reduce_dtype is not None else -2,
+             "wire_dtype": dtype_code(wire_dtype) if wire_dtype is not None else -2},
         )
     divisor = size if reduce_op is ReduceOp.AVG else 1
     flat = full.view(-1)
     if size == 1 or numel == 0:
         steps = _identity(flat, out)
+    elif wire_dtype is not None:
+        steps = _wire_steps(flat, out, topo, divisor, wire_dtype)
     elif fmt is None:
         steps = _exact_steps(flat, out, topo, divisor, reduce_dtype or full.dtype)
     else:
@@ -222,6 +246,32 @@ def _exact_steps(
         recv.div_(divisor)
     if not direct:
         out.view(-1).copy_(recv[: out.numel()])
+    return out
+
+
+def _wire_steps(
+    flat: torch.Tensor, out: torch.Tensor, topo: Topology, divisor: int, wdtype: torch.dtype
+) -> Generator[Pending, None, torch.Tensor]:
+    size = topo.world_size
+    numel = flat.numel()
+    s = chunk_numel(numel, size)
+    if flat.dtype == wdtype and numel == size * s:
+        send = flat
+    else:  # pad to P * S (and/or round to the wire dtype) in a staging buffer
+        send = torch.empty(size * s, dtype=wdtype, device=flat.device)
+        send[:numel].copy_(flat)
+        send[numel:].zero_()
+    recv = torch.empty(size * s, dtype=wdtype, device=flat.device)
+    same = topo.same_node_count(topo.group)
+    accounting.record("reduce_scatter", accounting.all_to_all_traffic(s * recv.element_size(), same - 1, size - same))
+    yield dist.all_to_all_single(recv, send, group=topo.group, async_op=True), (send, recv)
+    parts = recv.view(size, s)
+    total = parts[0].to(torch.float64)
+    for i in range(1, size):
+        total.add_(parts[i])
+    if divisor != 1:
+        total.div_(divisor)
+    out.view(-1).copy_(total[: out.numel()])
     return out
 
 

@@ -27,6 +27,10 @@ class Collectives:
         block_size: elements per quantization block.
         hpz: hpZ partition size (1: off), a divisor of ``topology.ranks_per_node``; its group is created here.
         error_feedback: whether units keep a qgZ ``ErrorFeedback`` (needs ``gradient_bits``).
+        communication_dtype: the dtype of the exact gradient reduce-scatter (``communication_data_type``):
+            float32 sums in fp32 on the wire (``comm.reduce_scatter``'s plain exact path); bfloat16/float16 send
+            each rank's gradient in that dtype and sum it at the receiver in float64 (its ``wire_dtype`` path).
+            qgZ ignores it (it quantizes from fp32).
     """
 
     def __init__(
@@ -38,6 +42,7 @@ class Collectives:
         block_size: int = DEFAULT_BLOCK_SIZE,
         hpz: int = 1,
         error_feedback: bool = False,
+        communication_dtype: torch.dtype = torch.float32,
     ) -> None:
         if error_feedback and gradient_bits is None:
             raise ValueError("error_feedback needs quantized gradients (gradient_bits 8 or 4)")
@@ -47,6 +52,7 @@ class Collectives:
         self.block_size = block_size
         self.hpz = hpz
         self.error_feedback = error_feedback
+        self.communication_dtype = communication_dtype
         self.partition_rank = 0
         self.partition_group = None
         if hpz > 1:
@@ -59,6 +65,12 @@ class Collectives:
         """Elements each unit's parameter offsets and shard size are multiples of: the block size when anything
         is quantized (blocks then never straddle two parameters), else 1 (see ``zeropp.engine.unit``)."""
         return self.block_size if self.weight_bits is not None or self.gradient_bits is not None else 1
+
+    @property
+    def gradient_dtype(self) -> torch.dtype:
+        """dtype of the flat gradient buffer a unit hands to ``reduce_scatter_grads``: float32 under qgZ, else
+        ``communication_dtype``."""
+        return torch.float32 if self.gradient_bits is not None else self.communication_dtype
 
     @property
     def world_size(self) -> int:
@@ -92,12 +104,14 @@ class Collectives:
     def reduce_scatter_grads(
         self, full: torch.Tensor, out: torch.Tensor, error_feedback: comm.ErrorFeedback | None = None
     ) -> comm.CollectiveWork:
-        """Start averaging the flat gradient ``full`` over the ranks, this rank's slice (``comm.shard_range``) into
-        ``out`` (qgZ when ``gradient_bits`` is set, with ``error_feedback``'s residuals when given). Handles must be
-        waited on in the order they were started, the same on every rank (qgZ's second hop runs inside ``wait()``)."""
+        """Start averaging the flat gradient ``full`` (of ``gradient_dtype``) over the ranks, this rank's slice
+        (``comm.shard_range``) into the fp32 ``out`` (qgZ when ``gradient_bits`` is set, with ``error_feedback``'s
+        residuals when given; exact in ``communication_dtype`` otherwise). Handles must be waited on in the order
+        they were started, the same on every rank (qgZ's second hop runs inside ``wait()``)."""
+        wire = None if self.gradient_bits is not None or full.dtype == torch.float32 else full.dtype
         return comm.reduce_scatter(
             full, bits=self.gradient_bits, op=comm.ReduceOp.AVG, topology=self.topology, out=out,
-            block_size=self.block_size, error_feedback=error_feedback, async_op=True,
+            block_size=self.block_size, error_feedback=error_feedback, wire_dtype=wire, async_op=True,
         )
 
     def count_local_reduce_scatter(self) -> None:

@@ -32,7 +32,19 @@ stage     parameters                      gradients
           post-forward hook, and again
           from the gradient of its output
           to the end of its backward
+          (kept whole in between when its
+          backward comes soon; small units
+          whole all the time: see below)
 ========  ==============================  =====================================================================
+
+Stage 3 keeps some units whole (``zeropp.engine.reuse``, DeepSpeed's keys counted per unit): a unit of fewer than
+``stage3_param_persistence_threshold`` elements (up to ``stage3_model_persistence_threshold`` in all) is
+*persistent* — gathered once per optimizer step, all such units in one bucketed all-gather at the start of the
+next forward, and never freed; after its forward a unit whose backward follows within ``stage3_max_reuse_distance``
+elements of other units' use is kept whole for it (while the units whole then stay within
+``stage3_max_live_parameters``): its backward gathers nothing. DeepSpeed's defaults (1e5, 1e9, 1e9) keep every
+unit of a model under 10^9 parameters whole from its forward to its backward, as DeepSpeed does; set the distance
+to 0 (and the threshold to 0) for every unit freed after each use. Values are bit-identical either way.
 
 Every stage: the optimizer steps the fp32 master shards (N / P elements each), the new values are copied into the
 compute-dtype shards, and in stages 1 and 2 all-gathered into the whole parameters. Gradient clipping by global
@@ -64,20 +76,28 @@ buffer              dtype       notes
 ``full``, params    compute     whole in stages 1/2; in stage 3 only while gathered (and hpZ secondary)
 ``shard``           compute     ``N / P``; what the weight all-gather (qwZ: quantizes) sends
 ``.grad``           compute     autograd's; stage 1 accumulates micro-batches in it (as DeepSpeed)
-reduce buffer       fp32        ``N``: the ``.grad`` upcast, then reduce-scattered (none at 1 rank); pooled
+reduce buffer       comm        ``N``: the ``.grad`` in ``communication_data_type`` (fp32 under qgZ), then
+                                reduce-scattered (none at 1 rank); pooled
 ``grad_shard``      fp32        ``N / P``; accumulates micro-batches
 ``master``          fp32        ``N / P``; the optimizer's weights, copied down to ``shard`` after a step
 optimizer state     fp32        ``N / P`` each (Adam: 2, SGD momentum: 1)
 ==================  ==========  =========================================================================
 
-The exact gradient reduce-scatter runs in fp32 (not in the compute dtype): the ``P``-term average then rounds
-once, in fp32, at twice the bytes of a bf16 reduce-scatter; qgZ always quantizes from and sums in fp32, so it
-sends the same bytes in every precision. Per rank at stage 3 with AdamW this is ``(2 + 4 + 12) * Psi / P`` bytes
-(compute shard, fp32 gradient shard, master and two moments) against DeepSpeed's ``(2 + 2 + 12)``: the gradient
-shard is kept in fp32 (no rounding of the accumulated gradient); plus the reduce buffers: one of each unit size
-(on CPU ``unit.ReduceBuffers`` keeps them for reuse), more with ``overlap_comm`` (those in flight at once). At
-one rank ``shard`` is a view of ``full`` (one copy of the weights, never freed) and gradients go straight into
-``grad_shard``.
+The exact gradient reduce-scatter runs in ``communication_data_type`` (top-level key: ``"fp32"``, ``"bf16"``,
+``"fp16"``; default the compute dtype, as DeepSpeed). fp32: gloo sums fp32 on the wire. bf16/fp16: each rank's
+``.grad`` goes on the wire as is (a bf16 gradient loses nothing; an fp32 one is rounded once), at half the bytes of
+fp32, and the receiver sums the ``P`` slices in float64 and divides by ``P`` after the sum, then adds the result to
+the fp32 ``grad_shard`` (``comm.reduce_scatter``'s ``wire_dtype``): no 16-bit sum, so neither the overflow that
+DeepSpeed's ``gradient_predivide_factor`` guards against nor pre-division's underflow of small fp16 gradients; the
+average is the exact mean rounded once to fp32 whenever the ranks' values lie within ``2^30`` of each other. qgZ
+always quantizes from and sums in fp32, so it sends the same bytes in every precision. Per rank at stage 3 with
+AdamW this is ``(2 + 4 + 12) * Psi / P`` bytes (compute shard, fp32 gradient shard, master and two moments) against
+DeepSpeed's ``(2 + 2 + 12)``: the gradient shard is kept in fp32 (no rounding of the accumulated gradient); plus
+the compute-dtype ``full`` of the persistent units (always) and of the units kept for reuse (from their forward to
+their backward), ``2 * N`` bytes each in bf16; plus the reduce buffers: one of each unit size (on CPU
+``unit.ReduceBuffers`` keeps them for reuse), more with ``overlap_comm`` (those in flight at once). On CPU the
+step returns the C heap's free pages to the OS (``host_memory``). At one rank ``shard`` is a view of ``full`` (one
+copy of the weights, never freed) and gradients go straight into ``grad_shard``.
 
 fp16 loss scaling (``zeropp.engine.loss_scaler``, DeepSpeed's rules): ``backward`` differentiates
 ``loss.float() / gradient_accumulation_steps * scale``. At the boundary ``step`` divides every ``grad_shard`` by
@@ -139,7 +159,7 @@ from torch import nn
 
 from .. import comm
 from ..config import Config, ConfigError
-from . import checkpoint, gathered
+from . import checkpoint, gathered, host_memory, reuse
 from .collectives import Collectives
 from .gathered import StateDictGathering
 from .hooks import GradientReadiness, install_entry_hooks, install_stage3_hooks
@@ -150,7 +170,7 @@ from .optimizer import PartitionedOptimizer
 from .policy import UnitPolicy, plan_units
 from .prefetch import Prefetcher
 from .scheduler import build_scheduler
-from .unit import GradientReduction, ReduceBuffers, Unit
+from .unit import GradientReduction, ReduceBuffers, Unit, gather_bucketed
 
 
 class EngineUsageError(RuntimeError):
@@ -193,6 +213,7 @@ class ZeroEngine:
             block_size=zero.zeropp.block_size,
             hpz=zero.zero_hpz_partition_size if self.stage == 3 else 1,
             error_feedback=zero.zeropp.error_feedback,
+            communication_dtype=communication_dtype(config),
         )
         self.compute_dtype = compute_dtype(config)
         sharded = self.stage == 3
@@ -217,11 +238,20 @@ class ZeroEngine:
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self.prefetcher = Prefetcher(zero.stage3_prefetch_bucket_size if sharded else 0)
         self.state_dict_gathering: StateDictGathering | None = None
+        self.persistent: list[Unit] = []
+        self._kept: set[int] = set()  # ids of the units kept whole from their forward to their backward
+        if sharded and self.comm.world_size > 1:
+            self.persistent = reuse.persistent_units(
+                self.units, zero.stage3_param_persistence_threshold, zero.stage3_model_persistence_threshold
+            )
+            for unit in self.persistent:
+                unit.persistent = True
         if sharded:
-            self._hooks.append(module.register_forward_pre_hook(lambda *_: self.prefetcher.begin_forward()))
+            self._hooks.append(module.register_forward_pre_hook(lambda *_: self._begin_forward()))
             for unit in self.units:
                 self._hooks += install_stage3_hooks(
-                    unit, modules[unit.name], root=unit.name == "", prefetcher=self.prefetcher, release=self._release
+                    unit, modules[unit.name], root=unit.name == "", prefetcher=self.prefetcher,
+                    keep=lambda u: id(u) in self._kept, release=self._release,
                 )
                 self._hooks += install_entry_hooks(unit, _holders(module, unit, modules[unit.name]),
                                                    prefetcher=self.prefetcher)
@@ -350,6 +380,8 @@ class ZeroEngine:
         self.global_samples += self.train_batch_size()
         self.monitor.end("step")
         self.monitor.boundary(self)
+        if self.units and self.units[0].full.device.type == "cpu":
+            host_memory.release_free_heap()  # the step's freed buffers back to the OS (see host_memory)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-batch is the last of its accumulation window (the next step() steps)."""
@@ -517,6 +549,16 @@ class ZeroEngine:
                 torch.save(state, path)
         self.comm.all_reduce_sum(torch.zeros(1, device=self.device))  # the file exists for every rank on return
         return True
+
+    def _begin_forward(self) -> None:
+        """Stage 3, before the model's forward: gather the persistent units that need it in one collective, learn
+        the forward order and which units to keep whole for their backward (``zeropp.engine.reuse``)."""
+        gather_bucketed(self.persistent)
+        self.prefetcher.begin_forward()
+        zero = self.config.zero_optimization
+        root = [u for u in self.units if u.name == ""]
+        self._kept = reuse.kept_units(self.prefetcher.order, zero.stage3_max_reuse_distance,
+                                      zero.stage3_max_live_parameters, root + self.persistent)
 
     # ---- gradients ----------------------------------------------------------------------------------------
 
@@ -725,6 +767,17 @@ def _holders(model: nn.Module, unit: Unit, unit_module: nn.Module) -> list[nn.Mo
     mine = {id(p) for p in unit.params + (unit.frozen.params if unit.frozen is not None else [])}
     return [m for m in model.modules()
             if m is not unit_module and any(id(p) in mine for p in m.parameters(recurse=False))]
+
+
+_COMMUNICATION_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def communication_dtype(config: Config) -> torch.dtype:
+    """The dtype of the exact gradient reduce-scatter: ``communication_data_type`` when given, else the compute dtype
+    (DeepSpeed's default)."""
+    if config.communication_data_type is None:
+        return compute_dtype(config)
+    return _COMMUNICATION_DTYPES[config.communication_data_type]
 
 
 def _describe(x: Any) -> str:

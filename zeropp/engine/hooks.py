@@ -3,10 +3,12 @@
 Stage 3 (``install_stage3_hooks``), per unit module:
 
 * forward pre-hook: ``unit.gather()`` — all-gather the shards (qwZ when on) into the whole parameters;
-* forward post-hook: ``unit.free()`` (the root unit stays whole until the end of backward, unless the forward ran
-  without grad), and a gradient hook on the module's output tensors (``register_multi_grad_hook``, mode "any"):
+* forward post-hook: ``unit.free()`` unless ``keep(unit)`` (the root unit stays whole until the end of backward,
+  and so does a unit kept for reuse, ``zeropp.engine.reuse``, unless the forward ran without grad; a persistent
+  unit is never freed), and a gradient hook on the module's output tensors (``register_multi_grad_hook``, mode "any"):
   it runs when the gradient of the unit's output arrives — before autograd enters the unit's own backward — and
-  calls ``unit.gather()`` again (from the hpZ secondary shards once hpZ is on). The outputs themselves are
+  calls ``unit.gather()`` again (from the hpZ secondary shards once hpZ is on; no communication when the unit was
+  kept whole). The outputs themselves are
   returned unchanged (no wrapping autograd function, no views).
 
 Units holding frozen parameters: the backward of a frozen weight (the gradient of a frozen ``Linear``'s input) needs
@@ -87,10 +89,12 @@ def _release_after_inputs(unit: Unit, args: Any, kwargs: Any, release: Callable[
 
 
 def install_stage3_hooks(
-    unit: Unit, module: nn.Module, *, root: bool, prefetcher: Prefetcher, release: Callable[[Unit], None]
+    unit: Unit, module: nn.Module, *, root: bool, prefetcher: Prefetcher, keep: Callable[[Unit], bool],
+    release: Callable[[Unit], None],
 ) -> list[RemovableHandle]:
-    """Forward pre/post hooks of a stage-3 unit on its module (see the module docstring); ``release(unit)`` is
-    called when the gradients of the unit's inputs are complete (units with frozen parameters)."""
+    """Forward pre/post hooks of a stage-3 unit on its module (see the module docstring). ``keep(unit)``: whether
+    the unit stays whole after a forward with grad, for its backward; ``release(unit)`` is called when the
+    gradients of the unit's inputs are complete (units with frozen parameters)."""
 
     def pre_forward(_module: nn.Module, _args: Any) -> None:
         unit.gather()
@@ -102,7 +106,7 @@ def install_stage3_hooks(
                 unit.free()
             return output
         if not root:
-            if not _in_backward():
+            if not _in_backward() and not keep(unit):
                 unit.free()
             _gather_before_backward(unit, output, prefetcher)
             if unit.frozen is not None:

@@ -55,8 +55,9 @@ broadcast of ``full``); one built from a model materialised by ``zeropp.engine.m
 same values from the same seeds) takes its own, with no communication.
 
 Gradients arrive in the parameters' ``.grad`` (autograd's normal accumulation); ``reduce_gradients()`` packs them
-into one flat fp32 buffer (zeros where a parameter got no gradient; bf16/fp16 gradients upcast), drops the ``.grad``
-tensors and starts the reduce-scatter (qgZ when on, with this unit's ``ErrorFeedback`` when configured); the
+into one flat buffer of ``Collectives.gradient_dtype`` (zeros where a parameter got no gradient): fp32 under qgZ or
+``communication_data_type`` fp32 (bf16/fp16 gradients upcast), else the communication dtype (a bf16 ``.grad`` copied
+as is); it drops the ``.grad`` tensors and starts the reduce-scatter (qgZ when on, with this unit's ``ErrorFeedback`` when configured); the
 returned ``GradientReduction``'s ``wait()`` adds this rank's slice to ``grad_shard``. ``gather(wait=False)`` likewise
 only starts the all-gather (the engine's prefetch), and the next ``gather()`` or ``free()`` waits for it.
 """
@@ -164,7 +165,8 @@ class Unit:
         self.pinned = 0
         self.pending_input_grads = 0
         self.gathered = True
-        self._gathering: _comm.CollectiveWork | None = None  # a started (prefetched) gather not yet waited for
+        self.persistent = False  # stage 3: whole all the time (``zeropp.engine.reuse``); set by the engine
+        self._gathering: _comm.CollectiveWork | _BucketPart | None = None  # a started gather not yet waited for
         self._bind()
         if sharded:
             self.free()
@@ -211,7 +213,8 @@ class Unit:
         if work is None:
             return
         work.wait()
-        if self.hpz > 1 and self.secondary is None:  # this was the data-parallel gather: keep the secondary
+        if self.hpz > 1 and self.secondary is None and not self.persistent:  # the data-parallel gather: keep the
+            # secondary (a persistent unit is never gathered again before the next step)
             a, b = self.secondary_range()
             self.secondary = self.full[a:b].clone()
         self._bind()
@@ -228,7 +231,7 @@ class Unit:
             if self.comm.weight_bits is not None:
                 self.comm.gather_exact(self.shard, self.full)
             return
-        self.free()
+        self._release()  # a persistent unit too: it may hold qwZ-dequantized values
         self.full.untyped_storage().resize_(self._full_nbytes)
         self.comm.gather_exact(self.shard, self.full)
         if self.frozen is not None:
@@ -243,14 +246,18 @@ class Unit:
         if self.pinned or self.single:
             return
         if self.sharded:
-            self.free()
+            self._release()  # a persistent unit too: the next forward gathers it as after a step
         elif self.comm.weight_bits is not None:
             self.comm.gather_params(self.shard, self.full).wait()
 
     def free(self) -> None:
         """Stage 3: release ``full``'s memory (and the frozen buffer's) and leave the parameters empty. No-op in
-        stages 1 and 2, and while the unit is pinned."""
-        if not self.sharded or not self.gathered or self.pinned:
+        stages 1 and 2, for a persistent unit and while the unit is pinned."""
+        if not self.persistent and not self.pinned:
+            self._release()
+
+    def _release(self) -> None:
+        if not self.sharded or not self.gathered:
             return
         self._finish_gather()  # a prefetched gather may still be writing into full
         for p in self.params:
@@ -296,10 +303,10 @@ class Unit:
 
     def publish(self) -> None:
         """After an optimizer step: copy the master shard into ``shard`` and, in stages 1 and 2, all-gather it so
-        every rank's whole parameters hold the new values (stage 3 gathers at the next use). Frozen parameters are
-        left as they are."""
+        every rank's whole parameters hold the new values (stage 3, persistent units too: gathers at the next use).
+        Frozen parameters are left as they are."""
         if self.sharded:
-            self.free()
+            self._release()
         self.secondary = None  # hpZ: the secondary holds the old weights
         self.shard.copy_(self.master)
         if not self.sharded and not self.single:
@@ -310,7 +317,7 @@ class Unit:
     def reduce_gradients(self) -> GradientReduction:
         """Start the reduce-scatter of the parameters' ``.grad`` (averaged over ranks); the returned handle's
         ``wait()`` adds this rank's slice to ``grad_shard``. The ``.grad`` tensors are dropped at once (their values
-        are copied into the flat fp32 buffer the collective sends), so a stage-3 unit may be freed before the wait.
+        are copied into the flat buffer the collective sends), so a stage-3 unit may be freed before the wait.
 
         One rank: the average is the gradient itself, so each ``.grad`` is added straight into ``grad_shard`` (the
         same fp32 sums as upcast, identity reduce-scatter, add) with no flat buffer; the call is counted as the
@@ -322,7 +329,7 @@ class Unit:
                     p.grad = None
             self.comm.count_local_reduce_scatter()
             return GradientReduction(None)
-        flat = self.reduce_buffers.take(self.full.numel(), self.full.device)
+        flat = self.reduce_buffers.take(self.full.numel(), self.full.device, self.comm.gradient_dtype)
         end = 0  # zero only what no gradient fills: the gaps between parameters, the padding, missing gradients
         for p, off in zip(self.params, self.offsets):
             if off > end:
@@ -437,8 +444,51 @@ class FrozenFlat:
         self.secondary = None
 
 
+def gather_bucketed(units: list[Unit]) -> None:
+    """Stage 3: start ONE all-gather for all of ``units`` that are not gathered (the same on every rank): their
+    shards laid end to end, gathered over the data-parallel group (qwZ when on) into a temporary bucket, copied into
+    each unit's ``full`` when that unit's gather is waited for (``Unit.gather()``, ``free()``). The values are those
+    of one gather per unit: the shards are whole multiples of the quantization block when qwZ is on, so every block
+    of the bucket is a block of one unit's shard, quantized on its own."""
+    todo = [u for u in units if not u.gathered and u.sharded]
+    for unit in todo:
+        if unit.frozen is not None:  # its frozen buffer is a second gather anyway: gathered on its own
+            unit.gather(wait=False)
+    todo = [u for u in todo if u.frozen is None]
+    if not todo:
+        return
+    comm = todo[0].comm
+    if len(todo) == 1:  # nothing to merge
+        todo[0].gather(wait=False)
+        return
+    sizes = [u.shard_numel for u in todo]
+    width = sum(sizes)
+    shards = torch.cat([u.shard for u in todo])
+    bucket = torch.empty(comm.world_size * width, dtype=shards.dtype, device=shards.device)
+    work = comm.gather_params(shards, bucket)
+    at = 0
+    for unit, size in zip(todo, sizes):
+        unit.full.untyped_storage().resize_(unit._full_nbytes)
+        unit._gathering = _BucketPart(work, bucket.view(comm.world_size, width), at, size, unit.full)
+        unit.gathered = True
+        at += size
+
+
+class _BucketPart:
+    """One unit's part of a ``gather_bucketed`` all-gather: ``wait()`` waits for the shared collective (once) and
+    copies the unit's columns of the ``(P, width)`` bucket into its ``full`` (``(P, size)``)."""
+
+    def __init__(self, work: _comm.CollectiveWork, bucket: torch.Tensor, at: int, size: int, full: torch.Tensor):
+        self._work, self._bucket, self._at, self._size, self._full = work, bucket, at, size, full
+
+    def wait(self) -> None:
+        self._work.wait()  # a second wait on the shared handle returns at once
+        self._full.view(self._bucket.shape[0], self._size).copy_(self._bucket[:, self._at : self._at + self._size])
+
+
 class ReduceBuffers:
-    """Flat fp32 buffers for gradient reduce-scatters, reused from one reduction to the next of the same size.
+    """Flat gradient buffers (fp32, or the ``communication_data_type``) for gradient reduce-scatters, reused from
+    one reduction to the next of the same size and dtype.
 
     A fresh multi-MB CPU allocation comes from the kernel and costs a page fault per 4 KiB page at first touch
     (measured: copying the gradients into fresh buffers took 30 ms per step on the small GPT at 4 ranks, 20 ms
@@ -449,25 +499,25 @@ class ReduceBuffers:
     """
 
     def __init__(self) -> None:
-        self._free: dict[tuple[int, torch.device], list[torch.Tensor]] = {}
+        self._free: dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]] = {}
 
-    def take(self, numel: int, device: torch.device) -> torch.Tensor:
-        """A float32 buffer of ``numel`` elements on ``device``, contents undefined."""
-        free = self._free.get((numel, torch.device(device)))
-        return free.pop() if free else torch.empty(numel, dtype=torch.float32, device=device)
+    def take(self, numel: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A buffer of ``numel`` elements of ``dtype`` on ``device``, contents undefined."""
+        free = self._free.get((numel, torch.device(device), dtype))
+        return free.pop() if free else torch.empty(numel, dtype=dtype, device=device)
 
     def give(self, buffer: torch.Tensor) -> None:
         """Return ``buffer`` (from ``take``, no longer used by any collective) for reuse (CPU buffers; others are
         left to their allocator)."""
         if buffer.device.type == "cpu":
-            self._free.setdefault((buffer.numel(), buffer.device), []).append(buffer)
+            self._free.setdefault((buffer.numel(), buffer.device, buffer.dtype), []).append(buffer)
 
 
 class GradientReduction:
     """A unit's gradient reduce-scatter in flight (``Unit.reduce_gradients``).
 
     Attributes:
-        numel: elements of the flat fp32 buffer it sends (held until ``wait``).
+        numel: elements of the flat buffer it sends (held until ``wait``).
     """
 
     def __init__(
