@@ -3,6 +3,7 @@
     python bench/cost_model.py                          # every row, as a table
     python bench/cost_model.py --kernels reduce --csv cost.csv --json cost.json
     python bench/cost_model.py --write-budget           # commit every row's instr/elem to bench/cost_budget.json
+    python bench/cost_model.py --cuda                   # the CUDA C++ kernels of the same rows (needs nvcc)
     python bench/cost_model.py --cubin ds.cubin --kernel quantize --elements-per-thread 8 --bytes-per-element 3.03
     python bench/cost_model.py --kernels "quantize int8 fp16 b128" --work-dir /tmp/k   # keep the cubins, then:
     python bench/cost_model.py --cubin /tmp/k/quantize_int8_fp16_b128.cubin --kernel _quantize_kernel \
@@ -29,9 +30,14 @@ the fewest instructions (no masking arithmetic, no fallback: the exact-division 
 fallback). The fewest instructions alone is not it: ptxas turns some masked stores into branches around them, so
 a masked tail tile can be *shorter* while storing less. A kernel whose steady-state path stores nothing is
 refused, and the test checks that the path moves at least the bytes the row must move ("path bytes/elem", masked
-accesses counted in full). The longest path (most instructions, anything taken) is reported too. A loop (a back
-edge, found by depth-first search from the entry) counts ``trip_count`` times its body's path from header to latch
-and is left through any of its exits; a kernel with a loop and no trip count is an error. Per row:
+accesses counted in full; of loads or stores under complementary guards in one block, ``@P``/``@!P`` with nothing
+between them naming ``P``, only one side moves). The longest path (most instructions, anything taken) is reported
+too. A loop (a back edge, found by depth-first search from the entry) counts its trip count times one trip's path
+from header to latch and is left through any of its exits; a kernel with a loop and no trip count is an error. The
+trip count is one number for every loop (the Triton rows: a persistent kernel's tiles per program; a trip along the
+steady-state rule, most bytes loaded coming right after most stored) or a function of each loop (``TripCount``:
+the CUDA rows; a trip along its longest path, all of a run-time loop's work, and a loop it counts is on the path).
+Per row:
 
 * instr/elem: thread-level instructions per element = path instructions x 32 x num_warps / elements per program
   (``BLOCKS x BLOCK_SIZE`` of the compiled constexprs; for the reductions the elements of the *output* blocks),
@@ -64,6 +70,16 @@ counted the same way; measured anchors in DESIGN.md section 3): see bench/RESULT
 latency, occupancy or memory-system effects beyond the copy ceiling. Checked on an H100 (bench/RESULTS.md, "The GPU
 check on an H100"): right for every kernel whose loads are in flight while it computes, blind to one that waits on
 them: the unpipelined reduce-requantize, near t_issue = t_floor, was predicted at 1.0 and measured at 0.64-0.74.
+
+**The CUDA C++ rows** (``--cuda``: ``kernels/cuda/quant.cu`` compiled here for sm_90 with the fatbin's flags,
+``<row> [cuda]``) are counted the same way per 16 elements of a thread (``native_cuda.PER_THREAD``; output elements
+for the fused reductions), with two things the SASS alone does not say (``cuda_trip_count``, ``cuda_code_fma``): a
+loop's trips follow from what one trip does (the fused sum's loop over the packs loads k packs per trip and runs
+d / k times, fractional where k does not divide d: per element, one pack's instructions times d plus the
+epilogue; the block maximum's shuffle loop runs log2(min(threads per block, 32)) times and its shared-memory pass
+once per other warp), and a kernel that quantizes takes its normal-scale branch (the FMA that rounds the codes),
+not the shorter all-zero one. Each thread reads its block's scale, so a CUDA row's path moves more bytes per
+element than the row must (by 4 bytes per 16 elements per pack); the prediction uses the row's bytes.
 
 **Budget.** ``bench/cost_budget.json`` holds each row's committed instr/elem; ``tests/quant/test_cost_model.py``
 fails a row more than ``BUDGET_TOLERANCE`` above it, a row missing from it, and a budget row that no longer exists.
@@ -319,28 +335,66 @@ def _blocks(program: Program, entry: int) -> dict[int, tuple[int, list[int | str
 
 @dataclass(frozen=True)
 class Cost:
-    """What a stretch of code executes: instructions per opcode (with modifiers), and how many of them are global
-    loads or stores under a predicate guard (masked accesses)."""
+    """What a stretch of code executes: instructions per opcode (with modifiers), how many of them are global
+    loads or stores under a predicate guard (masked accesses), and the bytes of guarded loads and stores that do not
+    move because their alternative under the opposite guard does (``_alternative_bytes``). A loop's cost is one
+    trip's times its trip count, which may be fractional (``Loop``), and so may the numbers."""
 
     counts: Counter[str] = field(default_factory=Counter)
-    masked: int = 0
+    masked: float = 0
+    unmoved_loads: float = 0
+    """Bytes per thread of guarded global loads whose alternative is counted (of each ``@P``/``@!P`` pair, the
+    smaller side)."""
+    unmoved_stores: float = 0
+    """The same for global stores."""
 
     def __add__(self, other: Cost) -> Cost:
-        return Cost(self.counts + other.counts, self.masked + other.masked)
+        return Cost(self.counts + other.counts, self.masked + other.masked, self.unmoved_loads + other.unmoved_loads,
+                    self.unmoved_stores + other.unmoved_stores)
 
-    def __mul__(self, times: int) -> Cost:
-        return Cost(Counter({op: n * times for op, n in self.counts.items()}), self.masked * times)
+    def __mul__(self, times: float) -> Cost:
+        return Cost(Counter({op: n * times for op, n in self.counts.items()}), self.masked * times,
+                    self.unmoved_loads * times, self.unmoved_stores * times)
 
     @property
-    def total(self) -> int:
+    def total(self) -> float:
         """Instructions."""
         return sum(self.counts.values())
+
+
+_GUARD = re.compile(r"^@(!?)(U?P\d+)$")
+
+
+def _alternative_bytes(instructions: Sequence[Instruction]) -> tuple[int, int]:
+    """Bytes (loads, stores) per thread of guarded global accesses that do not move because they are alternatives:
+    within a basic block, accesses under ``@P`` and under ``@!P`` with no instruction between them naming ``P`` in
+    its operands (which might redefine it) run on exclusive lanes, so of the two sides only the larger moves per
+    thread (nvcc's ``if (aligned) one 64-bit load else two 32-bit loads`` becomes three guarded loads, 8 bytes)."""
+    memory = _GLOBAL_STORES | _GLOBAL_LOADS
+    unmoved = [0, 0]
+    sides: dict[str, list[list[int]]] = {}  # predicate -> [[load, store] bytes under @P, [load, store] under @!P]
+
+    def close(predicate: str) -> None:
+        pos, neg = sides.pop(predicate)
+        for kind in (0, 1):
+            unmoved[kind] += min(pos[kind], neg[kind])
+
+    for ins in instructions:
+        for predicate in [p for p in sides if re.search(rf"\b{p}\b", ins.operands)]:
+            close(predicate)
+        guard = _GUARD.match(ins.guard)
+        if guard and ins.base in memory:
+            side = sides.setdefault(guard.group(2), [[0, 0], [0, 0]])[guard.group(1) == "!"]
+            side[ins.base in _GLOBAL_STORES] += access_bits(ins.opcode) // 8
+    for predicate in list(sides):
+        close(predicate)
+    return unmoved[0], unmoved[1]
 
 
 def _cost(instructions: Sequence[Instruction]) -> Cost:
     memory = _GLOBAL_STORES | _GLOBAL_LOADS
     masked = sum(1 for ins in instructions if ins.guard not in ("", "@PT") and ins.base in memory)
-    return Cost(Counter(ins.opcode for ins in instructions), masked)
+    return Cost(Counter(ins.opcode for ins in instructions), masked, *_alternative_bytes(instructions))
 
 
 def access_bits(opcode: str) -> int:
@@ -352,16 +406,31 @@ def access_bits(opcode: str) -> int:
     return bits
 
 
-def global_bytes(counts: Counter[str], stores: bool = True, loads: bool = True) -> int:
-    """Bytes that the global stores and/or loads in ``counts`` move (per thread; masked ones counted in full)."""
+def global_bytes(counts: Counter[str], stores: bool = True, loads: bool = True) -> float:
+    """Bytes that the global stores and/or loads in ``counts`` would move (per thread; masked ones counted in full,
+    and both sides of guarded alternatives: see ``moved_bytes``)."""
     bases = (_GLOBAL_STORES if stores else set()) | (_GLOBAL_LOADS if loads else set())
-    return sum(n * access_bits(op) // 8 for op, n in counts.items() if op.split(".", 1)[0] in bases)
+    return sum(n * access_bits(op) / 8 for op, n in counts.items() if op.split(".", 1)[0] in bases)
+
+
+def moved_bytes(cost: Cost, stores: bool = True, loads: bool = True) -> float:
+    """Bytes per thread that the global stores and/or loads of ``cost`` move: masked ones in full, of guarded
+    alternatives (``@P``/``@!P``) one side."""
+    return (global_bytes(cost.counts, stores=stores, loads=loads) - (cost.unmoved_stores if stores else 0)
+            - (cost.unmoved_loads if loads else 0))
 
 
 def _steady_key(cost: Cost) -> tuple:
     """Order of preference for the steady-state path (highest first): most bytes stored to global memory, fewest
     masked global accesses, fewest instructions; ties broken by the opcode counts, so the choice is reproducible."""
-    return global_bytes(cost.counts, loads=False), -cost.masked, -cost.total, sorted(cost.counts.items())
+    return moved_bytes(cost, loads=False), -cost.masked, -cost.total, sorted(cost.counts.items())
+
+
+def _steady_trip_key(cost: Cost) -> tuple:
+    """The same for one trip of a loop, with most bytes loaded from global memory right after most stored: a trip is
+    counted whole (a fused sum's trip loads all of its packs, though each pack's loads sit under a branch), not
+    along a path that skips its loads."""
+    return moved_bytes(cost, loads=False), moved_bytes(cost, stores=False), *_steady_key(cost)[1:]
 
 
 def _longest_key(cost: Cost) -> tuple:
@@ -407,15 +476,37 @@ def _back_edges(start: Any, succ: Mapping[Any, Sequence[Any]]) -> list[tuple[Any
 @dataclass
 class PathCount:
     """A path: what it executes, and its nodes in order (the first instruction of each basic block, ``"loopN"`` for
-    a loop counted ``trip_count`` times, ``"end"`` or ``"return"`` last)."""
+    a loop counted at its trip count, ``"end"`` or ``"return"`` last)."""
 
     cost: Cost
     nodes: list
+    loops: list[tuple[str, float]] = field(default_factory=list)
+    """The loops on the path, nested ones included, in path order: (where the header starts, trips)."""
 
     @property
     def counts(self) -> Counter[str]:
         """Executions per opcode (with modifiers)."""
         return self.cost.counts
+
+
+@dataclass(frozen=True)
+class Loop:
+    """A loop as ``find_path`` counts it, for a trip-count function (``TripCount``) to name its trips."""
+
+    entry: str
+    """The function's label."""
+    where: str
+    """Its header's first instruction (``Instruction.where``), or "an enclosing loop"."""
+    trip: Cost
+    """One trip along its steady-state path from the header to a latch (inner loops at their trip counts)."""
+
+
+TripCount = int | float | Callable[[Loop], float]
+"""How many times ``find_path`` counts each loop: one number for every loop (a persistent kernel's tiles per
+program; a trip along its steady-state path), or a function of the loop (a trip along its longest path: all of a
+run-time loop's work, which the function divides up); a loop the function gives a positive count is on the
+steady-state path (the path goes through it, as a run-time loop the rule would otherwise go around), one it gives
+0 costs nothing."""
 
 
 def _dag_path(start: Any, succ: Mapping[Any, Sequence[Any]], weight: Mapping[Any, Cost], ends: set,
@@ -426,7 +517,7 @@ def _dag_path(start: Any, succ: Mapping[Any, Sequence[Any]], weight: Mapping[Any
     best: dict[Any, Cost] = {}
     choice: dict[Any, Any] = {}
     for node in _postorder(start, succ, ends):
-        options = [s for s in succ[node] if s in best] if node not in ends else []
+        options = [s for s in succ.get(node, ()) if s in best] if node not in ends else []
         if node in ends or options:
             choice[node] = max(options, key=lambda s: key(best[s])) if options else None
             best[node] = weight[node] + (best[choice[node]] if options else Cost())
@@ -439,16 +530,46 @@ def _dag_path(start: Any, succ: Mapping[Any, Sequence[Any]], weight: Mapping[Any
     return PathCount(best[start], nodes)
 
 
-def find_path(program: Program, entry: str, *, longest: bool = False, trip_count: int | None = None,
-              require_store: bool = True, _calls: dict | None = None) -> PathCount:
+def _dag_path_through(start: Any, succ: Mapping[Any, Sequence[Any]], weight: Mapping[Any, Cost], ends: set,
+                      key: Callable[[Cost], tuple], through: Sequence[Any]) -> PathCount:
+    """``_dag_path`` constrained to pass through every node of ``through``: the best path to the first of them (in
+    topological order), from there to the next, and so on to ``ends``."""
+    if not through:
+        return _dag_path(start, succ, weight, ends, key)
+    rank = {n: i for i, n in enumerate(reversed(_postorder(start, succ, ends)))}
+    stops = sorted(through, key=lambda n: rank.get(n, -1))
+    if stops[0] not in rank:
+        raise CostModelError(f"node {stops[0]} that the path must pass through is not reachable")
+    nodes: list = []
+    at = start
+    for stop in [*stops, None]:
+        try:
+            segment = _dag_path(at, succ, weight, ends if stop is None else {stop}, key)
+        except CostModelError:
+            raise CostModelError(f"no path from {at} reaches {stop or 'the end'}: the nodes the path must pass "
+                                 "through (loops with a positive trip count, named blocks) must lie on one path"
+                                 ) from None
+        nodes += segment.nodes[1:] if nodes else segment.nodes
+        at = stop
+    return PathCount(sum((weight[n] for n in nodes), Cost()), nodes)
+
+
+def find_path(program: Program, entry: str, *, longest: bool = False, trip_count: TripCount | None = None,
+              through: Callable[[Instruction], bool] | None = None, require_store: bool = True,
+              _calls: dict | None = None) -> PathCount:
     """The steady-state (or the ``longest``) path from label ``entry`` to an ``EXIT`` (a subroutine's: to its
-    ``RET``), the paths of its calls included in its counts. See the module docstring for the rules; raises
-    ``CostModelError``, also when the steady-state path stores nothing to global memory (with ``require_store``:
-    a kernel's must)."""
+    ``RET``), the paths of its calls included in its counts, its loops at ``trip_count``. With ``through``, the
+    steady-state path passes through every basic block holding an instruction that ``through`` accepts (a
+    data-dependent branch whose common side is the longer one: quant.cu's quantize has a shorter all-zero-block
+    branch). See the module docstring for the rules; raises ``CostModelError``, also when the steady-state path
+    stores nothing to global memory (with ``require_store``: a kernel's must)."""
     calls = {} if _calls is None else _calls
     if entry not in program.labels:
         raise CostModelError(f"no label {entry!r} in the disassembly")
     key = _longest_key if longest else _steady_key
+    # A trip of a loop that a function counts is its longest path: a run-time loop does all of its work per trip (a
+    # fused sum's trip sums all of its packs, each under a branch that only the last trip may skip).
+    trip_key = _longest_key if longest or callable(trip_count) else _steady_trip_key
     blocks = _blocks(program, program.labels[entry])
     weight: dict[Any, Cost] = {"end": Cost(), "return": Cost()}
     succ: dict[Any, list] = {}
@@ -467,7 +588,10 @@ def find_path(program: Program, entry: str, *, longest: bool = False, trip_count
         weight[first] = cost
         succ[first] = nexts
     start = program.labels[entry]
-    loops = 0
+    # Nodes the path must pass through: the blocks ``through`` names, loops with a positive count from a function.
+    must = [] if longest or through is None else [
+        first for first, (last, _) in blocks.items() if any(map(through, program.instructions[first:last + 1]))]
+    described: dict[str, tuple[str, float, list]] = {}  # loop node -> (where, trips, its body path's nodes)
     while back := _back_edges(start, succ):
         if trip_count is None:
             header = back[0][1]
@@ -495,18 +619,34 @@ def find_path(program: Program, entry: str, *, longest: bool = False, trip_count
         if start in body - {header} or any(p not in body for n in body - {header} for p in preds.get(n, ())):
             raise CostModelError(f"{entry} has a loop with more than one entry: the control flow is irreducible")
         inner = {n: [s for s in succ[n] if s in body and s != header] for n in body}
-        one = _dag_path(header, inner, weight, latches[header], key)
-        loops += 1
-        node = f"loop{loops}"
-        weight[node] = one.cost * trip_count
+        one = _dag_path_through(header, inner, weight, latches[header], trip_key, [n for n in must if n in body])
+        where = program.instructions[header].where() if isinstance(header, int) else "an enclosing loop"
+        trips = trip_count(Loop(entry, where, one.cost)) if callable(trip_count) else trip_count
+        if trips < 0:
+            raise CostModelError(f"{entry}: a negative trip count ({trips}) for the loop at {where}")
+        node = f"loop{len(described) + 1}"
+        described[node] = (where, trips, one.nodes)
+        weight[node] = one.cost * trips
         succ[node] = list(dict.fromkeys(s for n in body for s in succ[n] if s not in body))
         for n in body:
             del succ[n]
         for n, ss in succ.items():
             succ[n] = list(dict.fromkeys(node if s == header else s for s in ss))
+        forced = any(n in body for n in must) or (callable(trip_count) and trips > 0 and not longest)
+        must = [n for n in must if n not in body] + ([node] if forced else [])
         if start == header:
             start = node
-    found = _dag_path(start, succ, weight, {"end", "return"}, key)
+    found = _dag_path_through(start, succ, weight, {"end", "return"}, key, must)
+
+    def loops_on(nodes: Sequence[Any]) -> list[tuple[str, float]]:
+        out = []
+        for n in nodes:
+            if n in described:
+                where, trips, inside = described[n]
+                out += [(where, trips), *loops_on(inside)]
+        return out
+
+    found.loops = loops_on(found.nodes)
     if require_store and not longest and not global_bytes(found.counts, loads=False):
         raise CostModelError(f"no path from {entry} to its end stores to global memory")
     return found
@@ -562,8 +702,10 @@ class KernelCount:
     registers: int | None
 
 
-def count_cubin(cubin: Path, kernel: str, trip_count: int | None = None) -> KernelCount:
-    """Count the paths of ``kernel`` (its exact name, or a substring naming one kernel of ``cubin``)."""
+def count_cubin(cubin: Path, kernel: str, trip_count: TripCount | None = None,
+                through: Callable[[Instruction], bool] | None = None) -> KernelCount:
+    """Count the paths of ``kernel`` (its exact name, or a substring naming one kernel of ``cubin``), its loops at
+    ``trip_count`` (see ``TripCount``), the steady-state path through the blocks ``through`` names (``find_path``)."""
     program = parse_sass(disassemble(cubin))
     names = [n for n in program.sections if n == kernel] or [n for n in program.sections if kernel in n]
     if len(names) != 1:
@@ -575,7 +717,7 @@ def count_cubin(cubin: Path, kernel: str, trip_count: int | None = None) -> Kern
         name,
         entry,
         program,
-        find_path(program, entry, trip_count=trip_count),
+        find_path(program, entry, trip_count=trip_count, through=through),
         find_path(program, entry, longest=True, trip_count=trip_count),
         registers(cubin, name),
     )
@@ -630,11 +772,14 @@ def summarize(name: str, count: KernelCount, elements_per_thread: float, bytes_p
         "ld": access_widths(count.steady.counts, "LDG"),
         "st": access_widths(count.steady.counts, "STG"),
         "bytes/elem": None if bytes_per_elem is None else round(bytes_per_elem, 4),
-        "path bytes/elem": round(global_bytes(count.steady.counts) / elements_per_thread, 4),
+        "path bytes/elem": round(moved_bytes(count.steady.cost) / elements_per_thread, 4),
+        "path load bytes/elem": round(moved_bytes(count.steady.cost, stores=False) / elements_per_thread, 4),
+        "path store bytes/elem": round(moved_bytes(count.steady.cost, loads=False) / elements_per_thread, 4),
         "bound": model["bound"],
         "floor/time": None if model["floor/time"] is None else round(model["floor/time"], 3),
-        "path instructions": count.steady.cost.total,
-        "masked accesses": count.steady.cost.masked,
+        "path instructions": round(count.steady.cost.total, 2),
+        "masked accesses": round(count.steady.cost.masked, 2),
+        "loops": "; ".join(f"{where.split(' ', 1)[0]} x{trips:g}" for where, trips in count.steady.loops) or "-",
         "elements/thread": elements_per_thread,
         "elements": elements,
         **{f"t_{k} us": round(t * elements * 1e6, 2) for k, t in model["times"].items()},
@@ -753,20 +898,70 @@ def measure(selected: Sequence[Row], work_dir: Path, jobs: int = 1) -> list[dict
         return list(pool.map(one, ids))
 
 
-def cuda_flags() -> list[str]:
-    """The nvcc flags of ``set(ZEROPP_CUDA_FLAGS ...)`` in CMakeLists.txt (what the fatbin is built with)."""
-    found = re.search(r"set\(ZEROPP_CUDA_FLAGS ([^)]*)\)", (ROOT / "CMakeLists.txt").read_text())
-    if not found:
-        raise CostModelError("CMakeLists.txt has no set(ZEROPP_CUDA_FLAGS ...) line")
-    return found.group(1).split()
+FP32_ROUNDER = 12582912.0
+"""1.5 * 2^23: quant.cu's ``kRounder``; a code is ``FFMA x, r, kRounder + 2^(bits - 1)``."""
+
+
+def cuda_trip_count(bits: int, block_size: int, groups: int) -> Callable[[Loop], float]:
+    """Trips of quant.cu's loops for one thread of a row (``native_cuda.PER_THREAD`` elements of one block), told
+    apart by what one trip executes:
+
+    * a trip that loads global memory is the fused sum's loop over the packs (``sum_groups``): a thread loads its
+      codes of one pack (``PER_THREAD * bits / 8`` bytes) and its block's float32 scale per pack, so a trip that
+      loads k times that handles k packs, and the loop runs ``groups / k`` times (fractional when k does not divide
+      ``groups``: the instructions of one pack times ``groups``, the loop's own overhead shared alike); a trip
+      that loads another amount is an error, and so is such a loop in a single-pass kernel (``groups`` 0);
+    * a trip with warp shuffles is the block maximum's shuffle stage: log2(min(threads per block, 32)) shuffles;
+    * a trip with shared-memory loads and no shuffle is its pass over the other warps' maxima (blocks of more than
+      32 threads): ptxas unrolls it by 16 and 4 with a one-load remainder loop; fewer than 4 other warps (blocks up
+      to 2048 elements) run only the remainder loop, more are refused;
+    * anything else is an error.
+    """
+    from zeropp.quant import native_cuda
+
+    per_pack = native_cuda.PER_THREAD * bits // 8 + 4
+    threads = block_size // native_cuda.PER_THREAD
+    other_warps = max(threads // 32 - 1, 0)
+
+    def trips(loop: Loop) -> float:
+        loaded = moved_bytes(loop.trip, stores=False)
+        by_base = Counter()
+        for op, n in loop.trip.counts.items():
+            by_base[op.split(".", 1)[0]] += n
+        if loaded:
+            packs = loaded / per_pack
+            if not groups or packs < 1 or packs != int(packs):
+                raise CostModelError(
+                    f"{loop.entry}: the loop at {loop.where} loads {loaded:g} bytes per thread and trip, not whole "
+                    f"packs of {per_pack} bytes of a fused sum over {groups} packs: quant.cu no longer has the loops "
+                    "cuda_trip_count knows")
+            return groups / packs
+        if by_base["SHFL"]:
+            return math.log2(min(threads, 32)) / by_base["SHFL"]
+        if by_base["LDS"]:
+            if other_warps >= 4:
+                raise CostModelError(f"{loop.entry}: block size {block_size} reads {other_warps} other warps' maxima "
+                                     "through ptxas's unrolled loops, which cuda_trip_count does not count")
+            return other_warps if by_base["LDS"] == 1 else 0
+        raise CostModelError(f"{loop.entry}: a loop at {loop.where} that cuda_trip_count does not know")
+
+    return trips
+
+
+def cuda_code_fma(bits: int) -> Callable[[Instruction], bool]:
+    """Whether an instruction is quantize()'s code rounding ``FFMA x, r, kRounder + 2^(bits - 1)``: the steady-state
+    path of a kernel that quantizes passes through it (a normal scale), not through the shorter all-zero branch."""
+    offset = f"{FP32_ROUNDER + 2 ** (bits - 1):.0f}"
+    return lambda ins: ins.base == "FFMA" and ins.operands.rsplit(",", 1)[-1].strip() == offset
 
 
 def measure_cuda(selected: Sequence[Row], work_dir: Path, jobs: int = 1) -> list[dict[str, Any]]:
-    """The CUDA C++ kernels (``kernels/cuda/quant.cu``, compiled here for sm_90 with the fatbin's flags) that do
-    each row's work, counted like the Triton ones with ``native_cuda.PER_THREAD`` elements per thread; rows named
-    ``<row> [cuda]``, ``[{"skip": why}]`` without nvcc. The fused reductions are not counted: their sum loops over a
-    run-time number of groups and only loads, so the steady-state rule (most bytes stored) finds the path around
-    it, which moves too few bytes; such a row gets an ``error`` saying so."""
+    """The CUDA C++ kernels (``native_cuda.SOURCE``, compiled here for sm_90 with ``native_cuda.cuda_flags()``) that
+    do each row's work, counted like the Triton ones per ``native_cuda.PER_THREAD`` elements of a thread (output
+    elements for the fused reductions), their loops at ``cuda_trip_count``, the path of a kernel that quantizes
+    through its normal-scale branch (``cuda_code_fma``); rows named ``<row> [cuda]``, ``[{"skip": why}]`` without
+    nvcc. A row whose path does not move the row's bytes (per thread: each thread reads its block's scale) gets an
+    ``error``."""
     import shutil
 
     import torch
@@ -776,9 +971,10 @@ def measure_cuda(selected: Sequence[Row], work_dir: Path, jobs: int = 1) -> list
     nvcc = shutil.which("nvcc")
     if not nvcc:
         return [{"skip": "no nvcc on PATH (the CUDA toolkit compiles kernels/cuda/quant.cu)"}]
+    work_dir.mkdir(parents=True, exist_ok=True)
     cubin = work_dir / "quant_cuda.cubin"
-    built = subprocess.run([nvcc, "-cubin", *cuda_flags(), "-arch=sm_90", "-o", str(cubin),
-                            str(ROOT / "kernels" / "cuda" / "quant.cu")], capture_output=True, text=True)
+    built = subprocess.run([nvcc, "-cubin", *native_cuda.cuda_flags(), "-arch=sm_90", "-o", str(cubin),
+                            str(native_cuda.SOURCE)], capture_output=True, text=True, check=False)
     if built.returncode:
         return [{"skip": f"nvcc failed: {built.stderr[-500:]}"}]
     ops = {"quantize": "quantize_chunks", "dequantize": "dequantize_chunks"}
@@ -787,14 +983,16 @@ def measure_cuda(selected: Sequence[Row], work_dir: Path, jobs: int = 1) -> list
         case, name = row.case, f"{row.name} [cuda]"
         dtype = None if case["op"] == "reduce_requantize" else getattr(torch, case["dtype"])
         kernel = native_cuda.kernel_name(ops.get(case["op"], case["op"]), case["bits"], dtype)
+        quantizes = case["op"] in ("quantize", "reduce_requantize")
         try:
-            record = summarize(name, count_cubin(cubin, kernel, 1), native_cuda.PER_THREAD,
-                               row.nbytes / row.elements, row.elements, {})
+            count = count_cubin(cubin, kernel, cuda_trip_count(case["bits"], case["block_size"], case.get("groups", 0)),
+                                cuda_code_fma(case["bits"]) if quantizes else None)
+            record = summarize(name, count, native_cuda.PER_THREAD, row.nbytes / row.elements, row.elements, {})
         except CostModelError as e:
             return {"kernel": name, "error": str(e)}
         if record["path bytes/elem"] < 0.99 * record["bytes/elem"]:
             return {"kernel": name, "error": f"the steady-state path moves {record['path bytes/elem']} of the "
-                                             f"{record['bytes/elem']} bytes per element: it skips a loop of loads"}
+                                             f"{record['bytes/elem']} bytes per element the row must move"}
         return record
 
     with ThreadPoolExecutor(max(1, jobs)) as pool:

@@ -3,7 +3,7 @@
     python bench/kernels.py                          # GPU: 2^26 and 2^28 fp16 elements; CPU: 2^20 .. 2^24
     python bench/kernels.py --sizes 2^28 --dtype fp16 bf16 --block-size 128 2048 --check --csv kernels.csv
     python bench/kernels.py --sweep --sizes 2^26     # each main row over tile sizes and warps per program
-    python bench/kernels.py --kernels reduce         # only the rows whose name contains "reduce"
+    python bench/kernels.py --kernels "quantize int4" "reduce_requantize int4 d=2"   # only these rows (exact names)
 
 Rows (int4 unless the name says int8; sizes count input elements, output elements for dequantize), for every size,
 dtype and block size asked for:
@@ -28,6 +28,10 @@ CPU copies of those inputs: codes and scales the same bytes, values the same flo
 The ``check`` column says PASS or FAIL (what differs is in the CSV's ``detail``). On a GPU the ops also run once
 per dtype on a tensor just past 2^31 elements, compared in windows (``--far-numel``; ~12 GiB at fp16). Any
 mismatch or error makes the exit status 1.
+
+**--kernels** takes row names exactly as the table prints them (``row_names``: e.g. "dequantize int8",
+"dequantize gathered int8 x8", "reduce_dequantize int4 g=2"; the numbers follow ``--world``, ``--nodes`` and
+``--ranks-per-node``); an unknown name is an error that lists the valid ones.
 
 **--sweep.** The main rows (``SWEEP_ROWS``, or ``--kernels``) at every tile of ``--tile-elements`` elements per
 program and ``--tile-warps`` warps (``zeropp.quant._triton.common.tile_override`` of the row's op), plus the
@@ -162,6 +166,14 @@ def load_deepspeed(device: torch.device):
         return QuantizerBuilder().load(), ""
     except Exception as e:  # noqa: BLE001
         return None, f"QuantizerBuilder failed to build/load: {e}"
+
+
+def row_names(world: int, nodes: int, rpn: int) -> list[str]:
+    """The names of the rows, in table order, for ``world`` gathered packs and ``nodes`` x ``rpn`` ranks (what
+    ``--kernels`` accepts)."""
+    return ["quantize int8", "dequantize int8", "quantize int4", "dequantize int4",
+            f"dequantize gathered int8 x{world}", f"swizzle_quantize int4 {nodes}x{rpn}",
+            *(f"reduce_requantize int4 d={d}" for d in (2, 4, 8)), f"reduce_dequantize int4 g={nodes}"]
 
 
 def build_cases(n: int, dtype: torch.dtype, block_size: int, world: int, nodes: int, rpn: int, device: torch.device,
@@ -326,7 +338,7 @@ def run_config(args, n: int, dtype: str, block: int, device: torch.device, timer
     from zeropp import quant
 
     cases = build_cases(n, DTYPES[dtype], block, args.world, args.nodes, args.ranks_per_node, device, ds, Reference(),
-                        lambda name: not args.kernels or any(k in name for k in args.kernels))
+                        lambda name: not args.kernels or name in args.kernels)
     for c in cases:
         row = {"dtype": dtype, "block": block, "kernel": c.name, "op": c.op, "bits": c.bits, "numel": n,
                "size": size_label(n), "bytes": c.nbytes, "backend": quant.backend_name(c.output)}
@@ -366,8 +378,7 @@ def sweep_config(args, n: int, dtype: str, block: int, device: torch.device, tim
     from zeropp import quant
     from zeropp.quant._triton import common
 
-    keep = (lambda name: any(k in name for k in args.kernels)) if args.kernels else \
-        (lambda name: name.startswith(SWEEP_ROWS))
+    keep = (lambda name: name in args.kernels) if args.kernels else (lambda name: name.startswith(SWEEP_ROWS))
     cases = build_cases(n, DTYPES[dtype], block, args.world, args.nodes, args.ranks_per_node, device, None,
                         Reference(), keep)
     for c in cases:
@@ -458,12 +469,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tile-warps", nargs="+", type=int, default=list(SWEEP_WARPS),
                    help=f"--sweep: warps per program (default {' '.join(map(str, SWEEP_WARPS))})")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--kernels", nargs="+", help="only rows whose name contains one of these")
+    p.add_argument("--kernels", nargs="+", metavar="NAME", help="only these rows, by their exact names (see the "
+                   "module docstring; an unknown name lists the valid ones)")
     p.add_argument("--backend", choices=["auto", "torch", "triton", "native"], help="sets ZEROPP_QUANT_BACKEND")
     p.add_argument("--no-deepspeed", action="store_true", help="do not time DeepSpeed's kernels")
     p.add_argument("--csv", metavar="PATH", help="also write the rows as CSV ('-' for stdout), rewritten after each")
     p.add_argument("--quiet", dest="progress", action="store_false", help="no per-row progress on stderr")
     args = p.parse_args(argv)
+    valid = row_names(args.world, args.nodes, args.ranks_per_node)
+    unknown = [k for k in args.kernels or () if k not in valid]
+    if unknown:
+        p.error(f"--kernels: no row is named {', '.join(map(repr, unknown))}; the rows are (with --world "
+                f"{args.world}, --nodes {args.nodes}, --ranks-per-node {args.ranks_per_node}): "
+                + ", ".join(map(repr, valid)))
 
     device = torch.device(args.device)
     gpu = device.type == "cuda"

@@ -145,11 +145,29 @@ def test_sweep_times_every_tile_and_the_default(torch_backend, tmp_path):
                          "--tile-elements", "64", "256", "--tile-warps", "2"], tmp_path)
     assert rc == 0
     by = {(r["kernel"], int(r["elements"]), int(r["warps"])): r for r in rows}
-    # "quantize int8" also names "dequantize int8"; 64 elements is less than a block: one block (128) per program
+    # Exactly the row named (not "dequantize int8" too); 64 elements is less than a block: one block (128) per program
     tiles = ((128, 2), (256, 2), (8192, 4))
-    assert set(by) == {(k, e, w) for k in ("quantize int8", "dequantize int8") for e, w in tiles}
+    assert set(by) == {("quantize int8", e, w) for e, w in tiles}
     assert all(r["check"] == "PASS" and float(r["floor/time"]) > 0 for r in rows)
     assert {k[1:] for k, r in by.items() if r["default"] == "yes"} == {(8192, 4)}
+
+
+def test_kernels_are_chosen_by_exact_name(torch_backend, tmp_path, capsys):
+    """``--kernels`` selects the rows of exactly those names (``row_names``, which names every row ``build_cases``
+    makes); an unknown name, such as a mere part of one, is an error listing the valid names."""
+    names = kernels.row_names(3, 2, 4)
+    built = kernels.build_cases(1 << 10, torch.float16, 128, 3, 2, 4, torch.device("cpu"), None,
+                                kernel_check.Reference())
+    assert [c.name for c in built] == names and len(set(names)) == 10
+    assert "dequantize gathered int8 x3" in names and "swizzle_quantize int4 2x4" in names
+    rc, rows = run_main(["--sizes", "2^12", "--block-size", "128", "--kernels", "dequantize int4",
+                         "reduce_dequantize int4 g=2"], tmp_path)
+    assert rc == 0 and [r["kernel"] for r in rows] == ["dequantize int4", "reduce_dequantize int4 g=2"]
+    with pytest.raises(SystemExit) as exit_info:
+        kernels.main(["--device", "cpu", "--kernels", "quantize int8", "reduce"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "no row is named 'reduce';" in err and "'reduce_requantize int4 d=8'" in err  # only the unknown one
 
 
 def test_triton_kernels_pass_the_check_under_the_interpreter(tmp_path):
@@ -158,7 +176,8 @@ def test_triton_kernels_pass_the_check_under_the_interpreter(tmp_path):
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     runs = [
         ["--sizes", "2^12", "--block-size", "2048", "--world", "2", "--ranks-per-node", "2", "--far-numel", "24576",
-         "--kernels", "quantize int8", "dequantize gathered", "reduce_requantize int4 d=2", "reduce_dequantize"],
+         "--kernels", "quantize int8", "dequantize gathered int8 x2", "reduce_requantize int4 d=2",
+         "reduce_dequantize int4 g=2"],
         ["--sizes", "2^12", "--block-size", "128", "--sweep", "--kernels", "dequantize int8", "--tile-elements", "1024",
          "--tile-warps", "2"],
     ]

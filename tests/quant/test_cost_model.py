@@ -13,6 +13,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
+import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
@@ -272,21 +274,193 @@ def test_instructions_per_element_within_budget(measured):
     )
 
 
-def test_the_cuda_kernels_are_counted_beside_the_triton_ones(tmp_path):
-    """``--cuda``: the CUDA C++ kernel of a single-pass row is counted (its path moves the row's bytes, with 128-bit
-    accesses); a fused reduction, whose run-time group loop only loads, is reported as not countable, not undercounted.
-    """
+# --------------------------------------------------------------------------------------------------------------
+# The CUDA C++ kernels (``--cuda``), and what the loop counting rests on.
+
+# Within a block, three loads under complementary guards (nvcc's "one 64-bit load if aligned, else two 32-bit ones")
+# move 8 bytes per thread; once the predicate may be redefined between them they are not alternatives.
+ALTERNATIVES = """
+	.section	.text.alt,"ax",@progbits
+alt:
+        /*0000*/                   LOP3.LUT P4, RZ, R36, 0x7, RZ, 0xc0, !PT ;
+        /*0010*/               @P4 LDG.E R28, desc[UR6][R36.64] ;
+        /*0020*/               @P4 LDG.E R29, desc[UR6][R36.64+0x4] ;
+        /*0030*/              @!P4 LDG.E.64 R28, desc[UR6][R36.64] ;
+        /*0040*/                   STG.E.64 desc[UR6][R2.64], R28 ;
+        /*0050*/                   EXIT ;
+"""
+
+# A loop that only loads (one unguarded and one guarded 16-byte load per trip, like a fused sum's packs) before a
+# store: the steady-state rule alone goes around it.
+LOAD_LOOP = """
+	.section	.text.sum,"ax",@progbits
+sum:
+        /*0000*/                   ISETP.GE.AND P0, PT, R0, 0x1, PT ;
+        /*0010*/              @!P0 BRA `(.L_x_1) ;
+.L_x_0:
+        /*0020*/                   LDG.E.128 R8, desc[UR4][R2.64] ;
+        /*0030*/                   ISETP.LE.AND P1, PT, R0, R1, PT ;
+        /*0040*/               @P1 BRA `(.L_x_2) ;
+        /*0050*/                   LDG.E.128 R12, desc[UR4][R2.64+0x10] ;
+        /*0060*/                   FADD R4, R12, R4 ;
+.L_x_2:
+        /*0070*/                   FADD R4, R8, R4 ;
+        /*0080*/                   IADD3 R1, R1, 0x2, RZ ;
+        /*0090*/                   ISETP.GT.AND P2, PT, R0, R1, PT ;
+        /*00a0*/               @P2 BRA `(.L_x_0) ;
+.L_x_1:
+        /*00b0*/                   STG.E.128 desc[UR4][R6.64], R4 ;
+        /*00c0*/                   EXIT ;
+"""
+
+
+def test_guarded_alternatives_move_one_side():
+    program = cm.parse_sass(ALTERNATIVES)
+    path = cm.find_path(program, "alt")
+    assert cm.global_bytes(path.counts, stores=False) == 16  # the three loads, as written
+    assert cm.moved_bytes(path.cost, stores=False) == 8 and cm.moved_bytes(path.cost) == 16
+    redefined = ALTERNATIVES.replace("@!P4 LDG.E.64 R28, desc[UR6][R36.64] ;",
+                                     "ISETP.NE.AND P4, PT, R0, RZ, PT ;\n        /*0031*/ @!P4 LDG.E.64 R28, "
+                                     "desc[UR6][R36.64] ;")
+    assert cm.moved_bytes(cm.find_path(cm.parse_sass(redefined), "alt").cost, stores=False) == 16
+
+
+def test_a_trip_count_function_puts_its_loop_on_the_path():
+    program = cm.parse_sass(LOAD_LOOP)
+    prologue, trip, epilogue = 2, 9, 2  # instructions: before the loop, one whole trip (both loads), after it
+    assert sum(cm.find_path(program, "sum", trip_count=3).counts.values()) == prologue + epilogue  # around it
+    seen = []
+
+    def per_pack(loop):  # 2 packs of 16 bytes per trip: 5 packs are 2.5 trips
+        seen.append(loop)
+        return 5 / (cm.moved_bytes(loop.trip, stores=False) / 16)
+
+    path = cm.find_path(program, "sum", trip_count=per_pack)
+    assert len(seen) == 1 and seen[0].trip.total == trip and seen[0].where.startswith("sum+0x0020")
+    assert sum(path.counts.values()) == pytest.approx(prologue + 2.5 * trip + epilogue)
+    assert path.counts["LDG.E.128"] == 5 and path.counts["FADD"] == 5 and path.loops == [(seen[0].where, 2.5)]
+    assert sum(cm.find_path(program, "sum", trip_count=lambda loop: 0).counts.values()) == prologue + epilogue
+
+
+def test_the_path_passes_through_the_blocks_named():
+    program = cm.parse_sass(KERNEL)
+    path = cm.find_path(program, "k", through=lambda ins: ins.base == "FMUL")  # the branch the rule skips
+    assert sum(path.counts.values()) == 15 + 4 and path.counts["FMUL"] == 4
+    assert path.nodes == [0, 3, 6, 10, 14, "end"]
+
+
+def _nvcc() -> str:
+    import shutil
+
+    nvcc = shutil.which("nvcc")
+    if not nvcc:
+        pytest.skip("nvcc not on PATH: the CUDA toolkit compiles the CUDA kernels these tests count")
     try:
         cm.tool("nvdisasm")
     except FileNotFoundError as e:
         pytest.skip(f"cannot disassemble cubins here: {e}")
-    wanted = {"quantize int4 fp16 b128", "reduce_dequantize int4 g=2 fp16 b128"}
-    records = cm.measure_cuda([r for r in cm.rows() if r.name in wanted], tmp_path)
+    return nvcc
+
+
+# Two rows per trip, the second under a condition on the run-time row count: 2 loads, 4 FADD and 4 FMUL per trip.
+SUM_ROWS = r"""
+extern "C" __global__ void sum_rows(const float4* __restrict__ x, float4* __restrict__ y, int rows, long long stride) {
+    const long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x;
+    float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll 1
+    for (int r = 0; r < rows; r += 2) {
+        const float4 v = __ldg(x + i + r * stride);
+        acc.x = __fadd_rn(acc.x, v.x); acc.y = __fadd_rn(acc.y, v.y);
+        acc.z = __fadd_rn(acc.z, v.z); acc.w = __fadd_rn(acc.w, v.w);
+        if (r + 1 < rows) {
+            const float4 u = __ldg(x + i + (r + 1) * stride);
+            acc.x = __fmul_rn(acc.x, u.x); acc.y = __fmul_rn(acc.y, u.y);
+            acc.z = __fmul_rn(acc.z, u.z); acc.w = __fmul_rn(acc.w, u.w);
+        }
+    }
+    y[i] = acc;
+}
+"""
+
+
+def test_a_compiled_loop_is_counted_as_its_listing_reads(tmp_path):
+    """A small CUDA kernel with one run-time loop, counted with a trip-count function (rows / rows per trip, the
+    latter from the trip's loads), against a count of its own ``nvdisasm`` listing made here: every instruction
+    from the entry to the EXIT once, the loop's (from its label to the backward branch) once per trip."""
+    source = tmp_path / "sum_rows.cu"
+    source.write_text(SUM_ROWS)
+    cubin = tmp_path / "sum_rows.cubin"
+    subprocess.run([_nvcc(), "-cubin", "-O3", "-arch=sm_90", "-o", str(cubin), str(source)], check=True,
+                   capture_output=True)
+    listing = cm.disassemble(cubin)
+    code = [(int(a, 16), text) for a, text in re.findall(r"/\*([0-9a-f]{4})\*/\s+([^;]*);", listing)]
+    labels = {name: int(a, 16) for name, a in re.findall(r"^(\.L_x_\d+):\s*\n\s*/\*([0-9a-f]{4})\*/", listing,
+                                                           re.MULTILINE)}
+    end = next(i for i, (_, text) in enumerate(code) if text.split()[-1] == "EXIT")
+    backward = [(a, labels[m.group(1)]) for a, text in code[:end]
+                if (m := re.search(r"BRA `\((\.L_x_\d+)\)", text)) and labels[m.group(1)] <= a]
+    assert len(backward) == 1, f"expected one loop in the listing, found {backward}:\n{listing}"
+    latch, header = backward[0]
+    body = sum(1 for a, _ in code[:end + 1] if header <= a <= latch)
+    straight = end + 1 - body
+    for rows in (6, 5, 1):
+        trips = rows / 2
+        path = cm.find_path(cm.parse_sass(listing), "sum_rows",
+                            trip_count=lambda loop, rows=rows: rows / (cm.moved_bytes(loop.trip, stores=False) / 16))
+        assert sum(path.counts.values()) == pytest.approx(straight + trips * body)
+        assert path.counts["FADD"] == pytest.approx(4 * trips) and path.counts["FMUL"] == pytest.approx(4 * trips)
+        assert cm.moved_bytes(path.cost, stores=False) == pytest.approx(16 * rows)  # a float4 per row
+        assert cm.moved_bytes(path.cost, loads=False) == 16
+
+
+@pytest.fixture(scope="module")
+def cuda_rows(tmp_path_factory) -> dict[str, dict]:
+    """A few rows of every kind counted on quant.cu (``measure_cuda``: one compile)."""
+    _nvcc()
+    wanted = {"quantize int4 fp16 b128", "dequantize int8 bf16 b2048", "reduce_requantize int4 d=2 b128",
+              "reduce_requantize int4 d=8 b2048", "reduce_requantize int8 d=4 b128",
+              "reduce_dequantize int8 g=4 fp32 b128", "reduce_dequantize int4 g=8 fp16 b2048"}
+    records = cm.measure_cuda([r for r in cm.rows() if r.name in wanted], tmp_path_factory.mktemp("cuda"), jobs=2)
     if "skip" in records[0]:
         pytest.skip(records[0]["skip"])
-    by_name = {r["kernel"]: r for r in records}
-    quantize = by_name["quantize int4 fp16 b128 [cuda]"]
-    assert 5 < quantize["instr/elem"] < 40 and quantize["registers"] > 0
-    assert quantize["path bytes/elem"] >= 0.99 * quantize["bytes/elem"]
-    assert quantize["ld"].startswith("128x") and quantize["st"] != "-"
-    assert "skips a loop of loads" in by_name["reduce_dequantize int4 g=2 fp16 b128 [cuda]"]["error"]
+    assert len(records) == len(wanted)
+    return {r["kernel"].removesuffix(" [cuda]"): r for r in records}
+
+
+def test_the_cuda_kernels_are_counted_beside_the_triton_ones(cuda_rows):
+    """Every CUDA row is counted (no error) with the Triton rows' fields, its path moving the row's bytes."""
+    errors = [f"{name}: {r['error']}" for name, r in cuda_rows.items() if "error" in r]
+    assert not errors, "\n".join(errors)
+    for name, r in cuda_rows.items():
+        assert set(cm.TABLE) <= set(r) and r["registers"] > 0
+        assert r["instr/elem"] <= r["longest instr/elem"] and r["ld"] != "-" and r["st"] != "-"
+        assert r["path bytes/elem"] >= 0.99 * r["bytes/elem"], name
+        assert sum(r[c] for c in cm.CLASSES) == pytest.approx(r["instr/elem"], abs=0.01)
+    quantize = cuda_rows["quantize int4 fp16 b128"]
+    assert quantize["ld"] == "128x2" and quantize["shfl"] > 0  # 32 bytes of fp16; the block maximum's shuffles
+    # A code is one FMA (x * r + offset) per element: the normal-scale branch, not the shorter all-zero one.
+    assert quantize["fp"] >= 1
+
+
+@pytest.mark.parametrize("name", ["reduce_requantize int4 d=2 b128", "reduce_requantize int4 d=8 b2048",
+                                  "reduce_requantize int8 d=4 b128", "reduce_dequantize int8 g=4 fp32 b128",
+                                  "reduce_dequantize int4 g=8 fp16 b2048"])
+def test_a_fused_reduction_reads_every_pack(cuda_rows, name):
+    """Per output element, the counted path loads what the op must read of d packs: their codes (bits / 8 bytes
+    per element) and each thread's block scale (``SCALE_BYTES`` per ``PER_THREAD`` elements: every thread reads
+    its block's scale); it sums each pack with one FMA per element (``acc = fma(code, scale, acc)``); and stores
+    the codes and scale (reduce-requantize) or the values (reduce-dequantize)."""
+    from zeropp.quant.format import SCALE_BYTES, BlockFormat
+    from zeropp.quant.native_cuda import PER_THREAD
+
+    row = next(r for r in cm.rows() if r.name == name)
+    r = cuda_rows[name]
+    bits, groups, bs = row.case["bits"], row.case["groups"], row.case["block_size"]
+    fmt = BlockFormat(bits, bs)
+    codes_per_elem = fmt.code_bytes(bs) / bs
+    assert r["path load bytes/elem"] == pytest.approx(groups * (codes_per_elem + SCALE_BYTES / PER_THREAD))
+    out = codes_per_elem + SCALE_BYTES / PER_THREAD if row.case["op"] == "reduce_requantize" else \
+        {"float32": 4, "bfloat16": 2, "float16": 2}[row.case["dtype"]]
+    assert r["path store bytes/elem"] == pytest.approx(out)
+    # fp: one FMA and one FADD (the decode) per pack and element, plus the epilogue's (< 2 per element).
+    assert 2 * groups <= r["fp"] < 2 * groups + 2

@@ -15,8 +15,8 @@ their bit-for-bit agreement with ``zeropp.quant.reference`` and their speed rely
   truncating: a subnormal truncates to 0 whether flushed or not), which nvcc uses inside integer divisions.
 
 The kernels are compiled with the flags ``CMakeLists.txt`` builds the fatbin with (its ``ZEROPP_CUDA_FLAGS``
-line), so a change there is tested as it is. Skipped, naming what is missing, without nvcc (or without cuobjdump /
-nvdisasm, which come with the CUDA toolkit or the triton wheel).
+line, read by ``native_cuda.cuda_flags``), so a change there is tested as it is. Skipped, naming what is missing,
+without nvcc (or without cuobjdump / nvdisasm, which come with the CUDA toolkit or the triton wheel).
 """
 
 from __future__ import annotations
@@ -30,16 +30,8 @@ import pytest
 
 from zeropp.quant import native_cuda
 
-ROOT = Path(__file__).resolve().parents[2]
-SOURCE = ROOT / "kernels" / "cuda" / "quant.cu"
+SOURCE = native_cuda.SOURCE
 ARCHS = (90, 80)
-
-
-def cuda_flags() -> list[str]:
-    """The nvcc flags of ``set(ZEROPP_CUDA_FLAGS ...)`` in CMakeLists.txt."""
-    match = re.search(r"set\(ZEROPP_CUDA_FLAGS ([^)]*)\)", (ROOT / "CMakeLists.txt").read_text())
-    assert match, "CMakeLists.txt has no set(ZEROPP_CUDA_FLAGS ...) line"
-    return match.group(1).split()
 
 
 def tool(name: str) -> str:
@@ -69,14 +61,29 @@ def compiled(request, tmp_path_factory) -> tuple[Path, str, str]:
     for kind, extra in (("cubin", ["-Xptxas", "-v"]), ("ptx", [])):
         path = folder / f"quant.{kind}"
         result = subprocess.run(
-            [tool("nvcc"), f"-{kind}", *cuda_flags(), *extra, f"-arch=sm_{arch}", "-o", str(path), str(SOURCE)],
-            capture_output=True, text=True, timeout=300,
+            [tool("nvcc"), f"-{kind}", *native_cuda.cuda_flags(), *extra, f"-arch=sm_{arch}", "-o", str(path),
+             str(SOURCE)],
+            capture_output=True, text=True, timeout=300, check=False,
         )
         assert result.returncode == 0, f"nvcc -{kind} failed:\n{result.stderr}"
         warnings = [line for line in result.stderr.splitlines() if "warning" in line.lower()]
         assert not warnings, "nvcc warned:\n" + "\n".join(warnings)
         outputs[kind] = (path, result.stderr)
     return outputs["cubin"][0], outputs["cubin"][1], outputs["ptx"][0].read_text()
+
+
+def test_cuda_flags_are_read_from_the_cmake_line(tmp_path):
+    """``native_cuda.cuda_flags`` returns the words of the ``set(ZEROPP_CUDA_FLAGS ...)`` line, and says so when the
+    line or the file is missing."""
+    lists = tmp_path / "CMakeLists.txt"
+    lists.write_text("project(x)\nset(ZEROPP_CUDA_FLAGS -O2 -fmad=false  -std=c++17)\nset(OTHER -g)\n")
+    assert native_cuda.cuda_flags(lists) == ["-O2", "-fmad=false", "-std=c++17"]
+    lists.write_text("project(x)\n")
+    with pytest.raises(ValueError, match="no set\\(ZEROPP_CUDA_FLAGS"):
+        native_cuda.cuda_flags(lists)
+    with pytest.raises(FileNotFoundError, match="source checkout"):
+        native_cuda.cuda_flags(tmp_path / "missing.txt")
+    assert "-fmad=false" in native_cuda.cuda_flags()  # the project's own line: exactness needs it
 
 
 _ENTRY = re.compile(r"Compiling entry function '(\w+)' for 'sm_\d+'")

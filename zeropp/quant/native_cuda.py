@@ -20,6 +20,7 @@ the fused reduce-dequantize has one pack of output and a 1-D grid.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,11 @@ ABI_VERSION = 1
 """The ``zeropp_cuda_abi_version`` this module is written for (kernels/cuda/quant.cu)."""
 
 FATBIN_NAME = "zeropp_cuda.fatbin"
-DEFAULT_PATH = Path(__file__).resolve().parents[2] / "build" / FATBIN_NAME
+SOURCE_TREE = Path(__file__).resolve().parents[2]
+"""The checkout this module lies in (the fatbin's sources and build files are there in a source install)."""
+DEFAULT_PATH = SOURCE_TREE / "build" / FATBIN_NAME
+SOURCE = SOURCE_TREE / "kernels" / "cuda" / "quant.cu"
+"""The CUDA C++ source of the kernels."""
 
 PER_THREAD = 16
 """Elements per thread (``kPerThread`` in quant.cu)."""
@@ -79,6 +84,19 @@ class NativeCudaError(RuntimeError):
 def threads(block_size: int) -> int:
     """Threads per CTA for ``block_size``: ``max(256, block_size / 16)``."""
     return max(MIN_THREADS, block_size // PER_THREAD)
+
+
+def cuda_flags(cmake_lists: str | os.PathLike = SOURCE_TREE / "CMakeLists.txt") -> list[str]:
+    """The nvcc flags the fatbin is built with: the ``set(ZEROPP_CUDA_FLAGS ...)`` line of ``cmake_lists`` (the
+    one place they are written; the compile test and ``bench/cost_model.py --cuda`` compile ``SOURCE`` with them).
+    Raises ``FileNotFoundError`` outside a source checkout and ``ValueError`` if the line is missing."""
+    path = Path(cmake_lists)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist: the CUDA build flags are read from a zeropp source checkout")
+    found = re.search(r"set\(ZEROPP_CUDA_FLAGS ([^)]*)\)", path.read_text())
+    if not found:
+        raise ValueError(f"{path} has no set(ZEROPP_CUDA_FLAGS ...) line: restore it (the fatbin's nvcc flags)")
+    return found.group(1).split()
 
 
 def _grid(blocks: int, packs: int, block_size: int) -> tuple[int, int, int]:
