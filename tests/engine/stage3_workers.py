@@ -23,9 +23,14 @@ from zeropp.quant import dequantize, quantize
 ADAMW = {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}}
 
 
+# Every unit sharded and freed after use (no persistent or reuse-kept units, zeropp.engine.reuse): what most of these
+# tests look at. ``lora_kept`` runs with DeepSpeed's defaults, where the tiny models' units all stay whole.
+FREE_ALL = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
+
+
 def config(zero: dict | None = None, micro: int = 2) -> dict:
     return {"train_micro_batch_size_per_gpu": micro, "optimizer": ADAMW,
-            "zero_optimization": {"stage": 3, **(zero or {})}}
+            "zero_optimization": {"stage": 3, **FREE_ALL, **(zero or {})}}
 
 
 def max_rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
@@ -377,6 +382,34 @@ def buffers_and_generate(rank: int, world: int, steps: int) -> dict:
             "logits_error_ref": ((logits - ref_logits).norm() / ref_logits.norm()).item()}
 
 
+def lora_kept(rank: int, world: int, steps: int) -> dict:
+    """LoRA with DeepSpeed's defaults (every unit persistent, with frozen parameters): training, ``state_dict`` and a
+    modifying ``gathered_parameters`` as in ``lora``."""
+    data = lora_batches(steps, 2 * world)
+    model, ref = LoRANet(), LoRANet()
+    cfg = config()
+    cfg["zero_optimization"] = {"stage": 3}
+    engine, _, _, _ = zeropp.initialize(model=model, config=cfg)
+    persistent = all(u.persistent for u in engine.units)
+    train_engine(engine, rank, world, data, steps)
+    train_reference(ref, data, steps)
+    consolidated = engine.consolidated_state_dict()
+    sd = model.state_dict()
+    modifier = engine.topology.ranks[0]
+    with engine.gathered_parameters(model.blocks[0].fc1, modifier_rank=modifier):
+        with torch.no_grad():
+            model.blocks[0].fc1.base.weight.mul_(2.0 if engine.topology.global_rank == modifier else 0.0)
+    after = engine.consolidated_state_dict()
+    expected = dict(consolidated)
+    expected["blocks.0.fc1.base.weight"] = consolidated["blocks.0.fc1.base.weight"] * 2.0
+    compute = engine.full_parameters()
+    return {"persistent": persistent, "train_error": max_rel(consolidated, {k: v.detach() for k, v in
+                                                                            ref.state_dict().items()}),
+            "state_dict_equal": all(torch.equal(sd[k], consolidated[k]) for k in consolidated),
+            "modified_equal": all(torch.equal(after[k], expected[k]) for k in expected),
+            "modified_compute_equal": all(torch.equal(compute[n], expected[n]) for n in compute)}
+
+
 def suite(rank: int, world: int, save_dir: str | None, load_dir: str | None) -> dict:
     """Everything above in one process group (start-up costs seconds): meta construction, LoRA (hpZ 2 at world
     4), and at world 2 qwZ's frozen weights and BatchNorm/generate."""
@@ -385,4 +418,5 @@ def suite(rank: int, world: int, save_dir: str | None, load_dir: str | None) -> 
     if world == 2:
         out["qwz"] = lora_qwz(rank, world)
         out["bn"] = buffers_and_generate(rank, world, steps=4)
+        out["lora_kept"] = lora_kept(rank, world, steps=3)
     return out

@@ -49,6 +49,9 @@ def test_lora_frozen_sharded_gathered_state_dict_and_checkpoint(runs):
             assert r["state_dict_equal"] and r["gathered_equal"], world
             assert r["modified_equal"] and r["modified_compute_equal"], world
             assert r["load_state_dict_equal"], world
+    for r in (x["lora_kept"] for x in runs[2]):  # DeepSpeed's defaults: persistent units with frozen parameters
+        assert r["persistent"] and r["train_error"] < 1e-5, r["train_error"]
+        assert r["state_dict_equal"] and r["modified_equal"] and r["modified_compute_equal"], r
     saved = runs[4][0]["lora"]["saved"]
     for r in (x["lora"] for x in runs[2]):  # loaded at another world size: every weight, frozen ones included
         assert r["loaded"].keys() == saved.keys()
