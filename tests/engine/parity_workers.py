@@ -183,3 +183,29 @@ def fp16_skipped_steps(rank: int, world: int) -> dict:
         applied.append(engine.was_step_applied())
         iterations.append(scheduler.last_batch_iteration)
     return {"applied": applied, "iterations": iterations, "skipped": engine.skipped_steps}
+
+
+def torch_scheduler(rank: int, world: int) -> dict:
+    """Stage 3 with a ``torch.optim.lr_scheduler`` class over the engine's optimizer (as Hugging Face's
+    ``get_scheduler`` builds one), the script calling ``optimizer.zero_grad()`` as torch scripts do."""
+    model = MLP(seed=0)
+    engine, optimizer, _, scheduler = zeropp.initialize(
+        model=model, config={**CONFIG_B, "optimizer": {"type": "AdamW", "params": {"lr": 0.02}},
+                             "zero_optimization": {"stage": 3}},
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.5 ** k))
+    x, y = dataset().tensors
+    lrs = []
+    for step in range(4):
+        lo = step * world * MICRO + rank * MICRO
+        optimizer.zero_grad()
+        engine.backward(engine((x[lo : lo + MICRO], y[lo : lo + MICRO])))
+        engine.step()
+        lrs.append(scheduler.get_last_lr()[0])
+    errors = {}
+    for name, call in (("state_dict", optimizer.state_dict), ("add_param_group", lambda: optimizer.add_param_group({}))):
+        try:
+            call()
+        except NotImplementedError as e:
+            errors[name] = str(e)
+    return {"state_dict": engine.state_dict(), "lrs": lrs, "errors": errors,
+            "is_optimizer": isinstance(optimizer, torch.optim.Optimizer)}

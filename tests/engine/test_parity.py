@@ -165,3 +165,24 @@ def test_fp16_skipped_steps_do_not_step_the_scheduler(tmp_path):
         assert not applied[0] and applied[-1] and r["skipped"] == applied.count(False) >= 1, applied
         # the scheduler's iteration counts applied steps only (it starts at -1)
         assert r["iterations"] == [sum(applied[:i + 1]) - 1 for i in range(len(applied))]
+
+
+def test_torch_lr_scheduler_drives_the_partitioned_optimizer(tmp_path):
+    results = launch("parity_workers:torch_scheduler", WORLD, tmp_path, timeout=240)
+    model = MLP(seed=0)
+    x, y = dataset().tensors
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02, foreach=False)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.5 ** k)
+    for step in range(4):  # each step: the mean loss of the WORLD * MICRO samples the ranks saw
+        opt.zero_grad()
+        lo = step * WORLD * MICRO
+        torch.nn.functional.mse_loss(model.head(torch.tanh(model.layers[1](torch.tanh(model.layers[0](
+            x[lo : lo + WORLD * MICRO]))))), y[lo : lo + WORLD * MICRO]).backward()
+        opt.step()
+        sched.step()
+    want = {k: v.detach() for k, v in model.state_dict().items()}
+    for r in results:
+        assert r["is_optimizer"] and r["lrs"] == [0.02 * 0.5 ** (k + 1) for k in range(4)]
+        close(r["state_dict"], want)
+        assert "engine.save_checkpoint" in r["errors"]["state_dict"]
+        assert "model_parameters" in r["errors"]["add_param_group"]

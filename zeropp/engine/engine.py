@@ -460,10 +460,7 @@ class ZeroEngine:
         """Drop the gradients accumulated since the last optimizer step: every unit's fp32 gradient shard and
         (stage 1 between boundaries) the parameters' ``.grad``. ``step()`` already clears them at each boundary;
         this is for discarding a partial accumulation window."""
-        for unit in self.units:
-            unit.grad_shard.zero_()
-            for p in unit.params:
-                p.grad = None
+        self.optimizer.zero_grad()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -60,8 +60,8 @@ def initialize(
         lr_scheduler: a learning-rate scheduler over the returned optimizer (an object with ``step()``; with
             ``state_dict``/``load_state_dict`` it is checkpointed), or a callable taking the optimizer and returning
             one, as DeepSpeed. The engine steps it after every applied optimizer step. Not together with the
-            config's ``scheduler`` block (a ``ConfigError``). ``torch.optim.lr_scheduler`` classes accept only a
-            ``torch.optim.Optimizer``; use ``zeropp.engine.scheduler``'s or the config's.
+            config's ``scheduler`` block (a ``ConfigError``). ``torch.optim.lr_scheduler`` classes work (the
+            partitioned optimizer is a ``torch.optim.Optimizer`` for them), as do ``zeropp.engine.scheduler``'s.
         config: a dict, the path of a JSON file, or a ``Config`` (see ``zeropp.config``). It must have an
             ``optimizer`` block. ``config_params`` is DeepSpeed's older name for it.
         optimizer, training_data, mpu, collate_fn, mesh_param: DeepSpeed's client objects; not supported (must be

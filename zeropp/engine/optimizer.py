@@ -12,6 +12,13 @@ consecutive elements of one group, and each segment is stepped with its group's 
 
 Differences from torch.optim, shared with DeepSpeed: a trainable parameter that got no gradient in a step is
 stepped with a zero gradient (torch.optim skips it); the step count is per group, not per parameter.
+
+``PartitionedOptimizer`` is a ``torch.optim.Optimizer`` for what schedulers and training scripts use of one:
+``param_groups``, ``defaults``, ``step()`` (the engine calls it) and ``zero_grad()``; so ``torch.optim.lr_scheduler``
+classes (``LambdaLR``, ``CosineAnnealingLR``, Hugging Face's ``get_scheduler``) drive its learning rates. Its state
+is the units' sharded fp32 tensors, not torch's per-parameter dict: ``state_dict``/``load_state_dict`` and
+``add_param_group`` raise, naming what to use instead (``engine.save_checkpoint``/``load_checkpoint``; pass every
+group to ``initialize``).
 """
 
 from __future__ import annotations
@@ -42,8 +49,9 @@ class _Segment:
     stop: int
 
 
-class PartitionedOptimizer:
-    """AdamW, Adam or SGD over the units' master shards.
+class PartitionedOptimizer(torch.optim.Optimizer):
+    """AdamW, Adam or SGD over the units' master shards (see the module docstring for what of
+    ``torch.optim.Optimizer`` it supports).
 
     Args:
         config: the ``optimizer`` block (type and default hyperparameters).
@@ -53,6 +61,8 @@ class PartitionedOptimizer:
             must appear exactly once.
     """
 
+    # torch.optim.Optimizer.__init__ is not called: it would build torch's per-parameter state for the whole
+    # (empty, at stage 3) parameters; the members schedulers read are set here.
     def __init__(self, config: OptimizerConfig, units: list[Unit], param_groups: Iterable[Any]) -> None:
         self.type = config.type
         self.defaults: dict[str, Any] = dict(config.params)
@@ -112,6 +122,29 @@ class PartitionedOptimizer:
             else:
                 decoupled = self.type == "AdamW" or group["adam_w_mode"]
                 _adam(param, grad, view["exp_avg"], view["exp_avg_sq"], group, self.steps[seg.group], decoupled)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients accumulated since the last optimizer step (``ZeroEngine.zero_grad``): every unit's
+        fp32 gradient shard and the parameters' ``.grad``. ``set_to_none`` is accepted for torch's signature."""
+        for unit in self.units:
+            unit.grad_shard.zero_()
+            for p in unit.params:
+                p.grad = None
+
+    def state_dict(self) -> dict[str, Any]:
+        raise NotImplementedError(
+            "the partitioned optimizer's state is sharded over the ranks: save it with engine.save_checkpoint(dir) "
+            "(and restore it with engine.load_checkpoint(dir))")
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        raise NotImplementedError(
+            "the partitioned optimizer's state is sharded over the ranks: restore it with engine.load_checkpoint(dir) "
+            "from a checkpoint engine.save_checkpoint wrote")
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError(
+            "parameter groups are fixed when the units are built: pass every group to zeropp.initialize("
+            "model_parameters=[{'params': ..., 'lr': ...}, ...])")
 
     def __repr__(self) -> str:
         return f"PartitionedOptimizer({self.type}, groups={len(self.param_groups)}, segments={len(self.segments)})"

@@ -2,8 +2,8 @@
 with torch.optim-style ``param_groups`` (the engine's ``PartitionedOptimizer``, which reads ``group["lr"]`` again at
 every step, or a ``torch.optim.Optimizer``).
 
-The protocol is DeepSpeed's (not ``torch.optim.lr_scheduler.LRScheduler``, whose constructor accepts only a
-``torch.optim.Optimizer``): ``step()`` advances ``last_batch_iteration`` by one and writes ``get_lr()`` into every
+The protocol is DeepSpeed's (``torch.optim.lr_scheduler`` classes work on the engine's optimizer too, stepped the
+same way): ``step()`` advances ``last_batch_iteration`` by one and writes ``get_lr()`` into every
 group's ``"lr"``; ``get_last_lr()``, ``state_dict()`` / ``load_state_dict()`` (``{"last_batch_iteration": i}``).
 Constructed with ``last_batch_iteration=-1`` (a fresh start), every schedule but ``OneCycle`` writes its value at
 iteration -1 at once (``WarmupLR``/``WarmupDecayLR``: ``warmup_min_lr``; ``WarmupCosineLR``: 0), so the first
