@@ -165,8 +165,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=32, help="sequence length (default 32)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step (default 1)")
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
-                   help=f"comma-separated, from {','.join(CONFIGS)} (default: all but zeropp-g8 and zeropp-ef); NAME@off or "
-                   "NAME@on sets overlap_comm for that config only; NAME:bf16 its dtype")
+                   help=f"comma-separated, from {','.join((*CONFIGS, *EXTERNAL))} (default: "
+                   f"{','.join(DEFAULT_CONFIGS)}); NAME@off or NAME@on sets overlap_comm for that config only; "
+                   "NAME:bf16 its dtype")
     p.add_argument("--dtypes", default="fp32",
                    help="comma-separated dtypes every config runs in, from fp32,bf16 (default fp32); with two, "
                    "the rows are named NAME:DTYPE")
