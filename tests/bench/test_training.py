@@ -94,6 +94,10 @@ def test_plots_and_table(run):
     assert "inter MB/node" in proc.stdout and "zeropp" in proc.stdout
     assert "You are seeing" in proc.stdout and "NO rate limit" in proc.stdout
     assert "4 bytes per element in fp32" in proc.stdout
+    # the sentence compares full ZeRO++ with what the user would otherwise run, from the table's step times
+    step = {r["config"]: float(r["step_s"]) for r in read_csv(out / "training.csv")}
+    for name, label in (("fsdp2", training.LABELS["fsdp2"]), ("hsdp", training.LABELS["hsdp"])):
+        assert f"{step[name] / step['zeropp']:.2f}x as fast as {label}" in proc.stdout, proc.stdout[-1500:]
 
 
 def test_helpers():

@@ -581,6 +581,10 @@ def explanation(rows: list[dict[str, Any]], args: argparse.Namespace, world: int
         result = (f"; full ZeRO++ ran {best['speedup']:.2f}x as fast as ZeRO-3 ({best['step_s']:.3f} s vs "
                   f"{base['step_s']:.3f} s per step) while sending "
                   f"{best['inter_MB_node'] / max(base['inter_MB_node'], 1e-12):.2f}x its cross-node bytes")
+        peers = [r for r in rows if parse_spec(r["config"])[0] in EXTERNAL and r["dtype"] == best["dtype"]]
+        if peers:  # what the user would otherwise run: FSDP2, HSDP, DeepSpeed
+            result += ", and " + ", ".join(f"{r['step_s'] / best['step_s']:.2f}x as fast as {LABELS.get(name, name)}"
+                                           for r in peers for name in [parse_spec(r["config"])[0]])
     sentence = (f"You are seeing one training job of a {n_params / 1e6:.1f}M-parameter GPT on {where}, each "
                 f"config trained from the same weights on the same data; 'speedup' is ZeRO-3's step time (in the "
                 f"same dtype) divided by the config's{result}.")
