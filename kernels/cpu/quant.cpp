@@ -549,7 +549,23 @@ ZEROPP_AVX2_INLINE void encode_sums(const float* acc, int block, float scale, fl
         portable::encode<4>(v, block, scale, codes);
     } else {
         const __m256 vr = _mm256_set1_ps(r), rounder = _mm256_set1_ps(kRounder);
-        for (int i = 0; i < block; i += 16) {
+        int i = 0;
+        for (; i + 64 <= block; i += 64) {  // 64 codes a time: one 32-byte store
+            __m256i pairs[4];
+            for (int k = 0; k < 4; ++k) {
+                const __m256i even = _mm256_castps_si256(_mm256_fmadd_ps(_mm256_load_ps(acc + i + 16 * k), vr, rounder));
+                const __m256i odd =
+                    _mm256_castps_si256(_mm256_fmadd_ps(_mm256_load_ps(acc + i + 16 * k + 8), vr, rounder));
+                pairs[k] = _mm256_or_si256(_mm256_and_si256(even, _mm256_set1_epi32(0xF)),
+                                           _mm256_and_si256(_mm256_slli_epi32(odd, 4), _mm256_set1_epi32(0xF0)));
+            }
+            // packus works per 128-bit lane: the 4-byte groups come out as pairs[0..3] lows, then pairs[0..3] highs
+            const __m256i bytes = _mm256_packus_epi16(_mm256_packus_epi32(pairs[0], pairs[1]),
+                                                      _mm256_packus_epi32(pairs[2], pairs[3]));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + i / 2),
+                                _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        }
+        for (; i < block; i += 16) {
             const __m256i even = _mm256_castps_si256(_mm256_fmadd_ps(_mm256_load_ps(acc + i), vr, rounder));
             const __m256i odd = _mm256_castps_si256(_mm256_fmadd_ps(_mm256_load_ps(acc + i + 8), vr, rounder));
             // the low nibbles of the codes (see codes8): a pair's byte in each 32-bit lane
