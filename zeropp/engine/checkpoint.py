@@ -101,6 +101,7 @@ except ImportError:  # numpy is optional: its RNG is saved when it is there
     numpy = None
 
 FORMAT_VERSION = 2  # 2: frozen parameters saved 1-D (sharded at stage 3)
+_HINT = " (a file of it is missing, truncated or not DCP's)"
 
 
 @dataclass
@@ -283,11 +284,13 @@ def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
 
-def _agree(engine: ZeroEngine, error: BaseException | None, payload: Any = None, context: str = "") -> list[Any]:
+def _agree(engine: ZeroEngine, error: BaseException | None, payload: Any = None, context: str = "",
+           first_alone: bool = False) -> list[Any]:
     """Exchange ``(error, payload)`` over the data-parallel group. When any rank has an error every rank raises
     the same one: ``FileNotFoundError`` when each failing rank's is one, else ``CheckpointError``, its message
-    ``context`` then the failing ranks' messages (each rank named when they differ). Returns every rank's payload
-    (by position in the group)."""
+    ``context`` then the failing ranks' messages (the failing ranks named unless all failed alike; a rank's message
+    is its exception's, DCP's ``CheckpointException`` reduced to its cause; with ``first_alone``, work only the
+    first rank did, no rank is named). Returns every rank's payload (by position in the group)."""
     mine = None if error is None else (isinstance(error, FileNotFoundError), _describe(error))
     gathered: list[Any] = [None] * engine.comm.world_size
     dist.all_gather_object(gathered, (mine, payload), group=engine.topology.group)
@@ -295,7 +298,12 @@ def _agree(engine: ZeroEngine, error: BaseException | None, payload: Any = None,
     if not failed:
         return [p for _, p in gathered]
     texts = dict.fromkeys(text for _, (_, text) in failed)
-    body = next(iter(texts)) if len(texts) == 1 else "; ".join(f"rank {r}: {text}" for r, (_, text) in failed)
+    if len(texts) > 1:
+        body = "; ".join(f"rank {r}: {text}" for r, (_, text) in failed)
+    elif len(failed) < len(gathered) and not first_alone:
+        body = f"on rank {', '.join(str(r) for r, _ in failed)}: {next(iter(texts))}"
+    else:  # the same on every rank
+        body = next(iter(texts))
     kind = FileNotFoundError if all(missing for _, (missing, _) in failed) else CheckpointError
     raise kind(context + body) from error
 
@@ -371,7 +379,7 @@ def save(engine: ZeroEngine, save_dir: str | os.PathLike[str], tag: str | None =
             staging = prepare(root, tag)
         except Exception as e:  # noqa: BLE001 - raised on every rank by _agree
             error = e
-    staging = _agree(engine, error, staging, context)[0]
+    staging = _agree(engine, error, staging, context, first_alone=True)[0]
     try:
         error, state = None, {}
         try:
@@ -418,7 +426,7 @@ def _load_alone(state: dict[str, Any], path: Path) -> None:
         try:
             dcp.load(state, checkpoint_id=path, no_dist=True)
         except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - any DCP failure, named in ours
-            raise CheckpointError(f"reading checkpoint {str(path)!r} failed: {_describe(e)}") from None
+            raise CheckpointError(f"reading checkpoint {str(path)!r} failed{_HINT}: {_describe(e)}") from None
 
 
 def _metadata(path: Path) -> dict[str, Any]:
@@ -533,7 +541,7 @@ def load(engine: ZeroEngine, load_dir: str | os.PathLike[str], tag: str | None =
             found = _verified(resolve(load_dir, tag))
         except Exception as e:  # noqa: BLE001 - raised on every rank by _agree
             error = e
-    path, files = _agree(engine, error, found)[0]
+    path, files = _agree(engine, error, found, first_alone=True)[0]
     saved: dict[str, Any] = {}
     try:
         if files is not None:
@@ -556,7 +564,7 @@ def load(engine: ZeroEngine, load_dir: str | os.PathLike[str], tag: str | None =
     try:
         dcp.load(state, checkpoint_id=path, process_group=engine.topology.group)
     except dcp.CheckpointException as e:  # raised on every rank by DCP
-        raise CheckpointError(f"reading checkpoint {str(path)!r} failed: {_describe(e)}") from None
+        raise CheckpointError(f"reading checkpoint {str(path)!r} failed{_HINT}: {_describe(e)}") from None
 
     for unit in engine.units:
         unit.publish()  # compute shard (and stages 1/2: whole parameters) from the masters; stage 3: freed
