@@ -12,6 +12,7 @@ One file per responsibility:
 * ``materialize.py``: ``Init`` and the unit-by-unit materialisation of a model built on the meta device;
 * ``gathered.py``: whole parameters on demand (``gathered_parameters``, ``model.state_dict()`` at stage 3);
 * ``checkpoint.py``: sharded save/load with torch.distributed.checkpoint (any world size), the consolidated state dict;
+* ``checkpoint_files.py``: a checkpoint's files: atomic commit of a save, the sha256 manifest, validation, ``latest``;
 * ``initialize.py``: ``initialize``, the entry point (also ``zeropp.initialize``).
 """
 

@@ -2,8 +2,15 @@
 the consolidated (whole, plain) fp32 state dict, online and offline.
 
 Directory (DeepSpeed's): ``save_dir/<tag>/`` is one DCP checkpoint (``.metadata`` and one ``__<rank>_0.distcp``
-file per rank that wrote data); ``save_dir/latest`` holds the tag of the last save. The default tag is
-``global_step<global_steps>``.
+file per rank that wrote data) with ``manifest.json`` (every file's size and sha256); ``save_dir/latest`` holds the
+tag of the last save. The default tag is ``global_step<global_steps>``. A save is atomic and a load verifies every
+file before it reads one (``zeropp.engine.checkpoint_files``: staging directory, renames, ``latest``, manifest).
+
+Failures are raised on every rank of the data-parallel group, never on some while others wait in a collective: each
+phase of a save or load catches its error and the ranks exchange them (``_agree``, one ``all_gather_object`` of a
+few bytes) before the next collective. A failed save leaves ``save_dir`` as it was; errors are ``CheckpointError``
+(an ``Exception``, unlike DCP's ``CheckpointException``) or, for a missing directory, ``latest`` or tag,
+``FileNotFoundError``.
 
 What is saved, by DCP key (every rank writes only what it owns; no data moves between ranks):
 
@@ -48,6 +55,7 @@ import contextlib
 import io
 import os
 import random
+import shutil
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -55,12 +63,33 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
-from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed._shard.sharded_tensor.metadata import (
+    ShardedTensorMetadata,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    TensorStorageMetadata,
+)
 
+from .checkpoint_files import (
+    METADATA,
+    CheckpointError,
+    check_tag,
+    commit,
+    crash_point,
+    digest,
+    prepare,
+    read_manifest,
+    resolve,
+    share,
+    verify,
+    write_manifest,
+)
 from .unit import FrozenFlat, Unit
 
 if TYPE_CHECKING:
@@ -72,11 +101,7 @@ except ImportError:  # numpy is optional: its RNG is saved when it is there
     numpy = None
 
 FORMAT_VERSION = 2  # 2: frozen parameters saved 1-D (sharded at stage 3)
-LATEST = "latest"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint does not fit the engine loading it (another model, optimizer or parameter grouping)."""
+_HINT = " (a file of it is missing, truncated or not DCP's)"
 
 
 @dataclass
@@ -242,21 +267,45 @@ def _error_feedback_key(engine: ZeroEngine) -> str:
 
 
 def checkpoint_path(save_dir: str | os.PathLike[str], tag: str | None = None) -> Path:
-    """``save_dir/tag``, the tag read from ``save_dir/latest`` when ``None``. Raises ``FileNotFoundError`` with the
-    path when the directory, ``latest`` or the tag's checkpoint is missing."""
-    root = Path(save_dir)
-    if not root.is_dir():
-        raise FileNotFoundError(f"checkpoint directory {str(root)!r} does not exist")
-    if tag is None:
-        latest = root / LATEST
-        if not latest.is_file():
-            raise FileNotFoundError(f"no tag given and no {str(latest)!r} file: pass tag= (one of "
-                                    f"{sorted(p.name for p in root.iterdir() if p.is_dir())})")
-        tag = latest.read_text().strip()
-    path = root / tag
-    if not (path / ".metadata").is_file():
-        raise FileNotFoundError(f"no checkpoint {tag!r} in {str(root)!r} ({str(path / '.metadata')!r} is missing)")
-    return path
+    """``save_dir/tag``, the tag read from ``save_dir/latest`` when ``None`` (``checkpoint_files.resolve``). Raises
+    ``FileNotFoundError`` with the path when the directory, ``latest`` or the tag's checkpoint is missing, and
+    ``CheckpointError`` when ``latest`` holds no tag."""
+    return resolve(save_dir, tag)
+
+
+def _describe(error: BaseException) -> str:
+    """``error`` in one line for a message: its text when it is ours, else its type and text; for DCP's
+    ``CheckpointException`` the first failing rank's exception (not DCP's tracebacks)."""
+    if isinstance(error, dcp.CheckpointException) and error.failures:
+        ranks = sorted(error.failures)
+        return f"torch.distributed.checkpoint failed on rank(s) {ranks}: {_describe(error.failures[ranks[0]][0])}"
+    if isinstance(error, (CheckpointError, FileNotFoundError)):
+        return str(error)
+    return f"{type(error).__name__}: {error}"
+
+
+def _agree(engine: ZeroEngine, error: BaseException | None, payload: Any = None, context: str = "",
+           first_alone: bool = False) -> list[Any]:
+    """Exchange ``(error, payload)`` over the data-parallel group. When any rank has an error every rank raises
+    the same one: ``FileNotFoundError`` when each failing rank's is one, else ``CheckpointError``, its message
+    ``context`` then the failing ranks' messages (the failing ranks named unless all failed alike; a rank's message
+    is its exception's, DCP's ``CheckpointException`` reduced to its cause; with ``first_alone``, work only the
+    first rank did, no rank is named). Returns every rank's payload (by position in the group)."""
+    mine = None if error is None else (isinstance(error, FileNotFoundError), _describe(error))
+    gathered: list[Any] = [None] * engine.comm.world_size
+    dist.all_gather_object(gathered, (mine, payload), group=engine.topology.group)
+    failed = [(engine.topology.ranks[q], entry) for q, (entry, _) in enumerate(gathered) if entry is not None]
+    if not failed:
+        return [p for _, p in gathered]
+    texts = dict.fromkeys(text for _, (_, text) in failed)
+    if len(texts) > 1:
+        body = "; ".join(f"rank {r}: {text}" for r, (_, text) in failed)
+    elif len(failed) < len(gathered) and not first_alone:
+        body = f"on rank {', '.join(str(r) for r, _ in failed)}: {next(iter(texts))}"
+    else:  # the same on every rank
+        body = next(iter(texts))
+    kind = FileNotFoundError if all(missing for _, (missing, _) in failed) else CheckpointError
+    raise kind(context + body) from error
 
 
 def _tensors(engine: ZeroEngine) -> dict[str, Any]:
@@ -284,13 +333,8 @@ def _tensors(engine: ZeroEngine) -> dict[str, Any]:
 # ---- save ---------------------------------------------------------------------------------------------------
 
 
-def save(engine: ZeroEngine, save_dir: str | os.PathLike[str], tag: str | None = None,
-         client_state: dict[str, Any] | None = None) -> Path:
-    """Write ``engine``'s state (see the module docstring) to ``save_dir/tag`` and ``tag`` to ``save_dir/latest``.
-    A collective over the data-parallel group; call it at an accumulation boundary (``ZeroEngine.save_checkpoint``
-    checks). Returns the checkpoint's directory."""
-    tag = tag if tag is not None else f"global_step{engine.global_steps}"
-    path = Path(save_dir) / tag
+def _state_to_save(engine: ZeroEngine, client_state: dict[str, Any] | None) -> dict[str, Any]:
+    """This rank's DCP state dict (module docstring)."""
     state: dict[str, Any] = _tensors(engine)
     state["engine"] = _pack(_engine_state(engine))
     rank = engine.topology.global_rank
@@ -309,23 +353,102 @@ def save(engine: ZeroEngine, save_dir: str | os.PathLike[str], tag: str | None =
                                                     "nodes": _layout_of_nodes(engine), "units": described})
     if engine.comm.rank == 0:
         state["client_state"] = _pack(dict(client_state or {}))
-    dcp.save(state, checkpoint_id=path, process_group=engine.topology.group)
-    if engine.comm.rank == 0:
-        tmp = Path(save_dir) / f".{LATEST}.tmp"
-        tmp.write_text(tag)
-        os.replace(tmp, Path(save_dir) / LATEST)
-    engine.comm.all_reduce_sum(torch.zeros(1, device=engine.units[0].master.device))  # `latest` is there for all
-    return path
+    return state
+
+
+def save(engine: ZeroEngine, save_dir: str | os.PathLike[str], tag: str | None = None,
+         client_state: dict[str, Any] | None = None) -> Path:
+    """Write ``engine``'s state (see the module docstring) to ``save_dir/tag`` and ``tag`` to ``save_dir/latest``,
+    atomically (``checkpoint_files``): the files go to a staging directory, every rank checksums and fsyncs what
+    it wrote, and only when every rank succeeded does the first rank rename the checkpoint into place (replacing
+    one of the same tag) and update ``latest``. ``save_dir`` must be one filesystem that every rank sees. A
+    collective over the data-parallel group; call it at an accumulation boundary (``ZeroEngine.save_checkpoint``
+    checks). Returns the checkpoint's directory.
+
+    Raises:
+        CheckpointError: on every rank, when the save failed on any (``save_dir`` not writable or not shared, a
+            full disk, an exception while gathering the state); ``save_dir`` is then as it was before.
+    """
+    tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
+    root = Path(save_dir)
+    first, rank, world = engine.comm.rank == 0, engine.topology.global_rank, engine.comm.world_size
+    context = f"save_checkpoint to {str(root / tag)!r} failed, nothing was changed: "
+    staging, error = None, None
+    if first:
+        try:
+            staging = prepare(root, tag)
+        except Exception as e:  # noqa: BLE001 - raised on every rank by _agree
+            error = e
+    staging = _agree(engine, error, staging, context, first_alone=True)[0]
+    try:
+        error, state = None, {}
+        try:
+            if not staging.is_dir():
+                raise CheckpointError(f"rank {rank} does not see the directory {str(staging)!r} that the first rank "
+                                      "created: save_dir must be one filesystem shared by every rank")
+            state = _state_to_save(engine, client_state)
+        except Exception as e:  # noqa: BLE001 - raised on every rank by _agree
+            error = e
+        _agree(engine, error, None, context)
+        digests: dict[str, Any] = {}
+        try:
+            dcp.save(state, checkpoint_id=staging, process_group=engine.topology.group)
+            crash_point("written", rank)
+            names = [p.name for p in staging.iterdir()]
+            digests = {name: digest(staging / name, sync=True) for name in share(names, engine.comm.rank, world)}
+        except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - raised on every rank by _agree
+            error = e
+        gathered = _agree(engine, error, digests, context)
+        if first:
+            try:
+                write_manifest(staging, tag, world, {k: v for files in gathered for k, v in files.items()})
+                crash_point("manifest", rank)
+                commit(root, tag, staging, rank)
+                crash_point("latest", rank)
+            except Exception as e:  # noqa: BLE001 - raised on every rank by _agree
+                error = e
+        _agree(engine, error, None, context)
+    except BaseException:
+        if first:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return root / tag
 
 
 # ---- load ---------------------------------------------------------------------------------------------------
 
 
 def _load_alone(state: dict[str, Any], path: Path) -> None:
-    """``dcp.load`` in this process alone (no collective), without DCP's warning that this is what it does."""
+    """``dcp.load`` in this process alone (no collective), without DCP's warning that this is what it does.
+    Raises ``CheckpointError`` when DCP fails (a shard file missing or unreadable)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=path, no_dist=True)
+        try:
+            dcp.load(state, checkpoint_id=path, no_dist=True)
+        except (Exception, dcp.CheckpointException) as e:  # noqa: BLE001 - any DCP failure, named in ours
+            raise CheckpointError(f"reading checkpoint {str(path)!r} failed{_HINT}: {_describe(e)}") from None
+
+
+def _metadata(path: Path) -> dict[str, Any]:
+    """DCP's metadata of the checkpoint ``path`` by key. Raises ``CheckpointError`` when ``.metadata`` cannot be
+    read (truncated, not DCP's)."""
+    try:
+        return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as e:  # noqa: BLE001 - unpickling a damaged file raises anything
+        raise CheckpointError(f"checkpoint file {str(path / METADATA)!r} cannot be read ({type(e).__name__}: {e}): "
+                              "truncated, or not a torch.distributed.checkpoint; load another tag") from None
+
+
+def _verified(path: Path) -> tuple[Path, dict[str, Any] | None]:
+    """The checkpoint directory ``path`` and its manifest's files, its ``.metadata`` verified; ``None`` and a
+    warning for a checkpoint saved without a manifest."""
+    files = read_manifest(path)
+    if files is None:
+        warnings.warn(f"checkpoint {str(path)!r} has no manifest.json (saved before zeropp kept checksums): its "
+                      "files cannot be verified; save it again to get one", stacklevel=3)
+    else:
+        verify(path, files, [METADATA])
+    return path, files
 
 
 def _read_own(path: Path, keys: list[str]) -> dict[str, Any]:
@@ -402,24 +525,46 @@ def load(engine: ZeroEngine, load_dir: str | os.PathLike[str], tag: str | None =
     size and unit layout. A collective over the data-parallel group. Returns the checkpoint's directory and the
     ``client_state`` given to ``save``.
 
-    Raises:
+    The first rank finds the checkpoint and checks its manifest (every file there with its size, ``.metadata``'s
+    sha256); then each rank checks the sha256 of a share of the shard files (``checkpoint_files.share``), and every
+    rank its compatibility; nothing is read into the engine unless every check passed on every rank.
+
+    Raises (on every rank):
         FileNotFoundError: the directory, ``latest`` or the tag is missing.
-        CheckpointError: another model (a parameter's name or shape), optimizer type or number of groups.
+        CheckpointError: ``latest`` holds no tag; a file of the checkpoint is missing, truncated or corrupted (the
+            file named); another model (a parameter's name or shape), optimizer type or number of groups.
     """
-    path = checkpoint_path(load_dir, tag)
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    rank = engine.topology.global_rank
-    if not isinstance(metadata.get("engine"), BytesStorageMetadata):
-        raise CheckpointError(f"{str(path)!r} is a DCP checkpoint but not one of ZeroEngine.save_checkpoint")
-    own = [key for key in ("engine", "client_state", f"rank{rank}.rng", _error_feedback_key(engine))
-           if isinstance(metadata.get(key), BytesStorageMetadata)]
-    saved = _read_own(path, own)
-    _check_compatible(engine, metadata, saved["engine"], path)
+    first, rank = engine.comm.rank == 0, engine.topology.global_rank
+    found, error = None, None
+    if first:
+        try:
+            found = _verified(resolve(load_dir, tag))
+        except Exception as e:  # noqa: BLE001 - raised on every rank by _agree
+            error = e
+    path, files = _agree(engine, error, found, first_alone=True)[0]
+    saved: dict[str, Any] = {}
+    try:
+        if files is not None:
+            verify(path, files, [n for n in share(list(files), engine.comm.rank, engine.comm.world_size)
+                                 if n != METADATA])
+        metadata = _metadata(path)
+        if not isinstance(metadata.get("engine"), BytesStorageMetadata):
+            raise CheckpointError(f"{str(path)!r} is a DCP checkpoint but not one of ZeroEngine.save_checkpoint")
+        own = [key for key in ("engine", "client_state", f"rank{rank}.rng", _error_feedback_key(engine))
+               if isinstance(metadata.get(key), BytesStorageMetadata)]
+        saved = _read_own(path, own)
+        _check_compatible(engine, metadata, saved["engine"], path)
+    except Exception as e:  # noqa: BLE001 - raised on every rank by _agree
+        error = e
+    _agree(engine, error)
 
     # every tensor is read in place: masters, optimizer state, frozen parameters (shards), buffers, qgZ residuals
     state = _tensors(engine)
     state.update(_error_feedback_targets(engine, saved.get(_error_feedback_key(engine))))
-    dcp.load(state, checkpoint_id=path, process_group=engine.topology.group)
+    try:
+        dcp.load(state, checkpoint_id=path, process_group=engine.topology.group)
+    except dcp.CheckpointException as e:  # raised on every rank by DCP
+        raise CheckpointError(f"reading checkpoint {str(path)!r} failed{_HINT}: {_describe(e)}") from None
 
     for unit in engine.units:
         unit.publish()  # compute shard (and stages 1/2: whole parameters) from the masters; stage 3: freed
@@ -534,8 +679,10 @@ def consolidate(checkpoint_dir: str | os.PathLike[str], tag: str | None = None) 
     frozen parameters, tied aliases. ``checkpoint_dir`` is a checkpoint (``save_dir/tag``) or a ``save_dir`` (the
     tag given or read from ``latest``). Memory: the whole model once."""
     root = Path(checkpoint_dir)
-    path = root if tag is None and (root / ".metadata").is_file() else checkpoint_path(root, tag)
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    path, files = _verified(root if tag is None and (root / METADATA).is_file() else resolve(root, tag))
+    if files is not None:
+        verify(path, files, sorted(set(files) - {METADATA}))
+    metadata = _metadata(path)
     saved = _read_own(path, ["engine"])["engine"]
     state = {f"model.{key}": torch.empty(metadata[f"model.{key}"].size,
                                          dtype=metadata[f"model.{key}"].properties.dtype)

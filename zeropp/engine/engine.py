@@ -702,7 +702,17 @@ class ZeroEngine:
         ``torch.distributed.checkpoint``, each rank writing its own shards, and ``tag`` to ``save_dir/latest``
         (layout and contents: ``zeropp.engine.checkpoint``). ``client_state`` is saved from the first rank and
         returned by ``load_checkpoint``. A collective; only at an accumulation boundary (after ``step()``). Returns
-        the checkpoint's directory."""
+        the checkpoint's directory.
+
+        Atomic (``zeropp.engine.checkpoint_files``): the files are written and checksummed in a staging directory
+        next to the target, renamed into place (replacing a checkpoint of the same tag) and only then named in
+        ``latest``, so a process killed at any point leaves ``latest`` naming a complete checkpoint. ``save_dir``
+        must be one filesystem that every rank sees (as ``torch.distributed.checkpoint`` assumes).
+
+        Raises:
+            zeropp.engine.checkpoint.CheckpointError: on every rank when the save failed on any (``save_dir`` not
+                writable, a full disk, an exception on one rank); ``save_dir`` is left as it was.
+        """
         if self._backward_pending or self.micro_steps % self._accumulation_steps != 0:
             raise EngineUsageError(
                 f"save_checkpoint() in the middle of an accumulation window (micro step {self.micro_steps}, "
@@ -718,10 +728,14 @@ class ZeroEngine:
         RNG of ranks the save did not have start afresh; see ``zeropp.engine.checkpoint``). A collective; only at an
         accumulation boundary. Returns ``(checkpoint directory, client_state)``.
 
-        Raises:
+        Every file is verified against the sha256 the save recorded (``manifest.json``) before anything is read
+        into the engine; a checkpoint saved without one loads with a warning.
+
+        Raises (on every rank, nothing loaded):
             FileNotFoundError: ``load_dir``, its ``latest`` file or the tag is missing.
-            zeropp.engine.checkpoint.CheckpointError: the checkpoint is of another model (the parameter is named),
-                optimizer type or number of parameter groups.
+            zeropp.engine.checkpoint.CheckpointError: ``latest`` holds no tag; a file of the checkpoint is missing,
+                truncated or corrupted (the file is named); the checkpoint is of another model (the parameter is
+                named), optimizer type or number of parameter groups.
         """
         if self._backward_pending or self.micro_steps % self._accumulation_steps != 0:
             raise EngineUsageError(
