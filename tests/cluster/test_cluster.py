@@ -5,6 +5,7 @@ Tests that build namespaces skip (with the reason) only when this machine cannot
 ``ip netns add`` refused (an unprivileged container)."""
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from zeropp.cluster import (
     ClusterUnavailable,
     emulated_network,
     list_namespaces,
+    netns,
     parse_rate,
     run,
     shaping_available,
@@ -187,3 +189,130 @@ def test_unshaped_fallback_runs_the_same_script(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "pretend: no namespaces" in err and "falling back to --unshaped" in err
     assert _worker_processes() == []
+
+
+# ---- leftovers, concurrent clusters, a failing rank (fast: `sh` ranks, no torch in them) ------------------------
+
+LAUNCHER = [sys.executable, "-m", "zeropp.cluster"]
+
+
+def _launcher_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(HERE.parents[1]) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def _namespaces_of(pid: int) -> list[str]:
+    return list_namespaces(f"zeropp-{pid}-")
+
+
+def _wait_for(predicate, timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@needs_netns
+def test_sigkilled_launcher_leftovers_removed_by_the_next_launcher():
+    launcher = subprocess.Popen(LAUNCHER + ["--nodes", "2", "--ranks-per-node", "1", "--quiet", "--", "sh", "-c",
+                                            "sleep 60"], env=_launcher_env(), stderr=subprocess.DEVNULL)
+    try:
+        assert _wait_for(lambda: len(_namespaces_of(launcher.pid)) == 3), _namespaces_of(launcher.pid)
+    finally:
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait()
+    left = _namespaces_of(launcher.pid)
+    assert len(left) == 3, left  # SIGKILL: nothing ran to remove them
+    # a pid that exists but is not the launcher that made the name (pid reuse): its start time differs
+    impostor = f"zeropp-{os.getpid()}-{netns.process_start_time(os.getpid()) + 1}-0-sw"
+    subprocess.run(["ip", "netns", "add", impostor], check=True)
+    t0 = time.monotonic()
+    with emulated_network(ClusterSpec(nodes=1, ranks_per_node=1, rate=None)) as net:
+        mine = net.namespaces
+        assert not set(left) & set(list_namespaces()) and impostor not in list_namespaces()
+        # a live launcher's namespaces are kept, whoever cleans up
+        assert netns.cleanup() == [] and set(mine) <= set(list_namespaces())
+    assert time.monotonic() - t0 < 15
+    assert not set(mine) & set(list_namespaces())
+
+
+@needs_netns
+def test_owner_alive_tells_live_dead_and_reused_pids():
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        start = netns.process_start_time(sleeper.pid)
+        assert start is not None
+        assert netns.owner_alive(f"zeropp-{sleeper.pid}-{start}-7-n0") is True
+        assert netns.owner_alive(f"zeropp-{sleeper.pid}-{start + 5}-7-n0") is False
+        assert netns.owner_alive(f"zeropp-{sleeper.pid}-ab12-sw") is True  # an older name: the pid alone
+        assert netns.owner_alive("zeropp-probe") is None and netns.owner_alive("other-1-2-3-sw") is None
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert netns.owner_alive(f"zeropp-{sleeper.pid}-{start}-7-n0") is False
+
+
+@needs_netns
+def test_two_clusters_started_at_once_do_not_collide(tmp_path):
+    # Both use the default subnet and port 29500; each rank records its run, node and the time it ran.
+    rank = ('echo "$ZEROPP_CLUSTER_RUN_ID $ZEROPP_CLUSTER_NODE $RANK $WORLD_SIZE $MASTER_ADDR:$MASTER_PORT '
+            '$(date +%s.%N)" > "$OUT/$RANK"; sleep 1.5; echo "$(date +%s.%N)" >> "$OUT/$RANK"')
+    launchers, outs = [], []
+    for k in range(2):
+        out = tmp_path / f"c{k}"
+        out.mkdir()
+        outs.append(out)
+        launchers.append(subprocess.Popen(
+            LAUNCHER + ["--nodes", "2", "--ranks-per-node", "2", "--rate", "1gbit", "--quiet", "--timeout", "60",
+                        "--", "sh", "-c", rank], env={**_launcher_env(), "OUT": str(out)}))
+    assert [p.wait(timeout=90) for p in launchers] == [0, 0]
+    runs, spans = [], []
+    for out in outs:
+        lines = [(out / str(r)).read_text().split() for r in range(4)]
+        assert {line[0] for line in lines} == {lines[0][0]}  # one run id per cluster
+        assert [(line[1], line[2], line[3]) for line in lines] == [("0", "0", "4"), ("0", "1", "4"), ("1", "2", "4"),
+                                                                   ("1", "3", "4")]
+        assert {line[4] for line in lines} == {"10.213.0.1:29500"}
+        runs.append(lines[0][0])
+        spans.append((min(float(line[5]) for line in lines), max(float(line[6]) for line in lines)))
+    assert runs[0] != runs[1]
+    assert spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1], spans  # they really ran at the same time
+    assert not [n for p in launchers for n in _namespaces_of(p.pid)]
+
+
+@needs_netns
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupted_launcher_removes_everything(sig):
+    launcher = subprocess.Popen(LAUNCHER + ["--nodes", "2", "--ranks-per-node", "1", "--", "sh", "-c", "sleep 60"],
+                                env=_launcher_env(), stderr=subprocess.PIPE, text=True)
+    assert _wait_for(lambda: len(_namespaces_of(launcher.pid)) == 3)
+    time.sleep(1.0)  # let the torchruns start their ranks
+    launcher.send_signal(sig)
+    _, err = launcher.communicate(timeout=30)
+    assert launcher.returncode == 128 + sig, err
+    assert "cleaned up" in err and _namespaces_of(launcher.pid) == []
+
+
+@needs_netns
+def test_failing_rank_is_named_and_the_others_stopped():
+    before = set(list_namespaces())
+    t0 = time.monotonic()
+    failing = 'sleep 0.5; if [ "$RANK" = 3 ]; then exit 5; fi; sleep 120'
+    proc = subprocess.run(LAUNCHER + ["--nodes", "2", "--ranks-per-node", "2", "--timeout", "60", "--", "sh", "-c",
+                                      failing], check=False, env=_launcher_env(), capture_output=True, text=True,
+                          timeout=90)
+    assert proc.returncode not in (0, 124), proc.stderr[-2000:]
+    assert "rank 3 (node 1, local rank 1) exited with 5; node 1's torchrun exited with 1" in proc.stderr, \
+        proc.stderr[-2000:]
+    assert time.monotonic() - t0 < 30  # the sleeping ranks were stopped, not waited for
+    assert set(list_namespaces()) <= before
+
+
+def test_failing_rank_is_named_unshaped(monkeypatch, capfd):
+    monkeypatch.setattr(cluster_launch, "shaping_available", lambda: (False, "pretend: no namespaces"))
+    failing = 'sleep 0.3; if [ "$RANK" = 2 ]; then exit 7; fi; sleep 120'
+    t0 = time.monotonic()
+    rc = run(ClusterSpec(nodes=2, ranks_per_node=2), ["sh", "-c", failing], timeout=60, quiet=True)
+    assert rc == 1 and time.monotonic() - t0 < 30
+    assert "rank 2 (node 1, local rank 2) exited with 7; torchrun exited with 1" in capfd.readouterr().err

@@ -6,6 +6,7 @@ import dataclasses
 import json
 import sys
 
+import numpy as np
 import pytest
 
 from zeropp.config import Config, ConfigError, ZeroConfig, load_config, to_dict
@@ -447,3 +448,73 @@ def test_round_trip_keeps_every_field():
     assert not c.zero.overlap_comm
     assert Config.parse(to_dict(c), world_size=4) == c
     assert load_config(c, world_size=2) == dataclasses.replace(c, world_size=2, train_batch_size=12)
+
+
+# ---- fp16 scale bounds and duplicate JSON keys (found by fuzzing) ----------------------------------------------
+
+
+@pytest.mark.parametrize("power", [127, 200, 2000, 10**6])
+def test_initial_scale_power_past_float32_is_a_config_error(power):
+    message = err({**BASE, "fp16": {"enabled": True, "initial_scale_power": power}})
+    assert f"fp16.initial_scale_power={power} must be <= 126" in message, message
+
+
+@pytest.mark.parametrize("power", [0, 16, 126])
+def test_accepted_initial_scale_powers_give_a_normal_float32_scale_and_reciprocal(power):
+    c = cfg(fp16={"enabled": True, "initial_scale_power": power})
+    scale = np.float32(2.0**c.fp16.initial_scale_power)
+    tiny = np.finfo(np.float32).tiny
+    assert np.isfinite(scale) and scale >= tiny and np.float32(1) / scale >= tiny
+    assert float(scale) == 2.0**power  # held exactly
+
+
+@pytest.mark.parametrize("loss_scale, ok", [(1e39, False), (2.0**126, True), (2.0**127, False), (1e-40, False),
+                                            (2.0**-126, True), (128.0, True)])
+def test_static_loss_scale_must_be_a_normal_float32(loss_scale, ok):
+    config = {**BASE, "fp16": {"enabled": True, "loss_scale": loss_scale}}
+    if ok:
+        assert load_config(config).fp16.loss_scale == loss_scale
+        assert np.isfinite(np.float32(loss_scale)) and np.float32(loss_scale) == loss_scale
+    else:
+        assert f"fp16.loss_scale={loss_scale}" in err(config)
+
+
+def test_min_loss_scale_above_the_initial_scale_is_a_config_error():
+    message = err({**BASE, "fp16": {"enabled": True, "initial_scale_power": 8, "min_loss_scale": 257}})
+    assert "fp16.min_loss_scale=257.0 is above the initial loss scale 2**8 = 256" in message, message
+    assert cfg(fp16={"enabled": True, "initial_scale_power": 8, "min_loss_scale": 256}).fp16.min_loss_scale == 256
+    # a static scale never moves, so min_loss_scale does not constrain it
+    assert cfg(fp16={"enabled": True, "loss_scale": 4, "min_loss_scale": 256}).fp16.loss_scale == 4
+    # one error only when the power itself is bad (no follow-on complaint about min_loss_scale)
+    message = err({**BASE, "fp16": {"initial_scale_power": 300, "min_loss_scale": 1e30}})
+    assert "initial_scale_power=300" in message and "min_loss_scale" not in message, message
+
+
+@pytest.mark.parametrize(
+    "text, repeated",
+    [
+        ('{"train_micro_batch_size_per_gpu": 2, "train_micro_batch_size_per_gpu": 4}', ["train_micro_batch_size_per_gpu"]),
+        ('{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1, "stage": 3}}',
+         ["zero_optimization.stage"]),
+        (('{"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"zeropp": {"block_size": 64, "weight_bits": 4,'
+          ' "block_size": 128}}, "fp16": {"enabled": true, "enabled": false}}'),
+         ["zero_optimization.zeropp.block_size", "fp16.enabled"]),
+        ('{"train_micro_batch_size_per_gpu": 2, "x": [{"a": 1}, {"b": 1, "b": 2}]}', ["x[1].b"]),
+    ],
+)
+def test_json_file_with_a_duplicate_key_is_a_config_error_naming_it(tmp_path, text, repeated):
+    path = tmp_path / "dup.json"
+    path.write_text(text)
+    assert json.loads(text)  # the plain reader takes it, keeping the last value
+    message = err(path)
+    assert "repeats the key" in message and str(path) in message, message
+    for key in repeated:
+        assert key in message, (key, message)
+
+
+def test_json_file_with_the_same_key_in_different_objects_parses(tmp_path):
+    path = tmp_path / "ok.json"
+    config = {**BASE, "fp16": {"enabled": True}, "bf16": {"enabled": False}}
+    path.write_text(json.dumps(config))
+    c = load_config(path)
+    assert c.fp16.enabled and not c.bf16.enabled and c == load_config(config)

@@ -9,15 +9,19 @@ reaches the other nodes over the shaped link. Unshaped (``--unshaped``, or the a
 
 Supervision: the first node whose ``torchrun`` exits non-zero stops the run (the other nodes' ranks would wait in
 a collective until gloo's 30-minute timeout): every ``torchrun`` gets SIGTERM (it stops its ranks), then SIGKILL
-with its ranks (found through /proc, or as the processes left in the namespaces) after a grace period. The same
-happens on a timeout, on Ctrl-C and on SIGTERM/SIGHUP to the launcher, and the namespaces are deleted last. If
-the launcher itself is killed (SIGKILL), each torchrun gets SIGTERM from the kernel (``PR_SET_PDEATHSIG``) and
-stops its ranks; the namespaces are left for ``python -m zeropp.cluster --cleanup``.
+with its ranks (found through /proc, or as the processes left in the namespaces) after a grace period, and the
+launcher names the rank that failed, its node and its exit code (read from the failure report torchrun writes to
+its stderr, which the launcher copies through to its own as it comes). The same stop happens on a timeout, on
+Ctrl-C and on SIGTERM/SIGHUP to the launcher, and the namespaces are deleted last. If the launcher itself is killed
+(SIGKILL), each torchrun gets SIGTERM from the kernel (``PR_SET_PDEATHSIG``) and stops its ranks; the namespaces
+are left behind, and the next launcher to build a network removes them (``netns.cleanup_stale``), as does
+``python -m zeropp.cluster --cleanup``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import re
 import signal
@@ -26,14 +30,23 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
-from .netns import ClusterUnavailable, SETUP_HINT, emulated_network, kill_namespace_processes, shaping_available
+from .netns import (
+    SETUP_HINT,
+    ClusterUnavailable,
+    emulated_network,
+    kill_namespace_processes,
+    shaping_available,
+)
 from .rates import format_rate
 from .spec import ClusterSpec
 
 TIMEOUT_EXIT = 124
 _PYTHON = re.compile(r"^python[0-9.]*$")
+# torchrun's failure report: "Root Cause (first observed failure):" then "rank : 3 (local_rank: 1)", "exitcode : 1"
+_ROOT_CAUSE = re.compile(rb"Root Cause.*?rank\s*:\s*(\d+)\s*\(local_rank:\s*(\d+)\)\s*exitcode\s*:\s*(-?\d+)", re.DOTALL)
+_TAIL_BYTES = 1 << 16
 
 
 class Interrupted(KeyboardInterrupt):
@@ -135,14 +148,52 @@ def _descendants(pids: list[int]) -> list[int]:
     return out
 
 
+def _find_prctl() -> Callable[..., int] | None:
+    """libc's ``prctl``, looked up in the launcher (the child must run as little Python as it can), or ``None``
+    off Linux."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _find_prctl()
+_PR_SET_PDEATHSIG = 1
+
+
 def _die_with_parent() -> None:
     """preexec_fn: the torchrun gets SIGTERM if the launcher dies (even by SIGKILL); kept across exec."""
-    try:
-        import ctypes
+    if _PRCTL is not None:
+        _PRCTL(_PR_SET_PDEATHSIG, int(signal.SIGTERM))
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:  # not Linux / no prctl: --cleanup remains
-        pass
+
+class _StderrCopy(threading.Thread):
+    """Copies one torchrun's stderr (which its ranks share) to this process's stderr (fd 2) as it comes, and keeps
+    the last ``_TAIL_BYTES`` of it, where torchrun's failure report ends up."""
+
+    def __init__(self, pipe: int) -> None:
+        super().__init__(daemon=True)
+        self.pipe = pipe
+        self.tail = b""
+
+    def run(self) -> None:
+        try:
+            while chunk := os.read(self.pipe, 65536):
+                self.tail = (self.tail + chunk)[-_TAIL_BYTES:]
+                view = memoryview(chunk)
+                while view:
+                    view = view[os.write(2, view):]
+        except OSError:
+            pass
+        finally:
+            os.close(self.pipe)
+
+    def failed_rank(self) -> tuple[int, int, int] | None:
+        """``(rank, local rank, exit code)`` of the first failure torchrun reported, if it did."""
+        found = _ROOT_CAUSE.findall(self.tail)
+        return tuple(int(v) for v in found[-1]) if found else None  # type: ignore[return-value]
 
 
 def _signal_all(procs: list[subprocess.Popen], extra: list[int], sig: int) -> None:
@@ -173,10 +224,24 @@ def _stop(procs: list[subprocess.Popen], namespaces: list[str], grace: float = 5
         kill_namespace_processes(namespaces, grace=0.5)
 
 
+def _failure_report(node: int, rc: int, copy: _StderrCopy, ranks_per_node: int, shaped: bool) -> str:
+    """One line naming the failed rank (from torchrun's report) and node, and what the launcher did."""
+    found = copy.failed_rank()
+    where = f"node {node}'s torchrun exited with {rc}" if shaped else f"torchrun exited with {rc}"
+    if found is None:
+        return f"zeropp.cluster: {where} (its report above names the failed rank); stopped every rank"
+    rank, local, code = found
+    how = f"was killed by signal {-code}" if code < 0 else f"exited with {code}"
+    return (f"zeropp.cluster: rank {rank} (node {rank // ranks_per_node}, local rank {local}) {how}; {where}; "
+            "stopped every other rank")
+
+
 def _supervise(commands: list[list[str]], envs: list[dict[str, str]], timeout: float | None,
-               namespaces: list[str], quiet: bool) -> int:
+               namespaces: list[str], quiet: bool, ranks_per_node: int = 1, shaped: bool = False) -> int:
     procs: list[subprocess.Popen] = []
+    copies: list[_StderrCopy] = []
     handlers: dict[int, object] = {}
+    failure: tuple[int, int] | None = None
 
     def on_signal(signum: int, frame: object) -> None:
         raise Interrupted(signum)
@@ -185,18 +250,26 @@ def _supervise(commands: list[list[str]], envs: list[dict[str, str]], timeout: f
         for sig in (signal.SIGTERM, signal.SIGHUP):
             handlers[sig] = signal.signal(sig, on_signal)
     try:
+        # every torchrun is forked before the copying threads start: preexec_fn runs Python in the child, which is
+        # only safe while this process has no other thread of its own
         for cmd, env in zip(commands, envs):
-            procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, start_new_session=True,
-                                          preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None))
+            read, write = os.pipe()
+            copies.append(_StderrCopy(read))
+            try:
+                procs.append(subprocess.Popen(
+                    cmd, env=env, stdin=subprocess.DEVNULL, stderr=write, start_new_session=True,
+                    preexec_fn=_die_with_parent if _PRCTL is not None else None))  # noqa: PLW1509 - see above
+            finally:
+                os.close(write)
+        for copy in copies:
+            copy.start()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             codes = [p.poll() for p in procs]
             failed = [(i, c) for i, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                i, rc = failed[0]
-                if not quiet and len(procs) > 1:
-                    print(f"zeropp.cluster: node {i}'s torchrun exited with {rc}; stopping the other nodes",
-                          file=sys.stderr, flush=True)
+                failure = failed[0]
+                rc = failure[1]
                 return rc if rc > 0 else 128 - rc
             if all(c == 0 for c in codes):
                 return 0
@@ -208,6 +281,14 @@ def _supervise(commands: list[list[str]], envs: list[dict[str, str]], timeout: f
             time.sleep(0.05)
     finally:
         _stop(procs, namespaces)
+        for copy in copies:
+            if copy.ident is None:  # never started (a Popen failed): its pipe is still ours to close
+                os.close(copy.pipe)
+            else:
+                copy.join(timeout=2.0)  # the ranks are gone: their stderr ends at once
+        if failure is not None:
+            node, rc = failure
+            print(_failure_report(node, rc, copies[node], ranks_per_node, shaped), file=sys.stderr, flush=True)
         for sig, old in handlers.items():
             signal.signal(sig, old)  # type: ignore[arg-type]
 
@@ -239,11 +320,13 @@ def run(spec: ClusterSpec, command: Sequence[str], env: Mapping[str, str] | None
             ``["path/to/script.py", "--flag"]`` (see ``torchrun_args``).
         env: variables added to the launcher's environment for the ranks.
         timeout: seconds before everything is stopped (returns 124).
-        quiet: no notes on stderr (the ranks' output is never captured: it goes to this process's stdout/err).
+        quiet: no notes on stderr (a failed rank is still named there). The ranks' output goes to this process's
+            stdout and stderr as it comes (stderr copied through the launcher, which reads torchrun's failure
+            report from it).
 
     Returns:
-        0, or the exit status of the first node whose torchrun failed (torchrun exits 1 when a rank fails), or
-        124 on timeout.
+        0, or the exit status of the first node whose torchrun failed (torchrun exits 1 when a rank fails; the
+        rank, its node and its own exit code are named on stderr), or 124 on timeout.
 
     Raises:
         ClusterUnavailable: namespaces impossible here and ``spec.fallback == "error"``.
@@ -259,7 +342,7 @@ def run(spec: ClusterSpec, command: Sequence[str], env: Mapping[str, str] | None
         if not quiet:
             print(f"zeropp.cluster: {spec.nodes} nodes x {spec.ranks_per_node} ranks, unshaped (one torchrun on "
                   "loopback, nodes = rank groups)", file=sys.stderr, flush=True)
-        return _supervise([cmd], [rank_env(spec, env, False)], timeout, [], quiet)
+        return _supervise([cmd], [rank_env(spec, env, False)], timeout, [], quiet, spec.ranks_per_node, False)
     port = spec.port or 29500  # each run's namespaces are a fresh network stack: nothing else listens there
     with emulated_network(spec) as net:
         if not quiet:
@@ -274,4 +357,4 @@ def run(spec: ClusterSpec, command: Sequence[str], env: Mapping[str, str] | None
                 "--nproc-per-node", str(spec.ranks_per_node),
                 "--master-addr", net.master_addr, "--master-port", str(port)] + tail)
             envs.append(rank_env(spec, env, True, node.index, net.run_id))
-        return _supervise(commands, envs, timeout, net.namespaces, quiet)
+        return _supervise(commands, envs, timeout, net.namespaces, quiet, spec.ranks_per_node, True)

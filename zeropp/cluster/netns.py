@@ -1,6 +1,6 @@
 """The emulated network: one Linux network namespace per node, joined by a bridge, links shaped with ``tbf``.
 
-Layout of a run with id ``<id>`` (``<owner pid>-<4 hex digits>``)::
+Layout of a run with id ``<id>`` (``<owner pid>-<owner start time>-<serial>``, see ``new_run_id``)::
 
     namespace zeropp-<id>-sw        bridge br0, ports n0 .. n<K-1>        (the "switch": nothing touches the
                                      | tbf egress: switch -> node i        host's own network namespace)
@@ -14,23 +14,29 @@ gloo binds its sockets to ``eth0``'s address (measured: see the README's "Emulat
 
 Every command here is ``ip``/``tc`` run on namespaces this module creates; the host's namespace is only read
 (``ip netns list``). Tearing down kills the processes left in the namespaces, then deletes them; deleting a
-namespace destroys its veth ends (and with them the peers and the qdiscs).
+namespace destroys its veth ends (and with them the peers and the qdiscs): no link ever lives in the host's
+namespace, so the namespaces are all a run leaves behind.
+
+Concurrent runs never collide: each has its own switch namespace, so addresses, the bridge name and ports are
+per-run network stacks, and the run ids (so the namespace names) are unique per launcher process and run. A run
+whose launcher was killed (SIGKILL) leaves its namespaces; ``build_network`` removes those of launchers that no
+longer exist (``cleanup``) before it builds, so they do not pile up.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 import re
-import secrets
 import shutil
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from .rates import tc_rate
 from .spec import ClusterSpec
@@ -38,7 +44,9 @@ from .spec import ClusterSpec
 PREFIX = "zeropp-"
 NODE_IFNAME = "eth0"
 BRIDGE = "br0"
-_NAME = re.compile(rf"^{re.escape(PREFIX)}(\d+)-([0-9a-f]+)-(sw|n\d+)$")
+# <pid>-<start time>-<serial>-<sw|n<i>>; names of older versions, <pid>-<4 hex>-<...>, have no start time
+_NAME = re.compile(rf"^{re.escape(PREFIX)}(\d+)-(?:(\d+)-)?([0-9a-f]+)-(sw|n\d+)$")
+_SERIAL = itertools.count()
 
 SETUP_HINT = (
     "emulated nodes need Linux network namespaces: run as root (or with CAP_NET_ADMIN and CAP_SYS_ADMIN, "
@@ -59,7 +67,7 @@ class NetworkSetupError(RuntimeError):
 
 
 def _cmd(args: list[str], check: bool = True, timeout: float = 20.0) -> subprocess.CompletedProcess:
-    proc = subprocess.run(args, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(args, check=False, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise NetworkSetupError(f"`{' '.join(args)}` failed ({proc.returncode}): {proc.stderr.strip()}")
     return proc
@@ -78,7 +86,7 @@ def shaping_available() -> tuple[bool, str]:
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
         return False, f"{' and '.join(missing)} not found on PATH (package iproute2)"
-    probe = f"{PREFIX}{os.getpid()}-{secrets.token_hex(2)}-sw"
+    probe = f"{PREFIX}{new_run_id()}-sw"
     try:
         _cmd(["ip", "netns", "add", probe])
     except (NetworkSetupError, OSError, subprocess.TimeoutExpired) as e:
@@ -148,9 +156,24 @@ def _tbf_sent(namespace: str, dev: str) -> int:
     return int(m.group(1)) if m else 0
 
 
+def process_start_time(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat`` field 22); ``None`` when there
+    is no such process. With the pid it names one process for good: a pid reused later has another start time."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+        return int(stat.rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def new_run_id() -> str:
-    """``<pid>-<4 hex>``: the owner's pid (so ``cleanup`` can tell live runs from crashed ones) and a nonce."""
-    return f"{os.getpid()}-{secrets.token_hex(2)}"
+    """``<pid>-<start time>-<serial>``: the launcher process (pid and start time, so ``cleanup`` can tell a live
+    launcher from a dead one whose pid was reused) and a per-process serial, so that runs of one launcher, even
+    concurrent ones in threads, get distinct names. Unique by construction; ``ip netns add`` refuses an existing
+    name anyway."""
+    pid = os.getpid()
+    return f"{pid}-{process_start_time(pid) or 0}-{next(_SERIAL)}"
 
 
 def build_network(spec: ClusterSpec, run_id: str | None = None) -> Network:
@@ -161,6 +184,12 @@ def build_network(spec: ClusterSpec, run_id: str | None = None) -> Network:
         NetworkSetupError: when an ``ip``/``tc`` step fails.
     """
     require_shaping()
+    removed, errors = cleanup_stale()
+    if removed:
+        print(f"zeropp.cluster: removed {len(removed)} namespaces of launchers that no longer exist: "
+              f"{' '.join(removed)}", file=sys.stderr, flush=True)
+    if errors:
+        print(f"zeropp.cluster: could not delete stale namespaces {errors}", file=sys.stderr, flush=True)
     run_id = run_id or new_run_id()
     net = Network(run_id=run_id, spec=spec, switch=f"{PREFIX}{run_id}-sw")
     prefix_len = int(spec.subnet.split("/")[1]) if "/" in spec.subnet else 32
@@ -265,28 +294,31 @@ def list_namespaces(prefix: str = PREFIX) -> list[str]:
     return [n for n in names if n.startswith(prefix)]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+def owner_alive(name: str) -> bool | None:
+    """Whether the launcher that made namespace ``name`` still runs: its pid exists and, for names that carry it,
+    started at the recorded time (else the pid was reused by another process). ``None`` for names not made here."""
+    m = _NAME.match(name)
+    if m is None:
+        return None
+    pid, started = int(m.group(1)), m.group(2)
+    now = process_start_time(pid)
+    if now is None:
         return False
-    except PermissionError:
-        return True
-    return True
+    return started is None or int(started) == now
+
+
+def cleanup_stale(force: bool = False) -> tuple[list[str], list[str]]:
+    """Delete the namespaces of runs whose launcher no longer exists (all of them with ``force``), killing the
+    processes inside. Returns the names deleted and the errors (names that would not go)."""
+    stale = [name for name in list_namespaces() if owner_alive(name) is False or (force and _NAME.match(name))]
+    errors = _delete_namespaces(stale)
+    return [name for name in stale if not any(e.startswith(f"{name}:") for e in errors)], errors
 
 
 def cleanup(force: bool = False) -> list[str]:
-    """Delete the namespaces of crashed runs (their owner pid is gone; all of them with ``force``), killing the
-    processes inside. Returns the names deleted."""
-    stale = []
-    for name in list_namespaces():
-        m = _NAME.match(name)
-        if m is None:
-            continue
-        owner = int(m.group(1))
-        if force or not _alive(owner):
-            stale.append(name)
-    errors = _delete_namespaces(stale)
+    """Delete the namespaces of crashed runs (their launcher is gone; all of them with ``force``), killing the
+    processes inside. Returns the names deleted; raises ``NetworkSetupError`` naming those that would not go."""
+    removed, errors = cleanup_stale(force)
     if errors:
         raise NetworkSetupError(f"could not delete {errors}")
-    return stale
+    return removed

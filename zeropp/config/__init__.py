@@ -119,6 +119,11 @@ DeepSpeed keys accepted as harmless (decided one by one):
   ``flops_profiler``, ``tensorboard``, ``wandb``, ``csv_monitor``, ``comms_logger``, ``hybrid_engine``,
   ``elasticity``, ``autotuning``, ``data_efficiency``, ``curriculum_learning``.
 
+fp16 bounds: ``initial_scale_power`` in [0, 126] and a static ``loss_scale`` in [2**-126, 2**126] (the scale and
+its reciprocal are then normal float32 numbers); with a dynamic scale, ``min_loss_scale`` at most
+``2**initial_scale_power``. A JSON file that repeats a key in one object, at any depth, is an error naming it
+(plain JSON readers keep the last value silently).
+
 Errors (``ConfigError``, a ``ValueError``) are raised here, never mid-run, and list every problem of the config at
 once, one line each naming the key and what to change. An unknown key gets the closest valid spelling and the valid
 keys at its level. A DeepSpeed key that zeropp does not implement (real offload, pipeline, activation checkpointing,

@@ -48,9 +48,20 @@ _FP16_FIXED = {
 }
 
 
+MAX_SCALE_POWER = 126
+"""The largest ``fp16.initial_scale_power``, and ``2**MAX_SCALE_POWER`` the largest static ``fp16.loss_scale``:
+the scale and its reciprocal (the unscaling factor) are then both normal float32 numbers, so scaling and unscaling
+stay finite and exact. (Any power past ~30 only costs skipped steps while the dynamic scale halves down.)"""
+
+
 @dataclass(frozen=True)
 class FP16Config:
-    """``fp16``: compute in float16 with loss scaling; ``loss_scale`` 0 means dynamic (DeepSpeed's default)."""
+    """``fp16``: compute in float16 with loss scaling; ``loss_scale`` 0 means dynamic (DeepSpeed's default).
+
+    ``initial_scale_power`` is in ``[0, MAX_SCALE_POWER]``, a static ``loss_scale`` in ``[2**-126, 2**126]`` (both
+    the scale and its reciprocal normal float32 numbers); with a dynamic scale, ``min_loss_scale`` is at most the
+    initial scale ``2**initial_scale_power``.
+    """
 
     enabled: bool = False
     loss_scale: float = 0.0
@@ -70,13 +81,31 @@ class FP16Config:
         check_keys(p, block, w, [*valid, *_FP16_FIXED])
         check_fixed(p, block, w, _FP16_FIXED)
         d = cls()
+        loss_scale = get_float(p, block, "loss_scale", w, d.loss_scale, minimum=0.0)
+        if p.ok("fp16.loss_scale") and loss_scale and not 2.0**-MAX_SCALE_POWER <= loss_scale <= 2.0**MAX_SCALE_POWER:
+            p.add("fp16.loss_scale", f"fp16.loss_scale={loss_scale} must be 0 (dynamic) or between 2**-"
+                                     f"{MAX_SCALE_POWER} and 2**{MAX_SCALE_POWER}, where it and its reciprocal are "
+                                     "normal float32 numbers")
+            loss_scale = d.loss_scale
+        power = get_int(p, block, "initial_scale_power", w, d.initial_scale_power, minimum=0)
+        if p.ok("fp16.initial_scale_power") and power > MAX_SCALE_POWER:
+            p.add("fp16.initial_scale_power", f"fp16.initial_scale_power={power} must be <= {MAX_SCALE_POWER}: the "
+                                              f"initial loss scale 2**{power} is past what float32 holds with a "
+                                              f"normal reciprocal (DeepSpeed's default is {d.initial_scale_power})")
+            power = d.initial_scale_power
+        min_loss_scale = get_float(p, block, "min_loss_scale", w, d.min_loss_scale, minimum=0.0)
+        if (loss_scale == 0.0 and p.ok("fp16.loss_scale", "fp16.initial_scale_power", "fp16.min_loss_scale")
+                and min_loss_scale > 2.0**power):
+            p.add("fp16.min_loss_scale", f"fp16.min_loss_scale={min_loss_scale} is above the initial loss scale "
+                                         f"2**{power} = {2.0**power:g} (fp16.initial_scale_power); lower it or raise "
+                                         "fp16.initial_scale_power")
         return cls(
             enabled=get_bool(p, block, "enabled", w, False),
-            loss_scale=get_float(p, block, "loss_scale", w, d.loss_scale, minimum=0.0),
-            initial_scale_power=get_int(p, block, "initial_scale_power", w, d.initial_scale_power, minimum=0),
+            loss_scale=loss_scale,
+            initial_scale_power=power,
             loss_scale_window=get_int(p, block, "loss_scale_window", w, d.loss_scale_window, minimum=1),
             hysteresis=get_int(p, block, "hysteresis", w, d.hysteresis, minimum=1),
-            min_loss_scale=get_float(p, block, "min_loss_scale", w, d.min_loss_scale, minimum=0.0),
+            min_loss_scale=min_loss_scale,
         )
 
 

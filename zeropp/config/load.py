@@ -23,14 +23,58 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike[str] | Config, wor
         return config
     if isinstance(config, (str, os.PathLike)):
         path = os.fspath(config)
-        try:
-            with open(path, encoding="utf-8") as f:
-                config = json.load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path!r} does not exist") from None
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"config file {path!r} is not valid JSON: {e}") from None
+        config = read_json(path)
     return Config.parse(config, world_size)
+
+
+class _DuplicateKeys:
+    """``object_pairs_hook`` for ``json.load``: builds each object as a dict and remembers the keys it saw twice."""
+
+    def __init__(self) -> None:
+        self.found: dict[int, tuple[dict[str, Any], list[str]]] = {}  # id(object) -> (object, repeated keys)
+
+    def __call__(self, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        obj: dict[str, Any] = {}
+        repeated: list[str] = []
+        for key, value in pairs:
+            if key in obj and key not in repeated:
+                repeated.append(key)
+            obj[key] = value
+        if repeated:
+            self.found[id(obj)] = (obj, repeated)
+        return obj
+
+    def paths(self, value: Any, where: str = "") -> list[str]:
+        """Dotted names (``zero_optimization.stage``, ``a[0].b``) of every repeated key under ``value``."""
+        out: list[str] = []
+        if isinstance(value, dict):
+            for key in self.found.get(id(value), (None, []))[1]:
+                out.append(f"{where}.{key}" if where else key)
+            for key, item in value.items():
+                out += self.paths(item, f"{where}.{key}" if where else key)
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                out += self.paths(item, f"{where}[{i}]")
+        return out
+
+
+def read_json(path: str) -> Any:
+    """The JSON document at ``path``; a ``ConfigError`` names the file when it is missing or not valid JSON, and
+    every key that an object repeats (plain JSON readers keep the last value silently), at any depth."""
+    duplicates = _DuplicateKeys()
+    try:
+        with open(path, encoding="utf-8") as f:
+            document = json.load(f, object_pairs_hook=duplicates)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path!r} does not exist") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"config file {path!r} is not valid JSON: {e}") from None
+    repeated = duplicates.paths(document)
+    if repeated:
+        raise ConfigError(f"config file {path!r} repeats the key{'s' if len(repeated) > 1 else ''} "
+                          f"{', '.join(repeated)} in one object; JSON readers keep only the last value, so remove "
+                          "the others")
+    return document
 
 
 def _plain(value: Any) -> Any:

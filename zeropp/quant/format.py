@@ -140,9 +140,20 @@ def swizzle_source(position: int, nodes: int, ranks_per_node: int) -> int:
     return m * ranks_per_node + j
 
 
+def check_has_data(t: torch.Tensor, name: str) -> None:
+    """Reject a tensor with no data to read or write (on the ``meta`` device): quantization needs the values."""
+    if t.device.type == "meta":
+        raise ValueError(
+            f"{name} is on the meta device, which holds shapes but no values, so it cannot be quantized or "
+            "dequantized; materialize it first (e.g. torch.empty_like(t, device='cpu') and fill it, or "
+            "module.to_empty(device=...))"
+        )
+
+
 def check_float_tensor(x: torch.Tensor, name: str = "x") -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    check_has_data(x, name)
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(
             f"{name} has dtype {x.dtype}; block quantization takes floating point tensors "

@@ -27,6 +27,7 @@ from .format import (
     DEFAULT_BLOCK_SIZE,
     BlockFormat,
     check_float_tensor,
+    check_has_data,
     check_out_dtype,
 )
 from .tensor import QuantizedTensor
@@ -79,6 +80,7 @@ def _check_buffer(buf: torch.Tensor, nbytes: int, name: str) -> None:
     if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8:
         got = buf.dtype if isinstance(buf, torch.Tensor) else type(buf).__name__
         raise TypeError(f"{name} must be a uint8 tensor holding packed codes and scales, got {got}")
+    check_has_data(buf, name)
     if buf.dim() != 1 or not buf.is_contiguous():
         raise ValueError(f"{name} must be a contiguous 1-D uint8 tensor, got shape {tuple(buf.shape)}")
     if buf.numel() != nbytes:
@@ -93,6 +95,12 @@ def _check_buffer(buf: torch.Tensor, nbytes: int, name: str) -> None:
 def _check_out(out: torch.Tensor, numel: int | None, device: torch.device, name: str = "out") -> None:
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(out).__name__}")
+    check_has_data(out, name)
+    if out.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            f"{name} requires grad, and writing into it would bypass autograd; dequantize under torch.no_grad() "
+            f"or pass {name}.detach()"
+        )
     check_out_dtype(out.dtype)
     if not out.is_contiguous():
         raise ValueError(f"{name} must be contiguous (a contiguous view into a larger buffer is fine)")
@@ -112,6 +120,10 @@ def quantize(x: torch.Tensor, bits: int = 8, block_size: int = DEFAULT_BLOCK_SIZ
     """Block-quantize ``x`` (any shape; fp32, bf16 or fp16) to int8 or int4 with one float32 scale per block.
 
     Blocks run over the flattened tensor; the last one is padded with zeros. See ``zeropp.quant.format``.
+
+    A tensor that requires grad is quantized from its detached values: rounding to codes has no useful
+    derivative, so the result carries no autograd history and no gradient flows back through it. A ``meta``
+    tensor has no values: a ``ValueError`` names its device.
     """
     check_float_tensor(x)
     fmt = BlockFormat(bits, block_size)
@@ -125,7 +137,8 @@ def dequantize(
     """Values of ``q`` in ``dtype`` (default: the dtype it was quantized from), shaped like the original.
 
     ``out``, if given, receives them and is returned: any contiguous tensor with ``q``'s number of elements, for
-    instance a view into a larger flat buffer. Its dtype wins over ``dtype``.
+    instance a view into a larger flat buffer. Its dtype wins over ``dtype``. An ``out`` that requires grad is
+    written only under ``torch.no_grad()`` (as torch's own ``out=`` ops); the result never carries autograd history.
     """
     if not isinstance(q, QuantizedTensor):
         raise TypeError(f"dequantize takes a QuantizedTensor, got {type(q).__name__}")
@@ -151,13 +164,13 @@ def quantize_chunks(
 
     With ``nodes > 1`` the packs are written in the qgZ order (``format.swizzle_source``) for ``nodes`` nodes of
     ``chunks // nodes`` ranks. Returns the uint8 buffer of ``fmt.chunked_bytes(numel, chunks)`` bytes (``out`` if
-    given).
+    given). ``x`` is read detached, as in ``quantize``.
     """
     check_float_tensor(x)
     _check_counts(chunks=chunks, nodes=nodes)
     if chunks % nodes:
         raise ValueError(f"chunks={chunks} must be a multiple of nodes={nodes} (one chunk per rank)")
-    flat = x.reshape(-1)
+    flat = x.detach().reshape(-1)
     nbytes = fmt.chunked_bytes(flat.numel(), chunks)
     if out is None:
         out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .format import FLOAT_DTYPES, BlockFormat
+from .format import FLOAT_DTYPES, SCALE_BYTES, BlockFormat, check_has_data
 
 
 @dataclass(frozen=True)
@@ -14,7 +14,9 @@ class QuantizedTensor:
     """A tensor of ``shape`` and ``dtype`` quantized in ``fmt``, stored as one packed uint8 ``buffer``.
 
     ``buffer`` follows the packed layout of ``zeropp.quant.format``: codes first, then float32 scales, no header.
-    ``data`` and ``scales`` are views into it, so ``packed()`` costs nothing and one collective moves both.
+    ``data`` and ``scales`` are views into it, so ``packed()`` costs nothing and one collective moves both. The
+    buffer must start at a multiple of 4 bytes (``SCALE_BYTES``), in its storage and in memory, where the float32
+    scales can be viewed in place; a ``ValueError`` says so otherwise (``buffer.clone()`` is an aligned copy).
     """
 
     buffer: torch.Tensor
@@ -23,6 +25,12 @@ class QuantizedTensor:
     fmt: BlockFormat
 
     def __post_init__(self) -> None:
+        if not isinstance(self.buffer, torch.Tensor):
+            raise TypeError(f"buffer must be a torch.Tensor, got {type(self.buffer).__name__}")
+        bad = [d for d in self.shape if isinstance(d, bool) or not isinstance(d, int) or d < 0]
+        if bad:
+            raise ValueError(f"shape={tuple(self.shape)} has {bad}; every dimension must be a non-negative integer")
+        check_has_data(self.buffer, "buffer")
         if self.buffer.dtype != torch.uint8 or self.buffer.dim() != 1 or not self.buffer.is_contiguous():
             raise ValueError(
                 f"buffer must be a contiguous 1-D uint8 tensor, got dtype={self.buffer.dtype} "
@@ -36,6 +44,13 @@ class QuantizedTensor:
             )
         if self.dtype not in FLOAT_DTYPES:
             raise TypeError(f"dtype={self.dtype} is not a float dtype; use one of {FLOAT_DTYPES}")
+        offset, address = self.buffer.storage_offset(), self.buffer.data_ptr()
+        if offset % SCALE_BYTES or address % SCALE_BYTES:
+            raise ValueError(
+                f"buffer starts at byte {offset} of its storage (address {address:#x}), not at a multiple of "
+                f"{SCALE_BYTES} bytes, so its float32 scales cannot be viewed in place; slice packed buffers at "
+                f"multiples of {SCALE_BYTES} bytes, or pass buffer.clone() (an aligned copy)"
+            )
 
     @property
     def bits(self) -> int:
@@ -83,7 +98,13 @@ class QuantizedTensor:
         bits: int,
         block_size: int,
     ) -> QuantizedTensor:
-        """Wrap a packed buffer (e.g. one received from another rank) without copying it."""
+        """Wrap a packed buffer (e.g. one received from another rank) without copying it.
+
+        ``buffer`` must start at a multiple of 4 bytes (see the class); ``shape`` must have
+        non-negative integer dimensions. Both are checked here, with a ``ValueError`` naming the bad value.
+        """
+        if isinstance(shape, int):
+            shape = (shape,)
         return cls(buffer, torch.Size(shape), dtype, BlockFormat(bits, block_size))
 
     def has_nonfinite(self) -> bool:
