@@ -7,7 +7,9 @@ Dynamic (``fp16.loss_scale == 0``): the scale starts at ``2 ** initial_scale_pow
   halves, never below ``min_loss_scale``; otherwise only the counter drops by one (the scale stays). The counter is
   not restored by a halving (as in DeepSpeed: once spent, later overflows halve at once);
 * no overflow: when ``loss_scale_window`` clean steps have passed since the last overflow (or since the start),
-  the scale doubles and the hysteresis counter is restored to ``hysteresis``.
+  the scale doubles (never above ``MAX_SCALE`` = 2^126, so that the scale and its reciprocal stay normal float32
+  numbers; the config caps ``initial_scale_power`` at 126 for the same reason) and the hysteresis counter is restored
+  to ``hysteresis``.
 
 DeepSpeed's ``consecutive_hysteresis`` is not supported (rejected by the config), and reaching ``min_loss_scale``
 does not raise (the scale stays there and overflowing steps keep being skipped).
@@ -18,6 +20,8 @@ Static (``fp16.loss_scale > 0``): the scale never changes; an overflowing step i
 from __future__ import annotations
 
 from ..config import FP16Config
+
+MAX_SCALE = 2.0**126
 
 
 class LossScaler:
@@ -44,7 +48,7 @@ class LossScaler:
                 self.last_overflow_iteration = self.iteration
             elif (self.iteration - self.last_overflow_iteration) % self.window == 0:
                 self.hysteresis = self.delayed_shift
-                self.scale *= 2.0
+                self.scale = min(self.scale * 2.0, MAX_SCALE)
         self.iteration += 1
 
     def __repr__(self) -> str:
