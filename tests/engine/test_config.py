@@ -9,7 +9,14 @@ import sys
 import numpy as np
 import pytest
 
-from zeropp.config import Config, ConfigError, ZeroConfig, load_config, to_dict
+from zeropp.config import (
+    Config,
+    ConfigError,
+    ZeroConfig,
+    ZeroppConfig,
+    load_config,
+    to_dict,
+)
 
 BASE = {"train_micro_batch_size_per_gpu": 2}
 
@@ -32,6 +39,7 @@ def test_defaults():
     z = c.zero_optimization
     assert z.stage == 1 and z.weight_bits is None and z.gradient_bits is None and not z.hpz
     assert (z.zeropp.weight_bits, z.zeropp.gradient_bits, z.zeropp.block_size) == (8, 4, 128)
+    assert z.zeropp.nonfinite_gradients == "skip"
 
 
 def test_full_deepspeed_config_from_json_path(tmp_path):
@@ -161,6 +169,8 @@ def err(config, world: int = 1) -> str:
         ({**BASE, "zero_optimization": {"zeropp": {"block_size": 100}}}, 1, ["block_size=100", "power of two"]),
         ({**BASE, "zero_optimization": {"zeropp": {"error_feedback": True}}}, 1,
          ["error_feedback", "zero_quantized_gradients"]),
+        ({**BASE, "zero_optimization": {"zeropp": {"nonfinite_gradients": "ignore"}}}, 1,
+         ["zero_optimization.zeropp.nonfinite_gradients='ignore'", "'skip', 'raise'"]),
         ({**BASE, "zero_optimization": []}, 1, ["zero_optimization must be an object"]),
         ({**BASE, "bf16": {"enabled": True}, "fp16": {"enabled": True}}, 1, ["both true"]),
         ({**BASE, "fp16": {"loss_scale_window": 0}}, 1, ["fp16.loss_scale_window=0", ">= 1"]),
@@ -434,10 +444,13 @@ def test_round_trip_keeps_every_field():
             "overlap_comm": False, "stage3_max_live_parameters": 13, "stage3_max_reuse_distance": 14,
             "stage3_param_persistence_threshold": 15, "stage3_model_persistence_threshold": 16,
             "allgather_bucket_size": 17, "sub_group_size": 18, "stage3_gather_16bit_weights_on_model_save": True,
-            "zeropp": {"weight_bits": 4, "gradient_bits": 8, "block_size": 64, "error_feedback": True},
+            "zeropp": {"weight_bits": 4, "gradient_bits": 8, "block_size": 64, "error_feedback": True,
+                       "nonfinite_gradients": "raise"},
         },
     }
     c = load_config(config, world_size=4)
+    for f in dataclasses.fields(ZeroppConfig):
+        assert getattr(c.zero.zeropp, f.name) != getattr(ZeroppConfig(), f.name), f.name
     defaults = Config(train_batch_size=1, train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=1)
     for f in dataclasses.fields(Config):
         if f.name not in ("world_size", "bf16"):  # bf16 and fp16 cannot both be on: fp16 is

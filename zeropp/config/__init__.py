@@ -32,7 +32,8 @@ Keys are spelled as DeepSpeed spells them, with DeepSpeed's defaults::
         "stage3_param_persistence_threshold": 100000,
         "stage3_model_persistence_threshold": sys.maxsize,
         "stage3_gather_16bit_weights_on_model_save": false,
-        "zeropp": {"weight_bits": 8, "gradient_bits": 4, "block_size": 128, "error_feedback": false}
+        "zeropp": {"weight_bits": 8, "gradient_bits": 4, "block_size": 128, "error_feedback": false,
+                   "nonfinite_gradients": "skip"}
       }
     }
 
@@ -95,7 +96,13 @@ Our own keys live in ``zero_optimization.zeropp`` (all optional):
 * ``gradient_bits`` (8 or 4, default 4): code width of the qgZ reduce-scatter when ``zero_quantized_gradients``;
 * ``block_size`` (a power of two from 16 to 8192, default 128): elements per quantization block;
 * ``error_feedback`` (default false): keep each gradient buffer's qgZ quantization residual and add it back at
-  the next reduction (``zeropp.comm.ErrorFeedback``); needs ``zero_quantized_gradients``.
+  the next reduction (``zeropp.comm.ErrorFeedback``); needs ``zero_quantized_gradients``;
+* ``nonfinite_gradients`` (``"skip"`` or ``"raise"``, default ``"skip"``): in fp32 and bf16, what an optimizer
+  step does when some rank's accumulated gradient holds an Inf or NaN (exact or qgZ, any stage). ``"skip"``:
+  the step is skipped on every rank as an fp16 overflow is (nothing changes; ``skipped_steps`` counts it) and
+  the first rank warns, naming the units; ``"raise"``: every rank raises ``zeropp.engine.NonFiniteGradientError``
+  naming them. Under fp16 an Inf/NaN is a loss-scale overflow, handled by the loss scaler whatever this says
+  (``zeropp.engine.engine`` has the details and the cost: one small all-reduce and one host read per step).
 
 DeepSpeed keys accepted as harmless (decided one by one):
 
@@ -135,7 +142,13 @@ or block), ``blocks`` (``bf16``, ``fp16``, ``zero_optimization``), ``optimizer``
 batch-size arithmetic), ``training`` (``Config``, the top-level keys), ``load`` (``load_config``, ``to_dict``).
 """
 
-from .blocks import BF16Config, FP16Config, ZeroConfig, ZeroppConfig
+from .blocks import (
+    NONFINITE_GRADIENTS,
+    BF16Config,
+    FP16Config,
+    ZeroConfig,
+    ZeroppConfig,
+)
 from .errors import ConfigError, Problems
 from .load import load_config, to_dict
 from .optimizer import OptimizerConfig
@@ -144,6 +157,7 @@ from .training import COMMUNICATION_DTYPES, Config
 
 __all__ = [
     "COMMUNICATION_DTYPES",
+    "NONFINITE_GRADIENTS",
     "SCHEDULER_TYPES",
     "BF16Config",
     "Config",

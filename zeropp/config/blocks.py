@@ -111,6 +111,9 @@ class FP16Config:
 
 _POW2_BLOCKS = [2**k for k in range(4, 14)]
 
+# zero_optimization.zeropp.nonfinite_gradients: what an fp32/bf16 step does with an Inf/NaN gradient
+NONFINITE_GRADIENTS = ("skip", "raise")
+
 
 @dataclass(frozen=True)
 class ZeroppConfig:
@@ -120,11 +123,13 @@ class ZeroppConfig:
     gradient_bits: int = 4
     block_size: int = 128
     error_feedback: bool = False
+    nonfinite_gradients: str = "skip"
 
     @classmethod
     def parse(cls, block: Mapping[str, Any], p: Problems) -> ZeroppConfig:
         w = "zero_optimization.zeropp"
-        check_keys(p, block, w, ["weight_bits", "gradient_bits", "block_size", "error_feedback"])
+        check_keys(p, block, w, ["weight_bits", "gradient_bits", "block_size", "error_feedback",
+                                 "nonfinite_gradients"])
         d = cls()
         values: dict[str, Any] = {}
         for key in ("weight_bits", "gradient_bits"):
@@ -139,6 +144,13 @@ class ZeroppConfig:
             size = d.block_size
         values["block_size"] = size
         values["error_feedback"] = get_bool(p, block, "error_feedback", w, False)
+        mode = block.get("nonfinite_gradients", d.nonfinite_gradients)
+        name = f"{w}.nonfinite_gradients"
+        if not is_auto(p, mode, name):
+            if mode in NONFINITE_GRADIENTS:
+                values["nonfinite_gradients"] = mode
+            else:
+                p.add(name, f"{name}={mode!r} must be one of {', '.join(map(repr, NONFINITE_GRADIENTS))}")
         return cls(**values)
 
 

@@ -17,7 +17,7 @@ One file per responsibility:
 """
 
 from .checkpoint import CheckpointError, consolidate
-from .engine import EngineUsageError, ZeroEngine
+from .engine import EngineUsageError, NonFiniteGradientError, ZeroEngine
 from .initialize import initialize
 from .loss_scaler import LossScaler
 from .materialize import Init, reset_parameters_by_unit, unit_seed
@@ -30,6 +30,7 @@ __all__ = [
     "EngineUsageError",
     "Init",
     "LossScaler",
+    "NonFiniteGradientError",
     "PartitionedOptimizer",
     "Unit",
     "UnitPlan",

@@ -48,9 +48,31 @@ to 0 (and the threshold to 0) for every unit freed after each use. Values are bi
 
 Every stage: the optimizer steps the fp32 master shards (N / P elements each), the new values are copied into the
 compute-dtype shards, and in stages 1 and 2 all-gathered into the whole parameters. Gradient clipping by global
-norm reads the norm from the gradient shards (one all-reduce of a scalar). The step waits for the device at most
-once: the overflow check and the norm are one device-side computation over all units (``_gradient_stats``), and the
-host reads that one all-reduced value under fp16 only (skip or not); the clipping coefficient stays on the device.
+norm reads the norm from the gradient shards. The step waits for the device once: the Inf/NaN check (every
+precision) and the norm are one device-side computation over all units (``_gradient_stats``), summed over the ranks
+by one all-reduce of ``8 * (1 + units)`` bytes, and the host reads that vector once (skip the step or not); the
+clipping coefficient stays on the device.
+
+Non-finite gradients in fp32 and bf16 (``zero_optimization.zeropp.nonfinite_gradients``). At every accumulation
+boundary each rank checks its reduced fp32 ``grad_shard`` of every unit for Inf/NaN (exact: an Inf/NaN anywhere in a
+unit's gradient on any rank lands in the owning rank's shard; qgZ: a block holding one gets a non-finite scale and
+dequantizes to NaN there): with clipping the flag comes free from the unit's float64 sum of squares, without it costs
+one ``isfinite().all()`` pass over the shard (``N / P`` elements per unit, a fraction of the optimizer's own pass).
+The per-unit flags go in the same all-reduce as the norm, so every rank sees the same units. Cost per step, against
+the step before this check: in fp32/bf16 one host read of that small vector (before, none: a GPU step now waits for
+the device once, as an fp16 step always did), and without clipping one all-reduce of ``8 * (1 + units)`` bytes.
+When a unit is flagged:
+
+* ``"skip"`` (default): the step is skipped on every rank exactly as an fp16 overflow is (below): no change to
+  masters, shards, parameters, optimizer state, its step counts or the learning-rate scheduler; ``skipped_steps``
+  counts it, ``was_step_applied()`` is false, the gradient shards are zeroed, and the first rank warns
+  (``RuntimeWarning``, once per skipped step) naming the units;
+* ``"raise"``: the same skip, then ``step()`` raises ``NonFiniteGradientError`` naming the units on every rank.
+
+Masters, shards and optimizer state never see the Inf/NaN, and qgZ error-feedback residuals stay finite (the
+residual of a non-finite block is zeroed by ``comm.ErrorFeedback``; the finite blocks' residual of the skipped
+step is kept and added to the next reduction, as on an fp16 overflow). Under fp16 an Inf/NaN is a loss-scale overflow:
+the same flags, handled by the loss scaler, never warned about or raised whatever the key says.
 
 ZeRO++ (``Collectives`` holds the settings, ``Unit`` the layout and the hpZ secondary shard):
 
@@ -99,17 +121,16 @@ their backward), ``2 * N`` bytes each in bf16; plus the reduce buffers: one of e
 step returns the C heap's free pages to the OS (``host_memory``). At one rank ``shard`` is a view of ``full`` (one
 copy of the weights, never freed) and gradients go straight into ``grad_shard``.
 
-fp16 loss scaling (``zeropp.engine.loss_scaler``, DeepSpeed's rules): ``backward`` differentiates
-``loss.float() / gradient_accumulation_steps * scale``. At the boundary ``step`` divides every ``grad_shard`` by
-the scale and checks it for Inf/NaN (``_gradient_stats``: this rank's reduced fp32 shards; under qgZ an Inf/NaN
-block dequantizes to NaN there), then all-reduces one float64 value over the data-parallel group (the count of units
-holding one, or with clipping the squared norm, non-finite exactly then) and reads it once. On an
-overflow the step is skipped on every rank — no change to masters, shards, parameters, optimizer state or its
-step count; ``global_steps`` still advances and ``skipped_steps`` counts it — the gradient shards are zeroed and
-the scaler lowers the scale; after ``loss_scale_window`` clean steps it doubles. With qgZ error feedback, the
-residuals are in scaled units and are multiplied by the ratio whenever the scale changes; on an overflowing step
-they keep what the reduction left (non-finite residuals are zeroed by ``comm.ErrorFeedback``). bf16 has no loss
-scale and no overflow check (as DeepSpeed).
+fp16 loss scaling (``zeropp.engine.loss_scaler``, DeepSpeed's rules): ``backward`` differentiates ``loss.float() /
+gradient_accumulation_steps * scale``. At the boundary ``step`` divides every ``grad_shard`` by the scale and checks
+it for Inf/NaN (``_gradient_stats``: this rank's reduced fp32 shards; under qgZ an Inf/NaN block dequantizes to NaN
+there), in the one all-reduce and host read above. On an overflow the step is skipped on every rank — no change to
+masters, shards, parameters, optimizer state or its step count; ``global_steps`` still advances and
+``skipped_steps`` counts it — the gradient shards are zeroed and the scaler lowers the scale; after
+``loss_scale_window`` clean steps it doubles. With qgZ error feedback, the residuals are in scaled units and are
+multiplied by the ratio whenever the scale changes; on an overflowing step they keep what the reduction left
+(non-finite residuals are zeroed by ``comm.ErrorFeedback``). bf16 has no loss scale (as DeepSpeed); its Inf/NaN
+gradients are the non-finite gradients above.
 
 Overlap (DeepSpeed's keys and defaults). ``stage3_prefetch_bucket_size`` (elements; 0: off) bounds the stage-3
 look-ahead: after a unit is gathered, the gathers of the units expected next (the previous forward's order; reversed
@@ -147,7 +168,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import importlib.util
-import math
 import os
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
@@ -177,6 +197,12 @@ class EngineUsageError(RuntimeError):
     """The engine's calls came in an order that cannot be right (e.g. ``backward`` before a forward)."""
 
 
+class NonFiniteGradientError(FloatingPointError):
+    """fp32/bf16 with ``zero_optimization.zeropp.nonfinite_gradients: "raise"``: a step's gradients held an Inf or
+    NaN. Raised by ``step()`` on every rank with the same message, naming the units; the step was skipped first (as
+    with ``"skip"``), so the engine is consistent and may go on with the next batch (or load a checkpoint)."""
+
+
 class ZeroEngine:
     """A model wrapped for ZeRO training. Build it with ``zeropp.initialize``.
 
@@ -186,8 +212,9 @@ class ZeroEngine:
         optimizer: the ``PartitionedOptimizer``.
         units: the ``Unit`` list, the root unit first.
         micro_steps: micro-batches stepped so far; ``global_steps``: accumulation boundaries so far (optimizer
-            steps taken or, fp16, skipped); ``skipped_steps``: those skipped for an fp16 overflow; ``overflow``:
-            whether the last boundary overflowed; ``loss_scale``: the fp16 loss scale (1.0 otherwise).
+            steps taken or skipped); ``skipped_steps``: those skipped for an Inf/NaN gradient (fp16: an overflow);
+            ``overflow``: whether the last boundary's gradients held an Inf/NaN (and its step was skipped);
+            ``loss_scale``: the fp16 loss scale (1.0 otherwise).
     """
 
     def __init__(
@@ -266,12 +293,12 @@ class ZeroEngine:
         self.loss_scaler = LossScaler(config.fp16) if config.fp16.enabled else None
         self.micro_steps = 0
         self.global_steps = 0
-        self.skipped_steps = 0  # fp16: boundaries whose step was skipped for an overflow (counted in global_steps)
-        self.overflow = False  # fp16: whether the last boundary overflowed
+        self.skipped_steps = 0  # boundaries whose step was skipped for an Inf/NaN gradient (counted in global_steps)
+        self.overflow = False  # whether the last boundary's gradients held an Inf/NaN (fp16: overflowed)
         self._global_grad_norm: float | torch.Tensor | None = None  # a device tensor until first read
         self._forward_pending = False  # a forward with grad ran and awaits its backward
         self._backward_pending = False  # a backward ran and awaits its step()
-        self._step_applied = False  # the last boundary's optimizer step was applied (not skipped for fp16)
+        self._step_applied = False  # the last boundary's optimizer step was applied (not skipped for an Inf/NaN)
         self._no_sync = False  # inside no_sync(): backward neither reduces nor counts a micro-batch
         self.global_samples = 0  # samples of every finished accumulation window (train_batch_size each)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
@@ -331,8 +358,14 @@ class ZeroEngine:
         return loss
 
     def step(self, lr_kwargs: Mapping[str, Any] | None = None) -> None:
-        """End a micro-batch; at the accumulation boundary clip, step the optimizer, publish the weights and, when
-        the step was applied, step ``lr_scheduler`` (``lr_kwargs`` go to its ``step``, as in DeepSpeed)."""
+        """End a micro-batch; at the accumulation boundary check the gradients for Inf/NaN (skipping the step on
+        every rank when some unit holds one), clip, step the optimizer, publish the weights and, when the step was
+        applied, step ``lr_scheduler`` (``lr_kwargs`` go to its ``step``, as in DeepSpeed).
+
+        Raises:
+            NonFiniteGradientError: fp32/bf16 with ``zero_optimization.zeropp.nonfinite_gradients: "raise"``, on
+                every rank, after skipping the step, when some rank's gradients held an Inf/NaN (the units named).
+        """
         if self._no_sync:
             raise EngineUsageError("step() inside no_sync(): leave the no_sync block first; its backward passes only "
                                    "accumulate gradients, the first backward after it reduces them all")
@@ -347,12 +380,11 @@ class ZeroEngine:
         if not boundary:
             return
         self.monitor.begin("step")
-        self.overflow = False
         stats = self._gradient_stats()
+        values = stats.tolist()  # the step's one host read: skip the step or not
+        bad = [unit for unit, count in zip(self.units, values[1:]) if count > 0]
+        self.overflow = bool(bad)
         if self.loss_scaler is not None:
-            assert stats is not None
-            value = stats.item()  # the step's one host read (none without fp16): skip the step or not
-            self.overflow = not math.isfinite(value) if self.config.gradient_clipping > 0 else value > 0
             old = self.loss_scaler.scale
             self.loss_scaler.update(self.overflow)
             if self.loss_scaler.scale != old:  # qgZ residuals are in scaled units: keep them in step with the scale
@@ -367,7 +399,7 @@ class ZeroEngine:
             self.skipped_steps += 1
             self._global_grad_norm = None
         else:
-            self._clip_gradients(stats)
+            self._clip_gradients(stats[0])
             self.optimizer.step()
             for unit in self.units:
                 unit.publish()
@@ -376,12 +408,24 @@ class ZeroEngine:
         self._step_applied = not self.overflow
         for unit in self.units:
             unit.grad_shard.zero_()
+        error = None
+        if bad and self.loss_scaler is None:  # fp16: an overflow, the loss scaler's business
+            message = self._nonfinite_message(bad)
+            if self.config.zero_optimization.zeropp.nonfinite_gradients == "raise":
+                error = NonFiniteGradientError(
+                    f"{message}: the optimizer step was skipped (zero_optimization.zeropp.nonfinite_gradients is "
+                    "\"raise\"; set it to \"skip\" to skip such steps and go on)")
+            elif self.topology.rank == 0:
+                warnings.warn(f"{message}: the optimizer step was skipped on every rank (skipped_steps="
+                              f"{self.skipped_steps})", RuntimeWarning, stacklevel=2)
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         self.monitor.end("step")
         self.monitor.boundary(self)
         if self.units and self.units[0].full.device.type == "cpu":
             host_memory.release_free_heap()  # the step's freed buffers back to the OS (see host_memory)
+        if error is not None:
+            raise error
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-batch is the last of its accumulation window (the next step() steps)."""
@@ -453,7 +497,7 @@ class ZeroEngine:
 
     def was_step_applied(self) -> bool:
         """Whether the last accumulation boundary's optimizer step was applied (false before the first one, and
-        when fp16 skipped it for an overflow)."""
+        when it was skipped for an Inf/NaN gradient: an fp16 overflow, or ``nonfinite_gradients`` in fp32/bf16)."""
         return self._step_applied
 
     def zero_grad(self) -> None:
@@ -618,43 +662,52 @@ class ZeroEngine:
         while self._reductions:
             self._reductions.popleft().wait()
 
-    def _gradient_stats(self) -> torch.Tensor | None:
+    def _gradient_stats(self) -> torch.Tensor:
         """At the boundary, before clipping and the optimizer: under fp16 divide every ``grad_shard`` by the loss
-        scale; then, when clipping is on or under fp16, compute one float64 value over every unit of this rank and
-        sum it over the data-parallel group (one all-reduce), leaving it on the device (no host synchronization):
+        scale; then compute one float64 vector of ``1 + len(units)`` values over this rank's units and sum it over
+        the data-parallel group (one all-reduce of ``8 * (1 + len(units))`` bytes), leaving it on the device:
 
-        * clipping on: the sum of the squares of the fp32 gradient shards (each unit's in float64, the units added
-          in order): the squared global norm. Squares of finite fp32 values cannot overflow float64, so it is
-          non-finite exactly when some rank's shard holds an Inf or NaN: under fp16 it is the overflow flag too;
-        * fp16 without clipping: how many units hold an Inf or NaN in their shard, over the ranks.
+        * ``[0]``, clipping on: the sum of the squares of the fp32 gradient shards (each unit's in float64, the
+          units added in order): the squared global norm (0 with clipping off);
+        * ``[1 + i]``: how many ranks' shards of unit ``i`` hold an Inf or NaN. With clipping that is read off the
+          unit's float64 sum of squares (squares of finite fp32 values cannot overflow float64, so it is non-finite
+          exactly when the shard holds an Inf or NaN: no second pass); without, one ``isfinite().all()`` pass.
 
         Read: every element of this rank's fp32 ``grad_shard`` of every unit, after the reduce-scatter (exact: an
         Inf/NaN anywhere in a unit's gradient on any rank lands in the owning rank's shard; qgZ: a block holding one
-        gets a non-finite scale and dequantizes to NaN in the owning rank's shard). ``None`` when neither is on."""
+        gets a non-finite scale and dequantizes to NaN in the owning rank's shard)."""
         clip = self.config.gradient_clipping > 0
-        if self.loss_scaler is None and not clip:
-            return None
         if self.loss_scaler is not None:
             inv = 1.0 / self.loss_scaler.scale
             for unit in self.units:
                 unit.grad_shard.mul_(inv)
         total = torch.zeros((), dtype=torch.float64, device=self.units[0].grad_shard.device)
+        flags = []
         for unit in self.units:
             if clip:
-                total += unit.grad_shard.double().pow(2).sum()
+                sq = unit.grad_shard.double().pow(2).sum()
+                total += sq
+                flags.append(torch.isfinite(sq).logical_not())
             else:
-                total += torch.isfinite(unit.grad_shard).all().logical_not()
-        return self.comm.all_reduce_sum(total)
+                flags.append(torch.isfinite(unit.grad_shard).all().logical_not())
+        stats = torch.cat([total.view(1), torch.stack(flags).to(torch.float64)])
+        return self.comm.all_reduce_sum(stats)
 
-    def _clip_gradients(self, sq: torch.Tensor | None) -> None:
+    def _nonfinite_message(self, units: list[Unit]) -> str:
+        """What the warning (``skip``) or the error (``raise``) says about a boundary whose gradients held an
+        Inf/NaN in ``units``."""
+        names = [unit.name or "<root>" for unit in units]
+        return f"step {self.global_steps}: non-finite gradients (Inf/NaN) on some rank in units {names}"
+
+    def _clip_gradients(self, sq: torch.Tensor) -> None:
         """Scale the gradient shards by ``min(clip / (norm + 1e-6), 1)`` (``torch.nn.utils.clip_grad_norm_``: the
-        coefficient clamped at 1, applied always), ``norm = sqrt(sq)`` from ``_gradient_stats``, all on the device;
-        the norm is read by the host only when ``get_global_grad_norm()`` asks for it."""
+        coefficient clamped at 1, applied always), ``norm = sqrt(sq)`` (``sq``: the 0-dim squared norm from
+        ``_gradient_stats``), all on the device; the norm is read by the host only when ``get_global_grad_norm()``
+        asks for it."""
         clip = self.config.gradient_clipping
         if clip <= 0:
             self._global_grad_norm = None
             return
-        assert sq is not None
         norm = sq.sqrt()
         self._global_grad_norm = norm
         # clip / (norm + 1e-6) as a division (Tensor.__rtruediv__ would multiply by a reciprocal), then min(., 1):
