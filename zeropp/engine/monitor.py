@@ -8,7 +8,8 @@ first rank prints one line to stdout::
 * ``loss``: the mean of the losses given to ``backward`` on this rank since the last line (every micro-batch);
 * ``lr``: each parameter group's learning rate after the step (what the next step uses);
 * ``grad_norm``: the global gradient norm before clipping of the last step (only with ``gradient_clipping``;
-  ``skipped`` when that step overflowed under fp16);
+  ``skipped`` when that step was skipped: an fp16 overflow, or non-finite gradients under ``nonfinite_gradients:
+  "skip"``);
 * ``samples/s``: ``train_batch_size`` times the boundaries since the last line, over the wall time since the first
   forward after it;
 * ``loss_scale``: the fp16 loss scale (1 otherwise).
