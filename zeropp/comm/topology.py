@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import socket
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -53,6 +54,10 @@ class Topology:
             several machines.
         hpz_partition_sizes: hpZ partition sizes whose groups are created now (others are created on first use
             of ``partition_group``, which is then a collective over the node).
+        timeout: how long a collective on the groups this topology creates (intra-node, inter-node, hpZ) waits for
+            the other ranks before failing with an error naming it. Pass the ``timeout`` given to
+            ``init_process_group``: torch offers no public way to read a group's timeout, so the default is
+            torch's default for the backend (``torch.distributed.default_pg_timeout``, 30 minutes, for gloo).
 
     Raises:
         ValueError: if the group size is not a multiple of ``d``, the ranks disagree on ``d``, or a host holds a
@@ -66,12 +71,18 @@ class Topology:
         *,
         host: str | None = None,
         hpz_partition_sizes: tuple[int, ...] | list[int] = (),
+        timeout: timedelta | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "Topology needs an initialized torch.distributed process group: call "
                 "torch.distributed.init_process_group(...) first (e.g. under torchrun)"
             )
+        if timeout is not None and (not isinstance(timeout, timedelta) or timeout <= timedelta(0)):
+            raise ValueError(f"timeout={timeout!r} must be a positive datetime.timedelta")
+        self.timeout: timedelta | None = timeout
+        # Agreement-checked call records per group (zeropp.comm.checks.verify_agreement).
+        self.verified_calls: dict[ProcessGroup, set[tuple[int, ...]]] = {}
         self.group: ProcessGroup = dist.group.WORLD if group is None else group
         self.ranks: list[int] = list(dist.get_process_group_ranks(self.group))
         self.world_size: int = len(self.ranks)
@@ -213,7 +224,7 @@ class Topology:
         key = tuple(sorted(ranks))
         if key not in self._groups:
             # Only the members call in: other ranks build their own groups at the same time.
-            pg = dist.new_group(list(key), use_local_synchronization=True)
+            pg = dist.new_group(list(key), timeout=self.timeout, use_local_synchronization=True)
             assert pg is not None
             self._groups[key] = pg
         return self._groups[key]
@@ -246,11 +257,17 @@ class Topology:
 _default: Topology | None = None
 
 
-def get_default_topology() -> Topology:
-    """The topology of the whole world, created on first use (a collective over all ranks then)."""
+def get_default_topology(timeout: timedelta | None = None) -> Topology:
+    """The topology of the whole world, created on first use (a collective over all ranks then) with ``timeout``
+    (see ``Topology``). Raises ``ValueError`` if it exists with another timeout than a given one."""
     global _default
     if _default is None:
-        _default = Topology()
+        _default = Topology(timeout=timeout)
+    elif timeout is not None and timeout != _default.timeout:
+        raise ValueError(
+            f"the default topology exists with timeout={_default.timeout} and is now asked for timeout={timeout}; "
+            "pass the same timeout everywhere, or set_default_topology(Topology(timeout=...)) first"
+        )
     return _default
 
 
