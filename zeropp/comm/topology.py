@@ -14,12 +14,21 @@ Within a node, ranks are ordered by global rank; a rank's position is its *local
   ``s`` dividing ``d`` (DeepSpeed's ``zero_hpz_partition_size``).
 
 torch.distributed orders the ranks of every group by global rank; the collectives rely on that.
+
+Clean exit: gloo's worker threads release a finished work's tensors after ``wait()`` has returned, and releasing a
+tensor that Python also references takes the GIL; a worker doing so once the interpreter has begun to finalize
+kills itself mid-destructor and the process aborts ("terminate called without an active exception"). So at exit
+(``atexit``) zeropp drops its references to every group and destroys the process groups if the program has not:
+destroying a group joins its threads, which finish their work with the GIL free. A group the program itself still
+references at exit is not destroyed.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
+import weakref
 from datetime import timedelta
 
 import torch
@@ -152,6 +161,7 @@ class Topology:
         self.local_rank: int = self.nodes[self.node].index(self.global_rank)
 
         self._groups: dict[tuple[int, ...], ProcessGroup] = {tuple(self.ranks): self.group}
+        _live.add(self)
         self.intra_group: ProcessGroup = self._group_for(self.nodes[self.node])
         self.inter_group: ProcessGroup = self._group_for(self.inter_ranks)
         for size in hpz_partition_sizes:
@@ -255,6 +265,26 @@ class Topology:
 
 
 _default: Topology | None = None
+_live: weakref.WeakSet[Topology] = weakref.WeakSet()
+
+
+def _shut_down_at_exit() -> None:
+    """Destroy the process groups before the interpreter finalizes (see ``zeropp.comm.work``): gloo's worker
+    threads release finished works' tensors, which takes the GIL; a thread doing so once finalization has begun
+    aborts the process. Destroying a group joins its threads (without holding the GIL), so this drops every
+    reference zeropp holds to a group and destroys the process groups the program did not destroy."""
+    global _default
+    _default = None
+    for topo in list(_live):
+        topo._groups.clear()
+        topo.verified_calls.clear()
+        topo._same_node.clear()
+        del topo.group, topo.intra_group, topo.inter_group
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+atexit.register(_shut_down_at_exit)
 
 
 def get_default_topology(timeout: timedelta | None = None) -> Topology:
