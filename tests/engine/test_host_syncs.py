@@ -27,8 +27,10 @@ def _check(results, runs):
             r = res[name]
             assert r["units"] >= 3, (name, r["units"])
             expected = 1 if run.get("fp16") else 0  # the read of the all-reduced overflow flag / squared norm
-            for calls in r["step"]:
-                assert len(calls) == expected, (name, calls)
+            for i, calls in enumerate(r["step"]):
+                if i == 0:  # the first step also makes each distinct collective call's one-time agreement check
+                    calls = [c for c in calls if not c.startswith("zeropp/comm/checks.py")]
+                assert len(calls) == expected, (name, i, calls)
             if run.get("clip"):
                 assert r["norm"] is not None and r["norm"] > 0, (name, r["norm"])
 
