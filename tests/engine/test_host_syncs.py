@@ -29,9 +29,11 @@ def _check(results, runs):
         for name, run in runs.items():
             r = res[name]
             assert r["units"] >= 3, (name, r["units"])
-            for calls in r["step"]:  # the read of the all-reduced flags (and squared norm), in step() itself
-                assert len(calls) == 1 and calls[0].startswith("zeropp/engine/engine.py:"), (name, calls)
-                assert calls[0].endswith(" tolist"), (name, calls)
+            for i, calls in enumerate(r["step"]):  # the read of the all-reduced flags (and squared norm), in step()
+                if i == 0:  # the first step also makes each distinct collective call's one-time agreement check
+                    calls = [c for c in calls if not c.startswith("zeropp/comm/checks.py")]
+                assert len(calls) == 1 and calls[0].startswith("zeropp/engine/engine.py:"), (name, i, calls)
+                assert calls[0].endswith(" tolist"), (name, i, calls)
             if run.get("clip"):
                 assert r["norm"] is not None and r["norm"] > 0, (name, r["norm"])
 

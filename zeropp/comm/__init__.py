@@ -15,7 +15,9 @@ Example (under torchrun; 2 emulated nodes of 2 ranks on one machine with ``ZEROP
     work = comm.reduce_scatter(grad, bits=4, topology=topo, async_op=True); ...; grad_shard = work.wait()
     comm.stats()["reduce_scatter"]["sent_inter"]  # bytes this rank sent across nodes
 
-``ZEROPP_DEBUG=1`` checks before each collective that all ranks passed matching arguments.
+Every distinct call (kind, group, numel, dtype, bits, block size, op) is checked once for agreement across the
+ranks (later identical calls cost nothing); ``ZEROPP_DEBUG=1`` checks every call. A collective failing in the
+backend (a timeout, a peer gone) raises ``CollectiveError`` naming it.
 This package knows nothing of ``nn.Module``; it uses only the public ops of ``zeropp.quant``.
 """
 
@@ -23,11 +25,17 @@ from .accounting import Traffic, reset_stats, stats
 from .all_gather import all_gather
 from .checks import debug_enabled
 from .reduce_scatter import ErrorFeedback, ReduceOp, reduce_scatter, shard_range
-from .topology import ENV_RANKS_PER_NODE, Topology, get_default_topology, set_default_topology
-from .work import CollectiveWork
+from .topology import (
+    ENV_RANKS_PER_NODE,
+    Topology,
+    get_default_topology,
+    set_default_topology,
+)
+from .work import CollectiveError, CollectiveWork
 
 __all__ = [
     "ENV_RANKS_PER_NODE",
+    "CollectiveError",
     "CollectiveWork",
     "ErrorFeedback",
     "ReduceOp",

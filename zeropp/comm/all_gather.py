@@ -20,7 +20,14 @@ from torch.distributed import ProcessGroup
 from ..quant import DEFAULT_BLOCK_SIZE, BlockFormat, dequantize_chunks, quantize_chunks
 from . import accounting
 from ._dist import all_gather_flat
-from .checks import check_bits, check_input, check_out, debug_enabled, dtype_code, verify_agreement
+from .checks import (
+    call_record,
+    check_bits,
+    check_input,
+    check_out,
+    dtype_code,
+    verify_agreement,
+)
 from .topology import Topology, get_default_topology
 from .work import CollectiveWork, Pending, run
 
@@ -65,13 +72,12 @@ def all_gather(
         out, size * numel, shard.device, dtype=shard.dtype if bits is None else None, float_only=bits is not None
     )
     fmt = BlockFormat(bits, block_size) if bits is not None else None
-    if debug_enabled():
-        verify_agreement(
-            pg, shard.device, "all_gather",
-            {"numel": numel, "dtype": dtype_code(shard.dtype), "bits": bits or 0, "block_size": block_size,
-             "out_dtype": dtype_code(out.dtype)},
-        )
-    return run(_all_gather_steps(shard.view(-1), out, fmt, pg, size, topo), async_op, (shard, out))
+    record = call_record("all_gather", numel=numel, dtype=dtype_code(shard.dtype), bits=bits or 0,
+                         block_size=block_size, out_dtype=dtype_code(out.dtype))
+    verify_agreement(topo.verified_calls, pg, shard.device, record)
+    what = (f"all_gather(bits={bits}) of {numel} {shard.dtype} elements per rank over ranks "
+            f"{dist.get_process_group_ranks(pg)}")
+    return run(_all_gather_steps(shard.view(-1), out, fmt, pg, size, topo), async_op, (shard, out), what)
 
 
 def _all_gather_steps(

@@ -1,8 +1,10 @@
-"""Input checks for the collectives: local ones (always on) and a cross-rank agreement check (``ZEROPP_DEBUG=1``).
+"""Input checks for the collectives: local ones and a cross-rank agreement check, both always on.
 
 Local checks catch what one rank can see: wrong types, non-contiguous tensors, a wrong ``out``. What only the
-group can see (ranks passing different sizes, dtypes or formats, which otherwise hangs or corrupts data) is checked
-when ``ZEROPP_DEBUG=1``: one small all-gather of a description of the call before each collective.
+group can see (ranks passing different sizes, dtypes or formats, or calling different collectives, which otherwise
+hangs, aborts or silently corrupts data) is checked by one small all-gather of a fixed-size record describing the
+call (``RECORD_FIELDS``), once per distinct call per group: the steady state of a training loop, which repeats the
+same calls, costs no communication. ``ZEROPP_DEBUG=1`` exchanges the record before every call.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from torch.distributed import ProcessGroup
 
 from ..quant.format import FLOAT_DTYPES
 from ._dist import all_gather_flat
+from .work import wait_backend
 
 SUPPORTED_BITS = (None, 8, 4)
 _DTYPE_CODES = {
@@ -27,7 +30,8 @@ _DTYPE_CODES = {
 
 
 def debug_enabled() -> bool:
-    """Whether ``ZEROPP_DEBUG=1`` asks for cross-rank checks before each collective."""
+    """Whether ``ZEROPP_DEBUG=1`` asks for the cross-rank agreement check before every collective call (not only
+    the first call of each kind of call)."""
     return os.environ.get("ZEROPP_DEBUG", "0") not in ("", "0")
 
 
@@ -74,23 +78,69 @@ def dtype_code(dtype: torch.dtype) -> int:
     return _DTYPE_CODES.get(dtype, -1)
 
 
-def verify_agreement(group: ProcessGroup, device: torch.device, what: str, fields: dict[str, int]) -> None:
-    """Raise on every rank if the ranks of ``group`` disagree on any of ``fields`` (one small all-gather)."""
+RECORD_FIELDS = (
+    "kind", "numel", "dtype", "bits", "block_size", "op", "out_dtype", "reduce_dtype", "wire_dtype"
+)
+"""The fields of the record each rank sends in an agreement check: the same for every collective kind, so that a
+rank calling one kind while another calls a different one still exchanges records of the same size (gloo aborts
+the process on a size mismatch instead of raising)."""
+_KINDS = ("all_gather", "reduce_scatter")
+UNUSED = -2
+"""Value of a field that does not apply to the collective (e.g. ``op`` for an all-gather)."""
+
+
+def call_record(kind: str, **fields: int) -> tuple[int, ...]:
+    """The fixed-size record (``RECORD_FIELDS``, unused fields ``UNUSED``) describing one collective call."""
+    unknown = set(fields) - set(RECORD_FIELDS[1:])
+    if unknown:
+        raise ValueError(f"unknown agreement fields {sorted(unknown)}; the record has {RECORD_FIELDS}")
+    return (_KINDS.index(kind), *(fields.get(name, UNUSED) for name in RECORD_FIELDS[1:]))
+
+
+def _describe(name: str, value: int) -> str:
+    if value == UNUSED:
+        return "-"
+    if name == "kind":
+        return _KINDS[value] if 0 <= value < len(_KINDS) else str(value)
+    if name.endswith("dtype"):
+        return next((str(dt) for dt, code in _DTYPE_CODES.items() if code == value), str(value))
+    return str(value)
+
+
+def verify_agreement(
+    verified: dict[ProcessGroup, set[tuple[int, ...]]], group: ProcessGroup, device: torch.device,
+    record: tuple[int, ...],
+) -> None:
+    """Raise on every rank if the ranks of ``group`` describe different calls (one small all-gather of ``record``).
+
+    ``verified`` caches, per group, the records already found to agree: a record seen before is not exchanged
+    again (no communication in the steady state), unless ``ZEROPP_DEBUG=1`` asks to check every call. Every rank
+    sees the same sequence of calls when the ranks agree, so they all skip or all exchange. A rank that makes a
+    *new* call while another repeats an agreed one cannot be caught this way (set ``ZEROPP_DEBUG=1``); the
+    collective then fails or times out, with an error naming it (``CollectiveError``).
+    """
     size = dist.get_world_size(group)
     if size == 1:
         return
-    mine = torch.tensor(list(fields.values()), dtype=torch.int64, device=device)
-    everyone = torch.empty(size * mine.numel(), dtype=torch.int64, device=device)
-    all_gather_flat(everyone, mine, group=group)
-    table = everyone.view(size, -1).cpu().tolist()
+    seen = verified.setdefault(group, set())
+    if record in seen and not debug_enabled():
+        return
+    kind = _describe("kind", record[0])
+    mine = torch.tensor(record, dtype=torch.int64, device=device)
+    everyone = torch.empty(size * len(RECORD_FIELDS), dtype=torch.int64, device=device)
     ranks = dist.get_process_group_ranks(group)
+    wait_backend(all_gather_flat(everyone, mine, group=group, async_op=True),
+                 f"the agreement check before {kind} over ranks {ranks}")
+    table = [tuple(row) for row in everyone.view(size, -1).cpu().tolist()]
     bad = [
-        f"{name}: " + ", ".join(f"rank {r}={row[i]}" for r, row in zip(ranks, table))
-        for i, name in enumerate(fields)
+        f"{name}: " + ", ".join(f"rank {r}={_describe(name, row[i])}" for r, row in zip(ranks, table))
+        for i, name in enumerate(RECORD_FIELDS)
         if len({row[i] for row in table}) > 1
     ]
     if bad:
         raise ValueError(
-            f"ZEROPP_DEBUG: the ranks called {what} with different arguments ({'; '.join(bad)}); every rank of "
-            "the group must pass tensors of the same numel and dtype and the same bits/op/block_size"
+            f"the ranks {ranks} called {kind} with different arguments ({'; '.join(bad)}); every rank of the group "
+            "must make the same collective calls in the same order, with tensors of the same numel and dtype and "
+            "the same bits/op/block_size"
         )
+    seen.add(record)

@@ -54,7 +54,15 @@ from ..quant import (
 )
 from . import accounting
 from ._dist import reduce_scatter_flat
-from .checks import check_bits, check_input, check_out, debug_enabled, dtype_code, verify_agreement
+from .checks import (
+    UNUSED,
+    call_record,
+    check_bits,
+    check_input,
+    check_out,
+    dtype_code,
+    verify_agreement,
+)
 from .topology import Topology, get_default_topology
 from .work import CollectiveWork, Pending, run
 
@@ -195,14 +203,15 @@ def reduce_scatter(
     if error_feedback is not None and bits is None:
         raise ValueError("error_feedback applies to quantized reduce_scatter; pass bits=8 or 4")
     fmt = BlockFormat(bits, block_size) if bits is not None else None
-    if debug_enabled():
-        verify_agreement(
-            topo.group, full.device, "reduce_scatter",
-            {"numel": numel, "dtype": dtype_code(full.dtype), "bits": bits or 0, "block_size": block_size,
-             "op": 0 if reduce_op is ReduceOp.SUM else 1,
-             "reduce_dtype": dtype_code(reduce_dtype) if reduce_dtype is not None else -2,
-             "wire_dtype": dtype_code(wire_dtype) if wire_dtype is not None else -2},
-        )
+    record = call_record(
+        "reduce_scatter", numel=numel, dtype=dtype_code(full.dtype), bits=bits or 0, block_size=block_size,
+        op=0 if reduce_op is ReduceOp.SUM else 1, out_dtype=dtype_code(out.dtype),
+        reduce_dtype=dtype_code(reduce_dtype) if reduce_dtype is not None else UNUSED,
+        wire_dtype=dtype_code(wire_dtype) if wire_dtype is not None else UNUSED,
+    )
+    verify_agreement(topo.verified_calls, topo.group, full.device, record)
+    what = (f"reduce_scatter(bits={bits}, op={reduce_op.value}) of {numel} {full.dtype} elements over ranks "
+            f"{topo.ranks}")
     divisor = size if reduce_op is ReduceOp.AVG else 1
     flat = full.view(-1)
     if size == 1 or numel == 0:
@@ -213,7 +222,7 @@ def reduce_scatter(
         steps = _exact_steps(flat, out, topo, divisor, reduce_dtype or full.dtype)
     else:
         steps = _qgz_steps(flat, out, fmt, topo, divisor, error_feedback)
-    return run(steps, async_op, (full, out))
+    return run(steps, async_op, (full, out), what)
 
 
 def _identity(flat: torch.Tensor, out: torch.Tensor) -> Generator[Pending, None, torch.Tensor]:

@@ -14,12 +14,22 @@ Within a node, ranks are ordered by global rank; a rank's position is its *local
   ``s`` dividing ``d`` (DeepSpeed's ``zero_hpz_partition_size``).
 
 torch.distributed orders the ranks of every group by global rank; the collectives rely on that.
+
+Clean exit: gloo's worker threads release a finished work's tensors after ``wait()`` has returned, and releasing a
+tensor that Python also references takes the GIL; a worker doing so once the interpreter has begun to finalize
+kills itself mid-destructor and the process aborts ("terminate called without an active exception"). So at exit
+(``atexit``) zeropp drops its references to every group and destroys the process groups if the program has not:
+destroying a group joins its threads, which finish their work with the GIL free. A group the program itself still
+references at exit is not destroyed.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
+import weakref
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -53,6 +63,10 @@ class Topology:
             several machines.
         hpz_partition_sizes: hpZ partition sizes whose groups are created now (others are created on first use
             of ``partition_group``, which is then a collective over the node).
+        timeout: how long a collective on the groups this topology creates (intra-node, inter-node, hpZ) waits for
+            the other ranks before failing with an error naming it. Pass the ``timeout`` given to
+            ``init_process_group``: torch offers no public way to read a group's timeout, so the default is
+            torch's default for the backend (``torch.distributed.default_pg_timeout``, 30 minutes, for gloo).
 
     Raises:
         ValueError: if the group size is not a multiple of ``d``, the ranks disagree on ``d``, or a host holds a
@@ -66,12 +80,18 @@ class Topology:
         *,
         host: str | None = None,
         hpz_partition_sizes: tuple[int, ...] | list[int] = (),
+        timeout: timedelta | None = None,
     ) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError(
                 "Topology needs an initialized torch.distributed process group: call "
                 "torch.distributed.init_process_group(...) first (e.g. under torchrun)"
             )
+        if timeout is not None and (not isinstance(timeout, timedelta) or timeout <= timedelta(0)):
+            raise ValueError(f"timeout={timeout!r} must be a positive datetime.timedelta")
+        self.timeout: timedelta | None = timeout
+        # Agreement-checked call records per group (zeropp.comm.checks.verify_agreement).
+        self.verified_calls: dict[ProcessGroup, set[tuple[int, ...]]] = {}
         self.group: ProcessGroup = dist.group.WORLD if group is None else group
         self.ranks: list[int] = list(dist.get_process_group_ranks(self.group))
         self.world_size: int = len(self.ranks)
@@ -141,6 +161,7 @@ class Topology:
         self.local_rank: int = self.nodes[self.node].index(self.global_rank)
 
         self._groups: dict[tuple[int, ...], ProcessGroup] = {tuple(self.ranks): self.group}
+        _live.add(self)
         self.intra_group: ProcessGroup = self._group_for(self.nodes[self.node])
         self.inter_group: ProcessGroup = self._group_for(self.inter_ranks)
         for size in hpz_partition_sizes:
@@ -213,7 +234,7 @@ class Topology:
         key = tuple(sorted(ranks))
         if key not in self._groups:
             # Only the members call in: other ranks build their own groups at the same time.
-            pg = dist.new_group(list(key), use_local_synchronization=True)
+            pg = dist.new_group(list(key), timeout=self.timeout, use_local_synchronization=True)
             assert pg is not None
             self._groups[key] = pg
         return self._groups[key]
@@ -244,13 +265,39 @@ class Topology:
 
 
 _default: Topology | None = None
+_live: weakref.WeakSet[Topology] = weakref.WeakSet()
 
 
-def get_default_topology() -> Topology:
-    """The topology of the whole world, created on first use (a collective over all ranks then)."""
+def _shut_down_at_exit() -> None:
+    """Destroy the process groups before the interpreter finalizes (see ``zeropp.comm.work``): gloo's worker
+    threads release finished works' tensors, which takes the GIL; a thread doing so once finalization has begun
+    aborts the process. Destroying a group joins its threads (without holding the GIL), so this drops every
+    reference zeropp holds to a group and destroys the process groups the program did not destroy."""
+    global _default
+    _default = None
+    for topo in list(_live):
+        topo._groups.clear()
+        topo.verified_calls.clear()
+        topo._same_node.clear()
+        del topo.group, topo.intra_group, topo.inter_group
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+atexit.register(_shut_down_at_exit)
+
+
+def get_default_topology(timeout: timedelta | None = None) -> Topology:
+    """The topology of the whole world, created on first use (a collective over all ranks then) with ``timeout``
+    (see ``Topology``). Raises ``ValueError`` if it exists with another timeout than a given one."""
     global _default
     if _default is None:
-        _default = Topology()
+        _default = Topology(timeout=timeout)
+    elif timeout is not None and timeout != _default.timeout:
+        raise ValueError(
+            f"the default topology exists with timeout={_default.timeout} and is now asked for timeout={timeout}; "
+            "pass the same timeout everywhere, or set_default_topology(Topology(timeout=...)) first"
+        )
     return _default
 
 

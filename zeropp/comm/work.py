@@ -9,6 +9,10 @@ wait at once.
 CUDA streams (the rule is in ``CollectiveWork``'s docstring): the handle remembers the stream current when the
 collective was issued and an event recorded on it once the issuing steps are queued. ``wait()`` from another stream
 makes that stream wait on the event and records every tensor the collective used on it (``Tensor.record_stream``).
+
+Failures: a backend error while waiting (a timeout because a rank skipped the call or called another collective,
+a peer that died) is re-raised as ``CollectiveError`` naming the zeropp collective, its group and shapes.
+
 """
 
 from __future__ import annotations
@@ -21,6 +25,22 @@ import torch
 # What a collective's generator yields: a torch.distributed work object and the tensors (temporaries, buffers handed
 # to the communication) that stay in use after it.
 Pending = tuple[Any, tuple[torch.Tensor | None, ...]]
+
+class CollectiveError(RuntimeError):
+    """A zeropp collective failed in the backend (a timeout, a peer gone); the message names the collective."""
+
+
+def wait_backend(work: Any, what: str) -> None:
+    """``work.wait()`` for a torch.distributed work object, a backend failure re-raised as a ``CollectiveError``
+    naming ``what`` (the collective, its group and shapes)."""
+    try:
+        work.wait()
+    except RuntimeError as e:
+        raise CollectiveError(
+            f"{what} failed in the backend: {e}. If it timed out, a rank of the group did not make this call "
+            "(it skipped it, called another collective or is stuck); the timeout is the one given to Topology "
+            "(timeout=) or to init_process_group"
+        ) from e
 
 
 class CollectiveWork:
@@ -57,11 +77,13 @@ class CollectiveWork:
 
     def __init__(
         self, steps: Generator[Pending, None, torch.Tensor], tensors: Iterable[torch.Tensor] = (), *,
-        streams: bool = True,
+        streams: bool = True, what: str = "collective",
     ) -> None:
         """``tensors``: the caller's tensors (input, output) to record on the waiting stream. ``streams=False``
-        (a synchronous call: waited on the issuing stream at once) skips the stream bookkeeping."""
+        (a synchronous call: waited on the issuing stream at once) skips the stream bookkeeping. ``what``: the
+        collective, its group and shapes, for error messages."""
         self._steps = steps
+        self._what = what
         self._result: torch.Tensor | None = None
         self._pending: Pending | None = None
         self._used = [t for t in tensors if t.is_cuda] if streams else []
@@ -81,6 +103,10 @@ class CollectiveWork:
         except StopIteration as stop:
             self._pending = None
             self._result = stop.value
+        except RuntimeError as e:  # the backend refused to issue the communication (e.g. a peer is gone)
+            if isinstance(e, CollectiveError):
+                raise
+            raise CollectiveError(f"{self._what} failed in the backend: {e}") from e
 
     def wait(self) -> torch.Tensor:
         """Block until the collective is done (on CUDA: until it is queued on the current stream, which may differ
@@ -106,7 +132,7 @@ class CollectiveWork:
             work, tensors = self._pending
             if waiting is not None:  # before the last step frees them: the generator's locals go with it
                 self._record(tensors, waiting)
-            work.wait()
+            wait_backend(work, self._what)
             self._advance()
         assert self._result is not None
         return self._result
@@ -123,9 +149,11 @@ class CollectiveWork:
 
 
 def run(
-    steps: Generator[Pending, None, torch.Tensor], async_op: bool, tensors: Iterable[torch.Tensor] = ()
+    steps: Generator[Pending, None, torch.Tensor], async_op: bool, tensors: Iterable[torch.Tensor] = (),
+    what: str = "collective",
 ) -> torch.Tensor | CollectiveWork:
     """Run a collective's ``steps``: at once (``async_op=False``), or to its first communication, returning the
-    handle. ``tensors``: the caller's input and output, recorded on the waiting stream (see ``CollectiveWork``)."""
-    work = CollectiveWork(steps, tensors, streams=async_op)
+    handle. ``tensors``: the caller's input and output, recorded on the waiting stream (see ``CollectiveWork``).
+    ``what``: the collective, its group and shapes, for error messages."""
+    work = CollectiveWork(steps, tensors, streams=async_op, what=what)
     return work if async_op else work.wait()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ def initialize(
     param_init_fn: ParamInitFn | None = None,
     init_seed: int = 0,
     device: torch.device | str | None = None,
+    timeout: timedelta | None = None,
 ) -> tuple[ZeroEngine, Any, None, Any]:
     """Wrap ``model`` for ZeRO training; returns ``(engine, optimizer, None, lr_scheduler)`` like
     ``deepspeed.initialize`` (the same parameters, in the same order).
@@ -74,6 +76,9 @@ def initialize(
             (default: ``module.reset_parameters()``), FSDP's argument.
         init_seed: meta models: the seed the per-unit seeds derive from (``materialize.unit_seed``).
         device: meta models: where to materialise (default: the current CUDA device under NCCL, else the CPU).
+        timeout: how long a collective on the node-local and cross-node groups waits before failing with an error
+            naming it; pass the ``timeout`` given to ``init_process_group`` (see ``comm.Topology``). Applies to the
+            default topology; with ``topology=``, give it to ``Topology`` instead.
 
     Raises:
         ConfigError: a bad config, or a setting this engine does not implement yet; nothing is raised mid-run
@@ -104,7 +109,9 @@ def initialize(
             "zeropp.initialize needs torch.distributed: call torch.distributed.init_process_group(...) first "
             "(under torchrun, or with world_size=1 for a single process)"
         )
-    topo = topology if topology is not None else comm.get_default_topology()
+    if topology is not None and timeout is not None:
+        raise ValueError("initialize got topology= and timeout=; pass the timeout to comm.Topology(timeout=...)")
+    topo = topology if topology is not None else comm.get_default_topology(timeout)
     cfg = load_config(config, world_size=topo.world_size)
     _check_supported(cfg, topo)
     dtype = compute_dtype(cfg)
