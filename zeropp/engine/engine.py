@@ -170,7 +170,7 @@ from .optimizer import PartitionedOptimizer
 from .policy import UnitPolicy, plan_units
 from .prefetch import Prefetcher
 from .scheduler import build_scheduler
-from .unit import GradientReduction, ReduceBuffers, Unit, gather_bucketed
+from .unit import GradientReduction, ReduceBuffers, Unit, gather_bucketed, reduce_bucketed
 
 
 class EngineUsageError(RuntimeError):
@@ -260,6 +260,11 @@ class ZeroEngine:
         self.overlap_comm = zero.overlap_comm
         self.reduce_bucket_size = zero.reduce_bucket_size
         self._reductions: collections.deque[GradientReduction] = collections.deque()  # in flight, oldest first
+        # units whose packed gradients wait for their bucket's reduce-scatter, and their buffers' elements in all;
+        # one collective per unit at one rank (no buffer) and under qgZ error feedback (per-unit residuals)
+        self._bucket: list[tuple[Unit, list[torch.Tensor | None]]] = []
+        self._bucket_numel = 0
+        self._bucketing = self.comm.world_size > 1 and not self.comm.error_feedback
         self._readiness = GradientReadiness(self.units, self._on_unit_ready) if self.stage >= 2 else None
 
         self._accumulation_steps = config.gradient_accumulation_steps
@@ -574,11 +579,35 @@ class ZeroEngine:
             unit.free()
 
     def _reduce(self, unit: Unit) -> None:
-        """Start ``unit``'s gradient reduce-scatter. Without ``overlap_comm`` wait for it at once; with it, let it
-        run while autograd goes on, waiting for the oldest ones only while the flat buffers in flight exceed
-        ``reduce_bucket_size`` elements (every rank waits in the order it started them: qgZ's hop 2 runs inside
-        the wait)."""
-        self._reductions.append(unit.reduce_gradients())
+        """Reduce-scatter ``unit``'s gradients in a bucket (DeepSpeed's ``reduce_bucket_size``, in elements of the
+        units' padded flat buffers): its ``.grad`` is packed into its flat buffer at once (and dropped, so a
+        stage-3 unit can be freed) and held; a unit that would take the held ones past ``reduce_bucket_size``
+        first sends them, and once the held units reach it they go in one reduce-scatter (``reduce_bucketed``);
+        ``_finish_backward`` sends the rest. A unit of at least ``reduce_bucket_size`` elements goes alone."""
+        if not self._bucketing:
+            self._start_reduction(unit.reduce_gradients())
+            return
+        numel = unit.full.numel()
+        if self._bucket and self._bucket_numel + numel > self.reduce_bucket_size:
+            self._send_bucket()
+        self._bucket.append((unit, unit.take_gradients()))
+        self._bucket_numel += numel
+        if self._bucket_numel >= self.reduce_bucket_size:
+            self._send_bucket()
+
+    def _send_bucket(self) -> None:
+        """Start the reduce-scatter of the held units (nothing if none)."""
+        if self._bucket:
+            units, grads = zip(*self._bucket)
+            self._bucket, self._bucket_numel = [], 0
+            self._start_reduction(reduce_bucketed(list(units), list(grads)))
+
+    def _start_reduction(self, reduction: GradientReduction) -> None:
+        """Without ``overlap_comm`` wait for ``reduction`` at once; with it, let it run while autograd goes on,
+        waiting for the oldest ones only while the flat buffers in flight exceed ``reduce_bucket_size`` elements
+        (with buckets of about that size: one bucket in flight while the next fills, DeepSpeed's double buffer).
+        Every rank waits in the order it started them: qgZ's hop 2 runs inside the wait."""
+        self._reductions.append(reduction)
         if not self.overlap_comm:
             self._reductions.popleft().wait()
             return
@@ -603,7 +632,7 @@ class ZeroEngine:
 
     def _finish_backward(self) -> None:
         """Reduce what the hooks did not (stage 1 at the boundary; units with a parameter that got no gradient),
-        wait for every reduction in flight and free every stage-3 unit, root included. Same unit order on every
+        send the last bucket, wait for every reduction in flight and free every stage-3 unit, root included. Same unit order on every
         rank."""
         for unit in self.units:
             if not unit.params:
@@ -615,6 +644,7 @@ class ZeroEngine:
                 self._reduce(unit)
             unit.pending_input_grads = 0
             unit.free()
+        self._send_bucket()
         while self._reductions:
             self._reductions.popleft().wait()
 
