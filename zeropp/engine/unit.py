@@ -54,12 +54,19 @@ Construction (``broadcast``): a unit built from an eagerly constructed model tak
 broadcast of ``full``); one built from a model materialised by ``zeropp.engine.materialize`` (every rank computed the
 same values from the same seeds) takes its own, with no communication.
 
-Gradients arrive in the parameters' ``.grad`` (autograd's normal accumulation); ``reduce_gradients()`` packs them
-into one flat buffer of ``Collectives.gradient_dtype`` (zeros where a parameter got no gradient): fp32 under qgZ or
+Gradients arrive in the parameters' ``.grad`` (autograd's normal accumulation). ``reduce_gradients()`` (one unit)
+and ``reduce_bucketed(units, ...)`` (several units in one collective, the engine's ``reduce_bucket_size`` buckets)
+take them (``take_gradients``: the ``.grad`` tensors are dropped from the parameters, so a stage-3 unit can be freed
+while its gradients wait for their bucket), pack them in one copy into a flat buffer of
+``Collectives.gradient_dtype`` (zeros where a parameter got no gradient): fp32 under qgZ or
 ``communication_data_type`` fp32 (bf16/fp16 gradients upcast), else the communication dtype (a bf16 ``.grad`` copied
-as is); it drops the ``.grad`` tensors and starts the reduce-scatter (qgZ when on, with this unit's ``ErrorFeedback`` when configured); the
-returned ``GradientReduction``'s ``wait()`` adds this rank's slice to ``grad_shard``. ``gather(wait=False)`` likewise
-only starts the all-gather (the engine's prefetch), and the next ``gather()`` or ``free()`` waits for it.
+as is), and start the reduce-scatter (qgZ when on, with the unit's ``ErrorFeedback`` when configured: one unit per
+collective then). A bucket lays the units' ``(P, S_u)`` buffers side by side, ``(P, sum S_u)``, so that rank ``r``'s
+slice is every unit's slice ``r``: the same values as one collective per unit. The returned
+``GradientReduction``'s ``wait()`` adds this rank's slice of each unit to its ``grad_shard``.
+
+``gather(wait=False)`` only starts the all-gather (the engine's prefetch), and the next ``gather()`` or ``free()``
+waits for it.
 """
 
 from __future__ import annotations
@@ -543,8 +550,10 @@ class ReduceBuffers:
     A fresh multi-MB CPU allocation comes from the kernel and costs a page fault per 4 KiB page at first touch
     (measured: copying the gradients into fresh buffers took 30 ms per step on the small GPT at 4 ranks, 20 ms
     with reuse); a buffer given back after its collective finished is handed to the next reduction instead. The
-    pool keeps at most as many buffers of each size as were in flight at once (one without ``overlap_comm``; with
-    it, what ``reduce_bucket_size`` lets through). CPU buffers only: CUDA's caching allocator already reuses freed
+    buffers have the sizes of the buckets (``reduce_bucketed``: the units' buffers in all; the same buckets step
+    after step, as the units' gradients get ready in the same order), and the pool keeps at most as many of each
+    size as were in flight at once (one without ``overlap_comm``; with it, what ``reduce_bucket_size`` lets
+    through). CPU buffers only: CUDA's caching allocator already reuses freed
     blocks, for any purpose, so holding them here would only take memory from the activations.
     """
 
