@@ -553,8 +553,8 @@ class ReduceBuffers:
     buffers have the sizes of the buckets (``reduce_bucketed``: the units' buffers in all; the same buckets step
     after step, as the units' gradients get ready in the same order), and the pool keeps at most as many of each
     size as were in flight at once (one without ``overlap_comm``; with it, what ``reduce_bucket_size`` lets
-    through). CPU buffers only: CUDA's caching allocator already reuses freed
-    blocks, for any purpose, so holding them here would only take memory from the activations.
+    through). CPU buffers only: CUDA's caching allocator already reuses freed blocks, for any purpose, so holding
+    them here would only take memory from the activations.
     """
 
     def __init__(self) -> None:
