@@ -99,7 +99,7 @@ buffer              dtype       notes
 ``shard``           compute     ``N / P``; what the weight all-gather (qwZ: quantizes) sends
 ``.grad``           compute     autograd's; stage 1 accumulates micro-batches in it (as DeepSpeed)
 reduce buffer       comm        ``N``: the ``.grad`` in ``communication_data_type`` (fp32 under qgZ), then
-                                reduce-scattered (none at 1 rank); pooled
+                                reduce-scattered, in buckets of units (none at 1 rank); pooled
 ``grad_shard``      fp32        ``N / P``; accumulates micro-batches
 ``master``          fp32        ``N / P``; the optimizer's weights, copied down to ``shard`` after a step
 optimizer state     fp32        ``N / P`` each (Adam: 2, SGD momentum: 1)
@@ -116,8 +116,9 @@ always quantizes from and sums in fp32, so it sends the same bytes in every prec
 AdamW this is ``(2 + 4 + 12) * Psi / P`` bytes (compute shard, fp32 gradient shard, master and two moments) against
 DeepSpeed's ``(2 + 2 + 12)``: the gradient shard is kept in fp32 (no rounding of the accumulated gradient); plus
 the compute-dtype ``full`` of the persistent units (always) and of the units kept for reuse (from their forward to
-their backward), ``2 * N`` bytes each in bf16; plus the reduce buffers: one of each unit size (on CPU
-``unit.ReduceBuffers`` keeps them for reuse), more with ``overlap_comm`` (those in flight at once). On CPU the
+their backward), ``2 * N`` bytes each in bf16; plus the gradients held for their bucket (up to
+``reduce_bucket_size`` elements, as the compute-dtype ``.grad``) and the reduce buffers: one of each bucket size (on
+CPU ``unit.ReduceBuffers`` keeps them for reuse), more with ``overlap_comm`` (those in flight at once). On CPU the
 step returns the C heap's free pages to the OS (``host_memory``). At one rank ``shard`` is a view of ``full`` (one
 copy of the weights, never freed) and gradients go straight into ``grad_shard``.
 
@@ -134,10 +135,23 @@ gradients are the non-finite gradients above.
 
 Overlap (DeepSpeed's keys and defaults). ``stage3_prefetch_bucket_size`` (elements; 0: off) bounds the stage-3
 look-ahead: after a unit is gathered, the gathers of the units expected next (the previous forward's order; reversed
-in backward) are started asynchronously (``zeropp.engine.prefetch``). ``overlap_comm`` (default true at stage 3, as
-DeepSpeed) lets each unit's gradient reduce-scatter run while autograd goes on, waiting for the oldest ones once the
-flat fp32 buffers in flight exceed ``reduce_bucket_size`` elements, and for all at the end of backward; off, every
-reduce-scatter completes before backward resumes. Either way the values are bit-identical: only the timing changes.
+in backward) are started asynchronously (``zeropp.engine.prefetch``).
+
+Gradient buckets (``reduce_bucket_size``, elements, DeepSpeed's meaning; counted in the units' padded flat
+buffers). A unit whose gradients are complete is not reduce-scattered alone: its ``.grad`` tensors are taken from
+the parameters (a stage-3 unit is then freed as before) and held; a unit that would take the held ones past
+``reduce_bucket_size`` elements first sends them, and once the held units reach it they go at once; the rest go at
+the end of backward. Each bucket is ONE reduce-scatter (``unit.reduce_bucketed``: the units' gradients packed side
+by side so that each rank's slice is every unit's slice), bit-identical to one per unit in every precision; a unit
+of at least ``reduce_bucket_size`` elements goes alone, and so does every unit under qgZ error feedback (each unit
+keeps residuals of its own layout). ``overlap_comm`` (default true at stage 3, as DeepSpeed) lets each bucket's
+reduce-scatter run while autograd goes on, waiting for the oldest ones once the flat buffers in flight exceed
+``reduce_bucket_size`` elements — with full buckets one in flight while the next fills, DeepSpeed's double buffer —
+and for all at the end of backward; off, every bucket's reduce-scatter completes when it is sent. Either way the
+values are bit-identical: only the timing changes. With DeepSpeed's default (5e8) a model of fewer elements sends all
+its gradients in one reduce-scatter at the end of backward (fewest collectives, no overlap with backward); a
+``reduce_bucket_size`` of a few units' elements overlaps the buckets with the rest of backward instead, and 1 gives
+one reduce-scatter per unit.
 
 Frozen parameters (``requires_grad=False``): stages 1 and 2 keep them whole on every rank, never communicated; stage
 3 shards them with their unit in a second flat buffer (``unit.FrozenFlat``: ``N_frozen / P`` per rank, compute dtype,
@@ -156,11 +170,10 @@ changed), and ``engine.full_parameters()`` (the compute weights) or ``engine.con
 masters) copy them out; ``engine.state_dict()`` gives the masters in the compute dtype. Entry points other than the
 model's ``forward`` (a ``generate`` calling submodules) gather the units whose submodules they call (``hooks``).
 
-Limits: one reduce-scatter per unit (``reduce_bucket_size`` does not merge units into buckets). Checkpoints
-(``save_checkpoint``/``load_checkpoint``, ``zeropp.engine.checkpoint``) are taken at accumulation boundaries only and
-load at any world size and layout, but the qgZ error-feedback residuals are kept only by a load with the same world
-size and nodes (otherwise they restart
-at zero), and ranks the save did not have keep their own RNG state.
+Limits: checkpoints (``save_checkpoint``/``load_checkpoint``, ``zeropp.engine.checkpoint``) are taken at
+accumulation boundaries only and load at any world size and layout, but the qgZ error-feedback residuals are kept
+only by a load with the same world size and nodes (otherwise they restart at zero), and ranks the save did not
+have keep their own RNG state.
 """
 
 from __future__ import annotations
@@ -190,7 +203,7 @@ from .optimizer import PartitionedOptimizer
 from .policy import UnitPolicy, plan_units
 from .prefetch import Prefetcher
 from .scheduler import build_scheduler
-from .unit import GradientReduction, ReduceBuffers, Unit, gather_bucketed
+from .unit import GradientReduction, ReduceBuffers, Unit, gather_bucketed, reduce_bucketed
 
 
 class EngineUsageError(RuntimeError):
@@ -287,6 +300,11 @@ class ZeroEngine:
         self.overlap_comm = zero.overlap_comm
         self.reduce_bucket_size = zero.reduce_bucket_size
         self._reductions: collections.deque[GradientReduction] = collections.deque()  # in flight, oldest first
+        # units whose packed gradients wait for their bucket's reduce-scatter, and their buffers' elements in all;
+        # one collective per unit at one rank (no buffer) and under qgZ error feedback (per-unit residuals)
+        self._bucket: list[tuple[Unit, list[torch.Tensor | None]]] = []
+        self._bucket_numel = 0
+        self._bucketing = self.comm.world_size > 1 and not self.comm.error_feedback
         self._readiness = GradientReadiness(self.units, self._on_unit_ready) if self.stage >= 2 else None
 
         self._accumulation_steps = config.gradient_accumulation_steps
@@ -618,11 +636,35 @@ class ZeroEngine:
             unit.free()
 
     def _reduce(self, unit: Unit) -> None:
-        """Start ``unit``'s gradient reduce-scatter. Without ``overlap_comm`` wait for it at once; with it, let it
-        run while autograd goes on, waiting for the oldest ones only while the flat buffers in flight exceed
-        ``reduce_bucket_size`` elements (every rank waits in the order it started them: qgZ's hop 2 runs inside
-        the wait)."""
-        self._reductions.append(unit.reduce_gradients())
+        """Reduce-scatter ``unit``'s gradients in a bucket (DeepSpeed's ``reduce_bucket_size``, in elements of the
+        units' padded flat buffers): its ``.grad`` is packed into its flat buffer at once (and dropped, so a
+        stage-3 unit can be freed) and held; a unit that would take the held ones past ``reduce_bucket_size``
+        first sends them, and once the held units reach it they go in one reduce-scatter (``reduce_bucketed``);
+        ``_finish_backward`` sends the rest. A unit of at least ``reduce_bucket_size`` elements goes alone."""
+        if not self._bucketing:
+            self._start_reduction(unit.reduce_gradients())
+            return
+        numel = unit.full.numel()
+        if self._bucket and self._bucket_numel + numel > self.reduce_bucket_size:
+            self._send_bucket()
+        self._bucket.append((unit, unit.take_gradients()))
+        self._bucket_numel += numel
+        if self._bucket_numel >= self.reduce_bucket_size:
+            self._send_bucket()
+
+    def _send_bucket(self) -> None:
+        """Start the reduce-scatter of the held units (nothing if none)."""
+        if self._bucket:
+            units, grads = zip(*self._bucket)
+            self._bucket, self._bucket_numel = [], 0
+            self._start_reduction(reduce_bucketed(list(units), list(grads)))
+
+    def _start_reduction(self, reduction: GradientReduction) -> None:
+        """Without ``overlap_comm`` wait for ``reduction`` at once; with it, let it run while autograd goes on,
+        waiting for the oldest ones only while the flat buffers in flight exceed ``reduce_bucket_size`` elements
+        (with buckets of about that size: one bucket in flight while the next fills, DeepSpeed's double buffer).
+        Every rank waits in the order it started them: qgZ's hop 2 runs inside the wait."""
+        self._reductions.append(reduction)
         if not self.overlap_comm:
             self._reductions.popleft().wait()
             return
@@ -647,8 +689,8 @@ class ZeroEngine:
 
     def _finish_backward(self) -> None:
         """Reduce what the hooks did not (stage 1 at the boundary; units with a parameter that got no gradient),
-        wait for every reduction in flight and free every stage-3 unit, root included. Same unit order on every
-        rank."""
+        send the last bucket, wait for every reduction in flight and free every stage-3 unit, root included. Same
+        unit order on every rank."""
         for unit in self.units:
             if not unit.params:
                 pass  # frozen parameters only: nothing to reduce
@@ -659,6 +701,7 @@ class ZeroEngine:
                 self._reduce(unit)
             unit.pending_input_grads = 0
             unit.free()
+        self._send_bucket()
         while self._reductions:
             self._reductions.popleft().wait()
 

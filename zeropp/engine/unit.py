@@ -54,12 +54,19 @@ Construction (``broadcast``): a unit built from an eagerly constructed model tak
 broadcast of ``full``); one built from a model materialised by ``zeropp.engine.materialize`` (every rank computed the
 same values from the same seeds) takes its own, with no communication.
 
-Gradients arrive in the parameters' ``.grad`` (autograd's normal accumulation); ``reduce_gradients()`` packs them
-into one flat buffer of ``Collectives.gradient_dtype`` (zeros where a parameter got no gradient): fp32 under qgZ or
+Gradients arrive in the parameters' ``.grad`` (autograd's normal accumulation). ``reduce_gradients()`` (one unit)
+and ``reduce_bucketed(units, ...)`` (several units in one collective, the engine's ``reduce_bucket_size`` buckets)
+take them (``take_gradients``: the ``.grad`` tensors are dropped from the parameters, so a stage-3 unit can be freed
+while its gradients wait for their bucket), pack them in one copy into a flat buffer of
+``Collectives.gradient_dtype`` (zeros where a parameter got no gradient): fp32 under qgZ or
 ``communication_data_type`` fp32 (bf16/fp16 gradients upcast), else the communication dtype (a bf16 ``.grad`` copied
-as is); it drops the ``.grad`` tensors and starts the reduce-scatter (qgZ when on, with this unit's ``ErrorFeedback`` when configured); the
-returned ``GradientReduction``'s ``wait()`` adds this rank's slice to ``grad_shard``. ``gather(wait=False)`` likewise
-only starts the all-gather (the engine's prefetch), and the next ``gather()`` or ``free()`` waits for it.
+as is), and start the reduce-scatter (qgZ when on, with the unit's ``ErrorFeedback`` when configured: one unit per
+collective then). A bucket lays the units' ``(P, S_u)`` buffers side by side, ``(P, sum S_u)``, so that rank ``r``'s
+slice is every unit's slice ``r``: the same values as one collective per unit. The returned
+``GradientReduction``'s ``wait()`` adds this rank's slice of each unit to its ``grad_shard``.
+
+``gather(wait=False)`` only starts the all-gather (the engine's prefetch), and the next ``gather()`` or ``free()``
+waits for it.
 """
 
 from __future__ import annotations
@@ -329,21 +336,40 @@ class Unit:
                     p.grad = None
             self.comm.count_local_reduce_scatter()
             return GradientReduction(None)
-        flat = self.reduce_buffers.take(self.full.numel(), self.full.device, self.comm.gradient_dtype)
-        end = 0  # zero only what no gradient fills: the gaps between parameters, the padding, missing gradients
-        for p, off in zip(self.params, self.offsets):
-            if off > end:
-                flat[end:off].zero_()
-            if p.grad is not None:
-                flat[off : off + p.numel()].copy_(p.grad.reshape(-1))
-                p.grad = None
-            else:
-                flat[off : off + p.numel()].zero_()
-            end = off + p.numel()
-        flat[end:].zero_()
-        received = torch.empty(self.shard_numel, dtype=torch.float32, device=flat.device)
-        work = self.comm.reduce_scatter_grads(flat, received, error_feedback=self.error_feedback)
-        return GradientReduction(work, received, self.grad_shard, flat, self.reduce_buffers)
+        return reduce_bucketed([self], [self.take_gradients()])
+
+    def take_gradients(self) -> list[torch.Tensor | None]:
+        """The parameters' ``.grad`` tensors (``None`` for a parameter without one), which are dropped from the
+        parameters: the caller holds the only reference (``reduce_bucketed`` packs them)."""
+        grads = [p.grad for p in self.params]
+        for p in self.params:
+            p.grad = None
+        return grads
+
+    def pack_gradients(self, grads: list[torch.Tensor | None], out: torch.Tensor) -> None:
+        """Write ``grads`` (``take_gradients``) in the unit's flat layout into ``out``, a ``(P, S)`` view (row ``r``:
+        rank ``r``'s slice; any strides, e.g. the unit's columns of a bucket): zeros in the gaps between parameters,
+        in the padding and for a parameter without gradient; each element written once."""
+        rows = out.view(1, -1) if out.is_contiguous() else out  # contiguous: one row, no split at slice ends
+        width = rows.shape[1]
+
+        def fill(start: int, stop: int, src: torch.Tensor | None) -> None:  # flat [start, stop) <- src or zeros
+            at = start
+            while at < stop:
+                r, c = divmod(at, width)
+                n = min(width - c, stop - at)
+                if src is None:
+                    rows[r, c : c + n].zero_()
+                else:
+                    rows[r, c : c + n].copy_(src[at - start : at - start + n])
+                at += n
+
+        end = 0
+        for grad, off, shape in zip(grads, self.offsets, self.shapes):
+            fill(end, off, None)
+            end = off + shape.numel()
+            fill(off, end, None if grad is None else grad.reshape(-1))
+        fill(end, rows.numel(), None)
 
     def param_ranges(self) -> list[tuple[int, int, int]]:
         """``(parameter index, start, stop)`` for each parameter overlapping this rank's shard, ``start``/``stop``
@@ -474,6 +500,37 @@ def gather_bucketed(units: list[Unit]) -> None:
         at += size
 
 
+def reduce_bucketed(units: list[Unit], grads: list[list[torch.Tensor | None]]) -> GradientReduction:
+    """Start ONE gradient reduce-scatter for all of ``units`` (more than one rank; the same units in the same order
+    on every rank), whose gradients ``grads`` holds (``Unit.take_gradients``, one list per unit; packed here, in one
+    copy, into a flat buffer of ``Collectives.gradient_dtype`` from the units' ``ReduceBuffers``). The returned
+    handle's ``wait()`` adds this rank's slice of each unit's average to its ``grad_shard``.
+
+    Layout: with unit ``u``'s flat buffer viewed as ``(P, S_u)`` (row ``r``: rank ``r``'s slice), the bucket is
+    their concatenation along the columns, ``(P, W)`` with ``W = sum S_u``: rank ``r``'s part of the bucket is the
+    concatenation of every unit's slice ``r``, split back into the units' shards on arrival. Every element is
+    averaged over the same ranks' values in the same order as in a reduce-scatter of its unit alone, so the values
+    are bit-identical to one collective per unit: exact fp32, the ``communication_data_type`` wire (summed per
+    element in float64) and qgZ, whose blocks start at each slice start and, with every ``S_u`` a multiple of the
+    block size, are exactly the units' own blocks. A unit alone goes with its ``ErrorFeedback``; several units
+    cannot have one (each keeps residuals of its own layout): a ``ValueError``."""
+    if len(units) > 1 and any(u.error_feedback is not None for u in units):
+        raise ValueError("reduce_bucketed: units with qgZ error feedback keep residuals of their own layout; "
+                         "reduce them one per call")
+    comm, first = units[0].comm, units[0]
+    world = comm.world_size
+    width = sum(u.shard_numel for u in units)
+    flat = first.reduce_buffers.take(world * width, first.full.device, comm.gradient_dtype)
+    rows = flat.view(world, width)
+    at = 0
+    for unit, unit_grads in zip(units, grads, strict=True):
+        unit.pack_gradients(unit_grads, rows[:, at : at + unit.shard_numel])
+        at += unit.shard_numel
+    received = torch.empty(width, dtype=torch.float32, device=flat.device)
+    work = comm.reduce_scatter_grads(flat, received, error_feedback=first.error_feedback if len(units) == 1 else None)
+    return GradientReduction(work, received, [u.grad_shard for u in units], flat, first.reduce_buffers)
+
+
 class _BucketPart:
     """One unit's part of a ``gather_bucketed`` all-gather: ``wait()`` waits for the shared collective (once) and
     copies the unit's columns of the ``(P, width)`` bucket into its ``full`` (``(P, size)``)."""
@@ -493,9 +550,11 @@ class ReduceBuffers:
     A fresh multi-MB CPU allocation comes from the kernel and costs a page fault per 4 KiB page at first touch
     (measured: copying the gradients into fresh buffers took 30 ms per step on the small GPT at 4 ranks, 20 ms
     with reuse); a buffer given back after its collective finished is handed to the next reduction instead. The
-    pool keeps at most as many buffers of each size as were in flight at once (one without ``overlap_comm``; with
-    it, what ``reduce_bucket_size`` lets through). CPU buffers only: CUDA's caching allocator already reuses freed
-    blocks, for any purpose, so holding them here would only take memory from the activations.
+    buffers have the sizes of the buckets (``reduce_bucketed``: the units' buffers in all; the same buckets step
+    after step, as the units' gradients get ready in the same order), and the pool keeps at most as many of each
+    size as were in flight at once (one without ``overlap_comm``; with it, what ``reduce_bucket_size`` lets
+    through). CPU buffers only: CUDA's caching allocator already reuses freed blocks, for any purpose, so holding
+    them here would only take memory from the activations.
     """
 
     def __init__(self) -> None:
@@ -514,7 +573,8 @@ class ReduceBuffers:
 
 
 class GradientReduction:
-    """A unit's gradient reduce-scatter in flight (``Unit.reduce_gradients``).
+    """A gradient reduce-scatter in flight (``Unit.reduce_gradients``, ``reduce_bucketed``): one collective for one
+    or more units.
 
     Attributes:
         numel: elements of the flat buffer it sends (held until ``wait``).
@@ -524,26 +584,30 @@ class GradientReduction:
         self,
         work: _comm.CollectiveWork | None,
         received: torch.Tensor | None = None,
-        grad_shard: torch.Tensor | None = None,
+        grad_shards: list[torch.Tensor] | None = None,
         flat: torch.Tensor | None = None,
         buffers: ReduceBuffers | None = None,
     ):
-        """``work`` ``None``: a reduction already complete (one rank: nothing to wait for or add)."""
+        """``work`` ``None``: a reduction already complete (one rank: nothing to wait for or add). ``received``:
+        this rank's slice, the ``grad_shards`` of the units end to end."""
         self._work: _comm.CollectiveWork | None = work
         self._received = received
-        self._grad_shard = grad_shard
+        self._grad_shards = grad_shards or []
         self._flat = flat
         self._buffers = buffers
         self.numel = 0 if flat is None else flat.numel()
 
     def wait(self) -> None:
-        """Finish the collective, add the received slice to the unit's ``grad_shard`` (once) and give the flat
-        buffer back for reuse."""
+        """Finish the collective, add each unit's part of the received slice to its ``grad_shard`` (once) and give
+        the flat buffer back for reuse."""
         if self._work is None:
             return
         self._work.wait()
         self._work = None
-        self._grad_shard.add_(self._received)
+        at = 0
+        for grad_shard in self._grad_shards:
+            grad_shard.add_(self._received[at : at + grad_shard.numel()])
+            at += grad_shard.numel()
         if self._flat is not None and self._buffers is not None:
             self._buffers.give(self._flat)
             self._flat = None
