@@ -12,6 +12,8 @@ import pytest
 import torch
 from engine_launch import launch
 
+import zeropp
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[int, list[dict]]:
@@ -71,3 +73,21 @@ def test_batchnorm_buffers_and_generate(runs):
         assert r["other_ranks_differ"]  # the statistics really are rank-local
         assert r["tokens_equal_plain"] and r["logits_equal_plain"], r
         assert r["tokens_equal_ref"] and r["logits_error_ref"] < 1e-5, r
+
+
+def test_init_takes_deepspeeds_arguments():
+    """A DeepSpeed script's ``zero.Init(...)`` call: the harmless arguments are taken (meta parameters), the ones
+    zeropp cannot honour are all named in one error."""
+    cfg = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3}}
+    with zeropp.Init(config_dict_or_path=cfg, remote_device="none", pin_memory=True, dtype=torch.bfloat16,
+                     mem_efficient_linear=False):
+        layer = torch.nn.Linear(4, 3)
+    assert layer.weight.is_meta and layer.bias.is_meta
+    with zeropp.Init(enabled=False):
+        eager = torch.nn.Linear(4, 3)
+    assert not eager.weight.is_meta and eager.weight.abs().sum() > 0
+    with pytest.raises(ValueError) as info:
+        zeropp.Init(module=eager, remote_device="cpu", data_parallel_group=object(), zero_quantized_weights=True)
+    message = str(info.value)
+    for name in ("module=", "remote_device='cpu'", "data_parallel_group=", "zero_quantized_weights=True"):
+        assert name in message, message

@@ -9,6 +9,11 @@ One file per responsibility:
 * ``loss_scaler.py``: ``LossScaler``, fp16 dynamic loss scaling (DeepSpeed's rules);
 * ``optimizer.py``: ``PartitionedOptimizer``, AdamW/Adam/SGD on the shards, torch.optim's arithmetic;
 * ``engine.py``: ``ZeroEngine``, the forward/backward/step protocol;
+* ``reuse.py``: which stage-3 units stay whole (persistence threshold, reuse distance: DeepSpeed's ``stage3_*``);
+* ``prefetch.py``: ``Prefetcher``, the stage-3 look-ahead gathers;
+* ``scheduler.py``: DeepSpeed's learning-rate schedules (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle);
+* ``monitor.py``: ``steps_per_print`` and ``wall_clock_breakdown``, the progress line;
+* ``host_memory.py``: returning the freed heap to the OS after each CPU step;
 * ``materialize.py``: ``Init`` and the unit-by-unit materialisation of a model built on the meta device;
 * ``gathered.py``: whole parameters on demand (``gathered_parameters``, ``model.state_dict()`` at stage 3);
 * ``checkpoint.py``: sharded save/load with torch.distributed.checkpoint (any world size), the consolidated state dict;

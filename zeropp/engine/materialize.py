@@ -44,7 +44,7 @@ import contextlib
 import hashlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -65,9 +65,52 @@ class Init(contextlib.ContextDecorator):
 
     Everything created by a factory function without an explicit device lands on the meta device (it is
     ``torch.device("meta")`` as a context manager). ``enabled=False`` makes it a no-op, as DeepSpeed's.
+
+    DeepSpeed's other arguments are taken so that its scripts run unchanged: ``config_dict_or_path``/``config``,
+    ``dtype``, ``mem_efficient_linear`` and ``pin_memory`` are accepted and have nothing to do here
+    (``zeropp.initialize`` reads the config and casts to its compute dtype); ``remote_device`` may be ``None`` or
+    ``"none"`` (no offload); ``module``, ``data_parallel_group``, ``mpu``, ``zero_param_parallel_group``,
+    ``sequence_data_parallel_group``, ``param_swapper`` must be ``None`` and ``zero_quantized_weights``/
+    ``zero_quantized_nontrainable_weights`` false: each of those raises a ``ValueError`` saying what to do instead.
     """
 
-    def __init__(self, *, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        module: nn.Module | None = None,
+        data_parallel_group: Any = None,
+        mem_efficient_linear: bool = True,
+        remote_device: str | None = None,
+        pin_memory: bool = False,
+        config_dict_or_path: Any = None,
+        config: Any = None,
+        enabled: bool = True,
+        dtype: torch.dtype | None = None,
+        mpu: Any = None,
+        zero_param_parallel_group: Any = None,
+        zero_quantized_weights: bool = False,
+        zero_quantized_nontrainable_weights: bool = False,
+        sequence_data_parallel_group: Any = None,
+        param_swapper: Any = None,
+    ) -> None:
+        problems = []
+        if module is not None:
+            problems.append("module=: pass an eagerly built model to zeropp.initialize, which shards it itself")
+        if remote_device not in (None, "none"):
+            problems.append(f"remote_device={remote_device!r}: offload is not supported; leave it out (or 'none')")
+        for name, value in (("data_parallel_group", data_parallel_group), ("mpu", mpu),
+                            ("zero_param_parallel_group", zero_param_parallel_group),
+                            ("sequence_data_parallel_group", sequence_data_parallel_group),
+                            ("param_swapper", param_swapper)):
+            if value is not None:
+                problems.append(f"{name}=: not supported here; the data-parallel layout is "
+                                "zeropp.initialize(topology=...)'s")
+        for name, value in (("zero_quantized_weights", zero_quantized_weights),
+                            ("zero_quantized_nontrainable_weights", zero_quantized_nontrainable_weights)):
+            if value:
+                problems.append(f"{name}=True: qwZ is the config's zero_optimization.zero_quantized_weights "
+                                "(frozen weights included)")
+        if problems:
+            raise ValueError("zeropp.Init got DeepSpeed arguments it cannot honour:\n  " + "\n  ".join(problems))
         self.enabled = enabled
         self._device: torch.device | None = None
 
