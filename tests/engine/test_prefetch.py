@@ -66,3 +66,26 @@ def test_prefetch_bucket_bounds_the_look_ahead(tmp_path) -> None:
                  runs={"bounded": {"stage3_prefetch_bucket_size": block}}, steps=3)
     for r in res:
         assert r["bounded"]["started"] == [0, 3, 3]
+
+
+def test_prefetch_budget_counts_frozen_elements() -> None:
+    """The look-ahead budget counts what a gather moves: a unit's trainable and frozen elements. Plain objects with
+    the members the prefetcher reads stand in for units (no collectives involved)."""
+    from types import SimpleNamespace
+
+    from zeropp.engine.prefetch import Prefetcher
+
+    def unit(trainable: int, frozen: int) -> SimpleNamespace:
+        u = SimpleNamespace(full=torch.empty(trainable), gathered=False, gathers=0,
+                            frozen=SimpleNamespace(full=torch.empty(frozen)) if frozen else None)
+        u.gather = lambda wait=True: setattr(u, "gathers", u.gathers + 1)
+        return u
+
+    for budget, expected in ((150, 0), (160, 1)):  # the next unit moves 100 + 60 elements
+        first, nxt = unit(10, 0), unit(100, 60)
+        p = Prefetcher(budget)
+        for u in (first, nxt):
+            p.after_forward_gather(u)  # the first forward records the order
+        p.begin_forward()
+        p.after_forward_gather(first)
+        assert nxt.gathers == expected, (budget, nxt.gathers)

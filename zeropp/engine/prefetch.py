@@ -28,7 +28,8 @@ class Prefetcher:
     """Learns the stage-3 gather order and starts gathers ahead of use (see the module docstring).
 
     Args:
-        bucket_numel: most elements of units started ahead of the current one (``stage3_prefetch_bucket_size``).
+        bucket_numel: most elements of units started ahead of the current one (``stage3_prefetch_bucket_size``;
+            a unit counts its trainable and its frozen elements, both gathered).
 
     Attributes:
         started: gathers started ahead of use so far (for tests and benchmarks).
@@ -70,7 +71,7 @@ class Prefetcher:
         while 0 <= i < len(self.order):
             nxt = self.order[i]
             if not nxt.gathered:
-                size = nxt.full.numel()
+                size = nxt.full.numel() + (nxt.frozen.full.numel() if nxt.frozen is not None else 0)
                 if size > budget:
                     return
                 budget -= size
