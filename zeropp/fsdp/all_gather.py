@@ -1,7 +1,7 @@
 """FSDP2's parameter all-gather run by ``zeropp.comm.all_gather``: exact, or qwZ over the data-parallel group.
 
 Subclasses ``AllGather`` from ``torch.distributed.fsdp._fully_shard._fsdp_api``, the interface that the public
-``FSDPModule.set_custom_all_gather`` takes. That module is private: the class is not exported elsewhere, checked
+``FSDPModule.set_custom_all_gather`` takes. That module is private: the class is not exported elsewhere; checked
 against torch 2.11 and 2.13.
 
 What FSDP2 passes (torch 2.13, ``_fsdp_collectives.foreach_all_gather``): ``output_tensor`` is a flat buffer of

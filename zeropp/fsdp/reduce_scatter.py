@@ -2,7 +2,7 @@
 
 Subclasses ``ReduceScatter`` from ``torch.distributed.fsdp._fully_shard._fsdp_api``, the interface that the public
 ``FSDPModule.set_custom_reduce_scatter`` takes. That module is private: the class is not exported elsewhere,
-checked against torch 2.11 and 2.13.
+checked against torch 2.13 only (the issue reports the same interface in 2.11).
 
 What FSDP2 passes (torch 2.13, ``_fsdp_collectives.foreach_reduce``): ``input_tensor`` is a flat buffer of
 ``P * S`` elements in the reduce dtype (``MixedPrecisionPolicy.reduce_dtype``, else the gradients' dtype) that it
