@@ -2,7 +2,7 @@
 
 Subclasses ``AllGather`` from ``torch.distributed.fsdp._fully_shard._fsdp_api``, the interface that the public
 ``FSDPModule.set_custom_all_gather`` takes. That module is private: the class is not exported elsewhere; checked
-against torch 2.11 and 2.13.
+against torch 2.13 only (the issue reports the same interface in 2.11).
 
 What FSDP2 passes (torch 2.13, ``_fsdp_collectives.foreach_all_gather``): ``output_tensor`` is a flat buffer of
 ``P * n`` elements that it allocated with ``allocate``; ``input_tensor`` is this rank's ``n`` elements, the
