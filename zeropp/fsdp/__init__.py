@@ -1,0 +1,17 @@
+"""ZeRO++ for FSDP2 (``torch.distributed.fsdp.fully_shard``) users: qwZ and qgZ through FSDP2's custom-comm hooks.
+
+    model = GPT(...)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    zeropp.fsdp.enable(model, weight_bits=8, gradient_bits=4)   # on every rank, before the first forward
+
+* ``enable``: installs ``ZeroppAllGather`` / ``ZeroppReduceScatter`` (built on ``zeropp.comm``) on every FSDP2
+  module; 1-D meshes only (HSDP / 2-D meshes are refused).
+"""
+
+from .all_gather import ZeroppAllGather
+from .enable import enable
+from .reduce_scatter import ZeroppReduceScatter
+
+__all__ = ["ZeroppAllGather", "ZeroppReduceScatter", "enable"]

@@ -1,0 +1,104 @@
+"""``enable``: turn ZeRO++'s quantized collectives on for modules already wrapped with FSDP2's ``fully_shard``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from .. import comm
+from ..quant import DEFAULT_BLOCK_SIZE, BlockFormat
+from .all_gather import ZeroppAllGather
+from .reduce_scatter import ZeroppReduceScatter
+
+
+def enable(
+    modules: nn.Module | Iterable[nn.Module],
+    *,
+    weight_bits: int | None = 8,
+    gradient_bits: int | None = 4,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    topology: comm.Topology | None = None,
+    ranks_per_node: int | None = None,
+) -> comm.Topology:
+    """Install zeropp's all-gather (qwZ) and reduce-scatter (qgZ) on every FSDP2 module in ``modules``.
+
+    Call it on every rank, after ``fully_shard`` and before the first forward: it is a collective over the shard
+    group when it creates the topology. ``modules`` may be the root model: every ``fully_shard``-ed module inside it
+    (itself included) gets the comms. Byte counts land in ``zeropp.comm.stats()``.
+
+    Args:
+        modules: a module (searched for FSDP2 modules) or several.
+        weight_bits: 8 or 4: parameter all-gathers over the shard group are block-quantized (qwZ); ``None``: exact.
+        gradient_bits: 8 or 4: gradient reduce-scatters run the two-hop qgZ; ``None``: exact.
+        block_size: elements per quantization block (a positive multiple of 2 the quantizer accepts).
+        topology: the ``zeropp.comm.Topology`` of the modules' shard group (default: made here from that group,
+            with ``ranks_per_node`` or ``$ZEROPP_RANKS_PER_NODE`` / ``$LOCAL_WORLD_SIZE``, checked against hosts).
+        ranks_per_node: ranks per node when the topology is made here.
+
+    Returns:
+        The topology used.
+
+    Raises:
+        ValueError: unsupported bits or block size, no FSDP2 module, a mesh that is not 1-D (HSDP, or FSDP inside
+            a 2-D mesh: refused, not served wrongly), modules on different meshes, or a ``topology`` whose ranks
+            are not the shard group's.
+    """
+    for name, bits in (("weight_bits", weight_bits), ("gradient_bits", gradient_bits)):
+        if bits is not None and (isinstance(bits, bool) or bits not in (8, 4)):
+            raise ValueError(f"{name}={bits!r} is not supported; use 8, 4 or None (exact)")
+    BlockFormat(8, block_size)  # raises naming a bad block size
+    roots = [modules] if isinstance(modules, nn.Module) else list(modules)
+    fsdp_modules: list[FSDPModule] = []
+    for root in roots:
+        if not isinstance(root, nn.Module):
+            raise TypeError(f"modules must be nn.Module(s), got {type(root).__name__}")
+        fsdp_modules.extend(m for m in root.modules() if isinstance(m, FSDPModule) and m not in fsdp_modules)
+    if not fsdp_modules:
+        raise ValueError(
+            "zeropp.fsdp.enable found no FSDP2 module: wrap the model with torch.distributed.fsdp.fully_shard "
+            "first, then call enable on it"
+        )
+    group = _shard_group(fsdp_modules)
+    ranks = dist.get_process_group_ranks(group)
+    if topology is None:
+        topology = comm.Topology(group, ranks_per_node)
+    elif topology.ranks != ranks:
+        raise ValueError(
+            f"topology covers ranks {topology.ranks} but the modules are sharded over ranks {ranks}; pass the "
+            "topology of the fully_shard mesh's group (comm.Topology(mesh.get_group())) or none"
+        )
+    all_gather = ZeroppAllGather(topology, weight_bits, block_size)
+    reduce_scatter = ZeroppReduceScatter(topology, gradient_bits, block_size)
+    for m in fsdp_modules:
+        m.set_custom_all_gather(all_gather)
+        m.set_custom_reduce_scatter(reduce_scatter)
+    return topology
+
+
+def _shard_group(fsdp_modules: list[FSDPModule]) -> dist.ProcessGroup:
+    """The one 1-D mesh's group that every FSDP2-managed parameter of ``fsdp_modules`` is sharded over."""
+    meshes = []
+    for m in fsdp_modules:
+        for p in m.parameters():  # type: ignore[attr-defined]
+            if isinstance(p, DTensor) and all(p.device_mesh is not q for q in meshes):
+                meshes.append(p.device_mesh)
+    if not meshes:
+        raise ValueError("zeropp.fsdp.enable: the FSDP2 modules hold no sharded (DTensor) parameters")
+    for mesh in meshes:
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"zeropp.fsdp.enable serves 1-D meshes only; got a {mesh.ndim}-D mesh of shape "
+                f"{tuple(mesh.shape)} (names {mesh.mesh_dim_names}): HSDP and FSDP combined with tensor/other "
+                "parallelism are not supported yet. Use fully_shard with a 1-D mesh over the data-parallel ranks"
+            )
+    groups = {tuple(dist.get_process_group_ranks(mesh.get_group())) for mesh in meshes}
+    if len(groups) > 1:
+        raise ValueError(
+            f"zeropp.fsdp.enable: the modules are sharded over different groups {sorted(groups)}; call enable "
+            "once per group with that group's modules"
+        )
+    return meshes[0].get_group()

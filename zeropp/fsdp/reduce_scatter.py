@@ -1,0 +1,80 @@
+"""FSDP2's gradient reduce-scatter run by ``zeropp.comm.reduce_scatter``: exact, or two-hop qgZ.
+
+Subclasses ``ReduceScatter`` from ``torch.distributed.fsdp._fully_shard._fsdp_api``, the interface that the public
+``FSDPModule.set_custom_reduce_scatter`` takes. That module is private: the class is not exported elsewhere,
+checked against torch 2.13 only (the issue reports the same interface in 2.11).
+
+What FSDP2 passes (torch 2.13, ``_fsdp_collectives.foreach_reduce``): ``input_tensor`` is a flat buffer of
+``P * S`` elements in the reduce dtype (``MixedPrecisionPolicy.reduce_dtype``, else the gradients' dtype) that it
+allocated with ``allocate``, rank ``i``'s ``S`` elements (the padded shards of every parameter's gradient) at
+``[i * S, (i + 1) * S)``; ``output_tensor`` is ``S`` elements, this rank's slice of the reduction. ``op`` comes
+from ``_get_gradient_divide_factors``: ``AVG`` (fp32/bf16, the default), ``SUM`` (fp16, or
+``set_force_sum_reduction_for_comms(True)``, or a custom divide factor on those paths; FSDP2 then divides before
+and/or after the call itself), or ``PREMUL_SUM(1 / factor)`` (``set_gradient_divide_factor`` with fp32/bf16).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+
+from .. import comm
+from .all_gather import _same_ranks
+
+
+class ZeroppReduceScatter(ReduceScatter):
+    """Reduce-scatter of FSDP2's flat gradient buffer through ``zeropp.comm.reduce_scatter`` over ``topology``.
+
+    ``bits`` set: qgZ (intra-node all-to-all of quantized slices, reduce and requantize, inter-node all-to-all,
+    reduce in float32), the layout ``reduce_scatter_tensor``'s, so ``output_tensor`` is exactly the slice FSDP2
+    expects. ``bits=None``: exact. ``AVG`` divides by the group size once, ``SUM`` does not; ``PREMUL_SUM`` (a
+    custom divide factor) cannot be read back through a public API and raises, naming the fix. The call always
+    completes before returning (FSDP2 never asks for an asynchronous reduce-scatter) and returns ``None``.
+
+    Args:
+        topology: the ``zeropp.comm.Topology`` of FSDP2's shard group.
+        bits: 8 or 4 for qgZ, ``None`` for exact.
+        block_size: elements per quantization block (each rank's slice is packed on its own).
+    """
+
+    def __init__(self, topology: comm.Topology, bits: int | None, block_size: int) -> None:
+        self.topology = topology
+        self.bits = bits
+        self.block_size = block_size
+
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """A new uninitialised tensor of ``size`` (FSDP2's input and output buffers)."""
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self,
+        output_tensor: torch.Tensor,
+        input_tensor: torch.Tensor,
+        group: dist.ProcessGroup,
+        op: dist.ReduceOp | dist.ReduceOp.RedOpType,
+        async_op: bool = False,
+    ) -> dist.Work | None:
+        if not _same_ranks(group, self.topology.group):
+            raise ValueError(
+                f"zeropp.fsdp: FSDP2 reduce-scatters over ranks {dist.get_process_group_ranks(group)} but zeropp "
+                f"was enabled for ranks {self.topology.ranks}; call zeropp.fsdp.enable after fully_shard, with the "
+                "topology of the module's mesh"
+            )
+        if op == dist.ReduceOp.AVG:
+            reduce_op = comm.ReduceOp.AVG
+        elif op == dist.ReduceOp.SUM:
+            reduce_op = comm.ReduceOp.SUM
+        else:
+            raise ValueError(
+                f"zeropp.fsdp: FSDP2 asks for a reduce-scatter with op={op!r} (a custom gradient divide factor, "
+                "set_gradient_divide_factor); its factor is not readable through a public API. Call "
+                "module.set_force_sum_reduction_for_comms(True) as well: FSDP2 then passes SUM and divides itself"
+            )
+        comm.reduce_scatter(input_tensor, self.bits, op=reduce_op, topology=self.topology, out=output_tensor,
+                            block_size=self.block_size)
+        return None
