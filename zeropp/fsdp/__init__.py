@@ -6,6 +6,7 @@
     fully_shard(model)
     zeropp.fsdp.enable(model, weight_bits=8, gradient_bits=4)   # on every rank, before the first forward
 
+* ``hook.py``: ``FlatBufferHook``, what the two hooks share;
 * ``enable``: installs ``ZeroppAllGather`` / ``ZeroppReduceScatter`` (built on ``zeropp.comm``) on every FSDP2
   module; 1-D meshes only (HSDP / 2-D meshes are refused).
 """

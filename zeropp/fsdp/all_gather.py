@@ -14,17 +14,16 @@ parameter, so every rank's part must land at ``[i * n, (i + 1) * n)``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 from .. import comm
 from ..quant.format import FLOAT_DTYPES
+from .hook import FlatBufferHook
 
 
-class ZeroppAllGather(AllGather):
+class ZeroppAllGather(FlatBufferHook, AllGather):
     """All-gather of FSDP2's flat parameter shards through ``zeropp.comm.all_gather``.
 
     Over ``topology.group`` (FSDP2's shard group) with ``bits`` set: qwZ — this rank's shard is quantized into one
@@ -41,17 +40,6 @@ class ZeroppAllGather(AllGather):
             the module's parameter shards, so a block may span two parameters.
     """
 
-    def __init__(self, topology: comm.Topology, bits: int | None, block_size: int) -> None:
-        self.topology = topology
-        self.bits = bits
-        self.block_size = block_size
-
-    def allocate(
-        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        """A new uninitialised tensor of ``size`` (FSDP2's output buffer)."""
-        return torch.empty(*size, dtype=dtype, device=device)
-
     def __call__(
         self,
         output_tensor: torch.Tensor,
@@ -59,7 +47,7 @@ class ZeroppAllGather(AllGather):
         group: dist.ProcessGroup,
         async_op: bool = False,
     ) -> dist.Work | None:
-        bits = self.bits if _same_ranks(group, self.topology.group) else None
+        bits = self.bits if self.is_shard_group(group) else None
         if bits is not None and input_tensor.dtype not in FLOAT_DTYPES:
             raise TypeError(
                 f"zeropp.fsdp: FSDP2 all-gathers {input_tensor.dtype} parameters (e.g. a tensor subclass with "
@@ -69,7 +57,3 @@ class ZeroppAllGather(AllGather):
         comm.all_gather(input_tensor, bits, group=group, topology=self.topology, out=output_tensor,
                         block_size=self.block_size)
         return None
-
-
-def _same_ranks(a: dist.ProcessGroup, b: dist.ProcessGroup) -> bool:
-    return a is b or dist.get_process_group_ranks(a) == dist.get_process_group_ranks(b)

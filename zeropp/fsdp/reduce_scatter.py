@@ -15,17 +15,15 @@ and/or after the call itself), or ``PREMUL_SUM(1 / factor)`` (``set_gradient_div
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from .. import comm
-from .all_gather import _same_ranks
+from .hook import FlatBufferHook
 
 
-class ZeroppReduceScatter(ReduceScatter):
+class ZeroppReduceScatter(FlatBufferHook, ReduceScatter):
     """Reduce-scatter of FSDP2's flat gradient buffer through ``zeropp.comm.reduce_scatter`` over ``topology``.
 
     ``bits`` set: qgZ (intra-node all-to-all of quantized slices, reduce and requantize, inter-node all-to-all,
@@ -40,17 +38,6 @@ class ZeroppReduceScatter(ReduceScatter):
         block_size: elements per quantization block (each rank's slice is packed on its own).
     """
 
-    def __init__(self, topology: comm.Topology, bits: int | None, block_size: int) -> None:
-        self.topology = topology
-        self.bits = bits
-        self.block_size = block_size
-
-    def allocate(
-        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
-        """A new uninitialised tensor of ``size`` (FSDP2's input and output buffers)."""
-        return torch.empty(*size, dtype=dtype, device=device)
-
     def __call__(
         self,
         output_tensor: torch.Tensor,
@@ -59,7 +46,7 @@ class ZeroppReduceScatter(ReduceScatter):
         op: dist.ReduceOp | dist.ReduceOp.RedOpType,
         async_op: bool = False,
     ) -> dist.Work | None:
-        if not _same_ranks(group, self.topology.group):
+        if not self.is_shard_group(group):
             raise ValueError(
                 f"zeropp.fsdp: FSDP2 reduce-scatters over ranks {dist.get_process_group_ranks(group)} but zeropp "
                 f"was enabled for ranks {self.topology.ranks}; call zeropp.fsdp.enable after fully_shard, with the "
