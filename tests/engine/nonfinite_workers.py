@@ -21,6 +21,7 @@ import warnings
 
 import torch
 from engine_workers import MODEL, gather_masters, text_batches
+from precision_workers import same, snapshot
 
 import zeropp
 from zeropp.models import GPT
@@ -43,22 +44,8 @@ def _config(run: dict) -> dict:
 
 
 def _snapshot(engine) -> dict:
-    """What a skipped step must leave alone, bit for bit."""
-    opt = engine.optimizer
-    snap = {"steps": list(opt.steps), "lr": engine.get_lr()}
-    for i, unit in enumerate(engine.units):
-        snap[f"master{i}"] = unit.master.clone()
-        snap[f"shard{i}"] = unit.shard.clone()
-        if not unit.sharded:
-            snap[f"full{i}"] = unit.full.clone()
-        for kind, ts in opt.state.items():
-            snap[f"{kind}{i}"] = ts[i].clone()
-    return snap
-
-
-def _same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(
-        a[k] == b[k] if isinstance(a[k], list) else torch.equal(a[k], b[k]) for k in a)
+    """What a skipped step must leave alone, bit for bit: ``precision_workers.snapshot`` and the learning rates."""
+    return {**snapshot(engine, engine.optimizer), "lr": engine.get_lr()}
 
 
 def _finite(engine) -> bool:
@@ -126,11 +113,11 @@ def nonfinite_runs(rank: int, world: int, runs: dict[str, dict], steps: int = 4)
             record["applied"].append(engine.was_step_applied())
             assert _finite(engine), (name, step)
             if step == inject:
-                assert _same(before, _snapshot(engine)), (name, step)
+                assert same(before, _snapshot(engine)), (name, step)
                 assert not engine.was_step_applied() and engine.skipped_steps == skipped + 1, (name, step)
                 assert engine.get_global_grad_norm() is None, (name, step)
             elif step != inject:
-                assert not _same(before, _snapshot(engine)), (name, step)
+                assert not same(before, _snapshot(engine)), (name, step)
                 assert engine.was_step_applied() and engine.skipped_steps == skipped, (name, step)
             if step != inject:
                 _train_step(ref, batch, rank, world, accum)

@@ -120,7 +120,7 @@ def bf16_runs(rank: int, world: int, runs: dict[str, dict], steps: int = 10) -> 
     return out
 
 
-def _snapshot(engine, opt) -> dict:
+def snapshot(engine, opt) -> dict:
     """Everything a skipped step must leave alone, bit for bit: master, compute shards, optimizer state and step
     counts (and, in stages 1 and 2, the whole parameters)."""
     snap = {"steps": list(opt.steps)}
@@ -134,7 +134,7 @@ def _snapshot(engine, opt) -> dict:
     return snap
 
 
-def _same(a: dict, b: dict) -> bool:
+def same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(
         a[k] == b[k] if isinstance(a[k], list) else torch.equal(a[k], b[k]) for k in a)
 
@@ -187,12 +187,12 @@ def fp16_runs(rank: int, world: int, runs: dict[str, dict], steps: int = 10) -> 
             engine.comm.all_reduce_sum(bad)
             if bad.any():
                 nonfinite.append({"step": step, "elements": int(bad[0]), "nan": int(bad[1]), "ranks": int(bad[2])})
-            before = _snapshot(engine, opt)
+            before = snapshot(engine, opt)
             efs = [u.error_feedback for u in engine.units if u.error_feedback is not None]
             residuals = [(ef.residual.clone(), ef.partial_residual.clone()) for ef in efs]
             scale = engine.loss_scale
             engine.step()  # the boundary
-            after = _snapshot(engine, opt)
+            after = snapshot(engine, opt)
             # qgZ error feedback: the residuals (finite, in scaled units) follow the scale exactly (powers of 2)
             for ef, (res, part) in zip(efs, residuals):
                 assert torch.isfinite(res).all() and torch.isfinite(part).all()
@@ -200,10 +200,10 @@ def fp16_runs(rank: int, world: int, runs: dict[str, dict], steps: int = 10) -> 
                 assert torch.equal(ef.partial_residual, part * (engine.loss_scale / scale)), (name, step)
                 ef_checked += engine.loss_scale != scale
             if engine.overflow:
-                assert _same(before, after), (name, step)
+                assert same(before, after), (name, step)
                 assert engine.get_global_grad_norm() is None
             else:
-                assert not _same(before, after), (name, step)
+                assert not same(before, after), (name, step)
             skipped.append(engine.overflow)
             scales.append(engine.loss_scale)
             norms.append(engine.get_global_grad_norm())
