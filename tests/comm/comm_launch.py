@@ -14,6 +14,7 @@ import pickle
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,9 +56,11 @@ def launch(
     *,
     env: dict[str, str] | None = None,
     timeout: float = 120.0,
+    worker_dirs: Sequence[Path] = (),
     **kwargs: Any,
 ) -> list[Any]:
-    """Run ``target`` (``"module:function"``) on ``world_size`` gloo ranks; return each rank's result."""
+    """Run ``target`` (``"module:function"``) on ``world_size`` gloo ranks; return each rank's result. The target's
+    module is looked up in ``worker_dirs``, then beside this file."""
     run_dir = Path(tmp_path) / f"launch_{target.replace(':', '_')}_{world_size}_{time.monotonic_ns()}"
     run_dir.mkdir(parents=True)
     with open(run_dir / "kwargs.pkl", "wb") as f:
@@ -65,7 +68,8 @@ def launch(
     child_env = dict(os.environ)
     child_env.setdefault("ZEROPP_QUANT_BACKEND", "torch")
     child_env.update(env or {})
-    child_env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(ROOT), child_env.get("PYTHONPATH", "")])
+    child_env["PYTHONPATH"] = os.pathsep.join([*map(str, worker_dirs), str(HERE), str(ROOT),
+                                               child_env.get("PYTHONPATH", "")])
     child_env.setdefault("OMP_NUM_THREADS", "1")
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         if env is None or var not in env:
