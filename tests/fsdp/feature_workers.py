@@ -19,6 +19,7 @@ import zeropp.fsdp
 from zeropp import comm
 from zeropp.fsdp import ZeroppAllGather, ZeroppReduceScatter
 from zeropp.models import GPT, GPTConfig
+from zeropp.quant import DEFAULT_BLOCK_SIZE
 
 BATCH, SEQ, LR = 2, 32, 3e-3
 MP_STEPS = 3
@@ -117,8 +118,8 @@ def _enable_recording(model: GPT, comms: str) -> dict[str, list]:
     wbits, gbits = COMMS[comms]
     topology = zeropp.fsdp.enable(model, weight_bits=wbits, gradient_bits=gbits)
     seen: dict[str, list] = {"all_gather": [], "reduce_scatter": []}
-    all_gather = _RecordingAllGather(topology, wbits, 128, seen=seen["all_gather"])
-    reduce_scatter = _RecordingReduceScatter(topology, gbits, 128, seen=seen["reduce_scatter"])
+    all_gather = _RecordingAllGather(topology, wbits, DEFAULT_BLOCK_SIZE, seen=seen["all_gather"])
+    reduce_scatter = _RecordingReduceScatter(topology, gbits, DEFAULT_BLOCK_SIZE, seen=seen["reduce_scatter"])
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_custom_all_gather(all_gather)

@@ -13,7 +13,7 @@ from feature_workers import ACCUM_STEPS, DCP_STEPS, MICRO_BATCHES, MP_STEPS, POL
 from fsdp_launch import launch
 
 from zeropp.models import GPT, GPTConfig
-from zeropp.quant import BlockFormat
+from zeropp.quant import DEFAULT_BLOCK_SIZE, BlockFormat
 
 WORLD = 4
 INTER_PEERS = 2  # ranks on the other node, for every rank (2 nodes of 2)
@@ -99,7 +99,7 @@ def test_what_fsdp2_passes_the_hooks(runs: list[dict], policy: str) -> None:
 def test_byte_counters_count_the_dtype_on_the_wire(runs: list[dict], policy: str) -> None:
     """Exact: each call's elements times their size in the hook's dtype; qwZ: packed int8 bytes of each call's
     elements (whatever its dtype); qgZ: independent of the reduce dtype."""
-    fmt8 = BlockFormat(8, 128)
+    fmt8 = BlockFormat(8, DEFAULT_BLOCK_SIZE)
     for r in runs:
         mp = r["mixed_precision"]
         exact, quant = mp[policy, "exact"], mp[policy, "quantized"]
