@@ -6,6 +6,7 @@ its own network namespace, nodes joined by links shaped to ``--rate``) and every
 
     python -m zeropp.bench.training --nodes 2 --ranks-per-node 2 --rate 1gbit --quick
     python -m zeropp.bench.training --configs zero3,zeropp,fsdp2,hsdp --dtypes fp32,bf16   # side by side
+    python -m zeropp.bench.training --configs zero3,deepspeed,zeropp --dtypes fp32,bf16   # needs pip install deepspeed
 
 Without ``zeropp.cluster`` (or with ``--launcher torchrun``) it runs one unshaped torchrun with all ranks and
 ``ZEROPP_RANKS_PER_NODE`` (nodes emulated over loopback: the counters are right, the times are not those of a
@@ -34,8 +35,13 @@ config          ``zero_optimization``
 ``zeropp-ef``   full ZeRO++ with ``zeropp.error_feedback`` (not in the default list)
 ``fsdp2``       torch's FSDP2 (``fully_shard`` per block and on the model; ``zeropp.bench.fsdp``)
 ``hsdp``        FSDP2 on a 2-D mesh: sharded inside a node, replicated across nodes
-``deepspeed``   DeepSpeed's ZeRO-3 on the same config dict (only where ``import deepspeed`` works)
+``deepspeed``   DeepSpeed's ZeRO-3 on the same config dict (``pip install deepspeed``; not in the default list)
 ==============  =====================================================================================
+
+DeepSpeed is an optional peer, never a dependency: ``--configs deepspeed`` without it stops with ``pip install
+deepspeed``. Its row runs on DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu`` unless set otherwise; gloo, the
+process group the worker started) with ``torch.optim.AdamW`` from the config's optimizer block (the other rows'
+arithmetic) and compiles nothing (``deepspeed_engine``).
 
 FSDP2, HSDP and DeepSpeed move their bytes with torch's collectives, which ``zeropp.comm.stats()`` does not see:
 their rows have the NIC counters (shaped runs) and no counted MB.
