@@ -4,7 +4,8 @@ its byte counters show ZeRO++'s cut of the cross-node volume.
 One job of 4 ranks as 2 emulated nodes of 2 under a plain, unshaped torchrun (``--launcher torchrun``): the tiny
 preset, ZeRO-3, full ZeRO++, FSDP2 and HSDP (``zeropp.bench.fsdp``), 3 steps. FSDP2 and HSDP do the same work as
 ZeRO-3: the same first-step loss (same weights, same data, exact gathers) and, after 3 AdamW steps, the same
-held-out loss to 1e-4. The shaped run lives in bench/RESULTS.md (too slow for a test).
+held-out loss to 1e-4. DeepSpeed's ZeRO-3, where it is installed, likewise (a job of its own). The shaped run lives
+in bench/RESULTS.md (too slow for a test).
 """
 
 from __future__ import annotations
@@ -22,9 +23,8 @@ from zeropp.bench import training
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("training")
+def bench(out: Path, *options: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    """The benchmark on 4 ranks as 2 emulated nodes of 2 (unshaped torchrun), tiny preset, 3 steps."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RANK", "WORLD_SIZE",
                                                               "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["ZEROPP_QUANT_BACKEND"] = "torch"
@@ -33,11 +33,17 @@ def run(tmp_path_factory):
     proc = subprocess.run(
         [sys.executable, "-m", "zeropp.bench.training", "--launcher", "torchrun", "--nodes", "2",
          "--ranks-per-node", "2", "--preset", "tiny", "--seq", "16", "--micro-batch", "1", "--steps", "3",
-         "--warmup", "1", "--configs", "zero3,zeropp,fsdp2,hsdp", "--out", str(out)],
-        env=env, capture_output=True, text=True, timeout=120, cwd=ROOT, check=False,
+         "--warmup", "1", "--out", str(out), *options],
+        env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT, check=False,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out, proc
+    return proc
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("training")
+    return out, bench(out, "--configs", "zero3,zeropp,fsdp2,hsdp")
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
@@ -68,6 +74,28 @@ def test_csv_columns_and_rows(run):
         assert first[row["config"]] == pytest.approx(first["zero3"], rel=1e-6)
         assert abs(float(row["loss_vs_zero3"])) < 1e-4
         assert row["inter_MB_rank"] == ""  # torch's collectives: not counted by zeropp.comm.stats
+
+
+def test_deepspeed_row(tmp_path):
+    """DeepSpeed's ZeRO-3 (an optional peer, not a dependency) does the same work as ours: the same first-step loss
+    (same weights, same batch, exact gathers); after 3 AdamW steps the same held-out loss in fp32 and, in bf16
+    (bf16 weights and bf16 gradient reduce-scatter in both, different summation orders), within 1%."""
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        pytest.skip("DeepSpeed is not installed: pip install deepspeed")
+    bench(tmp_path, "--configs", "zero3,deepspeed", "--dtypes", "fp32,bf16", "--no-plots", timeout=300)
+    rows = {r["config"]: r for r in read_csv(tmp_path / "training.csv")}
+    assert list(rows) == ["zero3:fp32", "deepspeed:fp32", "zero3:bf16", "deepspeed:bf16"]
+    first = {r["config"]: float(r["loss"]) for r in read_csv(tmp_path / "training_loss.csv") if r["step"] == "0"}
+    for dtype, tol in (("fp32", 1e-4), ("bf16", 1e-2)):
+        ds, base = rows[f"deepspeed:{dtype}"], rows[f"zero3:{dtype}"]
+        assert first[f"deepspeed:{dtype}"] == pytest.approx(first[f"zero3:{dtype}"], rel=1e-6)
+        assert abs(float(ds["loss_vs_zero3"])) < tol
+        assert float(ds["final_loss"]) == pytest.approx(float(base["final_loss"]), rel=tol)
+        assert float(ds["speedup"]) == pytest.approx(float(base["step_s"]) / float(ds["step_s"]), rel=0.01)
+        assert float(ds["tokens_per_s"]) == pytest.approx(4 * 16 / float(ds["step_s"]), rel=0.01)
+        assert ds["inter_MB_rank"] == ""  # torch's collectives: not counted by zeropp.comm.stats
 
 
 def test_cross_node_bytes(run):

@@ -6,6 +6,7 @@ its own network namespace, nodes joined by links shaped to ``--rate``) and every
 
     python -m zeropp.bench.training --nodes 2 --ranks-per-node 2 --rate 1gbit --quick
     python -m zeropp.bench.training --configs zero3,zeropp,fsdp2,hsdp --dtypes fp32,bf16   # side by side
+    python -m zeropp.bench.training --configs zero3,deepspeed,zeropp --dtypes fp32,bf16   # needs pip install deepspeed
 
 Without ``zeropp.cluster`` (or with ``--launcher torchrun``) it runs one unshaped torchrun with all ranks and
 ``ZEROPP_RANKS_PER_NODE`` (nodes emulated over loopback: the counters are right, the times are not those of a
@@ -34,8 +35,13 @@ config          ``zero_optimization``
 ``zeropp-ef``   full ZeRO++ with ``zeropp.error_feedback`` (not in the default list)
 ``fsdp2``       torch's FSDP2 (``fully_shard`` per block and on the model; ``zeropp.bench.fsdp``)
 ``hsdp``        FSDP2 on a 2-D mesh: sharded inside a node, replicated across nodes
-``deepspeed``   DeepSpeed's ZeRO-3 on the same config dict (only where ``import deepspeed`` works)
+``deepspeed``   DeepSpeed's ZeRO-3 on the same config dict (``pip install deepspeed``; not in the default list)
 ==============  =====================================================================================
+
+DeepSpeed is an optional peer, never a dependency: ``--configs deepspeed`` without it stops with ``pip install
+deepspeed``. Its row runs on DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu`` unless set otherwise; gloo, the
+process group the worker started) with ``torch.optim.AdamW`` from the config's optimizer block (the other rows'
+arithmetic) and compiles nothing (``deepspeed_engine``).
 
 FSDP2, HSDP and DeepSpeed move their bytes with torch's collectives, which ``zeropp.comm.stats()`` does not see:
 their rows have the NIC counters (shaped runs) and no counted MB.
@@ -212,9 +218,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"NAME:fp32/bf16)")
     if any(parse_spec(c)[0] == "deepspeed" for c in args.configs):
         try:
-            import deepspeed  # noqa: F401
-        except ImportError:
-            p.error("config deepspeed: DeepSpeed is not installed (import deepspeed failed); leave it out")
+            import_deepspeed()
+        except ImportError as e:
+            p.error(f"config deepspeed: DeepSpeed is not installed ({e}): pip install deepspeed, or leave it out")
     if not 0 <= args.warmup < args.steps:
         p.error(f"need 0 <= --warmup < --steps, got {args.warmup} and {args.steps}")
     args.rate_bps = parse_rate(args.rate)
@@ -286,6 +292,36 @@ def zero_config(name: str, args: argparse.Namespace, ranks_per_node: int) -> dic
     }
 
 
+def import_deepspeed() -> Any:
+    """``import deepspeed`` (with ``deepspeed.ops``) on its CPU accelerator unless ``DS_ACCELERATOR`` says otherwise:
+    the benchmark trains on CPU tensors over gloo, and DeepSpeed fixes its accelerator on first use."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import deepspeed.ops
+
+    return deepspeed
+
+
+def deepspeed_engine(model: Any, config: dict[str, Any]) -> Any:
+    """DeepSpeed's engine for ``model`` on the config dict, nothing compiled.
+
+    The optimizer is a ``torch.optim.AdamW`` with the config's optimizer block (from the block DeepSpeed would build
+    its FusedAdam, a C++ op it compiles on first use; torch's AdamW is the arithmetic the other rows step with).
+    DeepSpeed joins the process group the worker already started (gloo: its CPU accelerator's backend without
+    oneCCL). Its shared-memory all-reduce op (``deepspeed_shm_comm``, which its torch backend compiles with ninja
+    and a C++ compiler when it starts) is marked not buildable: only tensor-parallel inference calls it, ZeRO-3
+    moves its bytes with ``torch.distributed``'s all-gather and reduce-scatter."""
+    import torch
+
+    deepspeed = import_deepspeed()
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    config = dict(config)
+    params = dict(config.pop("optimizer")["params"])
+    optimizer = torch.optim.AdamW(model.parameters(), **params)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+    return engine
+
+
 class ConfigRun:
     """One config's engine on this rank and what its steps measured (steps, losses, bytes, NIC counters)."""
 
@@ -303,10 +339,7 @@ class ConfigRun:
             self.engine: Any = FSDPTrainer(model, base, ranks_per_node=topo.ranks_per_node,
                                            dtype=dtype_of(name, args), lr=args.lr, weight_decay=0.01, clip=args.clip)
         elif base == "deepspeed":
-            import deepspeed
-
-            self.engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
-                                                        config=config)
+            self.engine = deepspeed_engine(model, config)
         else:
             self.engine, _, _, _ = zeropp.initialize(model=model, config=config, topology=topo)
         self.engine.train()
