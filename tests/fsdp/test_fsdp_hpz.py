@@ -146,7 +146,7 @@ def test_error_feedback_keeps_the_summed_error_bounded(ef_hook: list[dict]) -> N
         # without feedback the error of the sum grows with the steps; with it, the error of the sum stays that of
         # about one reduction, so relative to the growing sum it falls
         final_plain, final_ef = _rel(plain[-1], ref[-1]), _rel(ef[-1], ref[-1])
-        assert final_ef < 0.25 * final_plain, (final_ef, final_plain)
+        assert final_ef < 0.35 * final_plain, (final_ef, final_plain)  # seen: 0.008 against 0.037
         assert (ef[-1] - ref[-1]).norm() < 2 * (ef[0] - ref[0]).norm()
 
 
@@ -161,7 +161,7 @@ def test_error_feedback_through_enable_tracks_the_exact_gradient_sum(ef_train: l
         first_no_ef, first_ef = _sum_error(no_ef, exact, 0), _sum_error(ef, exact, 0)
         last_no_ef, last_ef = _sum_error(no_ef, exact, -1), _sum_error(ef, exact, -1)
         assert first_no_ef > 0.01 and first_ef == pytest.approx(first_no_ef, rel=0.1)  # nothing fed back yet
-        assert last_ef < 0.5 * last_no_ef, (last_ef, last_no_ef)
+        assert last_ef < 0.5 * last_no_ef, (last_ef, last_no_ef)  # seen: 0.076 against 0.194
 
 
 def _sum_error(run: list[dict], exact: list[dict], i: int) -> float:
