@@ -156,26 +156,14 @@ def ef_hook_runs(rank: int, world: int, steps: int, shard: int) -> dict[str, Any
 
 
 def ef_train_runs(rank: int, world: int, accumulate: int) -> dict[str, Any]:
-    """Through ``enable``: (1) STEPS training steps of plain FSDP2 and of qwZ int8 + qgZ int4 with error feedback;
+    """Through ``enable``: (1) STEPS training steps of qwZ int8 + qgZ int4 with error feedback (as ``_train``);
     (2) ``accumulate`` backward passes on fresh batches with no optimizer step (the weights stay put), with exact
     comms and with qgZ int4 with and without error feedback: the float64 sum of the reduced gradients of every
     parameter after each pass (full tensors)."""
     mesh = init_device_mesh("cpu", (world,))
-    out: dict[str, Any] = {}
-    for name, kwargs in (("plain", None), ("ef", {"weight_bits": 8, "gradient_bits": 4, "error_feedback": True})):
-        model = _model(mesh, True)
-        if kwargs is not None:
-            zeropp.fsdp.enable(model, **kwargs)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-        gen = torch.Generator().manual_seed(1000 + rank)
-        losses = []
-        for _ in range(STEPS):
-            _, loss = model(*_batch(gen))
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
-        out[name + "_losses"] = losses
+    model = _model(mesh, True)
+    zeropp.fsdp.enable(model, weight_bits=8, gradient_bits=4, error_feedback=True)
+    out: dict[str, Any] = {"ef_losses": _train(model, rank)["losses"]}
     for name, kwargs in (("exact", None), ("ef", {"error_feedback": True}), ("no_ef", {})):
         model = _model(mesh, True)
         if kwargs is not None:
@@ -192,3 +180,14 @@ def ef_train_runs(rank: int, world: int, accumulate: int) -> dict[str, Any]:
             history.append({n: s.clone() for n, s in sums.items()})
         out[name + "_sums"] = history
     return out
+
+
+def all_runs(rank: int, world: int, ef_steps: int, ef_shard: int, accumulate: int) -> dict[str, Any]:
+    """Everything test_fsdp_hpz.py checks, in one launch: ``hpz_runs``, ``ef_hook_runs``, ``ef_train_runs``, and
+    last ``hpz_misuse`` (it leaves a model stopped mid-forward)."""
+    return {
+        "hpz": hpz_runs(rank, world),
+        "ef_hook": ef_hook_runs(rank, world, ef_steps, ef_shard),
+        "ef_train": ef_train_runs(rank, world, accumulate),
+        "misuse": hpz_misuse(rank, world),
+    }

@@ -20,9 +20,18 @@ WORLD = 4
 ENV = {"ZEROPP_RANKS_PER_NODE": "2"}
 
 
+EF_STEPS, EF_SHARD, ACCUMULATE = 24, 1000, 8
+
+
 @pytest.fixture(scope="module")
-def hpz(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return launch("hpz_workers:hpz_runs", WORLD, tmp_path_factory.mktemp("hpz"), env=ENV)
+def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return launch("hpz_workers:all_runs", WORLD, tmp_path_factory.mktemp("hpz"), env=ENV, ef_steps=EF_STEPS,
+                  ef_shard=EF_SHARD, accumulate=ACCUMULATE)
+
+
+@pytest.fixture(scope="module")
+def hpz(runs: list[dict]) -> list[dict]:
+    return [r["hpz"] for r in runs]
 
 
 def _assert_params_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
@@ -90,8 +99,8 @@ def test_full_zeropp_with_hpz_trains_close_to_plain_fsdp2(hpz: list[dict]) -> No
 
 
 @pytest.fixture(scope="module")
-def misuse(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return launch("hpz_workers:hpz_misuse", WORLD, tmp_path_factory.mktemp("hpz_misuse"), env=ENV)
+def misuse(runs: list[dict]) -> list[dict]:
+    return [r["misuse"] for r in runs]
 
 
 def test_refuses_hpz_not_dividing_the_node(misuse: list[dict]) -> None:
@@ -124,13 +133,9 @@ def test_hook_refuses_error_feedback_without_bits() -> None:
         zeropp.fsdp.ZeroppReduceScatter(None, None, 128, error_feedback=True)  # type: ignore[arg-type]
 
 
-EF_STEPS, EF_SHARD = 24, 1000
-
-
 @pytest.fixture(scope="module")
-def ef_hook(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return launch("hpz_workers:ef_hook_runs", WORLD, tmp_path_factory.mktemp("ef_hook"), env=ENV,
-                  steps=EF_STEPS, shard=EF_SHARD)
+def ef_hook(runs: list[dict]) -> list[dict]:
+    return [r["ef_hook"] for r in runs]
 
 
 def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -151,8 +156,8 @@ def test_error_feedback_keeps_the_summed_error_bounded(ef_hook: list[dict]) -> N
 
 
 @pytest.fixture(scope="module")
-def ef_train(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return launch("hpz_workers:ef_train_runs", WORLD, tmp_path_factory.mktemp("ef_train"), env=ENV, accumulate=8)
+def ef_train(runs: list[dict]) -> list[dict]:
+    return [r["ef_train"] for r in runs]
 
 
 def test_error_feedback_through_enable_tracks_the_exact_gradient_sum(ef_train: list[dict]) -> None:
@@ -170,10 +175,9 @@ def _sum_error(run: list[dict], exact: list[dict], i: int) -> float:
     return (num / sum(float(t.norm() ** 2) for t in exact[i].values())) ** 0.5
 
 
-def test_error_feedback_trains_close_to_plain_fsdp2(ef_train: list[dict]) -> None:
-    for r in ef_train:
-        plain, losses = r["plain_losses"], r["ef_losses"]
+def test_error_feedback_trains_close_to_plain_fsdp2(runs: list[dict]) -> None:
+    for r in runs:
+        plain, losses = r["hpz"]["plain"]["losses"], r["ef_train"]["ef_losses"]
         assert len(losses) == STEPS and losses != plain
         for a, b in zip(losses, plain):
             assert abs(a - b) <= 0.02 * b, (losses, plain)
-
