@@ -6,9 +6,14 @@
     fully_shard(model)
     zeropp.fsdp.enable(model, weight_bits=8, gradient_bits=4)   # on every rank, before the first forward
 
+hpZ: wrap the blocks with ``fully_shard(block, reshard_after_forward=N)`` (N = ranks per node, usually) and pass
+``enable(model, ..., hpz=N)``; error feedback for qgZ: ``enable(..., error_feedback=True)``.
+
 * ``hook.py``: ``FlatBufferHook``, what the two hooks share;
-* ``enable``: installs ``ZeroppAllGather`` / ``ZeroppReduceScatter`` (built on ``zeropp.comm``) on every FSDP2
-  module; 1-D meshes only (HSDP / 2-D meshes are refused).
+* ``hpz.py``: how FSDP2's ``reshard_after_forward=<int>`` maps to hpZ, and the checks ``enable(hpz=N)`` makes;
+* ``enable``: installs ``ZeroppAllGather`` (one for all modules) and a ``ZeroppReduceScatter`` per module (each
+  holds its gradient buffer's error-feedback state), built on ``zeropp.comm``, on every FSDP2 module; 1-D meshes
+  only (HSDP / 2-D meshes are refused).
 """
 
 from .all_gather import ZeroppAllGather

@@ -7,9 +7,11 @@ against torch 2.13 only (the issue reports the same interface in 2.11).
 What FSDP2 passes (torch 2.13, ``_fsdp_collectives.foreach_all_gather``): ``output_tensor`` is a flat buffer of
 ``P * n`` elements that it allocated with ``allocate``; ``input_tensor`` is this rank's ``n`` elements, the
 concatenated shards of every parameter of the module (padded), and a VIEW of ``output_tensor[rank * n:(rank + 1)
-* n]`` (an in-place gather). ``group`` is the module's shard group (or, after forward with
-``reshard_after_forward=<int>``, the smaller post-forward group). It reads ``output_tensor`` back split by
-parameter, so every rank's part must land at ``[i * n, (i + 1) * n)``.
+* n]`` (an in-place gather). ``group`` is the module's shard group, except in backward for a module wrapped
+with ``reshard_after_forward=N`` (hpZ, see ``zeropp.fsdp.hpz``): then it is the post-forward group of ``N``
+ranks and ``input_tensor`` holds this rank's slice of the weights the FORWARD gather produced (dequantized, with
+qwZ). It reads ``output_tensor`` back split by parameter, so every rank's part must land at
+``[i * n, (i + 1) * n)``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ class ZeroppAllGather(FlatBufferHook, AllGather):
     Over ``topology.group`` (FSDP2's shard group) with ``bits`` set: qwZ — this rank's shard is quantized into one
     packed buffer BEFORE anything is written to ``output_tensor`` (the shard is a view of it), one all-gather moves
     the packs, and every rank's part, its own included, is dequantized into ``output_tensor``: all ranks hold the
-    same weights. Over any other group (hpZ's post-forward group) or with ``bits=None``: exact. The call always
+    same weights. Over any other group (hpZ's post-forward group) or with ``bits=None``: exact, so a backward
+    gather over the post-forward group rebuilds the forward weights bit for bit (quantizing them again would not).
+    Bytes are counted by the nodes of ``topology``: a post-forward group inside a node moves intra-node bytes only. The call always
     completes before returning and returns ``None``: FSDP2 then treats it as a synchronous collective (it waits
     on the stream event it records after the call), which is correct for ``async_op`` either way.
 

@@ -6,12 +6,14 @@ from collections.abc import Iterable
 
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from .. import comm
 from ..quant import DEFAULT_BLOCK_SIZE, BlockFormat
 from .all_gather import ZeroppAllGather
+from .hpz import check_hpz, install_check
 from .reduce_scatter import ZeroppReduceScatter
 
 
@@ -20,7 +22,9 @@ def enable(
     *,
     weight_bits: int | None = 8,
     gradient_bits: int | None = 4,
+    hpz: int | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
+    error_feedback: bool = False,
     topology: comm.Topology | None = None,
     ranks_per_node: int | None = None,
 ) -> comm.Topology:
@@ -30,11 +34,25 @@ def enable(
     group when it creates the topology. ``modules`` may be the root model: every ``fully_shard``-ed module inside it
     (itself included) gets the comms. Byte counts land in ``zeropp.comm.stats()``.
 
+    hpZ is FSDP2's own ``reshard_after_forward=<int>``, which only ``fully_shard`` accepts (torch 2.13's
+    ``set_reshard_after_forward`` takes a bool): wrap every module but the root with
+    ``fully_shard(m, reshard_after_forward=hpz)`` and pass the same ``hpz`` here, which checks it (see
+    ``zeropp.fsdp.hpz``). The backward all-gathers then run exact over ``hpz`` ranks of one node, on the weights
+    forward gathered.
+
     Args:
         modules: a module (searched for FSDP2 modules) or several.
         weight_bits: 8 or 4: parameter all-gathers over the shard group are block-quantized (qwZ); ``None``: exact.
         gradient_bits: 8 or 4: gradient reduce-scatters run the two-hop qgZ; ``None``: exact.
+        hpz: ranks of a secondary (post-forward) partition, usually the ranks per node; must divide the ranks per
+            node and equal the modules' ``reshard_after_forward``. Checked now (divisibility, FSDP2's post-forward
+            groups inside nodes) and at each module's first forward (how it was wrapped). ``None``: no check;
+            gathers over any post-forward group run exact anyway.
         block_size: elements per quantization block (a positive multiple of 2 the quantizer accepts).
+        error_feedback: with ``gradient_bits``: each FSDP2 module keeps its gradient buffer's quantization
+            residuals (``zeropp.comm.ErrorFeedback``: float32, the module's whole flat gradient, ``P`` shards,
+            plus one shard per node) and adds them to its next reduction, so the error summed over steps stays
+            bounded instead of growing with the number of steps.
         topology: the ``zeropp.comm.Topology`` of the modules' shard group (default: made here from that group,
             with ``ranks_per_node`` or ``$ZEROPP_RANKS_PER_NODE`` / ``$LOCAL_WORLD_SIZE``, checked against hosts).
         ranks_per_node: ranks per node when the topology is made here.
@@ -43,9 +61,10 @@ def enable(
         The topology used.
 
     Raises:
-        ValueError: unsupported bits or block size, no FSDP2 module, a mesh that is not 1-D (HSDP, or FSDP inside
-            a 2-D mesh: refused, not served wrongly), modules on different meshes, or a ``topology`` whose ranks
-            are not the shard group's.
+        ValueError: unsupported bits or block size, no FSDP2 module, a mesh that is not 1-D (HSDP, or FSDP
+            inside a 2-D mesh: refused, not served wrongly), modules on different meshes, a ``topology`` whose
+            ranks are not the shard group's, an ``hpz`` that does not divide the ranks per node or whose FSDP2
+            groups would span nodes, or ``error_feedback`` without ``gradient_bits`` (after the topology is made).
     """
     for name, bits in (("weight_bits", weight_bits), ("gradient_bits", gradient_bits)):
         if bits is not None and (isinstance(bits, bool) or bits not in (8, 4)):
@@ -62,7 +81,8 @@ def enable(
             "zeropp.fsdp.enable found no FSDP2 module: wrap the model with torch.distributed.fsdp.fully_shard "
             "first, then call enable on it"
         )
-    group = _shard_group(fsdp_modules)
+    mesh = _shard_mesh(fsdp_modules)
+    group = mesh.get_group()
     ranks = dist.get_process_group_ranks(group)
     if topology is None:
         topology = comm.Topology(group, ranks_per_node)
@@ -71,16 +91,20 @@ def enable(
             f"topology covers ranks {topology.ranks} but the modules are sharded over ranks {ranks}; pass the "
             "topology of the fully_shard mesh's group (comm.Topology(mesh.get_group())) or none"
         )
+    if hpz is not None:
+        check_hpz(hpz, mesh, topology)
     all_gather = ZeroppAllGather(topology, weight_bits, block_size)
-    reduce_scatter = ZeroppReduceScatter(topology, gradient_bits, block_size)
     for m in fsdp_modules:
         m.set_custom_all_gather(all_gather)
-        m.set_custom_reduce_scatter(reduce_scatter)
+        # one per module: each holds its own gradient buffer's error-feedback residuals
+        m.set_custom_reduce_scatter(ZeroppReduceScatter(topology, gradient_bits, block_size, error_feedback))
+    if hpz is not None:
+        install_check(fsdp_modules, hpz)
     return topology
 
 
-def _shard_group(fsdp_modules: list[FSDPModule]) -> dist.ProcessGroup:
-    """The one 1-D mesh's group that every FSDP2-managed parameter of ``fsdp_modules`` is sharded over."""
+def _shard_mesh(fsdp_modules: list[FSDPModule]) -> DeviceMesh:
+    """The one 1-D mesh that every FSDP2-managed parameter of ``fsdp_modules`` is sharded over."""
     meshes = []
     for m in fsdp_modules:
         for p in m.parameters():  # type: ignore[attr-defined]
@@ -101,4 +125,4 @@ def _shard_group(fsdp_modules: list[FSDPModule]) -> dist.ProcessGroup:
             f"zeropp.fsdp.enable: the modules are sharded over different groups {sorted(groups)}; call enable "
             "once per group with that group's modules"
         )
-    return meshes[0].get_group()
+    return meshes[0]

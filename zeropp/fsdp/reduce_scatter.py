@@ -32,11 +32,31 @@ class ZeroppReduceScatter(FlatBufferHook, ReduceScatter):
     custom divide factor) cannot be read back through a public API and raises, naming the fix. The call always
     completes before returning (FSDP2 never asks for an asynchronous reduce-scatter) and returns ``None``.
 
+    With ``error_feedback``, the hook holds one ``zeropp.comm.ErrorFeedback``: the residuals of ONE gradient
+    buffer, so install one hook per FSDP2 module (``enable`` does; FSDP2 refuses a custom reduce-scatter on a
+    module with several parameter groups, so one module has one buffer). FSDP2 reduces only the parameters that
+    got a gradient; when that set changes, the buffer's size changes and the residuals are dropped (reset), since
+    they describe another layout.
+
     Args:
         topology: the ``zeropp.comm.Topology`` of FSDP2's shard group.
         bits: 8 or 4 for qgZ, ``None`` for exact.
         block_size: elements per quantization block (each rank's slice is packed on its own).
+        error_feedback: keep the quantization residuals of this buffer and add them back at the next reduction
+            (qgZ only: ``ValueError`` with ``bits=None``).
     """
+
+    def __init__(
+        self, topology: comm.Topology, bits: int | None, block_size: int, error_feedback: bool = False
+    ) -> None:
+        if error_feedback and bits is None:
+            raise ValueError(
+                "error_feedback=True needs quantized gradients: pass gradient_bits=8 or 4 (exact reduce-scatters "
+                "drop nothing to feed back)"
+            )
+        super().__init__(topology, bits, block_size)
+        self.error_feedback: comm.ErrorFeedback | None = comm.ErrorFeedback() if error_feedback else None
+        self._numel: int | None = None
 
     def __call__(
         self,
@@ -62,6 +82,9 @@ class ZeroppReduceScatter(FlatBufferHook, ReduceScatter):
                 "set_gradient_divide_factor); its factor is not readable through a public API. Call "
                 "module.set_force_sum_reduction_for_comms(True) as well: FSDP2 then passes SUM and divides itself"
             )
+        if self.error_feedback is not None and input_tensor.numel() != self._numel:
+            self.error_feedback.reset()
+            self._numel = input_tensor.numel()
         comm.reduce_scatter(input_tensor, self.bits, op=reduce_op, topology=self.topology, out=output_tensor,
-                            block_size=self.block_size)
+                            block_size=self.block_size, error_feedback=self.error_feedback)
         return None
