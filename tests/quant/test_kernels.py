@@ -1,6 +1,7 @@
 """The kernels against the torch reference (``zeropp.quant.reference``): the Triton kernels
-(``zeropp.quant._triton``), the native CPU library (``zeropp.quant.native``) in both of its builds, the
-vectorized one and the portable baseline, and the native CUDA kernels (``zeropp.quant.native_cuda``).
+(``zeropp.quant._triton``), the native CPU library (``zeropp.quant.native``) in each of its builds (the default
+one, with the best kernels for this CPU; the one without AVX-512 kernels; the portable baseline), and the native
+CUDA kernels (``zeropp.quant.native_cuda``).
 
 Triton kernels run on ``kernel_device`` (the GPU, or the CPU under Triton's interpreter), the native CPU ones on
 the CPU and the native CUDA ones on the GPU (skipped, saying what is missing, where they cannot run); the reference
@@ -35,22 +36,29 @@ class Kernels:
     device: str
 
 
-@pytest.fixture(scope="session", params=["triton", "native", "native-baseline", "native-cuda"])
+# The native CPU library's builds: fixture parameter -> library file beside the default one (None: the default).
+NATIVE_BUILDS = {"native": None, "native-avx2": "libzeropp_cpu_avx2.so", "native-baseline": "libzeropp_cpu_baseline.so"}
+
+
+def native_build(param: str) -> Kernels:
+    """The native CPU library's build named by a fixture parameter (see ``NATIVE_BUILDS``)."""
+    name = NATIVE_BUILDS[param]
+    return Kernels(native_library(str(native.DEFAULT_PATH.with_name(name)) if name else None), "cpu")
+
+
+@pytest.fixture(scope="session", params=["triton", *NATIVE_BUILDS, "native-cuda"])
 def kernels(request, kernel_device) -> Kernels:
     if request.param == "triton":
         return Kernels(_triton, kernel_device)
-    if request.param == "native":
-        return Kernels(native_library(), "cpu")
     if request.param == "native-cuda":
         return Kernels(native_cuda_module(), "cuda")
-    return Kernels(native_library(str(native.DEFAULT_PATH.with_name("libzeropp_cpu_baseline.so"))), "cpu")
+    return native_build(request.param)
 
 
-@pytest.fixture(scope="session", params=["native", "native-baseline"])
+@pytest.fixture(scope="session", params=list(NATIVE_BUILDS))
 def native_kernels(request) -> Kernels:
-    """The native CPU library alone, in both of its builds."""
-    baseline = native.DEFAULT_PATH.with_name("libzeropp_cpu_baseline.so")
-    return Kernels(native_library(str(baseline) if request.param == "native-baseline" else None), "cpu")
+    """The native CPU library alone, in each of its builds."""
+    return native_build(request.param)
 
 
 @pytest.fixture
