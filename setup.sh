@@ -47,9 +47,11 @@ build_native() {
     local jobs
     jobs=$(nproc 2>/dev/null || echo 2)
     if ! { "$cmake" -S . -B build -DCMAKE_BUILD_TYPE=Release >build/setup.log 2>&1 \
-        && "$cmake" --build build --target zeropp_cpu zeropp_cpu_baseline -j "$jobs" >>build/setup.log 2>&1; }; then
+        && "$cmake" --build build --target zeropp_cpu zeropp_cpu_avx2 zeropp_cpu_baseline -j "$jobs" \
+            >>build/setup.log 2>&1; }; then
         tail -n 20 build/setup.log >&2
-        rm -f build/libzeropp_cpu.so build/libzeropp_cpu_baseline.so  # never leave a stale library to be loaded
+        # never leave a stale library to be loaded
+        rm -f build/libzeropp_cpu.so build/libzeropp_cpu_avx2.so build/libzeropp_cpu_baseline.so
         native_missing "its build failed, log in build/setup.log"
         return
     fi

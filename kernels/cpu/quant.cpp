@@ -17,10 +17,12 @@
 //    same real number;
 //  * conversions to float16 and bfloat16 round to nearest even, NaN stays NaN.
 //
-// Two sets of kernels, chosen when the library is first called: the AVX2 kernels (AVX2, FMA and F16C, 8 floats a
-// vector; vcvtph2ps and vcvtps2ph are exact IEEE conversions) on x86-64 CPUs that have them, and the portable
-// kernels (plain C++, one element at a time; fmaf is the C library's exact FMA) elsewhere. ZEROPP_BASELINE_ONLY
-// builds the portable ones alone (a second library, so that the tests run both).
+// Three sets of kernels, chosen when the library is first called: the AVX-512 kernels (the AVX2 ones with their
+// own fused int4 reduce-requantize, which needs AVX-512 F, BW, VL and VBMI2) on x86-64 CPUs that have them, the
+// AVX2 kernels (AVX2, FMA and F16C, 8 floats a vector; vcvtph2ps and vcvtps2ph are exact IEEE conversions) on
+// those that have these, and the portable kernels (plain C++, one element at a time; fmaf is the C library's exact
+// FMA) elsewhere. ZEROPP_NO_AVX512 builds the AVX2 and portable ones, ZEROPP_BASELINE_ONLY the portable ones alone
+// (two more libraries, so that the tests run every set on a CPU that has AVX-512).
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -35,9 +37,19 @@
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(ZEROPP_BASELINE_ONLY)
 #define ZEROPP_X86_KERNELS 1
 #include <cpuid.h>
+// GCC 12's AVX-512 intrinsics start from deliberately undefined vectors, which -Wmaybe-uninitialized flags when
+// they are inlined (GCC bug 105593).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
+#pragma GCC diagnostic pop
 #else
 #define ZEROPP_X86_KERNELS 0
+#endif
+#if ZEROPP_X86_KERNELS && !defined(ZEROPP_NO_AVX512)
+#define ZEROPP_AVX512_KERNELS 1
+#else
+#define ZEROPP_AVX512_KERNELS 0
 #endif
 #define ZEROPP_INLINE inline __attribute__((always_inline))
 
@@ -681,6 +693,113 @@ struct Kernels {  // as portable::Kernels
 
 #endif
 
+#if ZEROPP_AVX512_KERNELS
+// ---------------------------------------------------------------------------------------------------------------
+// The AVX-512 kernels: the AVX2 ones, but for the fused int4 reduce-requantize of blocks of 128 elements or more,
+// which takes a unit of 128 elements in 16 lanes of 32 bits (lane j holds elements 8 j .. 8 j + 7, 4 code bytes):
+// nibble k of each lane becomes a float through a 16-entry table (vpermps reads an index's low 4 bits), and the
+// requantized nibbles go back into their lanes with concatenating shifts (vpshrdd, AVX512-VBMI2). Per unit and
+// pack that is 7 shifts, 8 permutes and 8 FMAs, where the AVX2 kernel decodes with shifts and int-to-float
+// conversions (64 instructions).
+namespace avx512 {
+
+#define ZEROPP_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vbmi2")))
+#define ZEROPP_AVX512_INLINE \
+    inline __attribute__((always_inline, target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vbmi2")))
+
+constexpr int kUnit = 128;
+
+// sums[k] lane j = the fused sum of element i + 8 j + k of one block of `groups` packs (see portable::sum_block).
+template <int G>
+ZEROPP_AVX512_INLINE void sum_unit(const Run<const uint8_t>& in, int64_t stride, int runtime_groups, int i,
+                                   __m512 (&sums)[8]) {
+    const int groups = G ? G : runtime_groups;
+    const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1);
+    for (__m512& sum : sums) sum = _mm512_setzero_ps();
+    for (int g = 0; g < groups; ++g) {
+        const __m512i words = _mm512_loadu_si512(in.codes + g * stride + i / 2);
+        const __m512 s = _mm512_set1_ps(load_float(in.scales + g * stride));
+        sums[0] = _mm512_fmadd_ps(_mm512_permutexvar_ps(words, codes), s, sums[0]);
+        for (int k = 1; k < 8; ++k) {
+            const __m512 code = _mm512_permutexvar_ps(_mm512_srli_epi32(words, 4 * k), codes);
+            sums[k] = _mm512_fmadd_ps(code, s, sums[k]);
+        }
+    }
+}
+
+// The 128 codes of a unit's sums (v[k] lane j: element 8 j + k) for the reciprocal r of a normal scale, stored.
+ZEROPP_AVX512_INLINE void store_unit_codes(const __m512 (&v)[8], __m512 r, uint8_t* codes) {
+    const __m512 rounder = _mm512_set1_ps(avx2::kRounder);  // low 4 bits of fma(x, r, rounder): the code's nibble
+    __m512i words = _mm512_slli_epi32(_mm512_castps_si512(_mm512_fmadd_ps(v[0], r, rounder)), 28);
+    for (int k = 1; k < 8; ++k) {  // the words shift down a nibble, code k comes in at the top
+        words = _mm512_shrdi_epi32(words, _mm512_castps_si512(_mm512_fmadd_ps(v[k], r, rounder)), 4);
+    }
+    _mm512_storeu_si512(codes, words);
+}
+
+// The codes of a block's sums acc[0..block) (unit by unit, as sum_unit orders them) for its `scale`, as encode.
+ZEROPP_AVX512_INLINE void encode_sums(const float* acc, int block, float scale, float r, uint8_t* codes) {
+    if (!(scale >= FLT_MIN && scale <= FLT_MAX)) {
+        float v[kMaxBlock];  // in element order: element i + 8 j + k is acc[i + 16 k + j]
+        for (int e = 0; e < block; ++e) v[e] = acc[e / kUnit * kUnit + e % 8 * 16 + e % kUnit / 8];
+        return portable::encode<4>(v, block, scale, codes);
+    }
+    const __m512 vr = _mm512_set1_ps(r);
+    for (int i = 0; i < block; i += kUnit) {
+        __m512 v[8];
+        for (int k = 0; k < 8; ++k) v[k] = _mm512_load_ps(acc + i + 16 * k);
+        store_unit_codes(v, vr, codes + i / 2);
+    }
+}
+
+struct Kernels : avx2::Kernels {
+    template <int G>
+    ZEROPP_AVX512 static void reduce_requantize_int4(const Run<const uint8_t>& in, int64_t stride, int groups,
+                                                     int block, const Run<uint8_t>& out) {
+        alignas(64) float acc[kMaxBlock];  // the sums of a batch of blocks
+        const int batch = avx2::batch_blocks(block);
+        const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF);
+        for (int64_t first = 0; first < in.count; first += batch) {
+            const int n = int(std::min<int64_t>(batch, in.count - first));
+            float largest[avx2::kBatch] = {};
+            for (int k = 0; k < n; ++k) {
+                const Run<const uint8_t> one{in.codes + (first + k) * block / 2, in.scales + 4 * (first + k), 1};
+                __m512i m = _mm512_setzero_si512();
+                for (int i = 0; i < block; i += kUnit) {
+                    __m512 sums[8];
+                    sum_unit<G>(one, stride, groups, i, sums);
+                    for (int v = 0; v < 8; ++v) {
+                        _mm512_store_ps(acc + k * block + i + 16 * v, sums[v]);
+                        m = _mm512_max_epu32(m, _mm512_and_si512(_mm512_castps_si512(sums[v]), magnitude));
+                    }
+                }
+                largest[k] = float_of(_mm512_reduce_max_epu32(m));
+            }
+            float scale[avx2::kBatch], r[avx2::kBatch];
+            avx2::batch_scales<4, kFloat32>(largest, scale, r);
+            std::memcpy(out.scales + 4 * first, scale, 4 * n);
+            for (int k = 0; k < n; ++k) {
+                encode_sums(acc + k * block, block, scale[k], r[k], out.codes + (first + k) * block / 2);
+            }
+        }
+    }
+
+    template <int Bits>
+    ZEROPP_AVX512 static void reduce_requantize(const Run<const uint8_t>& in, int64_t stride, int groups, int block,
+                                                const Run<uint8_t>& out) {
+        if (Bits == 8 || block < kUnit) return avx2::Kernels::reduce_requantize<Bits>(in, stride, groups, block, out);
+        switch (groups) {
+            case 2: return reduce_requantize_int4<2>(in, stride, groups, block, out);
+            case 4: return reduce_requantize_int4<4>(in, stride, groups, block, out);
+            case 8: return reduce_requantize_int4<8>(in, stride, groups, block, out);
+            default: return reduce_requantize_int4<0>(in, stride, groups, block, out);
+        }
+    }
+};
+
+}  // namespace avx512
+#endif
+
 // ---------------------------------------------------------------------------------------------------------------
 // The ops: jobs (one block of one pack each) split over threads, each thread's range cut into runs of consecutive
 // blocks of one pack for the kernels of an instruction set (Isa: portable::Kernels or avx2::Kernels). Blocks cut
@@ -869,9 +988,22 @@ bool avx2_usable() {
 }
 #endif
 
+#if ZEROPP_AVX512_KERNELS
+// Whether this CPU runs the AVX-512 kernels (AVX-512 F, BW, VL and VBMI2, besides the AVX2 kernels' needs).
+bool avx512_usable() {
+    static const bool usable = avx2_usable() && __builtin_cpu_supports("avx512f") &&
+                               __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+                               __builtin_cpu_supports("avx512vbmi2");
+    return usable;
+}
+#endif
+
 // The same with the best kernels for this CPU.
 template <template <class> class Op, typename... Args>
 void dispatch(int bits, int dtype, Args... args) {
+#if ZEROPP_AVX512_KERNELS
+    if (avx512_usable()) return run_format<Op, avx512::Kernels>(bits, dtype, args...);
+#endif
 #if ZEROPP_X86_KERNELS
     if (avx2_usable()) return run_format<Op, avx2::Kernels>(bits, dtype, args...);
 #endif

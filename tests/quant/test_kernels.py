@@ -1,6 +1,7 @@
 """The kernels against the torch reference (``zeropp.quant.reference``): the Triton kernels
-(``zeropp.quant._triton``), the native CPU library (``zeropp.quant.native``) in both of its builds, the
-vectorized one and the portable baseline, and the native CUDA kernels (``zeropp.quant.native_cuda``).
+(``zeropp.quant._triton``), the native CPU library (``zeropp.quant.native``) in each of its builds (the default
+one, with the best kernels for this CPU; the one without AVX-512 kernels; the portable baseline), and the native
+CUDA kernels (``zeropp.quant.native_cuda``).
 
 Triton kernels run on ``kernel_device`` (the GPU, or the CPU under Triton's interpreter), the native CPU ones on
 the CPU and the native CUDA ones on the GPU (skipped, saying what is missing, where they cannot run); the reference
@@ -35,22 +36,45 @@ class Kernels:
     device: str
 
 
-@pytest.fixture(scope="session", params=["triton", "native", "native-baseline", "native-cuda"])
-def kernels(request, kernel_device) -> Kernels:
-    if request.param == "triton":
+# The native CPU library's builds: fixture parameter -> library file beside the default one (None: the default).
+NATIVE_BUILDS = {"native": None, "native-avx2": "libzeropp_cpu_avx2.so", "native-baseline": "libzeropp_cpu_baseline.so"}
+
+
+def native_build(param: str) -> Kernels:
+    """The native CPU library's build named by a fixture parameter (see ``NATIVE_BUILDS``)."""
+    name = NATIVE_BUILDS[param]
+    return Kernels(native_library(str(native.DEFAULT_PATH.with_name(name)) if name else None), "cpu")
+
+
+# The implementations that every kernel test runs; the build without AVX-512 kernels differs from the default one in
+# the fused int4 reduce-requantize alone, so only that test and the special values run it too.
+IMPLEMENTATIONS = ["triton", "native", "native-baseline", "native-cuda"]
+
+
+def implementation(param: str, kernel_device: str) -> Kernels:
+    """The implementation named by a fixture parameter."""
+    if param == "triton":
         return Kernels(_triton, kernel_device)
-    if request.param == "native":
-        return Kernels(native_library(), "cpu")
-    if request.param == "native-cuda":
+    if param == "native-cuda":
         return Kernels(native_cuda_module(), "cuda")
-    return Kernels(native_library(str(native.DEFAULT_PATH.with_name("libzeropp_cpu_baseline.so"))), "cpu")
+    return native_build(param)
 
 
-@pytest.fixture(scope="session", params=["native", "native-baseline"])
+@pytest.fixture(scope="session", params=IMPLEMENTATIONS)
+def kernels(request, kernel_device) -> Kernels:
+    return implementation(request.param, kernel_device)
+
+
+@pytest.fixture(scope="session", params=[*IMPLEMENTATIONS, "native-avx2"])
+def requantize_kernels(request, kernel_device) -> Kernels:
+    """As ``kernels``, and the native build without AVX-512 kernels (whose fused int4 reduce-requantize differs)."""
+    return implementation(request.param, kernel_device)
+
+
+@pytest.fixture(scope="session", params=list(NATIVE_BUILDS))
 def native_kernels(request) -> Kernels:
-    """The native CPU library alone, in both of its builds."""
-    baseline = native.DEFAULT_PATH.with_name("libzeropp_cpu_baseline.so")
-    return Kernels(native_library(str(baseline) if request.param == "native-baseline" else None), "cpu")
+    """The native CPU library alone, in each of its builds."""
+    return native_build(request.param)
 
 
 @pytest.fixture
@@ -185,15 +209,15 @@ def test_dequantize_into_view(kernels, gen):
 @pytest.mark.parametrize("block_size", [16, 256, 2048])
 @pytest.mark.parametrize("groups,chunks,chunk_numel",
                          [(1, 1, 1), (2, 4, 37), (3, 2, 1000), (8, 1, 2100), (4, 2, 5 * 4096 + 77)])
-def test_reduce_requantize(groups, chunks, chunk_numel, bits, block_size, kernels, gen):
+def test_reduce_requantize(groups, chunks, chunk_numel, bits, block_size, requantize_kernels, gen):
     """The last case makes the persistent Triton kernel loop: under the interpreter (one multiprocessor) two
     programs take 3 (int4) or 6 (int8) tiles each, the last one partial."""
     fmt = BlockFormat(bits, block_size)
     buf = random_packs(fmt, groups * chunks, chunk_numel, gen)
     expected = torch.empty(chunks * fmt.packed_bytes(chunk_numel), dtype=torch.uint8)
     reference.reduce_requantize(buf, fmt, groups, chunks, chunk_numel, expected)
-    actual = torch.full_like(expected, 0xAB, device=kernels.device)
-    kernels.ops.reduce_requantize(buf.to(kernels.device), fmt, groups, chunks, chunk_numel, actual)
+    actual = torch.full_like(expected, 0xAB, device=requantize_kernels.device)
+    requantize_kernels.ops.reduce_requantize(buf.to(requantize_kernels.device), fmt, groups, chunks, chunk_numel, actual)
     assert_same_packs(actual, expected, fmt, chunks, chunks * chunk_numel)
 
 
