@@ -11,7 +11,7 @@ a weight of ~0.02). zeropp's engine quantizes every parameter on its own instead
 layout for a GPT wrapped as the benchmarks wrap it (``fully_shard`` per block, then the root: embeddings, final
 norm), round-trips each rank's buffer through ``zeropp.quant`` both ways ("flat": blocks from the module buffer;
 "per-param": blocks from each parameter's shard), and reports, per parameter, the relative L2 error
-``||w' - w|| / ||w||`` of the reassembled tensor (float64), and the loss of the model on held-out text with the
+``||w' - w|| / ||w||`` of the reassembled tensor (float64), the packed bytes of both layouts, and the loss of the model on held-out text with the
 round-tripped weights (what qwZ's forward sees), for:
 
 * ``init``: GPT-2 initialisation (LayerNorm gains 1, biases 0, weights N(0, 0.02));
@@ -130,6 +130,10 @@ def report(label: str, model: GPT, world: int, bits: int, block: int, batches: l
     print(f"  mean over LayerNorm params: flat {mean(ln, 3):.3e}, per-param {mean(ln, 4):.3e}; over 2-D weights: "
           f"flat {mean(big, 3):.3e}, per-param {mean(big, 4):.3e}; worst flat/per-param ratio "
           f"{max(r[3] / max(r[4], 1e-30) for r in rows):.2f}")
+    flat_bytes = sum(fmt.packed_bytes(sum(shard(p, world, 0).numel() for _, p in g)) for g in fsdp_groups(model))
+    per_bytes = sum(fmt.packed_bytes(shard(p, world, 0).numel()) for g in fsdp_groups(model) for _, p in g)
+    print(f"  packed bytes per rank per forward (all units): flat {flat_bytes}, per-param {per_bytes} "
+          f"({per_bytes / flat_bytes - 1:+.2%})")
     if loss:
         base = eval_loss(model, None, batches)
         lf, lp = eval_loss(model, flat, batches), eval_loss(model, per, batches)

@@ -35,7 +35,7 @@ config            ``zero_optimization``
 ``fsdp2``         torch's FSDP2 (``fully_shard`` per block and on the model; ``zeropp.bench.fsdp``)
 ``hsdp``          FSDP2 on a 2-D mesh: sharded inside a node, replicated across nodes
 ``fsdp2-zeropp``  FSDP2 with ZeRO++ by ``zeropp.fsdp.enable``: qwZ int8, hpZ (``reshard_after_forward`` = ranks
-                  per node), qgZ int4
+                  per node), qgZ int4 (not in the default list, nor are the three below)
 ``fsdp2-qwz``     FSDP2 + qwZ only (int8 forward all-gathers; the rest zeropp's exact comms)
 ``fsdp2-hpz``     FSDP2 + hpZ only (``reshard_after_forward`` = ranks per node; zeropp's exact comms)
 ``fsdp2-qgz``     FSDP2 + qgZ only (int4 two-hop reduce-scatter; exact all-gathers)
@@ -108,7 +108,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 EXTERNAL = ("fsdp2", "hsdp", "deepspeed")  # not zeropp engines, torch's collectives: zeropp.bench.fsdp, DeepSpeed
 FSDP_ZEROPP = ("fsdp2-zeropp", "fsdp2-qwz", "fsdp2-hpz", "fsdp2-qgz")  # FSDP2 with zeropp.fsdp comms (counted)
-DEFAULT_CONFIGS = ("zero3", "qwz", "hpz", "qgz", "zeropp", "zeropp-w4", "fsdp2", "hsdp", "fsdp2-zeropp")
+DEFAULT_CONFIGS = ("zero3", "qwz", "hpz", "qgz", "zeropp", "zeropp-w4", "fsdp2", "hsdp")
 DTYPES = ("fp32", "bf16")
 LABELS = {
     "zero3": "ZeRO-3 (exact)",
