@@ -48,7 +48,7 @@ def train(rank: int, world: int, full: bool, steps: int, data: TextBatches, eval
     units = [sum(padded_shard_numel(p, world) for p in block.parameters()) for block in model.blocks]
     units.append(sum(padded_shard_numel(p, world) for p in model.parameters() if id(p) not in in_blocks))
     assert all(isinstance(p, DTensor) for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
     losses = torch.zeros(steps)
     comm.reset_stats()
     start = time.perf_counter()
