@@ -2,10 +2,10 @@
 its byte counters show ZeRO++'s cut of the cross-node volume.
 
 One job of 4 ranks as 2 emulated nodes of 2 under a plain, unshaped torchrun (``--launcher torchrun``): the tiny
-preset, ZeRO-3, full ZeRO++, FSDP2 and HSDP (``zeropp.bench.fsdp``), 3 steps. FSDP2 and HSDP do the same work as
-ZeRO-3: the same first-step loss (same weights, same data, exact gathers) and, after 3 AdamW steps, the same
-held-out loss to 1e-4. DeepSpeed's ZeRO-3, where it is installed, likewise (a job of its own). The shaped run lives
-in bench/RESULTS.md (too slow for a test).
+preset, ZeRO-3, full ZeRO++, FSDP2 and HSDP (``zeropp.bench.fsdp``), and FSDP2 with zeropp's comms (full ZeRO++
+and each flag alone), 3 steps. FSDP2 and HSDP do the same work as ZeRO-3: the same first-step loss (same weights,
+same data, exact gathers) and, after 3 AdamW steps, the same held-out loss to 1e-4. DeepSpeed's ZeRO-3, where it
+is installed, likewise (a job of its own). The shaped run lives in bench/RESULTS.md (too slow for a test).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import pytest
 from zeropp.bench import training
 
 ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ("zero3", "zeropp", "fsdp2", "hsdp", "fsdp2-zeropp", "fsdp2-qwz", "fsdp2-hpz", "fsdp2-qgz")
 
 
 def bench(out: Path, *options: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -43,7 +44,7 @@ def bench(out: Path, *options: str, timeout: float = 120) -> subprocess.Complete
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("training")
-    return out, bench(out, "--configs", "zero3,zeropp,fsdp2,hsdp")
+    return out, bench(out, "--configs", ",".join(CONFIGS))
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
@@ -54,19 +55,19 @@ def read_csv(path: Path) -> list[dict[str, str]]:
 def test_csv_columns_and_rows(run):
     out, _ = run
     rows = read_csv(out / "training.csv")
-    assert [r["config"] for r in rows] == ["zero3", "zeropp", "fsdp2", "hsdp"]
+    assert [r["config"] for r in rows] == list(CONFIGS)
     for col in ("step_s", "tokens_per_s", "speedup", "inter_MB_rank", "intra_MB_rank", "inter_MB_node",
                 "intra_MB_node", "ag_inter_MB_rank", "rs_inter_MB_rank", "util_counted", "nic_tx_MB_node",
                 "util_nic", "final_loss", "eval_loss", "loss_vs_zero3", "shaped"):
         assert col in rows[0], col
-    base, zpp, fsdp2, hsdp = rows
+    base, zpp, fsdp2, hsdp = rows[:4]
     assert float(base["speedup"]) == 1.0
     assert float(base["step_s"]) > 0 and float(zpp["step_s"]) > 0
     assert float(zpp["tokens_per_s"]) == pytest.approx(4 * 16 / float(zpp["step_s"]), rel=0.01)
     assert base["shaped"] == "False" and base["nic_tx_MB_node"] == ""  # unshaped: no interface measured
     # same seed, same data: the first step's loss is the same up to qwZ's int8 weights
     curve = read_csv(out / "training_loss.csv")
-    assert len(curve) == 4 * 3
+    assert len(curve) == len(CONFIGS) * 3
     first = {r["config"]: float(r["loss"]) for r in curve if r["step"] == "0"}
     assert first["zeropp"] == pytest.approx(first["zero3"], rel=0.01)
     assert abs(float(zpp["loss_vs_zero3"])) < 0.02
@@ -74,6 +75,16 @@ def test_csv_columns_and_rows(run):
         assert first[row["config"]] == pytest.approx(first["zero3"], rel=1e-6)
         assert abs(float(row["loss_vs_zero3"])) < 1e-4
         assert row["inter_MB_rank"] == ""  # torch's collectives: not counted by zeropp.comm.stats
+    # FSDP2 with zeropp's comms: the same weights and batch as FSDP2; exact forward gathers (hpZ, qgZ alone) give
+    # the same first loss bit for bit, int8 ones (qwZ) within 1%; hpZ alone is exact all through
+    by_name = {r["config"]: r for r in rows}
+    for name in ("fsdp2-hpz", "fsdp2-qgz"):
+        assert first[name] == first["fsdp2"], name
+    for name in ("fsdp2-zeropp", "fsdp2-qwz"):
+        assert first[name] != first["fsdp2"] and first[name] == pytest.approx(first["fsdp2"], rel=0.01), name
+    assert by_name["fsdp2-hpz"]["eval_loss"] == fsdp2["eval_loss"]
+    for name in ("fsdp2-zeropp", "fsdp2-qwz", "fsdp2-qgz"):
+        assert abs(float(by_name[name]["eval_loss"]) / float(fsdp2["eval_loss"]) - 1) < 0.02, name
 
 
 def test_deepspeed_row(tmp_path):
@@ -100,7 +111,8 @@ def test_deepspeed_row(tmp_path):
 
 def test_cross_node_bytes(run):
     out, _ = run
-    base, zpp, _, _ = read_csv(out / "training.csv")
+    rows = {r["config"]: r for r in read_csv(out / "training.csv")}
+    base, zpp = rows["zero3"], rows["zeropp"]
     # full ZeRO++ (int8 weights, in-node backward gather, int4 gradients) against fp32 all-gathers and
     # reduce-scatter: about 0.11x; well under 0.3x
     assert 0 < float(zpp["inter_MB_node"]) < 0.3 * float(base["inter_MB_node"])
@@ -113,6 +125,16 @@ def test_cross_node_bytes(run):
     numel = GPT(GPTConfig.preset("tiny", block_size=16)).num_params()
     assert float(base["inter_MB_rank"]) == pytest.approx(4 * numel / 1e6, rel=0.05)
     assert float(base["inter_MB_node"]) == pytest.approx(2 * float(base["inter_MB_rank"]), rel=1e-3)
+    # FSDP2 + zeropp's comms go through zeropp.comm: counted. Full ZeRO++ there sends well under ZeRO-3's bytes
+    # across (int8 forward gathers, backward gathers inside the node, int4 gradients); hpZ alone moves the
+    # backward gathers inside the node, so its cross-node bytes are ZeRO-3's (one gather and one reduce-scatter)
+    fz = rows["fsdp2-zeropp"]
+    assert 0 < float(fz["inter_MB_node"]) < 0.3 * float(base["inter_MB_node"])
+    assert float(fz["intra_MB_rank"]) > 0
+    assert float(rows["fsdp2-hpz"]["inter_MB_rank"]) == pytest.approx(float(base["inter_MB_rank"]), rel=0.05)
+    qwz, qgz = rows["fsdp2-qwz"], rows["fsdp2-qgz"]
+    assert 0 < float(qwz["ag_inter_MB_rank"]) < 0.3 * float(qgz["ag_inter_MB_rank"])  # int8 vs exact fp32 gathers
+    assert 0 < float(qgz["rs_inter_MB_rank"]) < 0.1 * float(qwz["rs_inter_MB_rank"])  # int4 vs exact fp32 grads
 
 
 def test_plots_and_table(run):
@@ -150,6 +172,8 @@ def test_helpers():
     assert args.configs == ["zero3:fp32", "fsdp2:fp32", "zero3:bf16", "fsdp2:bf16"]
     assert training.zero_config("zero3:bf16", args, 2)["bf16"] == {"enabled": True}
     assert training.baseline_of("fsdp2:bf16") == "zero3:bf16"
+    args = training.parse_args(["--configs", "fsdp2-zeropp,fsdp2-qwz,fsdp2-hpz,fsdp2-qgz", "--dtypes", "bf16"])
+    assert args.configs == ["fsdp2-zeropp", "fsdp2-qwz", "fsdp2-hpz", "fsdp2-qgz"] and args.dtypes == ["bf16"]
     with pytest.raises(SystemExit):
         training.parse_args(["--dtypes", "fp8"])
     try:

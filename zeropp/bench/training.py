@@ -22,7 +22,6 @@ interleaved``: all at once, step by step), each from the same initial weights (s
 dtype; with more than one dtype every config runs in each and is named ``NAME:DTYPE``. The ``zero_optimization``
 keys not listed keep DeepSpeed's defaults (``stage3_max_reuse_distance`` etc., ``zeropp.engine.reuse``):
 
-==============  =====================================================================================
 config          ``zero_optimization``
 ==============  =====================================================================================
 ``zero3``       stage 3, exact (all-gathers and reduce-scatter in the compute dtype)
@@ -37,6 +36,27 @@ config          ``zero_optimization``
 ``hsdp``        FSDP2 on a 2-D mesh: sharded inside a node, replicated across nodes
 ``deepspeed``   DeepSpeed's ZeRO-3 on the same config dict (``pip install deepspeed``; not in the default list)
 ==============  =====================================================================================
+=======
+================  ===================================================================================
+config            ``zero_optimization``
+================  ===================================================================================
+``zero3``         stage 3, exact (all-gathers and reduce-scatter in the compute dtype)
+``qwz``           + ``zero_quantized_weights`` (int8 weight all-gather)
+``hpz``           + ``zero_hpz_partition_size`` = ranks per node (backward re-gather inside the node)
+``qgz``           + ``zero_quantized_gradients`` (two-hop int4 gradient all-to-all)
+``zeropp``        qwZ + hpZ + qgZ (full ZeRO++)
+``zeropp-w4``     full ZeRO++ with ``zeropp.weight_bits`` 4
+``zeropp-g8``     full ZeRO++ with ``zeropp.gradient_bits`` 8 (not in the default list; cheaper on a CPU)
+``zeropp-ef``     full ZeRO++ with ``zeropp.error_feedback`` (not in the default list)
+``fsdp2``         torch's FSDP2 (``fully_shard`` per block and on the model; ``zeropp.bench.fsdp``)
+``hsdp``          FSDP2 on a 2-D mesh: sharded inside a node, replicated across nodes
+``fsdp2-zeropp``  FSDP2 with ZeRO++ by ``zeropp.fsdp.enable``: qwZ int8, hpZ (``reshard_after_forward`` = ranks
+                  per node), qgZ int4 (not in the default list, nor are the three below)
+``fsdp2-qwz``     FSDP2 + qwZ only (int8 forward all-gathers; the rest zeropp's exact comms)
+``fsdp2-hpz``     FSDP2 + hpZ only (``reshard_after_forward`` = ranks per node; zeropp's exact comms)
+``fsdp2-qgz``     FSDP2 + qgZ only (int4 two-hop reduce-scatter; exact all-gathers)
+``deepspeed``     DeepSpeed's ZeRO-3 on the same config dict (``pip install deepspeed``; not in the default list)
+================  ===================================================================================
 
 DeepSpeed is an optional peer, never a dependency: ``--configs deepspeed`` without it stops with ``pip install
 deepspeed``. Its row runs on DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu`` unless set otherwise; gloo, the
@@ -44,7 +64,8 @@ process group the worker started) with ``torch.optim.AdamW`` from the config's o
 arithmetic) and compiles nothing (``deepspeed_engine``).
 
 FSDP2, HSDP and DeepSpeed move their bytes with torch's collectives, which ``zeropp.comm.stats()`` does not see:
-their rows have the NIC counters (shaped runs) and no counted MB.
+their rows have the NIC counters (shaped runs) and no counted MB. The ``fsdp2-*`` rows move every byte through
+``zeropp.comm`` (``zeropp.fsdp``'s hooks), so they have counted MB too.
 
 Per config, over the steps after ``--warmup`` (step time = the slowest rank's, per step):
 
@@ -106,7 +127,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "zeropp": {"error_feedback": True},
     },
 }
-EXTERNAL = ("fsdp2", "hsdp", "deepspeed")  # not zeropp engines: zeropp.bench.fsdp, DeepSpeed
+EXTERNAL = ("fsdp2", "hsdp", "deepspeed")  # not zeropp engines, torch's collectives: zeropp.bench.fsdp, DeepSpeed
+FSDP_ZEROPP = ("fsdp2-zeropp", "fsdp2-qwz", "fsdp2-hpz", "fsdp2-qgz")  # FSDP2 with zeropp.fsdp comms (counted)
 DEFAULT_CONFIGS = ("zero3", "qwz", "hpz", "qgz", "zeropp", "zeropp-w4", "fsdp2", "hsdp")
 DTYPES = ("fp32", "bf16")
 LABELS = {
@@ -121,6 +143,10 @@ LABELS = {
     "fsdp2": "FSDP2 (torch fully_shard)",
     "hsdp": "HSDP (FSDP2, replicated across nodes)",
     "deepspeed": "DeepSpeed ZeRO-3",
+    "fsdp2-zeropp": "FSDP2 + ZeRO++ (zeropp.fsdp)",
+    "fsdp2-qwz": "FSDP2 + qwZ (int8 weights)",
+    "fsdp2-hpz": "FSDP2 + hpZ (reshard to node)",
+    "fsdp2-qgz": "FSDP2 + qgZ (int4 grads)",
 }
 DEFAULT_OUT = "bench/out/training"
 QUICK = {"steps": 10, "warmup": 3}
@@ -171,7 +197,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=32, help="sequence length (default 32)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step (default 1)")
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
-                   help=f"comma-separated, from {','.join((*CONFIGS, *EXTERNAL))} (default: "
+                   help=f"comma-separated, from {','.join((*CONFIGS, *EXTERNAL, *FSDP_ZEROPP))} (default: "
                    f"{','.join(DEFAULT_CONFIGS)}); NAME@off or NAME@on sets overlap_comm for that config only; "
                    "NAME:bf16 its dtype")
     p.add_argument("--dtypes", default="fp32",
@@ -210,11 +236,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if len(args.dtypes) > 1:
         specs = [f"{c}:{d}" for d in args.dtypes for c in specs if not parse_spec(c)[2]]
     args.configs = specs
-    known = set(CONFIGS) | set(EXTERNAL)
+    known = set(CONFIGS) | set(EXTERNAL) | set(FSDP_ZEROPP)
     unknown = [c for c in args.configs if parse_spec(c)[0] not in known or parse_spec(c)[1] not in ("", "on", "off")
                or parse_spec(c)[2] not in ("", *DTYPES)]
     if unknown:
-        p.error(f"unknown config(s) {unknown}; choose from {list(CONFIGS) + list(EXTERNAL)} (NAME@on/off, "
+        p.error(f"unknown config(s) {unknown}; choose from {[*CONFIGS, *EXTERNAL, *FSDP_ZEROPP]} (NAME@on/off, "
                 f"NAME:fp32/bf16)")
     if any(parse_spec(c)[0] == "deepspeed" for c in args.configs):
         try:
@@ -337,7 +363,8 @@ class ConfigRun:
         self.counted = base not in EXTERNAL  # zeropp.comm.stats() sees its collectives
         if base in KINDS:
             self.engine: Any = FSDPTrainer(model, base, ranks_per_node=topo.ranks_per_node,
-                                           dtype=dtype_of(name, args), lr=args.lr, weight_decay=0.01, clip=args.clip)
+                                           dtype=dtype_of(name, args), lr=args.lr, weight_decay=0.01, clip=args.clip,
+                                           block_size=args.block_size)
         elif base == "deepspeed":
             self.engine = deepspeed_engine(model, config)
         else:
@@ -627,7 +654,7 @@ def explanation(rows: list[dict[str, Any]], args: argparse.Namespace, world: int
         f"{args.seq} tokens per rank per step, median "
         f"of {args.steps - args.warmup} steps after {args.warmup} warm-up, configs {args.schedule}, overlap_comm "
         f"{args.overlap_comm}; MB = 1e6 bytes sent per step (inter = across nodes, counted by zeropp.comm.stats; "
-        f"'NIC tx' measured on the node's interface; FSDP2/HSDP/DeepSpeed rows are not counted); ZeRO-3 "
+        f"'NIC tx' measured on the node's interface; the fsdp2, hsdp and deepspeed rows are not counted); ZeRO-3 "
         f"all-gathers and reduce-scatters in the compute dtype (4 bytes per element in fp32, 2 in bf16) and keeps "
         f"units whole by DeepSpeed's stage3_* defaults; load average {args.load[0]:.1f} -> {args.load[1]:.1f} on "
         f"{os.cpu_count()} cores."
