@@ -17,10 +17,11 @@ rank and step:
   span two parameters; the backward gathers stay in the node); qgZ's hop 2 sends one int4 pack of the node-reduced
   slice to the other node, ``packed4(n)``.
 
-Measured (torch 2.13 CPU, 2-core box, load average ~4 from other jobs): eval loss exact 2.4018, ZeRO++ 2.4142
-(+0.52%); last-10 training loss 2.3090 and 2.3206 (+0.50%); bound 2%. Cross-node bytes 0.1153x exact's, the
-formula's value exactly; bound 0.27. Wall time of this file: 40 s (training 14 s + 19 s; AdamW ``fused=True``: the
-per-parameter DTensor loop of the default CPU AdamW cost ~20% more).
+Measured (torch 2.13 CPU, 2-core box): eval loss exact 2.4018, ZeRO++ 2.4121 (+0.43%); last-10 training loss
+2.3090 and 2.3213 (+0.54%); bound 2%. Cross-node bytes 0.1204x exact's, the formula's value exactly (0.1153x when
+qwZ's blocks were cut from the flat input: per-parameter blocks pad this model's many 16-element shards); bound
+0.27. Wall time of this file: 44 s (training 16 s + 22 s; AdamW ``fused=True``: the per-parameter DTensor loop of
+the default CPU AdamW cost ~20% more).
 """
 
 from __future__ import annotations
