@@ -1,18 +1,21 @@
-"""qwZ blocks that straddle parameters: FSDP2's flat all-gather input against per-parameter blocks.
+"""qwZ blocks under FSDP2: per-parameter blocks (what ``zeropp.fsdp`` runs) against blocks cut from FSDP2's flat
+all-gather input (which straddle parameters).
 
     python bench/fsdp_blocks.py                      # tiny and small GPT, 4 ranks, int8 and int4, block 128
     python bench/fsdp_blocks.py --presets tiny --train-steps 100
 
 FSDP2 (torch 2.13, ``_fsdp_collectives.foreach_all_gather``) all-gathers one flat buffer per ``fully_shard``-ed
 module: on rank ``r``, the concatenation, in the module's parameter order, of every parameter's dim-0 shard ``r``
-(``ceil(dim0 / P)`` rows, zero-padded), flattened, nothing in between. ``zeropp.fsdp``'s qwZ cuts its blocks from
-that buffer, so a block may hold the end of one parameter and the start of the next (a LayerNorm gain of ~1 beside
-a weight of ~0.02). zeropp's engine quantizes every parameter on its own instead. This script rebuilds FSDP2's
-layout for a GPT wrapped as the benchmarks wrap it (``fully_shard`` per block, then the root: embeddings, final
-norm), round-trips each rank's buffer through ``zeropp.quant`` both ways ("flat": blocks from the module buffer;
-"per-param": blocks from each parameter's shard), and reports, per parameter, the relative L2 error
-``||w' - w|| / ||w||`` of the reassembled tensor (float64), the packed bytes of both layouts, and the loss of the model on held-out text with the
-round-tripped weights (what qwZ's forward sees), for:
+(``ceil(dim0 / P)`` rows, zero-padded), flattened, nothing in between. Blocks cut from that buffer ("flat", what
+``zeropp.fsdp`` ran first) may hold the end of one parameter and the start of the next (a LayerNorm gain of ~1
+beside a weight of ~0.02). ``zeropp.fsdp`` now quantizes every parameter's shard on its own ("per-param", as
+zeropp's engine does): its all-gather stages each segment at a block boundary (``ZeroppAllGather``), so the codes
+are those of each shard quantized alone and the packed bytes are the sum over shards of ``packed_bytes``. This
+script rebuilds FSDP2's layout for a GPT wrapped as the benchmarks wrap it (``fully_shard`` per block, then the
+root: embeddings, final norm), round-trips each rank's buffer through ``zeropp.quant`` both ways, and reports, per
+parameter, the relative L2 error ``||w' - w|| / ||w||`` of the reassembled tensor (float64), the packed bytes of
+both layouts, and the loss of the model on held-out text with the round-tripped weights (what qwZ's forward sees),
+for:
 
 * ``init``: GPT-2 initialisation (LayerNorm gains 1, biases 0, weights N(0, 0.02));
 * ``trained``: after ``--train-steps`` AdamW steps (lr 1e-3, batch 16 x 64 bytes) on the stdlib text corpus;
@@ -119,7 +122,8 @@ def report(label: str, model: GPT, world: int, bits: int, block: int, batches: l
     ln = [r for r in rows if ".ln" in r[0] or r[0].startswith("ln_")]
     big = [r for r in rows if len(r[1]) == 2]
     print(f"\n{label}, int{bits}, block {block}, {world} ranks")
-    print(f"  {'parameter':<28} {'shape':<12} {'max|w|':>8} {'flat err':>10} {'per-param':>10} {'ratio':>6}")
+    print(f"  {'parameter':<28} {'shape':<12} {'max|w|':>8} {'flat err':>10} {'per-param':>10} {'ratio':>6}"
+          "   (per-param: what zeropp.fsdp runs)")
     for name, shape, amax, e_flat, e_per in worst:
         ratio = e_flat / max(e_per, 1e-30)
         print(f"  {name:<28} {shape!s:<12} {amax:8.3g} {e_flat:10.3e} {e_per:10.3e} {ratio:6.2f}")
@@ -132,13 +136,13 @@ def report(label: str, model: GPT, world: int, bits: int, block: int, batches: l
           f"{max(r[3] / max(r[4], 1e-30) for r in rows):.2f}")
     flat_bytes = sum(fmt.packed_bytes(sum(shard(p, world, 0).numel() for _, p in g)) for g in fsdp_groups(model))
     per_bytes = sum(fmt.packed_bytes(shard(p, world, 0).numel()) for g in fsdp_groups(model) for _, p in g)
-    print(f"  packed bytes per rank per forward (all units): flat {flat_bytes}, per-param {per_bytes} "
-          f"({per_bytes / flat_bytes - 1:+.2%})")
+    print(f"  packed bytes per rank per forward (all units): per-param (zeropp.fsdp) {per_bytes}, flat "
+          f"{flat_bytes}: per-param {per_bytes / flat_bytes - 1:+.2%}")
     if loss:
         base = eval_loss(model, None, batches)
         lf, lp = eval_loss(model, flat, batches), eval_loss(model, per, batches)
-        print(f"  held-out loss: fp32 {base:.5f}, flat {lf:.5f} ({lf / base - 1:+.4%}), per-param {lp:.5f} "
-              f"({lp / base - 1:+.4%}); flat - per-param {lf - lp:+.5f}")
+        print(f"  held-out loss: fp32 {base:.5f}, per-param (zeropp.fsdp) {lp:.5f} ({lp / base - 1:+.4%}), flat "
+              f"{lf:.5f} ({lf / base - 1:+.4%}); flat - per-param {lf - lp:+.5f}")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 import zeropp.fsdp
 from zeropp import comm
 from zeropp.fsdp import ZeroppAllGather, ZeroppReduceScatter
+from zeropp.fsdp.segments import shard_numels
 from zeropp.models import GPT, GPTConfig
 from zeropp.quant import DEFAULT_BLOCK_SIZE
 
@@ -114,15 +115,16 @@ class _RecordingReduceScatter(ZeroppReduceScatter):
 
 
 def _enable_recording(model: GPT, comms: str) -> dict[str, list]:
-    """``zeropp.fsdp.enable`` with ``comms``' bits, then the same hooks with recorders, on every FSDP2 module."""
+    """``zeropp.fsdp.enable`` with ``comms``' bits, then the same hooks with recorders, on every FSDP2 module (an
+    all-gather per module, with its parameter segments, as ``enable`` installs them)."""
     wbits, gbits = COMMS[comms]
     topology = zeropp.fsdp.enable(model, weight_bits=wbits, gradient_bits=gbits)
     seen: dict[str, list] = {"all_gather": [], "reduce_scatter": []}
-    all_gather = _RecordingAllGather(topology, wbits, DEFAULT_BLOCK_SIZE, seen=seen["all_gather"])
     reduce_scatter = _RecordingReduceScatter(topology, gbits, DEFAULT_BLOCK_SIZE, seen=seen["reduce_scatter"])
     for m in model.modules():
         if isinstance(m, FSDPModule):
-            m.set_custom_all_gather(all_gather)
+            m.set_custom_all_gather(_RecordingAllGather(topology, wbits, DEFAULT_BLOCK_SIZE, shard_numels(m),
+                                                        seen=seen["all_gather"]))
             m.set_custom_reduce_scatter(reduce_scatter)
     return seen
 

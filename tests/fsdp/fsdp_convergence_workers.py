@@ -32,8 +32,9 @@ def padded_shard_numel(p: torch.Tensor, world: int) -> int:
 
 def train(rank: int, world: int, full: bool, steps: int, data: TextBatches, evals: list) -> dict[str, Any]:
     """``steps`` AdamW steps (clipping 1.0); per-step training losses and the eval loss (both averaged over the
-    ranks), zeropp's byte counters over the training steps, wall seconds, and each FSDP2 unit's flat shard numel
-    (blocks, then the root)."""
+    ranks), zeropp's byte counters over the training steps, wall seconds, and each FSDP2 unit's parameter shard
+    numels in its all-gather order (blocks, then the root; ``named_parameters``' order is FSDP2's post-order here,
+    every parameter sitting in a leaf module)."""
     model = GPT(GPTConfig.preset("tiny"), seed=0)
     mesh = init_device_mesh("cpu", (world,))
     kwargs: dict[str, Any] = {"mesh": mesh}
@@ -45,8 +46,8 @@ def train(rank: int, world: int, full: bool, steps: int, data: TextBatches, eval
     bits = (8, 4) if full else (None, None)
     zeropp.fsdp.enable(model, weight_bits=bits[0], gradient_bits=bits[1])
     in_blocks = {id(p) for p in model.blocks.parameters()}
-    units = [sum(padded_shard_numel(p, world) for p in block.parameters()) for block in model.blocks]
-    units.append(sum(padded_shard_numel(p, world) for p in model.parameters() if id(p) not in in_blocks))
+    units = [[padded_shard_numel(p, world) for p in block.parameters()] for block in model.blocks]
+    units.append([padded_shard_numel(p, world) for p in model.parameters() if id(p) not in in_blocks])
     assert all(isinstance(p, DTensor) for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
     losses = torch.zeros(steps)

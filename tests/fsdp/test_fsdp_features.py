@@ -5,6 +5,7 @@ the other. One launch runs every scenario."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -40,6 +41,23 @@ def _same(a: Any, b: Any) -> bool:
 
 def _close(losses: list[float], reference: list[float]) -> bool:
     return len(losses) == len(reference) and all(abs(a - b) <= TOLERANCE * abs(b) for a, b in zip(losses, reference))
+
+
+def _unit_segments() -> dict[int, list[int]]:
+    """Each FSDP2 unit of the tiny GPT (a block; the root: the rest, the tied ``lm_head`` once) by its all-gather
+    input's numel: the elements of every parameter's zero-padded dim-0 shard on one rank, in ``named_parameters``'
+    order (FSDP2's post-order walk, for a model whose parameters all sit in leaf modules)."""
+    model = GPT(GPTConfig.preset("tiny"), seed=0)
+
+    def segments(params: list[torch.Tensor]) -> list[int]:
+        return [math.ceil(p.shape[0] / WORLD) * math.prod(p.shape[1:]) for p in params]
+
+    in_blocks = {id(p) for p in model.blocks.parameters()}
+    units = [segments(list(block.parameters())) for block in model.blocks]
+    units.append(segments([p for p in model.parameters() if id(p) not in in_blocks]))
+    by_numel = {sum(u): u for u in units}
+    assert len(by_numel) == 2  # the blocks alike, the root another size: the numel names the unit
+    return by_numel
 
 
 def _initial() -> dict[str, torch.Tensor]:
@@ -97,9 +115,10 @@ def test_what_fsdp2_passes_the_hooks(runs: list[dict], policy: str) -> None:
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_byte_counters_count_the_dtype_on_the_wire(runs: list[dict], policy: str) -> None:
-    """Exact: each call's elements times their size in the hook's dtype; qwZ: packed int8 bytes of each call's
-    elements (whatever its dtype); qgZ: independent of the reduce dtype."""
+    """Exact: each call's elements times their size in the hook's dtype; qwZ: packed int8 bytes of each of the
+    call's parameter shards (a pack each, whatever the dtype); qgZ: independent of the reduce dtype."""
     fmt8 = BlockFormat(8, DEFAULT_BLOCK_SIZE)
+    units = _unit_segments()
     for r in runs:
         mp = r["mixed_precision"]
         exact, quant = mp[policy, "exact"], mp[policy, "quantized"]
@@ -112,7 +131,7 @@ def test_byte_counters_count_the_dtype_on_the_wire(runs: list[dict], policy: str
             INTER_PEERS * n // WORLD * rsize for _, _, n, _ in reduces
         )
         assert quant["stats"]["all_gather"]["sent_inter"] == sum(
-            INTER_PEERS * fmt8.packed_bytes(n) for _, _, n, _ in quant["seen"]["all_gather"]
+            INTER_PEERS * sum(fmt8.packed_bytes(s) for s in units[n]) for _, _, n, _ in quant["seen"]["all_gather"]
         )
         assert quant["stats"]["reduce_scatter"] == mp["bf16-fp32", "quantized"]["stats"]["reduce_scatter"]
 

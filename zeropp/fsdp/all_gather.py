@@ -1,4 +1,5 @@
-"""FSDP2's parameter all-gather run by ``zeropp.comm.all_gather``: exact, or qwZ over the data-parallel group.
+"""FSDP2's parameter all-gather run by ``zeropp.comm.all_gather``: exact, or qwZ over the data-parallel group, with
+quantization blocks that never span two parameters.
 
 Subclasses ``AllGather`` from ``torch.distributed.fsdp._fully_shard._fsdp_api``, the interface that the public
 ``FSDPModule.set_custom_all_gather`` takes. That module is private: the class is not exported elsewhere; checked
@@ -6,43 +7,66 @@ against torch 2.13 only (the issue reports the same interface in 2.11).
 
 What FSDP2 passes (torch 2.13, ``_fsdp_collectives.foreach_all_gather``): ``output_tensor`` is a flat buffer of
 ``P * n`` elements that it allocated with ``allocate``; ``input_tensor`` is this rank's ``n`` elements, the
-concatenated shards of every parameter of the module (padded), and a VIEW of ``output_tensor[rank * n:(rank + 1)
-* n]`` (an in-place gather). ``group`` is the module's shard group, except in backward for a module wrapped
-with ``reshard_after_forward=N`` (hpZ, see ``zeropp.fsdp.hpz``): then it is the post-forward group of ``N``
-ranks and ``input_tensor`` holds this rank's slice of the weights the FORWARD gather produced (dequantized, with
-qwZ). It reads ``output_tensor`` back split by parameter, so every rank's part must land at
-``[i * n, (i + 1) * n)``.
+concatenated padded shards of every parameter of the module (the segments, ``zeropp.fsdp.segments``), and a VIEW
+of ``output_tensor[rank * n:(rank + 1) * n]`` (an in-place gather). ``group`` is the module's shard group, except
+in backward for a module wrapped with ``reshard_after_forward=N`` (hpZ, see ``zeropp.fsdp.hpz``): then it is the
+post-forward group of ``N`` ranks and ``input_tensor`` holds this rank's slice of the weights the FORWARD gather
+produced (dequantized, with qwZ). It reads ``output_tensor`` back split by parameter, so every rank's part must
+land at ``[i * n, (i + 1) * n)``.
 """
 
 from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 from .. import comm
-from ..quant.format import FLOAT_DTYPES
+from ..quant.format import FLOAT_DTYPES, ceil_div
 from .hook import FlatBufferHook
 
 
 class ZeroppAllGather(FlatBufferHook, AllGather):
-    """All-gather of FSDP2's flat parameter shards through ``zeropp.comm.all_gather``.
+    """All-gather of one FSDP2 module's flat parameter shards through ``zeropp.comm.all_gather``.
 
-    Over ``topology.group`` (FSDP2's shard group) with ``bits`` set: qwZ — this rank's shard is quantized into one
-    packed buffer BEFORE anything is written to ``output_tensor`` (the shard is a view of it), one all-gather moves
-    the packs, and every rank's part, its own included, is dequantized into ``output_tensor``: all ranks hold the
-    same weights. Over any other group (hpZ's post-forward group) or with ``bits=None``: exact, so a backward
-    gather over the post-forward group rebuilds the forward weights bit for bit (quantizing them again would not).
-    Bytes are counted by the nodes of ``topology``: a post-forward group inside a node moves intra-node bytes only. The call always
-    completes before returning and returns ``None``: FSDP2 then treats it as a synchronous collective (it waits
-    on the stream event it records after the call), which is correct for ``async_op`` either way.
+    Over ``topology.group`` (FSDP2's shard group) with ``bits`` set: qwZ with per-parameter blocks. This rank's
+    segments are staged into a buffer where each one starts at a block boundary (the gaps zero: zeros do not change
+    a block's absmax, so every parameter's codes are exactly those of its shard quantized alone, its last block
+    partial), that buffer is quantized into one packed buffer BEFORE anything is written to ``output_tensor`` (the
+    input is a view of it), one all-gather moves the packs, every rank's part, its own included, is dequantized,
+    and each segment is copied to its place in ``output_tensor``: all ranks hold the same weights. Runs of
+    segments that need no gap are copied together; a module that needs no gap at all (every segment but the last a
+    whole number of blocks) is gathered straight into ``output_tensor``. Bytes on the wire per rank: the sum over
+    segments of ``BlockFormat.packed_bytes(segment)``.
+
+    If FSDP2's input does not hold exactly ``segments`` (e.g. a tensor subclass whose ``fsdp_pre_all_gather``
+    returns several inputs, or ``fully_shard([a, b])``, whose one input spans both modules), the blocks are cut
+    from the flat input instead, so a block may span two parameters, with a one-time warning saying why.
+
+    Over any other group (hpZ's post-forward group) or with ``bits=None``: exact, so a backward gather over the
+    post-forward group rebuilds the forward weights bit for bit (quantizing them again would not). Bytes are
+    counted by the nodes of ``topology``: a post-forward group inside a node moves intra-node bytes only. The call
+    always completes before returning and returns ``None``: FSDP2 then treats it as a synchronous collective (it
+    waits on the stream event it records after the call), which is correct for ``async_op`` either way.
 
     Args:
         topology: the ``zeropp.comm.Topology`` of FSDP2's shard group (byte accounting, node layout).
         bits: 8 or 4 for qwZ, ``None`` for exact.
-        block_size: elements per quantization block. Blocks are cut from FSDP2's flat input, which concatenates
-            the module's parameter shards, so a block may span two parameters.
+        block_size: elements per quantization block.
+        segments: per-rank elements of each parameter's padded shard in the module's flat input, in order
+            (``zeropp.fsdp.segments.shard_numels(module)``); ``enable`` installs one hook per module with its own.
     """
+
+    def __init__(self, topology: comm.Topology, bits: int | None, block_size: int, segments: Sequence[int]) -> None:
+        super().__init__(topology, bits, block_size)
+        self.segments = tuple(int(s) for s in segments)
+        if any(s < 0 for s in self.segments):
+            raise ValueError(f"segments={list(self.segments)} must be element counts >= 0")
+        self.staged_numel, self.runs = _staging(self.segments, block_size)
+        self._warned = False
 
     def __call__(
         self,
@@ -58,6 +82,59 @@ class ZeroppAllGather(FlatBufferHook, AllGather):
                 f"fsdp_pre_all_gather, such as float8); qwZ quantizes {', '.join(map(str, FLOAT_DTYPES))} only: "
                 "enable with weight_bits=None for these modules"
             )
-        comm.all_gather(input_tensor, bits, group=group, topology=self.topology, out=output_tensor,
-                        block_size=self.block_size)
+        n = input_tensor.numel()
+        if bits is None or self._flat_blocks(n):
+            comm.all_gather(input_tensor, bits, group=group, topology=self.topology, out=output_tensor,
+                            block_size=self.block_size)
+            return None
+        size = dist.get_world_size(group)
+        if output_tensor.numel() != size * n or not output_tensor.is_contiguous():
+            raise ValueError(
+                f"zeropp.fsdp: FSDP2's all-gather output has {output_tensor.numel()} elements (contiguous: "
+                f"{output_tensor.is_contiguous()}); expected a contiguous {size} x {n}"
+            )
+        flat = input_tensor.reshape(-1)
+        staged = flat.new_zeros(self.staged_numel)
+        for src, dst, length in self.runs:
+            staged[dst:dst + length].copy_(flat[src:src + length])
+        gathered = torch.empty(size, self.staged_numel, dtype=output_tensor.dtype, device=output_tensor.device)
+        comm.all_gather(staged, bits, group=group, topology=self.topology, out=gathered, block_size=self.block_size)
+        out = output_tensor.view(size, n)
+        for dst, src, length in self.runs:
+            out[:, dst:dst + length].copy_(gathered[:, src:src + length])
         return None
+
+    def _flat_blocks(self, numel: int) -> bool:
+        """Whether to cut blocks from the flat input: it needs no gap, or does not hold ``segments`` (warned)."""
+        if numel == sum(self.segments):
+            return self.staged_numel == numel
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"zeropp.fsdp: FSDP2 all-gathers {numel} elements per rank for this module, but its parameters' "
+                f"padded shards add up to {sum(self.segments)} (segments {list(self.segments)}): a tensor subclass "
+                "whose fsdp_pre_all_gather returns other inputs, or fully_shard over several modules at once. qwZ "
+                "cuts this module's blocks from the flat input, so a block may span two parameters",
+                stacklevel=2,
+            )
+        return True
+
+
+def _staging(segments: tuple[int, ...], block_size: int) -> tuple[int, list[tuple[int, int, int]]]:
+    """The staged layout of ``segments``: each non-empty segment starts at a multiple of ``block_size``, the last
+    one is not padded. Returns the staged numel and the copy runs ``(flat offset, staged offset, length)``, each
+    run a maximal stretch of consecutive segments that is contiguous in both layouts."""
+    runs: list[tuple[int, int, int]] = []
+    flat = staged = end = 0
+    for length in segments:
+        if length == 0:
+            continue
+        if runs and runs[-1][0] + runs[-1][2] == flat and runs[-1][1] + runs[-1][2] == staged:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + length)
+        else:
+            runs.append((flat, staged, length))
+        flat += length
+        staged += length
+        end = staged
+        staged = ceil_div(staged, block_size) * block_size
+    return end, runs

@@ -15,6 +15,7 @@ from ..quant import DEFAULT_BLOCK_SIZE, BlockFormat
 from .all_gather import ZeroppAllGather
 from .hpz import check_hpz, install_check
 from .reduce_scatter import ZeroppReduceScatter
+from .segments import shard_numels
 
 
 def enable(
@@ -42,7 +43,8 @@ def enable(
 
     Args:
         modules: a module (searched for FSDP2 modules) or several.
-        weight_bits: 8 or 4: parameter all-gathers over the shard group are block-quantized (qwZ); ``None``: exact.
+        weight_bits: 8 or 4: parameter all-gathers over the shard group are block-quantized (qwZ), each
+            parameter's shard on its own (blocks never span two parameters); ``None``: exact.
         gradient_bits: 8 or 4: gradient reduce-scatters run the two-hop qgZ; ``None``: exact.
         hpz: ranks of a secondary (post-forward) partition, usually the ranks per node; must divide the ranks per
             node and equal the modules' ``reshard_after_forward``. Checked now (divisibility, FSDP2's post-forward
@@ -93,10 +95,11 @@ def enable(
         )
     if hpz is not None:
         check_hpz(hpz, mesh, topology)
-    all_gather = ZeroppAllGather(topology, weight_bits, block_size)
     for m in fsdp_modules:
-        m.set_custom_all_gather(all_gather)
-        # one per module: each holds its own gradient buffer's error-feedback residuals
+        # one per module: the all-gather knows its module's parameter segments (blocks never span two), the
+        # reduce-scatter holds its own gradient buffer's error-feedback residuals
+        segments = shard_numels(m)  # type: ignore[arg-type]
+        m.set_custom_all_gather(ZeroppAllGather(topology, weight_bits, block_size, segments))
         m.set_custom_reduce_scatter(ZeroppReduceScatter(topology, gradient_bits, block_size, error_feedback))
     if hpz is not None:
         install_check(fsdp_modules, hpz)

@@ -27,6 +27,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from .. import comm
+from .segments import managed_parameters
 
 
 def check_hpz(hpz: int, mesh: DeviceMesh, topology: comm.Topology) -> None:
@@ -63,7 +64,7 @@ def install_check(fsdp_modules: list[FSDPModule], hpz: int) -> None:
     wrongly.
     """
     for module in fsdp_modules:
-        params = _managed_params(module)  # type: ignore[arg-type]
+        params = [(owner, name) for owner, name, _ in managed_parameters(module)]  # type: ignore[arg-type]
         handles: list[Any] = []
 
         def check(mod: nn.Module, args: Any, output: Any, params: list[tuple[nn.Module, str]] = params,
@@ -83,13 +84,3 @@ def install_check(fsdp_modules: list[FSDPModule], hpz: int) -> None:
 
         handles.append(module.register_forward_hook(check))  # type: ignore[attr-defined]
 
-
-def _managed_params(module: nn.Module) -> list[tuple[nn.Module, str]]:
-    """``(owner, name)`` of the parameters ``module``'s own FSDP2 state manages (nested FSDP2 modules excluded)."""
-    out: list[tuple[nn.Module, str]] = []
-    stack = [module]
-    while stack:
-        m = stack.pop()
-        out.extend((m, name) for name, _ in m.named_parameters(recurse=False))
-        stack.extend(c for c in m.children() if not isinstance(c, FSDPModule))
-    return out
