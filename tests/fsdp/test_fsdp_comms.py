@@ -221,3 +221,9 @@ def test_refuses_modules_without_fully_shard() -> None:
         zeropp.fsdp.enable(nn.Linear(2, 2))
     with pytest.raises(TypeError, match="nn.Module"):
         zeropp.fsdp.enable([nn.Linear(2, 2), "x"])
+
+
+def test_refuses_error_feedback_without_bits_before_any_collective() -> None:
+    # no process group exists here: the error must come before enable makes a topology
+    with pytest.raises(ValueError, match="error_feedback=True needs quantized gradients"):
+        zeropp.fsdp.enable(nn.Linear(2, 2), gradient_bits=None, error_feedback=True)

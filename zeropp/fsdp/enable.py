@@ -66,12 +66,17 @@ def enable(
         ValueError: unsupported bits or block size, no FSDP2 module, a mesh that is not 1-D (HSDP, or FSDP
             inside a 2-D mesh: refused, not served wrongly), modules on different meshes, a ``topology`` whose
             ranks are not the shard group's, an ``hpz`` that does not divide the ranks per node or whose FSDP2
-            groups would span nodes, or ``error_feedback`` without ``gradient_bits`` (after the topology is made).
+            groups would span nodes, or ``error_feedback`` without ``gradient_bits``.
     """
     for name, bits in (("weight_bits", weight_bits), ("gradient_bits", gradient_bits)):
         if bits is not None and (isinstance(bits, bool) or bits not in (8, 4)):
             raise ValueError(f"{name}={bits!r} is not supported; use 8, 4 or None (exact)")
     BlockFormat(8, block_size)  # raises naming a bad block size
+    if error_feedback and gradient_bits is None:
+        raise ValueError(
+            "error_feedback=True needs quantized gradients: pass gradient_bits=8 or 4 (exact reduce-scatters drop "
+            "nothing to feed back)"
+        )
     roots = [modules] if isinstance(modules, nn.Module) else list(modules)
     fsdp_modules: list[FSDPModule] = []
     for root in roots:
