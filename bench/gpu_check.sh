@@ -17,11 +17,13 @@
 #          the same bytes; the same for the CUDA C++ kernels (built here by CMake, run through CuPy: --backend
 #          native); then the tile/warps sweep of the Triton main rows at 2^26 (fp16, block 128), checked too.
 #          Measured on an H100 (Triton rows and sweep): 105 s + 79 s.
-# tests    the native kernels built, then 8 pytest processes at once: test_kernels.py (the Triton, native CPU and
+# tests    the native kernels built, then 9 pytest processes at once: test_kernels.py (the Triton, native CPU and
 #          CUDA C++ kernels on this machine) in 4 shards through bench/pytest_shard.py (pytest-xdist is not
 #          assumed), the other quant tests, the sm_90 compile tests (Triton with this machine's triton, the CUDA C++
-#          with its nvcc), the comm tests (their CUDA test: 4 gloo ranks on this GPU against the CPU reference) and
-#          the engine's host-sync test (limit 480 s each). Measured on an H100: 99 s (before the native kernels).
+#          with its nvcc), the comm tests (their CUDA test: 4 gloo ranks on this GPU against the CPU reference),
+#          zeropp.fsdp's CUDA test (FSDP2 + zeropp, 4 gloo ranks on this GPU, against plain FSDP2 on CPU) and the
+#          engine's host-sync test (limit 480 s each). Measured on an H100: 99 s (before the native kernels and
+#          the FSDP2 test).
 # engine   bench/engine_device.py on CUDA in bf16: world size 1 on NCCL (overhead against plain training) and 4
 #          gloo ranks on this GPU as 2 emulated nodes (exact ZeRO-3 and full ZeRO++); world size 1 in fp32; the
 #          collective benchmark on NCCL at world size 1 (a smoke test). Estimate ~2-3 min.
@@ -168,6 +170,7 @@ stage_tests() {
                 tests/quant/test_format.py -k "$k"
         done
         bg_step comm_cuda 60 "${pytest[@]}" tests/comm/test_comm_cuda.py -k test_cuda_matches_cpu_reference  # skips
+        bg_step fsdp_cuda 60 "${pytest[@]}" tests/fsdp/test_fsdp_cuda.py -k test_cuda_matches_cpu_reference  # skips
         wait
         return
     fi
@@ -185,6 +188,9 @@ stage_tests() {
     # (test_cost_model.py is left to CI: its instruction budgets are pinned under CI's triton version)
     bg_step quant_compile 480 "${pytest[@]}" tests/quant/test_triton_compile.py tests/quant/test_cuda_compile.py
     bg_step comm 480 "${pytest[@]}" tests/comm
+    # FSDP2 on a CUDA mesh over gloo with zeropp's comms (Triton kernels) against plain FSDP2 on CPU; its CPU variant
+    # runs too (a few seconds). Estimate (no GPU has run it yet): under a minute, most of it Triton's first compiles
+    bg_step fsdp_cuda 480 "${pytest[@]}" tests/fsdp/test_fsdp_cuda.py
     bg_step engine_host_syncs 480 "${pytest[@]}" tests/engine/test_host_syncs.py
     wait
 }

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXPECTED = {
     "kernels": {"kernels_main.log", "native_build.log", "kernels_native.log", "kernels_sweep.log", "kernels.csv",
                 "native.csv", "sweep.csv"},
-    "tests": {"quant_format_1of2.log", "quant_format_2of2.log", "comm_cuda.log"},
+    "tests": {"quant_format_1of2.log", "quant_format_2of2.log", "comm_cuda.log", "fsdp_cuda.log"},
     "engine": {"engine_w1_bf16.log", "engine_w2_bf16.log", "collectives.log", "collectives.csv"},
 }
 KEY_LINES = {  # a line of the stage's summary that shows its results were read

@@ -15,6 +15,14 @@ class FlatBufferHook:
     """Base of ``ZeroppAllGather`` and ``ZeroppReduceScatter`` (mixed in before torch's interface class, whose
     abstract ``allocate`` it provides).
 
+    Streams (CUDA): FSDP2 calls a hook inside its own stream context (its all-gather stream, its reduce-scatter
+    stream) and records an event on that stream right after the call, which later work waits on. The hooks run
+    ``zeropp.comm``'s kernels and collectives synchronously on that current stream (with gloo the host returns once
+    the collective is done and its copy back is ordered on the stream; with NCCL the work is enqueued there) and
+    return ``None``, so FSDP2's event orders everything after them, ``async_op`` or not. Buffers the hooks allocate
+    are allocated and used on that one stream. ``tests/fsdp/test_fsdp_cuda.py`` runs FSDP2 + zeropp on a CUDA mesh
+    (gloo ranks sharing one GPU) against plain FSDP2 on CPU.
+
     Args:
         topology: the ``zeropp.comm.Topology`` of FSDP2's shard group.
         bits: 8 or 4 for the quantized collective, ``None`` for exact.
