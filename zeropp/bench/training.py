@@ -22,21 +22,6 @@ interleaved``: all at once, step by step), each from the same initial weights (s
 dtype; with more than one dtype every config runs in each and is named ``NAME:DTYPE``. The ``zero_optimization``
 keys not listed keep DeepSpeed's defaults (``stage3_max_reuse_distance`` etc., ``zeropp.engine.reuse``):
 
-config          ``zero_optimization``
-==============  =====================================================================================
-``zero3``       stage 3, exact (all-gathers and reduce-scatter in the compute dtype)
-``qwz``         + ``zero_quantized_weights`` (int8 weight all-gather)
-``hpz``         + ``zero_hpz_partition_size`` = ranks per node (backward re-gather inside the node)
-``qgz``         + ``zero_quantized_gradients`` (two-hop int4 gradient all-to-all)
-``zeropp``      qwZ + hpZ + qgZ (full ZeRO++)
-``zeropp-w4``   full ZeRO++ with ``zeropp.weight_bits`` 4
-``zeropp-g8``   full ZeRO++ with ``zeropp.gradient_bits`` 8 (not in the default list; cheaper on a CPU)
-``zeropp-ef``   full ZeRO++ with ``zeropp.error_feedback`` (not in the default list)
-``fsdp2``       torch's FSDP2 (``fully_shard`` per block and on the model; ``zeropp.bench.fsdp``)
-``hsdp``        FSDP2 on a 2-D mesh: sharded inside a node, replicated across nodes
-``deepspeed``   DeepSpeed's ZeRO-3 on the same config dict (``pip install deepspeed``; not in the default list)
-==============  =====================================================================================
-=======
 ================  ===================================================================================
 config            ``zero_optimization``
 ================  ===================================================================================
