@@ -14,7 +14,7 @@ from .. import comm
 from ..quant import DEFAULT_BLOCK_SIZE, BlockFormat
 from .all_gather import ZeroppAllGather
 from .hpz import check_hpz, install_check
-from .reduce_scatter import ZeroppReduceScatter
+from .reduce_scatter import ZeroppReduceScatter, check_error_feedback
 from .segments import shard_numels
 
 
@@ -72,11 +72,7 @@ def enable(
         if bits is not None and (isinstance(bits, bool) or bits not in (8, 4)):
             raise ValueError(f"{name}={bits!r} is not supported; use 8, 4 or None (exact)")
     BlockFormat(8, block_size)  # raises naming a bad block size
-    if error_feedback and gradient_bits is None:
-        raise ValueError(
-            "error_feedback=True needs quantized gradients: pass gradient_bits=8 or 4 (exact reduce-scatters drop "
-            "nothing to feed back)"
-        )
+    check_error_feedback(error_feedback, gradient_bits)
     roots = [modules] if isinstance(modules, nn.Module) else list(modules)
     fsdp_modules: list[FSDPModule] = []
     for root in roots:

@@ -49,14 +49,9 @@ class ZeroppReduceScatter(FlatBufferHook, ReduceScatter):
     def __init__(
         self, topology: comm.Topology, bits: int | None, block_size: int, error_feedback: bool = False
     ) -> None:
-        if error_feedback and bits is None:
-            raise ValueError(
-                "error_feedback=True needs quantized gradients: pass gradient_bits=8 or 4 (exact reduce-scatters "
-                "drop nothing to feed back)"
-            )
+        check_error_feedback(error_feedback, bits)
         super().__init__(topology, bits, block_size)
         self.error_feedback: comm.ErrorFeedback | None = comm.ErrorFeedback() if error_feedback else None
-        self._numel: int | None = None
 
     def __call__(
         self,
@@ -82,9 +77,18 @@ class ZeroppReduceScatter(FlatBufferHook, ReduceScatter):
                 "set_gradient_divide_factor); its factor is not readable through a public API. Call "
                 "module.set_force_sum_reduction_for_comms(True) as well: FSDP2 then passes SUM and divides itself"
             )
-        if self.error_feedback is not None and input_tensor.numel() != self._numel:
-            self.error_feedback.reset()
-            self._numel = input_tensor.numel()
+        ef = self.error_feedback
+        if ef is not None and ef.key is not None and ef.key[0] != input_tensor.numel():
+            ef.reset()  # the residuals (keyed by the input's numel first) describe another buffer layout
         comm.reduce_scatter(input_tensor, self.bits, op=reduce_op, topology=self.topology, out=output_tensor,
                             block_size=self.block_size, error_feedback=self.error_feedback)
         return None
+
+
+def check_error_feedback(error_feedback: bool, bits: int | None) -> None:
+    """Raise unless ``error_feedback`` comes with quantized gradients (``bits`` 8 or 4)."""
+    if error_feedback and bits is None:
+        raise ValueError(
+            "error_feedback=True needs quantized gradients: pass gradient_bits=8 or 4 (exact reduce-scatters "
+            "drop nothing to feed back)"
+        )
