@@ -145,15 +145,9 @@ class LoRABlock(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
 
 
-class LoRANet(nn.Module):
-    """A frozen embedding, head and two blocks whose Linear layers carry LoRA adapters."""
-
-    def __init__(self, vocab: int = 64, d: int = 32, rank: int = 4, seed: int = 0) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.emb = nn.Embedding(vocab, d).requires_grad_(False)
-        self.blocks = nn.ModuleList(LoRABlock(d, rank) for _ in range(2))
-        self.head = nn.Linear(d, vocab).requires_grad_(False)
+class TokenNet(nn.Module):
+    """``emb``, then ``blocks`` in turn, then ``head``: logits and (with targets) the cross-entropy; subclasses build
+    the three."""
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         x = self.emb(idx)
@@ -162,6 +156,17 @@ class LoRANet(nn.Module):
         logits = self.head(x)
         loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         return logits, loss
+
+
+class LoRANet(TokenNet):
+    """A frozen embedding, head and two blocks whose Linear layers carry LoRA adapters."""
+
+    def __init__(self, vocab: int = 64, d: int = 32, rank: int = 4, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.emb = nn.Embedding(vocab, d).requires_grad_(False)
+        self.blocks = nn.ModuleList(LoRABlock(d, rank) for _ in range(2))
+        self.head = nn.Linear(d, vocab).requires_grad_(False)
 
 
 def lora_batches(steps: int, batch: int, vocab: int = 64, seq: int = 8) -> list:
@@ -305,7 +310,7 @@ class BNBlock(nn.Module):
         return x + F.gelu(self.bn(self.fc(x).transpose(1, 2)).transpose(1, 2))
 
 
-class BNNet(nn.Module):
+class BNNet(TokenNet):
     """Embedding, two blocks with BatchNorm, head; ``generate`` calls the submodules directly."""
 
     def __init__(self, vocab: int = 32, d: int = 8) -> None:
@@ -313,14 +318,6 @@ class BNNet(nn.Module):
         self.emb = nn.Embedding(vocab, d)
         self.blocks = nn.ModuleList(BNBlock(d) for _ in range(2))
         self.head = nn.Linear(d, vocab)
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        x = self.emb(idx)
-        for block in self.blocks:
-            x = block(x)
-        logits = self.head(x)
-        loss = None if targets is None else F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        return logits, loss
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:

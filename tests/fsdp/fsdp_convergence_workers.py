@@ -4,12 +4,12 @@ qgZ int4), in one process group, on real text from ``zeropp.data``."""
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from gpt_units import gpt_unit_segments
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -23,11 +23,6 @@ SEQ, GLOBAL_BATCH, LR, WEIGHT_DECAY = 32, 16, 1e-3, 0.1
 CORPUS_BYTES = 1 << 20
 EVAL_BATCHES, EVAL_SEED = 8, 777
 HPZ = 2  # ranks per emulated node: the post-forward (hpZ) group
-
-
-def padded_shard_numel(p: torch.Tensor, world: int) -> int:
-    """Elements of one rank's padded dim-0 shard of ``p`` in FSDP2's flat all-gather input."""
-    return math.ceil(p.shape[0] / world) * math.prod(p.shape[1:])
 
 
 def train(rank: int, world: int, full: bool, steps: int, data: TextBatches, evals: list) -> dict[str, Any]:
@@ -45,9 +40,7 @@ def train(rank: int, world: int, full: bool, steps: int, data: TextBatches, eval
     fully_shard(model, **kwargs)
     bits = (8, 4) if full else (None, None)
     zeropp.fsdp.enable(model, weight_bits=bits[0], gradient_bits=bits[1])
-    in_blocks = {id(p) for p in model.blocks.parameters()}
-    units = [[padded_shard_numel(p, world) for p in block.parameters()] for block in model.blocks]
-    units.append([padded_shard_numel(p, world) for p in model.parameters() if id(p) not in in_blocks])
+    units = gpt_unit_segments(model, world)
     assert all(isinstance(p, DTensor) for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY, fused=True)
     losses = torch.zeros(steps)

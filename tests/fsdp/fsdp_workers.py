@@ -125,7 +125,8 @@ def train_runs(rank: int, world: int, dtype: str) -> dict[str, Any]:
     return out
 
 
-def _message(fn: Any) -> str:
+def error_message(fn: Any) -> str:
+    """``"TypeName: message"`` of the ValueError or TypeError ``fn()`` raises, else ``"no error"``."""
     try:
         fn()
     except (ValueError, TypeError) as e:
@@ -138,7 +139,7 @@ def misuse(rank: int, world: int) -> dict[str, str]:
     divide factor."""
     out = {}
     mesh2 = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    out["hsdp"] = _message(lambda: zeropp.fsdp.enable(_model(mesh2, "fp32")))
+    out["hsdp"] = error_message(lambda: zeropp.fsdp.enable(_model(mesh2, "fp32")))
     mesh = init_device_mesh("cpu", (world,))
     model = _model(mesh, "fp32")
     zeropp.fsdp.enable(model, weight_bits=None, gradient_bits=None)
@@ -149,10 +150,10 @@ def misuse(rank: int, world: int) -> dict[str, str]:
         _, loss = model(idx[:, :-1], idx[:, 1:])
         loss.backward()
 
-    out["divide_factor"] = _message(step)
+    out["divide_factor"] = error_message(step)
     # last: the subgroups this topology creates on ranks 0 and 1 only would shift later group creation
     pair = dist.new_group([0, 1])  # every rank takes part in creating a group
     if rank < 2:
         topo = comm.Topology(pair, ranks_per_node=1)
-        out["topology"] = _message(lambda: zeropp.fsdp.enable(_model(mesh, "fp32"), topology=topo))
+        out["topology"] = error_message(lambda: zeropp.fsdp.enable(_model(mesh, "fp32"), topology=topo))
     return out

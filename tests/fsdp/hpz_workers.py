@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from fsdp_workers import error_message
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -93,30 +94,22 @@ def hpz_runs(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def _message(fn: Any) -> str:
-    try:
-        fn()
-    except (ValueError, TypeError) as e:
-        return f"{type(e).__name__}: {e}"
-    return "no error"
-
-
 def hpz_misuse(rank: int, world: int) -> dict[str, str]:
     """What enable(hpz=...) says for: an hpz not dividing the ranks per node, modules wrapped with
     reshard_after_forward=True (at the first forward), a mesh whose post-forward runs span nodes; error_feedback
     without gradient bits."""
     mesh = init_device_mesh("cpu", (world,))
-    out = {"hpz3": _message(lambda: zeropp.fsdp.enable(_model(mesh, HPZ), hpz=3))}
-    out["hpz4"] = _message(lambda: zeropp.fsdp.enable(_model(mesh, True), hpz=4))
+    out = {"hpz3": error_message(lambda: zeropp.fsdp.enable(_model(mesh, HPZ), hpz=3))}
+    out["hpz4"] = error_message(lambda: zeropp.fsdp.enable(_model(mesh, True), hpz=4))
     model = _model(mesh, True)
     zeropp.fsdp.enable(model, hpz=HPZ)
     x, y = _batch(torch.Generator().manual_seed(rank))
-    out["wrapped_true"] = _message(lambda: model(x, y))
-    out["ef_exact"] = _message(lambda: zeropp.fsdp.enable(_model(mesh, True), gradient_bits=None,
+    out["wrapped_true"] = error_message(lambda: model(x, y))
+    out["ef_exact"] = error_message(lambda: zeropp.fsdp.enable(_model(mesh, True), gradient_bits=None,
                                                           error_feedback=True))
     # node 0 = ranks 0, 1; mesh positions 0, 1 hold ranks 0, 2: FSDP2's first post-forward group spans both nodes
     strided = DeviceMesh("cpu", [0, 2, 1, 3])
-    out["strided"] = _message(lambda: zeropp.fsdp.enable(_model(strided, HPZ), hpz=HPZ))
+    out["strided"] = error_message(lambda: zeropp.fsdp.enable(_model(strided, HPZ), hpz=HPZ))
     return out
 
 

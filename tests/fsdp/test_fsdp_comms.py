@@ -11,6 +11,7 @@ import pytest
 import torch
 from fsdp_launch import launch
 from fsdp_workers import HOOK_SEGMENTS, STEPS, hook_input, varied_gpt
+from gpt_units import gpt_unit_segments, gpt_units
 from torch import nn
 
 import zeropp.fsdp
@@ -56,25 +57,9 @@ def test_quantized_comms_train_close_to_plain_fsdp2(runs: list[dict]) -> None:
     assert runs[0]["quantized"][1].keys() == runs[0]["plain"][1].keys()
 
 
-def _padded_numel(p: torch.Tensor, world: int) -> int:
-    """Elements of one rank's zero-padded dim-0 shard of ``p`` (FSDP2's all-gather input for that parameter)."""
-    return math.ceil(p.shape[0] / world) * math.prod(p.shape[1:])
-
-
-def _units(model: GPT) -> list[list[tuple[str, torch.Tensor]]]:
-    """The parameters of each FSDP2 unit as the workers wrap the GPT (``fully_shard`` per block, then the root):
-    blocks first, the root (the rest, the tied ``lm_head`` once) last. FSDP2 orders a unit's parameters by a
-    post-order walk of its modules; in this GPT only leaf modules hold parameters, so that is
-    ``named_parameters``' order."""
-    units = [[(f"blocks.{i}.{n}", p) for n, p in block.named_parameters()] for i, block in enumerate(model.blocks)]
-    in_blocks = {name for unit in units for name, _ in unit}
-    units.append([(n, p) for n, p in model.named_parameters() if n not in in_blocks])
-    return units
-
-
 def test_byte_counters_see_quantized_volumes(runs: list[dict]) -> None:
     fmt8, fmt4 = BlockFormat(8, 128), BlockFormat(4, 128)
-    units = [[_padded_numel(p, WORLD) for _, p in unit] for unit in _units(GPT(GPTConfig.preset("tiny")))]
+    units = gpt_unit_segments(GPT(GPTConfig.preset("tiny")), WORLD)
     gathers = [2] * (len(units) - 1) + [1]  # blocks: forward and backward; the root stays gathered for backward
     for r in runs:
         exact, quant = r["exact_stats"], r["quantized_stats"]
@@ -129,7 +114,7 @@ def test_qwz_quantizes_every_parameter_shard_alone(runs: list[dict], bits: int) 
     """Every parameter of the tiny GPT (random biases, LayerNorm gains ~1) as a qwZ forward sees it equals, bit for
     bit, every rank's shard of it quantized alone by the torch reference and dequantized."""
     fmt = BlockFormat(bits, 128)
-    want = {k: v for unit in _units(varied_gpt()) for k, v in _gathered(unit, fmt, True).items()}
+    want = {k: v for unit in gpt_units(varied_gpt()) for k, v in _gathered(unit, fmt, True).items()}
     for r in runs:
         seen = r["forward_weights"][bits]
         assert want.keys() <= seen.keys()
@@ -148,7 +133,7 @@ def test_biases_beside_layernorm_gains_keep_their_own_scale(runs: list[dict], bi
     fmt = BlockFormat(bits, 128)
     model = varied_gpt()
     full = dict(model.named_parameters())
-    flat = {k: v for unit in _units(model) for k, v in _gathered(unit, fmt, False).items()}
+    flat = {k: v for unit in gpt_units(model) for k, v in _gathered(unit, fmt, False).items()}
     biases = [name for name in full if name.endswith("bias")]
     assert "blocks.0.attn.c_proj.bias" in biases and "blocks.1.ln_1.bias" in biases
     for r in runs:

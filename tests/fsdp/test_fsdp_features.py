@@ -5,13 +5,13 @@ the other. One launch runs every scenario."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import pytest
 import torch
 from feature_workers import ACCUM_STEPS, DCP_STEPS, MICRO_BATCHES, MP_STEPS, POLICIES
 from fsdp_launch import launch
+from gpt_units import gpt_unit_segments
 
 from zeropp.models import GPT, GPTConfig
 from zeropp.quant import DEFAULT_BLOCK_SIZE, BlockFormat
@@ -47,15 +47,7 @@ def _unit_segments() -> dict[int, list[int]]:
     """Each FSDP2 unit of the tiny GPT (a block; the root: the rest, the tied ``lm_head`` once) by its all-gather
     input's numel: the elements of every parameter's zero-padded dim-0 shard on one rank, in ``named_parameters``'
     order (FSDP2's post-order walk, for a model whose parameters all sit in leaf modules)."""
-    model = GPT(GPTConfig.preset("tiny"), seed=0)
-
-    def segments(params: list[torch.Tensor]) -> list[int]:
-        return [math.ceil(p.shape[0] / WORLD) * math.prod(p.shape[1:]) for p in params]
-
-    in_blocks = {id(p) for p in model.blocks.parameters()}
-    units = [segments(list(block.parameters())) for block in model.blocks]
-    units.append(segments([p for p in model.parameters() if id(p) not in in_blocks]))
-    by_numel = {sum(u): u for u in units}
+    by_numel = {sum(u): u for u in gpt_unit_segments(GPT(GPTConfig.preset("tiny"), seed=0), WORLD)}
     assert len(by_numel) == 2  # the blocks alike, the root another size: the numel names the unit
     return by_numel
 
