@@ -1,7 +1,8 @@
 """Run a worker function on ``world_size`` real processes joined by a gloo process group.
 
 ``launch("module:function", world_size, tmp_path, **kwargs)`` starts ``world_size`` Python subprocesses (file
-store in ``tmp_path``, no TCP port to pick), each of which initializes gloo, calls
+store in ``tmp_path``, no TCP port to pick), each of which initializes gloo (with ``pg_timeout`` seconds as the
+default group's timeout when given), calls
 ``function(rank, world_size, **kwargs)`` from ``module`` (importable from tests/comm) and saves what it returns.
 It returns the list of per-rank results, or raises with every failing rank's traceback. Workers run with
 ``ZEROPP_QUANT_BACKEND=torch`` unless ``env`` says otherwise.
@@ -24,14 +25,16 @@ ROOT = HERE.parents[1]
 _CHILD = r"""
 import os, pickle, sys, traceback
 rank, world, tmp, target = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+pg_timeout = float(sys.argv[5]) if len(sys.argv) > 5 else None
 result_path = os.path.join(tmp, f"result{rank}.pkl")
 try:
-    import importlib
+    import datetime, importlib
     import torch.distributed as dist
     with open(os.path.join(tmp, "kwargs.pkl"), "rb") as f:
         kwargs = pickle.load(f)
+    timeout = None if pg_timeout is None else datetime.timedelta(seconds=pg_timeout)
     dist.init_process_group("gloo", init_method="file://" + os.path.join(tmp, "store"), rank=rank,
-                            world_size=world)
+                            world_size=world, timeout=timeout)
     module, func = target.split(":")
     value = getattr(importlib.import_module(module), func)(rank, world, **kwargs)
     outcome = ("ok", value)
@@ -57,10 +60,12 @@ def launch(
     env: dict[str, str] | None = None,
     timeout: float = 120.0,
     worker_dirs: Sequence[Path] = (),
+    pg_timeout: float | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``target`` (``"module:function"``) on ``world_size`` gloo ranks; return each rank's result. The target's
-    module is looked up in ``worker_dirs``, then beside this file."""
+    module is looked up in ``worker_dirs``, then beside this file. ``pg_timeout``: the default group's timeout in
+    seconds (default: torch's)."""
     run_dir = Path(tmp_path) / f"launch_{target.replace(':', '_')}_{world_size}_{time.monotonic_ns()}"
     run_dir.mkdir(parents=True)
     with open(run_dir / "kwargs.pkl", "wb") as f:
@@ -76,7 +81,8 @@ def launch(
             child_env.pop(var, None)
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _CHILD, str(r), str(world_size), str(run_dir), target],
+            [sys.executable, "-c", _CHILD, str(r), str(world_size), str(run_dir), target,
+             *([] if pg_timeout is None else [repr(pg_timeout)])],
             env=child_env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

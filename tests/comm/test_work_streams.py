@@ -70,8 +70,8 @@ def _patch(monkeypatch, current: list[FakeStream]) -> None:
 def _two_hop(log: list[str], freed: list[str], temps: dict[str, FakeCudaTensor], out: FakeCudaTensor):
     """A collective shaped like qgZ: hop 1 in flight at return; hop 2 issued inside wait(); temporaries freed at
     the end (the generator's locals go when it finishes)."""
-    yield FakeWork(log, "hop1"), (temps["send"], temps["recv"], None)
-    yield FakeWork(log, "hop2"), (temps["mid"],)
+    yield FakeWork(log, "hop1"), (temps["send"], temps["recv"], None), " at hop 1"
+    yield FakeWork(log, "hop2"), (temps["mid"],), " at hop 2"
     freed.extend(temps)
     return out
 
@@ -129,7 +129,7 @@ def test_synchronous_calls_and_cpu_tensors_skip_the_streams(monkeypatch):
     cpu_in, cpu_out = torch.zeros(3), torch.ones(3)
 
     def steps():
-        yield FakeWork(log, "cpu"), (torch.zeros(2),)
+        yield FakeWork(log, "cpu"), (torch.zeros(2),), ""
         return cpu_out
 
     handle = run(steps(), async_op=True, tensors=(cpu_in, cpu_out))

@@ -92,11 +92,11 @@ def _all_gather_steps(
     if fmt is None:
         nbytes = shard.numel() * shard.element_size()
         accounting.record("all_gather", accounting.gather_traffic(nbytes, size, same_node))
-        yield all_gather_flat(flat, shard, group=pg, async_op=True), ()
+        yield all_gather_flat(flat, shard, group=pg, async_op=True), (), ""
         return out
     pack = quantize_chunks(shard, fmt)
     gathered = torch.empty(size * pack.numel(), dtype=torch.uint8, device=shard.device)
     accounting.record("all_gather", accounting.gather_traffic(pack.numel(), size, same_node))
-    yield all_gather_flat(gathered, pack, group=pg, async_op=True), (pack, gathered)
+    yield all_gather_flat(gathered, pack, group=pg, async_op=True), (pack, gathered), ""
     dequantize_chunks(gathered, fmt, size, shard.numel(), flat)
     return out

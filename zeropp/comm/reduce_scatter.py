@@ -250,7 +250,8 @@ def _exact_steps(
         "reduce_scatter",
         accounting.gather_traffic(s * recv.element_size(), size, topo.same_node_count(topo.group)),
     )
-    yield reduce_scatter_flat(recv, send, op=dist.ReduceOp.SUM, group=topo.group, async_op=True), (send, recv)
+    work = reduce_scatter_flat(recv, send, op=dist.ReduceOp.SUM, group=topo.group, async_op=True)
+    yield work, (send, recv), ""
     if divisor != 1:
         recv.div_(divisor)
     if not direct:
@@ -273,7 +274,7 @@ def _wire_steps(
     recv = torch.empty(size * s, dtype=wdtype, device=flat.device)
     same = topo.same_node_count(topo.group)
     accounting.record("reduce_scatter", accounting.all_to_all_traffic(s * recv.element_size(), same - 1, size - same))
-    yield dist.all_to_all_single(recv, send, group=topo.group, async_op=True), (send, recv)
+    yield dist.all_to_all_single(recv, send, group=topo.group, async_op=True), (send, recv), ""
     parts = recv.view(size, s)
     total = parts[0].to(torch.float64)
     for i in range(1, size):
@@ -332,7 +333,8 @@ def _qgz_steps(
     if d > 1:
         recv = torch.empty(size * pack, dtype=torch.uint8, device=device)
         kept = (send, recv) if ef is None else (send, recv, ef.residual, ef.partial_residual)
-        yield dist.all_to_all_single(recv, send, group=topo.intra_group, async_op=True), kept
+        yield (dist.all_to_all_single(recv, send, group=topo.intra_group, async_op=True), kept,
+               f" at hop 1 (intra-node all-to-all over ranks {topo.intra_ranks})")
         if n == 1:
             reduce_dequantize(recv, fmt, d, s, out.view(-1), divisor=divisor)
             return out
@@ -352,6 +354,7 @@ def _qgz_steps(
 
     # Steps 4-5: inter-node all-to-all, fused sum, division and write into out.
     recv2 = torch.empty(n * pack, dtype=torch.uint8, device=device)
-    yield dist.all_to_all_single(recv2, mid, group=topo.inter_group, async_op=True), (mid, recv2)
+    yield (dist.all_to_all_single(recv2, mid, group=topo.inter_group, async_op=True), (mid, recv2),
+           f" at hop 2 (inter-node all-to-all over ranks {topo.inter_ranks})")
     reduce_dequantize(recv2, fmt, n, s, out.view(-1), divisor=divisor)
     return out

@@ -11,7 +11,11 @@ Within a node, ranks are ordered by global rank; a rank's position is its *local
 * ``intra_group``: the ranks of this rank's node (hop 1 of qgZ, hpZ all-gathers);
 * ``inter_group``: the ranks with this rank's local index on every node (hop 2 of qgZ);
 * ``partition_group(s)``: runs of ``s`` consecutive local indices inside a node, for hpZ partitions of any size
-  ``s`` dividing ``d`` (DeepSpeed's ``zero_hpz_partition_size``).
+  ``s`` dividing ``d`` (DeepSpeed's ``zero_hpz_partition_size``);
+* ``subgroup(ranks)``: any set of the group's ranks (FSDP2's hpZ groups, for ``zeropp.fsdp``).
+
+Every group a topology creates waits ``timeout`` for the other ranks (default: the default process group's
+timeout, i.e. ``init_process_group``'s) before its collectives fail with ``CollectiveError``.
 
 torch.distributed orders the ranks of every group by global rank; the collectives rely on that.
 
@@ -29,11 +33,14 @@ import atexit
 import os
 import socket
 import weakref
+from collections.abc import Sequence
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+from .._torch_internals import group_timeout
 
 ENV_RANKS_PER_NODE = "ZEROPP_RANKS_PER_NODE"
 
@@ -64,9 +71,10 @@ class Topology:
         hpz_partition_sizes: hpZ partition sizes whose groups are created now (others are created on first use
             of ``partition_group``, which is then a collective over the node).
         timeout: how long a collective on the groups this topology creates (intra-node, inter-node, hpZ) waits for
-            the other ranks before failing with an error naming it. Pass the ``timeout`` given to
-            ``init_process_group``: torch offers no public way to read a group's timeout, so the default is
-            torch's default for the backend (``torch.distributed.default_pg_timeout``, 30 minutes, for gloo).
+            the other ranks before failing with an error naming it. Default: the default process group's timeout
+            (the ``timeout`` given to ``init_process_group``, else torch's default for its backend), not the
+            30 minutes torch's ``new_group`` would give them. Collectives over ``group`` itself wait for
+            ``group``'s own timeout, whatever this says.
 
     Raises:
         ValueError: if the group size is not a multiple of ``d``, the ranks disagree on ``d``, or a host holds a
@@ -89,7 +97,8 @@ class Topology:
             )
         if timeout is not None and (not isinstance(timeout, timedelta) or timeout <= timedelta(0)):
             raise ValueError(f"timeout={timeout!r} must be a positive datetime.timedelta")
-        self.timeout: timedelta | None = timeout
+        # torch's new_group(timeout=None) would give the backend's default (30 minutes), not the user's
+        self.timeout: timedelta = group_timeout(dist.group.WORLD) if timeout is None else timeout
         # Agreement-checked call records per group (zeropp.comm.checks.verify_agreement).
         self.verified_calls: dict[ProcessGroup, set[tuple[int, ...]]] = {}
         self.group: ProcessGroup = dist.group.WORLD if group is None else group
@@ -162,8 +171,8 @@ class Topology:
 
         self._groups: dict[tuple[int, ...], ProcessGroup] = {tuple(self.ranks): self.group}
         _live.add(self)
-        self.intra_group: ProcessGroup = self._group_for(self.nodes[self.node])
-        self.inter_group: ProcessGroup = self._group_for(self.inter_ranks)
+        self.intra_group: ProcessGroup = self.subgroup(self.nodes[self.node])
+        self.inter_group: ProcessGroup = self.subgroup(self.inter_ranks)
         for size in hpz_partition_sizes:
             self.partition_group(size)
 
@@ -230,8 +239,17 @@ class Topology:
 
     # ---- groups -------------------------------------------------------------------------------------------
 
-    def _group_for(self, ranks: list[int]) -> ProcessGroup:
+    def subgroup(self, ranks: Sequence[int]) -> ProcessGroup:
+        """The process group of ``ranks`` (global ranks of the group, this rank among them; any order), created
+        with this topology's ``timeout`` on first use and cached: the first call for a set of ranks is a collective
+        over those ranks (each of them must make it, in the same order relative to their other group creations).
+        The whole group's ranks give ``group`` itself. ``zeropp.fsdp`` runs FSDP2's hpZ gathers over these."""
         key = tuple(sorted(ranks))
+        if self.global_rank not in key or not set(key) <= set(self.ranks) or len(set(key)) != len(key):
+            raise ValueError(
+                f"subgroup ranks {list(ranks)} must be distinct members of the group {self.ranks} and include this "
+                f"rank ({self.global_rank})"
+            )
         if key not in self._groups:
             # Only the members call in: other ranks build their own groups at the same time.
             pg = dist.new_group(list(key), timeout=self.timeout, use_local_synchronization=True)
@@ -254,7 +272,7 @@ class Topology:
         """The hpZ group of ``size`` ranks (a divisor of ``ranks_per_node``) holding this rank; ``size`` equal to
         ``ranks_per_node`` gives ``intra_group``. Created and cached on first use: a collective over the
         partition's ranks then."""
-        return self._group_for(self.partition_ranks(size))
+        return self.subgroup(self.partition_ranks(size))
 
     def __repr__(self) -> str:
         return (
@@ -289,7 +307,8 @@ atexit.register(_shut_down_at_exit)
 
 def get_default_topology(timeout: timedelta | None = None) -> Topology:
     """The topology of the whole world, created on first use (a collective over all ranks then) with ``timeout``
-    (see ``Topology``). Raises ``ValueError`` if it exists with another timeout than a given one."""
+    (see ``Topology``; default: the default process group's). Raises ``ValueError`` if it exists with another
+    timeout than a given one."""
     global _default
     if _default is None:
         _default = Topology(timeout=timeout)

@@ -1,7 +1,8 @@
 """``CollectiveWork``: the handle an ``async_op=True`` collective returns.
 
 A collective is written as a generator that issues its communication with ``async_op=True``, yields each
-``torch.distributed`` work object together with the tensors the steps after it still touch, runs the local step
+``torch.distributed`` work object together with the tensors the steps after it still touch and the step's name
+for error messages (``""`` for a collective of one step), runs the local step
 that needs it once it has been waited on, and finally returns its result. Creating the handle runs the generator to
 its first communication, which is then in flight; ``wait()`` runs the rest. Synchronous calls create the handle and
 wait at once.
@@ -11,7 +12,8 @@ collective was issued and an event recorded on it once the issuing steps are que
 makes that stream wait on the event and records every tensor the collective used on it (``Tensor.record_stream``).
 
 Failures: a backend error while waiting (a timeout because a rank skipped the call or called another collective,
-a peer that died) is re-raised as ``CollectiveError`` naming the zeropp collective, its group and shapes.
+a peer that died) is re-raised as ``CollectiveError`` naming the zeropp collective, its group and shapes, and the
+step that failed (qgZ's hop and its ranks).
 
 """
 
@@ -22,9 +24,9 @@ from typing import Any
 
 import torch
 
-# What a collective's generator yields: a torch.distributed work object and the tensors (temporaries, buffers handed
-# to the communication) that stay in use after it.
-Pending = tuple[Any, tuple[torch.Tensor | None, ...]]
+# What a collective's generator yields: a torch.distributed work object, the tensors (temporaries, buffers handed
+# to the communication) that stay in use after it, and the step's name for error messages ("" if the only one).
+Pending = tuple[Any, tuple[torch.Tensor | None, ...], str]
 
 class CollectiveError(RuntimeError):
     """A zeropp collective failed in the backend (a timeout, a peer gone); the message names the collective."""
@@ -38,8 +40,8 @@ def wait_backend(work: Any, what: str) -> None:
     except RuntimeError as e:
         raise CollectiveError(
             f"{what} failed in the backend: {e}. If it timed out, a rank of the group did not make this call "
-            "(it skipped it, called another collective or is stuck); the timeout is the one given to Topology "
-            "(timeout=) or to init_process_group"
+            "(it skipped it, called another collective or is stuck); the timeout is Topology's (timeout=, by "
+            "default init_process_group's) on zeropp's node groups, the group's own on the data-parallel group"
         ) from e
 
 
@@ -129,10 +131,10 @@ class CollectiveWork:
                 assert self._result is not None
                 self._result.record_stream(current)
         while self._pending is not None:
-            work, tensors = self._pending
+            work, tensors, step = self._pending
             if waiting is not None:  # before the last step frees them: the generator's locals go with it
                 self._record(tensors, waiting)
-            wait_backend(work, self._what)
+            wait_backend(work, f"{self._what}{step}")
             self._advance()
         assert self._result is not None
         return self._result

@@ -77,8 +77,9 @@ def initialize(
         init_seed: meta models: the seed the per-unit seeds derive from (``materialize.unit_seed``).
         device: meta models: where to materialise (default: the current CUDA device under NCCL, else the CPU).
         timeout: how long a collective on the node-local and cross-node groups waits before failing with an error
-            naming it; pass the ``timeout`` given to ``init_process_group`` (see ``comm.Topology``). Applies to the
-            default topology; with ``topology=``, give it to ``Topology`` instead.
+            naming it (default: the default process group's, i.e. ``init_process_group``'s timeout; see
+            ``comm.Topology``). Applies to the default topology; with ``topology=``, give it to ``Topology``
+            instead.
 
     Raises:
         ConfigError: a bad config, or a setting this engine does not implement yet; nothing is raised mid-run

@@ -47,7 +47,9 @@ class ZeroppAllGather(FlatBufferHook, AllGather):
     from the flat input instead, so a block may span two parameters, with a one-time warning saying why.
 
     Over any other group (hpZ's post-forward group) or with ``bits=None``: exact, so a backward gather over the
-    post-forward group rebuilds the forward weights bit for bit (quantizing them again would not). Bytes are
+    post-forward group rebuilds the forward weights bit for bit (quantizing them again would not). A post-forward
+    gather runs over ``topology.subgroup`` of the same ranks instead of FSDP2's group, which torch creates with the
+    backend's default timeout (30 minutes for gloo) where zeropp's has the topology's. Bytes are
     counted by the nodes of ``topology``: a post-forward group inside a node moves intra-node bytes only. The call
     always completes before returning and returns ``None``: FSDP2 then treats it as a synchronous collective (it
     waits on the stream event it records after the call), which is correct for ``async_op`` either way.
@@ -75,7 +77,11 @@ class ZeroppAllGather(FlatBufferHook, AllGather):
         group: dist.ProcessGroup,
         async_op: bool = False,
     ) -> dist.Work | None:
-        bits = self.bits if self.is_shard_group(group) else None
+        if self.is_shard_group(group):
+            bits = self.bits
+        else:  # hpZ's post-forward group; zeropp's of the same ranks has the topology's timeout (FSDP2's: 30 min)
+            bits = None
+            group = self.topology.subgroup(dist.get_process_group_ranks(group))
         if bits is not None and input_tensor.dtype not in FLOAT_DTYPES:
             raise TypeError(
                 f"zeropp.fsdp: FSDP2 all-gathers {input_tensor.dtype} parameters (e.g. a tensor subclass with "

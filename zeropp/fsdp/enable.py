@@ -96,6 +96,10 @@ def enable(
         )
     if hpz is not None:
         check_hpz(hpz, mesh, topology)
+        # the post-forward group's twin with zeropp's timeout (ZeroppAllGather), made now, not in the first backward
+        order = mesh.mesh.flatten().tolist()
+        start = order.index(topology.global_rank) // hpz * hpz
+        topology.subgroup(order[start : start + hpz])
     for m in fsdp_modules:
         # one per module: the all-gather knows its module's parameter segments (blocks never span two), the
         # reduce-scatter holds its own gradient buffer's error-feedback residuals

@@ -15,6 +15,10 @@ How FSDP2 (torch 2.13) does it, read from ``torch/distributed/fsdp/_fully_shard`
   backward all-gather runs over the post-forward group on those slices; ``ZeroppAllGather`` runs it exact, so
   backward computes with the forward weights bit for bit, and the bytes are counted per node of the shard group's
   topology (inside a node: all intra-node).
+* torch creates the post-forward groups with ``new_group``'s default timeout (the backend's: 30 minutes for gloo),
+  not ``init_process_group``'s; ``ZeroppAllGather`` runs the backward gathers over ``Topology.subgroup`` of the
+  same ranks instead, which waits the topology's timeout (``enable(hpz=N)`` creates it; without ``hpz`` it is
+  created at the first backward gather).
 """
 
 from __future__ import annotations
