@@ -33,6 +33,10 @@ try:
     with open(os.path.join(tmp, "kwargs.pkl"), "rb") as f:
         kwargs = pickle.load(f)
     timeout = None if pg_timeout is None else datetime.timedelta(seconds=pg_timeout)
+    if timeout is not None:  # a short timeout: connect together, not as each interpreter finishes its imports
+        ready = dist.FileStore(os.path.join(tmp, "ready"), world)
+        ready.set(f"ready{rank}", "1")
+        ready.wait([f"ready{r}" for r in range(world)], datetime.timedelta(seconds=120))
     dist.init_process_group("gloo", init_method="file://" + os.path.join(tmp, "store"), rank=rank,
                             world_size=world, timeout=timeout)
     module, func = target.split(":")
