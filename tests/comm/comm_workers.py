@@ -300,6 +300,10 @@ def errors(rank: int, world: int) -> dict:
     topo = Topology(ranks_per_node=2, hpz_partition_sizes=(1, 2))
     _raises(ValueError, "does not divide", topo.partition_group, 3)
     assert topo.partition_group(2) is topo.intra_group
+    assert topo.subgroup(topo.intra_ranks[::-1]) is topo.intra_group and topo.subgroup(range(world)) is topo.group
+    others = [r for r in range(world) if r != rank]
+    messages["subgroup"] = _raises(ValueError, f"subgroup ranks {others} must be", topo.subgroup, others)
+    _raises(ValueError, "must be distinct members", topo.subgroup, [rank, world])
 
     x = torch.randn(64, 8)
     messages["noncontig"] = _raises(ValueError, "not contiguous", comm.all_gather, x.t(), 8, topology=topo)

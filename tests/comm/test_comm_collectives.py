@@ -49,6 +49,8 @@ def test_errors(tmp_path):
     assert "ZEROPP_RANKS_PER_NODE" in messages["not_multiple"]
     assert "'a'" in messages["hosts"] and "3 ranks" in messages["hosts"]
     assert ".contiguous()" in messages["noncontig"]
+    assert "[1, 2, 3] must be distinct members of the group [0, 1, 2, 3] and include this rank (0)" in \
+        messages["subgroup"]
 
 
 @pytest.mark.parametrize("d", [1, 2])

@@ -34,6 +34,8 @@ EXPECTED = {
     "reduce_scatter qgZ, node 1 skips": ("reduce_scatter(bits=4, op=avg)", {0: HOP2_02, 1: HOP2_13}),
     "hpZ partition all_gather": ("all_gather(bits=None) of 1000 torch.float32 elements per rank over ranks [0, 1]",
                                  {0: ""}),
+    "subgroup all_gather": ("all_gather(bits=None) of 1000 torch.float32 elements per rank over ranks [0, 3]",
+                            {0: ""}),
     "fsdp backward reduce_scatter": ("reduce_scatter(bits=4, op=avg)", {0: HOP1, 2: HOP2_02, 3: HOP2_13}),
     # rank 0 waits in the first layer's backward gather over FSDP2's post-forward group {0, 1}; ranks 2 and 3
     # complete theirs and wait in that layer's gradient reduce-scatter
@@ -48,7 +50,7 @@ EXPECTED = {
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("timeouts")
-    per_rank = launch("timeout_workers:skipped_calls", 4, tmp, timeout=240, pg_timeout=TIMEOUT_S,
+    per_rank = launch("timeout_workers:skipped_calls", 4, tmp, timeout=360, pg_timeout=TIMEOUT_S,
                       env={"ZEROPP_RANKS_PER_NODE": "2"}, sync_path=str(tmp / "sync"), timeout_s=TIMEOUT_S,
                       explicit_s=EXPLICIT_S)
     return per_rank

@@ -94,6 +94,14 @@ def _cases(rank: int, timeout_s: float, explicit_s: float) -> list[tuple[str, se
             return _comm_call(rank, bits, kind, topo, sync, None if size is None else topo.partition_group(size))
         return setup
 
+    def pair_subgroup(sync: Sync) -> Callable[[], object]:
+        """``Topology.subgroup`` of a pair that is no node group ({0, 3} and {1, 2}), created on first use, as
+        ``zeropp.fsdp`` does for post-forward groups it has not met."""
+        topo = comm.Topology(ranks_per_node=D)
+        sync()
+        pair = [0, 3] if rank in (0, 3) else [1, 2]
+        return _comm_call(rank, None, "all_gather", topo, sync, topo.subgroup(pair))
+
     def dp_fsdp(sync: Sync) -> Callable[[], object]:
         group = _data_parallel_group(timeout_s)
         sync()
@@ -124,6 +132,7 @@ def _cases(rank: int, timeout_s: float, explicit_s: float) -> list[tuple[str, se
         ("reduce_scatter qgZ, rank 1 skips", {1}, {0, 2, 3}, default_comm(4, "reduce_scatter")),
         ("reduce_scatter qgZ, node 1 skips", {2, 3}, {0, 1}, default_comm(4, "reduce_scatter")),
         ("hpZ partition all_gather", {1}, {0}, default_comm(None, "all_gather", size=D)),
+        ("subgroup all_gather", {3}, {0}, pair_subgroup),
         ("fsdp backward reduce_scatter", {1}, {0, 2, 3}, world_fsdp(None)),
         ("fsdp hpZ backward all_gather", {1}, {0, 2, 3}, world_fsdp(D)),
         # an explicit zeropp timeout wins over the default group's
