@@ -146,7 +146,7 @@ def test_fsdp_comm_interfaces_are_what_zeropp_implements(interface: type, ours: 
         f"{where} now has the abstract methods {sorted(interface.__abstractmethods__)}; zeropp implements "
         f"allocate and __call__. {FSDP_USE}"
     )
-    assert not inspect.isabstract(ours)
+    assert not inspect.isabstract(ours), f"{ours.__qualname__} leaves {sorted(ours.__abstractmethods__)} abstract"
     for method in ("allocate", "__call__"):
         theirs, mine = _parameters(getattr(interface, method)), _parameters(getattr(ours, method))
         assert theirs == mine, (
@@ -187,8 +187,8 @@ def test_fsdp2_calls_the_custom_comms(tmp_path: Path) -> None:
             f"rank {rank}: FSDP2 called the custom all-gather as (phase, input numel) {gathers}. {FSDP_USE}"
         )
         for c in r["all_gather"]:
-            # ZeroppAllGather quantizes the input before writing the output because the input is a view of it
             assert c["output_allocated"] and c["output_numel"] == world * c["input_numel"], (rank, c, FSDP_USE)
+            # ZeroppAllGather quantizes the input before writing the output because the input is a view of it
             assert c["input_shares_output"] and c["input_offset"] == rank * c["input_numel"], (
                 f"rank {rank}: FSDP2's all-gather input is no longer the view of output[rank * n:(rank + 1) * n] "
                 f"({c}); zeropp.fsdp.all_gather relies on it. {FSDP_USE}"
@@ -320,19 +320,15 @@ def test_the_scan_finds_each_kind_of_private_use() -> None:
 
 
 def test_no_private_torch_api_outside_torch_internals() -> None:
-    uses = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        rel = path.relative_to(PACKAGE).as_posix()
-        found = private_torch_uses(path.read_text())
-        if rel in ALLOWED:
-            assert found or rel == "_torch_internals.py", (
-                f"zeropp/{rel} no longer uses torch's private API: remove it from ALLOWED in {__file__}"
-            )
-        elif found:
-            uses[rel] = found
-    assert not uses, (
+    uses = {path.relative_to(PACKAGE).as_posix(): private_torch_uses(path.read_text())
+            for path in sorted(PACKAGE.rglob("*.py"))}
+    stale = [rel for rel in ALLOWED if rel != "_torch_internals.py" and not uses.get(rel)]
+    assert not stale, f"{stale} no longer use torch's private API (or are gone): remove them from ALLOWED in {__file__}"
+    outside = {rel: found for rel, found in uses.items() if found and rel not in ALLOWED}
+    assert not outside, (
         "torch's private API used outside zeropp/_torch_internals.py (a torch upgrade could break it unnoticed): "
-        + "; ".join(f"zeropp/{rel}: " + ", ".join(f"line {n} {what}" for n, what in found) for rel, found in uses.items())
+        + "; ".join(f"zeropp/{rel}: " + ", ".join(f"line {n} {what}" for n, what in found)
+                    for rel, found in outside.items())
         + ". Add a small function to zeropp/_torch_internals.py and a test here that pins its behaviour."
     )
 

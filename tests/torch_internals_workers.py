@@ -18,15 +18,20 @@ from zeropp._torch_internals import FSDPAllGather, FSDPReduceScatter
 
 
 class _Recording:
-    """``allocate`` as FSDP2's default comms do it, remembering the storage of every buffer it handed out."""
+    """``allocate`` as FSDP2's default comms do it, keeping every buffer it handed out (so that no other tensor
+    can reuse their memory and pass for one of them), and a record of each call."""
 
     def __init__(self) -> None:
-        self.allocated: set[int] = set()
+        self.buffers: list[torch.Tensor] = []
+        self.allocated: set[int] = set()  # the buffers' storage addresses
         self.calls: list[dict[str, Any]] = []
         self.phase = "forward"  # set by the worker around backward
 
-    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def allocate(
+        self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         t = torch.empty(*size, dtype=dtype, device=device)
+        self.buffers.append(t)
         self.allocated.add(t.untyped_storage().data_ptr())
         return t
 
