@@ -2,17 +2,22 @@
 
 * Damaged checkpoints (one launch of 2 gloo processes, ``checkpoint_fault_workers.damage_checks``): 64 flipped
   bytes in a shard, a truncated or missing shard, a truncated ``.metadata``, a shard from another save, a junk
-  manifest, ``latest`` binary, empty or naming a missing tag, and the same damage in a checkpoint without a
+  manifest, ``latest`` binary, empty or naming a missing tag, a partial ``.replaced.<tag>`` where ``<tag>`` is
+  missing (left by the delete-in-place of zeropp before 2026-11-25), and the same damage in a checkpoint without a
   manifest (written before checksums): each gives ``CheckpointError`` (or ``FileNotFoundError`` for the missing
   tag), an ``Exception``, with the same message on both ranks naming the file; no rank is left waiting (the launch
-  would time out). An undamaged checkpoint without a manifest loads exactly, with a warning.
+  would time out). An undamaged checkpoint without a manifest loads exactly, with a warning; the next save deletes
+  the partial ``.replaced.<tag>`` instead of restoring it.
 * Failed saves: ``save_dir`` under a regular file (fails as root too), a disk that fills on rank 1 only
   (``RLIMIT_FSIZE``) with a new and with the same tag, an exception on rank 0 only: ``CheckpointError`` on both
   ranks, the directory listing and ``latest`` as before, and the previous checkpoint loads exactly.
 * Killed saves (``checkpoint_fault_workers.crash_main``, forked ranks): a save of a new tag and of the same tag is
-  killed with SIGKILL at each point of the commit (``checkpoint_files.CRASH_POINTS``, the test hook), on rank 0 or
-  rank 1; then ``latest`` loads at world 2 and gives exactly the state of the first or the second save (the
-  one the point implies), and the next save leaves no temporary directory.
+  killed with SIGKILL at each point of the commit (``checkpoint_files.CRASH_POINTS``, the test hook: while
+  writing, after the manifest, between the two renames, after them, after ``latest``, after the old checkpoint is
+  renamed away and after one of its files is deleted), on rank 0 or rank 1; then ``latest``, tag ``a`` and the
+  killed save's tag load at world 2 and give exactly the state of the first or the second save (the one the point
+  implies) or, for a new tag not yet in place, ``FileNotFoundError``; a later save of another tag (on a copy) and
+  one of the killed save's tag each leave only complete checkpoints and ``latest``.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ EXPECTED = {  # case -> (exception type, words its message must hold)
     "latest_binary": ("CheckpointError", ["latest", "holds no checkpoint tag", "t1"]),
     "latest_empty": ("CheckpointError", ["latest", "holds no checkpoint tag", "0 bytes"]),
     "latest_missing_tag": ("FileNotFoundError", ["global_step77", "t1"]),
+    "partial_aside": ("FileNotFoundError", ["no checkpoint 't1'"]),  # the partial .replaced.t1 is not offered
     "legacy_truncated": ("CheckpointError", ["reading checkpoint", "t1"]),
     "legacy_metadata_truncated": ("CheckpointError", [".metadata", "cannot be read"]),
     "save_under_file": ("CheckpointError", ["afile", "save_checkpoint", "nothing was changed"]),
@@ -75,6 +81,11 @@ def test_checkpoint_without_manifest_loads_with_a_warning(damage):
         assert r["loads"]["legacy"]  # exactly the saved state
     assert any("cannot be verified" in w for w in damage[0]["warnings"]["legacy"])
     assert damage[0]["warnings"]["flipped"] == []
+
+
+def test_partial_replaced_directory_is_deleted_not_restored(damage):
+    for r in damage:
+        assert r["listing_partial_aside"] == ["latest", "t2"], r["listing_partial_aside"]
 
 
 def test_failed_saves_leave_the_previous_checkpoint(damage):
@@ -107,11 +118,27 @@ def test_killed_saves_leave_latest_complete(crashes):
         status, outcome = runs[victim]
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL and outcome is None, (name, runs)
         v = verified[name]
-        assert v["matches"] == [want], (name, v)  # exactly the state of one complete save
+        committed = point in ("renamed", "latest", "retired", "deleting")  # the new checkpoint is <tag>
+        assert v["loads"]["latest"] == [want], (name, v)  # exactly the state of one complete save
         assert v["latest"] == ("b" if want == "b" and tag == "b" else "a"), (name, v)
-        assert not any(n.startswith(".") for n in v["after"]), (name, v)  # the next save cleaned up
-        assert set(v["after"]) == {"a", "after", "latest"} | ({"b"} if point in ("renamed", "latest") and tag == "b"
-                                                                else set()), (name, v)
+        # by explicit tag: the checkpoint of that tag the crash left, never a partial one
+        assert v["loads"]["a"] == (["b"] if tag == "a" and committed else ["a"]), (name, v)
+        if tag == "b":
+            if committed:
+                assert v["loads"]["b"] == ["b"], (name, v)
+            else:
+                kind, message = v["loads"]["b"]
+                assert kind == "FileNotFoundError" and "no checkpoint 'b'" in message, (name, v)
+        # the next save, of another tag or of the killed save's, removes every leftover
+        assert set(v["after"]) == {"a", "after", "latest"} | ({"b"} if tag == "b" and committed else set()), (name, v)
+        assert set(v["again"]) == {"a", "latest"} | {tag}, (name, v)
     left = {name: verified[name]["left"] for name, *_ in SCENARIOS}
     assert any(n.startswith(".saving.") for n in left["new-manifest"]), left  # what the crash left is hidden
     assert ".replaced.a" in left["same-aside"] and "a" not in left["same-aside"], left
+    for name in ("same-renamed", "same-latest"):
+        assert {"a", ".replaced.a"} <= set(left[name]), left
+    for name in ("same-retired", "same-deleting"):  # the old checkpoint is retired: renamed, then deleted
+        assert "a" in left[name] and ".replaced.a" not in left[name], left
+        assert [n for n in left[name] if n.startswith(".deleting.a.")], left
+    partial = crashes["partial"]
+    assert partial["files_left"] == partial["files_before"] - 1, partial  # killed after deleting one file

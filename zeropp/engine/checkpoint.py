@@ -429,7 +429,7 @@ def save(engine: ZeroEngine, save_dir: str | os.PathLike[str], tag: str | None =
     staging, error = None, None
     if first:
         try:
-            staging = prepare(root, tag)
+            staging = prepare(root, tag, rank)
         except Exception as e:  # noqa: BLE001 - raised on every rank by _agree
             error = e
     staging = _agree(engine, error, staging, context, first_alone=True)[0]
@@ -458,7 +458,6 @@ def save(engine: ZeroEngine, save_dir: str | os.PathLike[str], tag: str | None =
                 write_manifest(staging, tag, world, {k: v for files in gathered for k, v in files.items()})
                 crash_point("manifest", rank)
                 commit(root, tag, staging, rank)
-                crash_point("latest", rank)
             except Exception as e:  # noqa: BLE001 - raised on every rank by _agree
                 error = e
         _agree(engine, error, None, context)
