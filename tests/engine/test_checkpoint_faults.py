@@ -18,6 +18,8 @@
   killed save's tag load at world 2 and give exactly the state of the first or the second save (the one the point
   implies) or, for a new tag not yet in place, ``FileNotFoundError``; a later save of another tag (on a copy) and
   one of the killed save's tag each leave only complete checkpoints and ``latest``.
+* In this process: ``checkpoint_files.commit`` puts the old checkpoint back when the new one cannot be renamed
+  into place, and the load planner names a sharded entry the checkpoint lacks or holds in another shape.
 """
 
 from __future__ import annotations
@@ -30,8 +32,18 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from checkpoint_fault_workers import CASES, SCENARIOS
 from engine_launch import launch
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+
+from zeropp.engine import checkpoint, checkpoint_files
+from zeropp.engine.checkpoint_files import CheckpointError
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -142,3 +154,37 @@ def test_killed_saves_leave_latest_complete(crashes):
         assert [n for n in left[name] if n.startswith(".deleting.a.")], left
     partial = crashes["partial"]
     assert partial["files_left"] == partial["files_before"] - 1, partial  # killed after deleting one file
+
+
+def test_commit_puts_the_old_checkpoint_back_when_the_new_one_cannot_be_renamed(tmp_path, monkeypatch):
+    root = tmp_path / "ckpt"
+    (root / "t").mkdir(parents=True)
+    (root / "t" / ".metadata").write_bytes(b"old")
+    staging = root / ".saving.t.0"
+    staging.mkdir()
+    rename = os.rename
+
+    def rename_but_not_staging(src, dst):
+        if Path(src) == staging:
+            raise OSError(28, "No space left on device")
+        rename(src, dst)
+
+    monkeypatch.setattr(checkpoint_files.os, "rename", rename_but_not_staging)
+    with pytest.raises(OSError, match="No space left"):
+        checkpoint_files.commit(root, "t", staging, global_rank=0)
+    assert sorted(p.name for p in root.iterdir()) == [".saving.t.0", "t"]
+    assert (root / "t" / ".metadata").read_bytes() == b"old"
+
+
+def test_load_planner_names_a_piece_the_checkpoint_lacks_or_shapes_otherwise():
+    saved = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([4]),
+                                  [ChunkStorageMetadata(torch.Size([0]), torch.Size([4]))])
+    planner = checkpoint._LoadPlanner({"model.w": checkpoint._Slice(torch.zeros(3), 2, 5)})
+    planner.set_up_planner({}, Metadata(state_dict_metadata={"model.w": saved}), is_coordinator=True)
+    with pytest.raises(CheckpointError, match=r"'model.w' is a tensor of shape \(4,\) in the checkpoint; this "
+                                              r"engine needs a 1-D tensor of 5 elements"):
+        planner.create_local_plan()
+    planner = checkpoint._LoadPlanner({"model.v": checkpoint._Slice(torch.zeros(1), 0, 1)})
+    planner.set_up_planner({}, Metadata(state_dict_metadata={"model.w": saved}), is_coordinator=True)
+    with pytest.raises(CheckpointError, match="'model.v' is missing in the checkpoint"):
+        planner.create_local_plan()

@@ -172,7 +172,7 @@ class _SavePlanner(DefaultSavePlanner):
                                    size=torch.Size([piece.numel]))
             items.append(WriteItem(index=MetadataIndex(key, offsets), type=WriteItemType.SHARD, tensor_data=data))
         self.plan = replace(plan, items=[*plan.items, *items],
-                                        planner_data={**plan.planner_data, **{key: (key,) for key in self._slices}})
+                            planner_data={**plan.planner_data, **{key: (key,) for key in self._slices}})
         return self.plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
@@ -194,8 +194,9 @@ class _LoadPlanner(DefaultLoadPlanner):
         for key, piece in self._slices.items():
             md = self.metadata.state_dict_metadata.get(key)
             if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != (piece.numel,):
-                saved = "nothing" if md is None else getattr(md, "size", "pickled bytes")
-                raise CheckpointError(f"{key!r} is {saved} in the checkpoint, this engine needs a tensor of "
+                saved = ("missing" if md is None else "pickled bytes" if isinstance(md, BytesStorageMetadata)
+                         else f"a tensor of shape {tuple(md.size)}")
+                raise CheckpointError(f"{key!r} is {saved} in the checkpoint; this engine needs a 1-D tensor of "
                                       f"{piece.numel} elements (another model?)")
             chunk = ChunkStorageMetadata(offsets=torch.Size([piece.offset]), sizes=piece.values.shape)
             items += create_read_items_for_chunk_list(key, md, [chunk])
@@ -654,8 +655,8 @@ def consolidated_state_dict(engine: ZeroEngine, *, rank0_only: bool = False) -> 
     qwZ-dequantized compute copy), shaped as the parameter, fp32; frozen parameters whole in the compute dtype (an
     exact all-gather of their shards at stage 3); buffers as the module holds them. Keys and tied aliases are the
     module's ``state_dict()``'s, so the unwrapped model's ``load_state_dict`` takes it. A collective: one exact fp32
-    all-gather of each unit's master shards in turn (``N`` elements of transient memory for a unit of ``N``). With ``rank0_only`` only the data-parallel group's first rank returns
-    it (the others get ``{}``)."""
+    all-gather of each unit's master shards in turn (``N`` elements of transient memory for a unit of ``N``). With
+    ``rank0_only`` only the data-parallel group's first rank returns it (the others get ``{}``)."""
     keep = not rank0_only or engine.comm.rank == 0
     whole: dict[str, torch.Tensor] = {}
     by_param: dict[int, torch.Tensor] = {}  # sharded frozen parameters
@@ -685,7 +686,8 @@ def load_whole_state_dict(engine: ZeroEngine, state_dict: Mapping[str, torch.Ten
     """Load a whole state dict of the module (``ZeroEngine.load_state_dict``): each trainable parameter's elements
     in this rank's master shard are copied from it (any dtype, converted to fp32), then every unit is published
     (stages 1 and 2: an all-gather); buffers and whole frozen parameters are copied into the module, sharded frozen
-    parameters (stage 3) into this rank's frozen shard. Returns ``(missing keys, unexpected keys)``; with ``strict`` either raises ``KeyError`` before anything is loaded."""
+    parameters (stage 3) into this rank's frozen shard. Returns ``(missing keys, unexpected keys)``; with ``strict``
+    either raises ``KeyError`` before anything is loaded."""
     sources = state_dict_sources(engine)
     missing = [key for key in sources if key not in state_dict]
     unexpected = [key for key in state_dict if key not in sources]
