@@ -173,7 +173,9 @@ SCENARIOS = [
     ("same-latest", "a", "latest", 0, "b"),
     ("same-retired", "a", "retired", 0, "b"),
     ("same-deleting", "a", "deleting", 0, "b"),  # the old checkpoint half deleted
+    ("same-deleting-prepare", "a", "deleting", 0, "b"),  # and then a save killed while its prepare deletes the rest
 ]
+KILLED_IN_PREPARE = "same-deleting-prepare"
 
 
 def _child(rank: int, store: Path, fn, *args) -> None:
@@ -243,6 +245,14 @@ def _load(engine, root: Path, tag: str | None, states: dict) -> list[str] | tupl
     return [k for k in ("a", "b") if same(got, states[k])]
 
 
+def _killed_in_prepare(rank: int, root: str) -> None:
+    """A save of tag ``c`` with the crash hook armed for rank 0 after each file it deletes: killed while
+    ``prepare`` deletes what an earlier killed save left."""
+    engine = make_engine()
+    os.environ[CRASH_ENV] = "deleting:0"
+    engine.save_checkpoint(root, tag="c")
+
+
 def _verify(rank: int, work: str, scenarios: list[tuple[str, str]]) -> dict:
     """For each scenario's ``save_dir`` (``(name, tag of the killed save)``): the listing the crash left and what
     ``latest`` holds; what the load of ``latest``, of tag ``a`` and of the killed save's tag gives (state ``a`` or
@@ -269,18 +279,23 @@ def _verify(rank: int, work: str, scenarios: list[tuple[str, str]]) -> dict:
 
 def crash_main(work: str) -> None:
     """The driver (``python checkpoint_fault_workers.py WORK``): torch and zeropp imported once, no torch op run
-    in this process (so forking is safe); per scenario a pair of forked ranks saves with the crash hook armed,
-    then one pair loads every scenario's checkpoint. Writes ``WORK/crash.pkl``: per scenario the wait statuses
-    and outcomes of its ranks, the number of files of a checkpoint and of those the kill while deleting one left
-    (``partial``), and ``_verify``'s result."""
+    in this process (so forking is safe); per scenario a pair of forked ranks saves with the crash hook armed
+    (for ``KILLED_IN_PREPARE`` another pair then saves and is killed in ``prepare``), then one pair loads every
+    scenario's checkpoint. Writes ``WORK/crash.pkl``: per scenario (and ``<scenario>.again``) the wait statuses and
+    outcomes of its ranks; for the kills while deleting, the number of files of a checkpoint and of those left in
+    the ``.deleting.*`` directory (``partial``); ``_verify``'s result."""
     work_path = Path(work)
     result: dict = {"runs": {}}
     for name, tag, point, victim, _ in SCENARIOS:
         result["runs"][name] = _fork_pair(work_path / f"{name}.store", 60, _crashing_save, str(work_path / name), tag,
                                           point, victim)
-    killed = work_path / "same-deleting"
-    (retired,) = killed.glob(".deleting.a.*")
-    result["partial"] = {"files_before": len(listing(killed / "a")), "files_left": len(listing(retired))}
+    result["partial"] = {}
+    for name in ("same-deleting", KILLED_IN_PREPARE):
+        if name == KILLED_IN_PREPARE:
+            result["runs"][f"{name}.again"] = _fork_pair(work_path / f"{name}.again.store", 60, _killed_in_prepare,
+                                                         str(work_path / name))
+        (retired,) = (work_path / name).glob(".deleting.a.*")
+        result["partial"][name] = (len(listing(work_path / name / "a")), len(listing(retired)))
     result["verify"] = _fork_pair(work_path / "verify.store", 180, _verify, work, [s[:2] for s in SCENARIOS])
     (work_path / "crash.pkl").write_bytes(pickle.dumps(result))
 

@@ -14,10 +14,11 @@
 * Killed saves (``checkpoint_fault_workers.crash_main``, forked ranks): a save of a new tag and of the same tag is
   killed with SIGKILL at each point of the commit (``checkpoint_files.CRASH_POINTS``, the test hook: while
   writing, after the manifest, between the two renames, after them, after ``latest``, after the old checkpoint is
-  renamed away and after one of its files is deleted), on rank 0 or rank 1; then ``latest``, tag ``a`` and the
-  killed save's tag load at world 2 and give exactly the state of the first or the second save (the one the point
-  implies) or, for a new tag not yet in place, ``FileNotFoundError``; a later save of another tag (on a copy) and
-  one of the killed save's tag each leave only complete checkpoints and ``latest``.
+  renamed away and after one of its files is deleted, then once more in the next save's own cleanup), on rank 0
+  or rank 1; then ``latest``, tag ``a`` and the killed save's tag load at world 2 and give exactly the state of
+  the first or the second save (the one the point implies) or, for a new tag not yet in place,
+  ``FileNotFoundError``; a later save of another tag (on a copy) and one of the killed save's tag each leave only
+  complete checkpoints and ``latest``.
 * In this process: ``checkpoint_files.commit`` puts the old checkpoint back when the new one cannot be renamed
   into place, and the load planner names a sharded entry the checkpoint lacks or holds in another shape.
 """
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from checkpoint_fault_workers import CASES, SCENARIOS
+from checkpoint_fault_workers import CASES, KILLED_IN_PREPARE, SCENARIOS
 from engine_launch import launch
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -149,11 +150,13 @@ def test_killed_saves_leave_latest_complete(crashes):
     assert ".replaced.a" in left["same-aside"] and "a" not in left["same-aside"], left
     for name in ("same-renamed", "same-latest"):
         assert {"a", ".replaced.a"} <= set(left[name]), left
-    for name in ("same-retired", "same-deleting"):  # the old checkpoint is retired: renamed, then deleted
+    for name in ("same-retired", "same-deleting", KILLED_IN_PREPARE):  # the old checkpoint: renamed, then deleted
         assert "a" in left[name] and ".replaced.a" not in left[name], left
         assert [n for n in left[name] if n.startswith(".deleting.a.")], left
-    partial = crashes["partial"]
-    assert partial["files_left"] == partial["files_before"] - 1, partial  # killed after deleting one file
+    # killed after deleting one file of the old checkpoint; then once more, in the next save's prepare
+    status, outcome = crashes["runs"][f"{KILLED_IN_PREPARE}.again"][0]
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL and outcome is None
+    assert crashes["partial"] == {"same-deleting": (4, 3), KILLED_IN_PREPARE: (4, 2)}, crashes["partial"]
 
 
 def test_commit_puts_the_old_checkpoint_back_when_the_new_one_cannot_be_renamed(tmp_path, monkeypatch):
