@@ -216,8 +216,6 @@ def test_fsdp2_calls_the_custom_comms(tmp_path: Path) -> None:
 PACKAGE = ROOT / "zeropp"
 ALLOWED = {
     "_torch_internals.py": "the one module for torch's private API, every use pinned above",
-    "engine/checkpoint.py": "checkpoints are built on the deprecated torch.distributed._shard ShardedTensor until "
-                            "they move to DTensor (issue 20, part 4); remove this entry then",
 }
 
 
