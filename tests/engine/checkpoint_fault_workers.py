@@ -91,11 +91,15 @@ def damage(root: Path, case: str, good: Path, other: Path) -> Path:
         (out / "latest").write_bytes(b"")
     elif case == "latest_missing_tag":
         (out / "latest").write_text("global_step77")
+    elif case == "partial_aside":  # what zeropp before 2026-11-25 left when killed deleting the old t1 (then t1 gone)
+        os.rename(tag, out / ".replaced.t1")
+        (out / ".replaced.t1" / SHARD).unlink()
     return out
 
 
 CASES = ["flipped", "truncated", "missing", "metadata_truncated", "mixed", "manifest_junk", "latest_binary",
-         "latest_empty", "latest_missing_tag", "legacy_truncated", "legacy_metadata_truncated", "legacy"]
+         "latest_empty", "latest_missing_tag", "partial_aside", "legacy_truncated", "legacy_metadata_truncated",
+         "legacy"]
 
 
 def damage_checks(rank: int, world: int, root: str) -> dict:
@@ -123,6 +127,10 @@ def damage_checks(rank: int, world: int, root: str) -> dict:
         out["warnings"][case] = [str(w.message) for w in caught if "manifest" in str(w.message)]
         if out["errors"][case] is None:
             out["loads"][case] = same(fresh.consolidated_state_dict(), reference)
+
+    # a save where a partial .replaced.t1 was left: deleted, not renamed back to t1
+    engine.save_checkpoint(root_path / "partial_aside", tag="t2")
+    out["listing_partial_aside"] = listing(root_path / "partial_aside")
 
     # failed saves: every rank raises, the checkpoints already there are untouched
     before = listing(root_path / "good")
@@ -162,7 +170,12 @@ SCENARIOS = [
     ("same-manifest", "a", "manifest", 0, "a"),
     ("same-aside", "a", "aside", 0, "a"),
     ("same-renamed", "a", "renamed", 0, "b"),
+    ("same-latest", "a", "latest", 0, "b"),
+    ("same-retired", "a", "retired", 0, "b"),
+    ("same-deleting", "a", "deleting", 0, "b"),  # the old checkpoint half deleted
+    ("same-deleting-prepare", "a", "deleting", 0, "b"),  # and then a save killed while its prepare deletes the rest
 ]
+KILLED_IN_PREPARE = "same-deleting-prepare"
 
 
 def _child(rank: int, store: Path, fn, *args) -> None:
@@ -179,15 +192,16 @@ def _child(rank: int, store: Path, fn, *args) -> None:
     os._exit(0)
 
 
-def _fork_pair(store: Path, fn, *args) -> list[tuple[int, tuple | None]]:
-    """Fork ranks 0 and 1 running ``fn``; wait (60 s at most). Returns each rank's ``(wait status, outcome)``."""
+def _fork_pair(store: Path, timeout: float, fn, *args) -> list[tuple[int, tuple | None]]:
+    """Fork ranks 0 and 1 running ``fn``; wait (``timeout`` seconds at most, then kill them). Returns each rank's
+    ``(wait status, outcome)``."""
     pids = []
     for rank in range(2):
         pid = os.fork()
         if pid == 0:
             _child(rank, store, fn, *args)
         pids.append(pid)
-    deadline, statuses = time.monotonic() + 60, {}
+    deadline, statuses = time.monotonic() + timeout, {}
     while len(statuses) < 2:
         for pid in pids:
             if pid not in statuses:
@@ -222,37 +236,67 @@ def _crashing_save(rank: int, root: str, tag: str, point: str, victim: int) -> N
     engine.save_checkpoint(root, tag=tag)
 
 
-def _verify(rank: int, work: str, names: list[str]) -> dict:
-    """For each scenario's ``save_dir``: what ``latest`` holds and the listing left by the crash, whether the
-    load of ``latest`` gives state ``a`` or ``b`` exactly, then a save of tag ``after`` and the listing it leaves
-    (stale temporary directories gone)."""
+def _load(engine, root: Path, tag: str | None, states: dict) -> list[str] | tuple[str, str]:
+    """Load ``tag`` of ``root``: which of the states ``a``/``b`` it gave exactly, or ``(error type, message)``."""
+    error = attempt(lambda: engine.load_checkpoint(root, tag=tag))
+    if error is not None:
+        return error
+    got = engine.consolidated_state_dict()
+    return [k for k in ("a", "b") if same(got, states[k])]
+
+
+def _killed_in_prepare(rank: int, root: str) -> None:
+    """A save of tag ``c`` with the crash hook armed for rank 0 after each file it deletes: killed while
+    ``prepare`` deletes what an earlier killed save left."""
+    engine = make_engine()
+    os.environ[CRASH_ENV] = "deleting:0"
+    engine.save_checkpoint(root, tag="c")
+
+
+def _verify(rank: int, work: str, scenarios: list[tuple[str, str]]) -> dict:
+    """For each scenario's ``save_dir`` (``(name, tag of the killed save)``): the listing the crash left and what
+    ``latest`` holds; what the load of ``latest``, of tag ``a`` and of the killed save's tag gives (state ``a`` or
+    ``b`` exactly, or the error); then, on a copy, a save of another tag (``after``), and a save of the killed
+    save's tag in place, each with the listing it leaves."""
     engine = make_engine(seed=5)
     out = {}
-    for name in names:
+    for name, tag in scenarios:
         root = Path(work) / name
         states = torch.load(Path(work) / f"{name}.states.pt")
         left = listing(root)
         latest = (root / "latest").read_text()
+        if rank == 0:
+            shutil.copytree(root, Path(work) / f"{name}.other", symlinks=True)
         dist.barrier()
-        engine.load_checkpoint(root)
-        got = engine.consolidated_state_dict()
-        matches = [k for k in ("a", "b") if same(got, states[k])]
-        engine.save_checkpoint(root, tag="after")
-        out[name] = {"left": left, "latest": latest, "matches": matches, "after": listing(root)}
+        loads = {"latest": _load(engine, root, None, states), "a": _load(engine, root, "a", states),
+                 tag: _load(engine, root, tag, states)}
+        engine.save_checkpoint(Path(work) / f"{name}.other", tag="after")
+        engine.save_checkpoint(root, tag=tag)
+        out[name] = {"left": left, "latest": latest, "loads": loads, "after": listing(Path(work) / f"{name}.other"),
+                     "again": listing(root)}
     return out
 
 
 def crash_main(work: str) -> None:
     """The driver (``python checkpoint_fault_workers.py WORK``): torch and zeropp imported once, no torch op run
-    in this process (so forking is safe); per scenario a pair of forked ranks saves with the crash hook armed,
-    then one pair loads every scenario's checkpoint. Writes ``WORK/crash.pkl``: per scenario the wait statuses
-    and outcomes of its ranks, and ``_verify``'s result."""
+    in this process (so forking is safe); per scenario a pair of forked ranks saves with the crash hook armed
+    (for ``KILLED_IN_PREPARE`` another pair then saves and is killed in ``prepare``), then one pair loads every
+    scenario's checkpoint. Writes ``WORK/crash.pkl``: per scenario (and ``<scenario>.again``) the wait statuses and
+    outcomes of its ranks; for the kills while deleting, the number of files of a checkpoint and of those left in
+    the ``.deleting.*`` directory (``partial``); ``_verify``'s result."""
     work_path = Path(work)
     result: dict = {"runs": {}}
     for name, tag, point, victim, _ in SCENARIOS:
-        result["runs"][name] = _fork_pair(work_path / f"{name}.store", _crashing_save, str(work_path / name), tag,
+        result["runs"][name] = _fork_pair(work_path / f"{name}.store", 60, _crashing_save, str(work_path / name), tag,
                                           point, victim)
-    result["verify"] = _fork_pair(work_path / "verify.store", _verify, work, [s[0] for s in SCENARIOS])
+    result["partial"] = {}
+    for name in ("same-deleting", KILLED_IN_PREPARE):
+        if name == KILLED_IN_PREPARE:
+            result["runs"][f"{name}.again"] = _fork_pair(work_path / f"{name}.again.store", 60, _killed_in_prepare,
+                                                         str(work_path / name))
+        (retired,) = (work_path / name).glob(".deleting.a.*")
+        result["partial"][name] = (len(listing(work_path / name / "a")), len(listing(retired)))
+    result["verify"] = _fork_pair(work_path / "verify.store", 180, _verify, work, [s[:2] for s in SCENARIOS])
     (work_path / "crash.pkl").write_bytes(pickle.dumps(result))
 
 

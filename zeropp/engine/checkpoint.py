@@ -15,16 +15,17 @@ few bytes) before the next collective. A failed save leaves ``save_dir`` as it w
 What is saved, by DCP key (every rank writes only what it owns; no data moves between ranks):
 
 * ``model.<name>``, trainable parameter ``<name>`` (the name its unit gives it; a tied parameter once): the fp32
-  master weights as a logical 1-D tensor of ``numel`` elements, a ``ShardedTensor`` whose local shards are the
-  pieces of the parameter inside this rank's master shard (``Unit.param_ranges``) at their offsets within the
-  parameter. The layout of the units (world size, alignment to the quantization block, unit policy) is not part of
-  the checkpoint: a load at any world size and alignment reads back exactly the pieces its own shards need.
+  master weights as a 1-D tensor of ``numel`` elements whose DCP chunks are the pieces of the parameter in the
+  ranks' master shards (``Unit.param_ranges``), each at its offset within the parameter and written by the rank
+  that holds it. The layout of the units (world size, alignment to the quantization block, unit policy) is not
+  part of the checkpoint: a load at any world size and alignment reads back exactly the pieces its own shards
+  need, from whichever chunks hold them.
 * ``optim.<kind>.<name>``: the optimizer state (``exp_avg`` and ``exp_avg_sq`` for Adam/AdamW, ``momentum_buffer``
   for SGD), fp32, in the master's layout.
 * ``model.<name>``, frozen parameter ``<name>`` (a tied one once): its compute-dtype values as a logical 1-D tensor
-  of ``numel`` elements; at stage 3 (where frozen parameters are sharded, ``unit.FrozenFlat``) a ``ShardedTensor`` of
-  the pieces in this rank's frozen shard, as for the masters; at stages 1 and 2 (whole on every rank) a plain 1-D
-  view. So a checkpoint loads at any stage, world size and layout.
+  of ``numel`` elements; at stage 3 (where frozen parameters are sharded, ``unit.FrozenFlat``) chunked by the
+  ranks' frozen shards, as the masters; at stages 1 and 2 (whole on every rank) one chunk. So a checkpoint loads at
+  any stage, world size and layout.
 * ``model.<name>`` for persistent buffers: plain tensors, whole (each rank's own: buffers are not synchronized).
 * ``engine``: one pickled dict (``_engine_state``): optimizer type, per-group hyperparameters and step counts,
   ``micro_steps`` / ``global_steps`` / ``skipped_steps`` / ``global_samples``, the learning-rate scheduler's
@@ -44,9 +45,15 @@ the new ranks' RNGs as they are); the compute shards (and, in stages 1 and 2, th
 weight all-gather) are rebuilt from the loaded masters exactly as after an optimizer step (``Unit.publish``), so a
 run resumed at the same world size continues bit for bit.
 
-One piece used from outside DCP's public API: ``ShardedTensor._init_from_local_shards_and_global_metadata`` (every
-rank computes the global layout itself, so building the ``ShardedTensor`` needs no communication). The residuals
-are read into tensors made by ``comm.ErrorFeedback.allocate`` with the saved layout key.
+Only DCP's public planner API is used: ``_SavePlanner`` and ``_LoadPlanner`` extend DCP's default planners with
+this rank's pieces of the sharded tensors (``_Slice``): one ``WriteItemType.SHARD`` item each at save, and at load
+the reads of ``create_read_items_for_chunk_list`` into a view of the engine's shard. Every rank computes its own
+pieces from the unit layout, with no communication. (DTensor cannot describe these pieces: its ``Shard(0)`` puts
+rank ``q``'s part of each tensor at ``q * ceil(numel / world)``, where the engine's flat shards cut parameters at
+any offset.) The checkpoint is the one the ``ShardedTensor`` writer of format version 2 made until 2026-11-25, key
+for key and chunk for chunk, so checkpoints load both ways between the two (tests/engine/test_checkpoint_fixture.py,
+against a committed checkpoint of that writer). The residuals are read into tensors made by
+``comm.ErrorFeedback.allocate`` with the saved layout key.
 """
 
 from __future__ import annotations
@@ -58,7 +65,7 @@ import random
 import shutil
 import warnings
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -66,15 +73,23 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardMetadata
-from torch.distributed._shard.sharded_tensor.metadata import (
-    ShardedTensorMetadata,
-    TensorProperties,
-)
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    ReadItem,
+    SavePlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from .checkpoint_files import (
     METADATA,
@@ -104,27 +119,15 @@ FORMAT_VERSION = 2  # 2: frozen parameters saved 1-D (sharded at stage 3)
 _HINT = " (a file of it is missing, truncated or not DCP's)"
 
 
-@dataclass
-class _Piece:
-    """Elements ``[lo, hi)`` of one parameter held by data-parallel position ``rank``, at ``shard_start`` in its
-    shard."""
+@dataclass(frozen=True)
+class _Slice:
+    """This rank's elements ``[offset, offset + values.numel())`` of a 1-D tensor of ``numel`` elements in the
+    checkpoint: one DCP chunk of it. ``values`` views the engine's storage (a save writes it, a load reads into
+    it in place)."""
 
-    rank: int
-    lo: int
-    hi: int
-    shard_start: int
-
-
-def _pieces(unit: Unit | FrozenFlat, index: int) -> list[_Piece]:
-    """Every rank's piece of parameter ``index`` of ``unit`` (non-empty ones, by rank): the unit's layout is the
-    same arithmetic on every rank (``zeropp.engine.unit``), so no communication is needed."""
-    off, numel, s = unit.offsets[index], unit.shapes[index].numel(), unit.shard_numel
-    out = []
-    for q in range(unit.comm.world_size):
-        a, b = max(off, q * s), min(off + numel, (q + 1) * s)
-        if a < b:
-            out.append(_Piece(q, a - off, b - off, a - q * s))
-    return out
+    values: torch.Tensor
+    offset: int
+    numel: int
 
 
 def _params(engine: ZeroEngine) -> Iterator[tuple[str, Unit, int]]:
@@ -134,25 +137,76 @@ def _params(engine: ZeroEngine) -> Iterator[tuple[str, Unit, int]]:
             yield name, unit, i
 
 
-def _sharded(engine: ZeroEngine, unit: Unit | FrozenFlat, index: int, local: torch.Tensor) -> ShardedTensor | None:
-    """Parameter ``index`` of ``unit`` (a ``Unit`` or its ``FrozenFlat``) as a 1-D ``ShardedTensor`` of ``local``'s
-    dtype whose local shard views ``local`` (a tensor in the layout of this rank's shard); ``None`` when this rank
-    holds no element of it."""
-    ranks = engine.topology.ranks
-    device = local.device
-    pieces = _pieces(unit, index)
-    metas = [ShardMetadata(shard_offsets=[p.lo], shard_sizes=[p.hi - p.lo], placement=f"rank:{ranks[p.rank]}/{device}")
-             for p in pieces]
-    mine = [(p, m) for p, m in zip(pieces, metas) if p.rank == unit.comm.rank]
-    if not mine:
+def _slice(unit: Unit | FrozenFlat, index: int, local: torch.Tensor) -> _Slice | None:
+    """This rank's piece of parameter ``index`` of ``unit`` (a ``Unit`` or its ``FrozenFlat``), a view of
+    ``local`` (a tensor in the layout of this rank's shard); ``None`` when the shard holds no element of it. A
+    shard is one contiguous run of the unit's flat buffer, so it holds one piece of a parameter at most."""
+    off, numel = unit.offsets[index], unit.shapes[index].numel()
+    a, b = max(off, unit.start), min(off + numel, unit.start + unit.shard_numel)
+    if a >= b:
         return None
-    shards = [Shard(local[p.shard_start : p.shard_start + p.hi - p.lo], m) for p, m in mine]
-    props = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
-                             memory_format=torch.contiguous_format, pin_memory=False)
-    metadata = ShardedTensorMetadata(shards_metadata=metas, size=torch.Size([unit.shapes[index].numel()]),
-                                     tensor_properties=props)
-    return ShardedTensor._init_from_local_shards_and_global_metadata(
-        shards, metadata, process_group=engine.topology.group)
+    return _Slice(local[a - unit.start : b - unit.start], a - off, numel)
+
+
+def _split(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, _Slice]]:
+    """``state`` as DCP's default planners take it (tensors, pickled bytes) and its ``_Slice`` entries."""
+    slices = {key: value for key, value in state.items() if isinstance(value, _Slice)}
+    return {key: value for key, value in state.items() if key not in slices}, slices
+
+
+class _SavePlanner(DefaultSavePlanner):
+    """DCP's default save planner for the plain entries, plus one chunk (``WriteItemType.SHARD``) per ``_Slice``
+    at its offset in the whole 1-D tensor: the metadata a ``ShardedTensor`` of the same pieces gave."""
+
+    def __init__(self, slices: Mapping[str, _Slice]) -> None:
+        super().__init__()
+        self._slices = dict(slices)
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        items = []
+        for key, piece in self._slices.items():
+            offsets = torch.Size([piece.offset])
+            chunk = ChunkStorageMetadata(offsets=offsets, sizes=piece.values.shape)
+            data = TensorWriteData(chunk=chunk, properties=TensorProperties(dtype=piece.values.dtype),
+                                   size=torch.Size([piece.numel]))
+            items.append(WriteItem(index=MetadataIndex(key, offsets), type=WriteItemType.SHARD, tensor_data=data))
+        self.plan = replace(plan, items=[*plan.items, *items],
+                            planner_data={**plan.planner_data, **{key: (key,) for key in self._slices}})
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        piece = self._slices.get(write_item.index.fqn)
+        return piece.values if piece is not None else super().resolve_data(write_item)
+
+
+class _LoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner for the plain entries, plus each ``_Slice``: read from whichever saved chunks
+    of the whole 1-D tensor overlap it (any world size and layout wrote them)."""
+
+    def __init__(self, slices: Mapping[str, _Slice]) -> None:
+        super().__init__()
+        self._slices = dict(slices)
+
+    def create_local_plan(self) -> LoadPlan:
+        plan = super().create_local_plan()
+        items = []
+        for key, piece in self._slices.items():
+            md = self.metadata.state_dict_metadata.get(key)
+            if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != (piece.numel,):
+                saved = ("missing" if md is None else "pickled bytes" if isinstance(md, BytesStorageMetadata)
+                         else f"a tensor of shape {tuple(md.size)}")
+                raise CheckpointError(f"{key!r} is {saved} in the checkpoint; this engine needs a 1-D tensor of "
+                                      f"{piece.numel} elements (another model?)")
+            chunk = ChunkStorageMetadata(offsets=torch.Size([piece.offset]), sizes=piece.values.shape)
+            items += create_read_items_for_chunk_list(key, md, [chunk])
+        return replace(plan, items=[*plan.items, *items])
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        piece = self._slices.get(read_item.dest_index.fqn)
+        if piece is None:
+            return super().resolve_tensor(read_item)
+        return piece.values.narrow(0, read_item.dest_offsets[0], read_item.lengths[0])
 
 
 def _module_state(engine: ZeroEngine) -> dict[str, Any]:
@@ -309,21 +363,21 @@ def _agree(engine: ZeroEngine, error: BaseException | None, payload: Any = None,
 
 
 def _tensors(engine: ZeroEngine) -> dict[str, Any]:
-    """The ``model.*`` and ``optim.*`` entries (module docstring), viewing this rank's tensors: what ``save`` writes
-    and what ``load`` reads into in place."""
+    """The ``model.*`` and ``optim.*`` entries (module docstring), viewing this rank's tensors (sharded ones as
+    ``_Slice``): what ``save`` writes and what ``load`` reads into in place."""
     state: dict[str, Any] = {}
     for u, unit in enumerate(engine.units):
         for i, name in enumerate(unit.param_names):
-            master = _sharded(engine, unit, i, unit.master)
+            master = _slice(unit, i, unit.master)
             if master is None:  # no element of this parameter on this rank
                 continue
             state[f"model.{name}"] = master
             for kind, shards in engine.optimizer.state.items():
-                state[f"optim.{kind}.{name}"] = _sharded(engine, unit, i, shards[u])
+                state[f"optim.{kind}.{name}"] = _slice(unit, i, shards[u])
     for key, (param, flat, i) in _frozen(engine).items():
         if flat is None:
             state[f"model.{key}"] = param.detach().view(-1)
-        elif (piece := _sharded(engine, flat, i, flat.shard)) is not None:
+        elif (piece := _slice(flat, i, flat.shard)) is not None:
             state[f"model.{key}"] = piece
     for key, value in _others(engine).items():
         state[f"model.{key}"] = value
@@ -376,7 +430,7 @@ def save(engine: ZeroEngine, save_dir: str | os.PathLike[str], tag: str | None =
     staging, error = None, None
     if first:
         try:
-            staging = prepare(root, tag)
+            staging = prepare(root, tag, rank)
         except Exception as e:  # noqa: BLE001 - raised on every rank by _agree
             error = e
     staging = _agree(engine, error, staging, context, first_alone=True)[0]
@@ -392,7 +446,8 @@ def save(engine: ZeroEngine, save_dir: str | os.PathLike[str], tag: str | None =
         _agree(engine, error, None, context)
         digests: dict[str, Any] = {}
         try:
-            dcp.save(state, checkpoint_id=staging, process_group=engine.topology.group)
+            plain, slices = _split(state)
+            dcp.save(plain, checkpoint_id=staging, process_group=engine.topology.group, planner=_SavePlanner(slices))
             crash_point("written", rank)
             names = [p.name for p in staging.iterdir()]
             digests = {name: digest(staging / name, sync=True) for name in share(names, engine.comm.rank, world)}
@@ -404,7 +459,6 @@ def save(engine: ZeroEngine, save_dir: str | os.PathLike[str], tag: str | None =
                 write_manifest(staging, tag, world, {k: v for files in gathered for k, v in files.items()})
                 crash_point("manifest", rank)
                 commit(root, tag, staging, rank)
-                crash_point("latest", rank)
             except Exception as e:  # noqa: BLE001 - raised on every rank by _agree
                 error = e
         _agree(engine, error, None, context)
@@ -562,7 +616,8 @@ def load(engine: ZeroEngine, load_dir: str | os.PathLike[str], tag: str | None =
     state = _tensors(engine)
     state.update(_error_feedback_targets(engine, saved.get(_error_feedback_key(engine))))
     try:
-        dcp.load(state, checkpoint_id=path, process_group=engine.topology.group)
+        plain, slices = _split(state)
+        dcp.load(plain, checkpoint_id=path, process_group=engine.topology.group, planner=_LoadPlanner(slices))
     except dcp.CheckpointException as e:  # raised on every rank by DCP
         raise CheckpointError(f"reading checkpoint {str(path)!r} failed{_HINT}: {_describe(e)}") from None
 
@@ -600,8 +655,8 @@ def consolidated_state_dict(engine: ZeroEngine, *, rank0_only: bool = False) -> 
     qwZ-dequantized compute copy), shaped as the parameter, fp32; frozen parameters whole in the compute dtype (an
     exact all-gather of their shards at stage 3); buffers as the module holds them. Keys and tied aliases are the
     module's ``state_dict()``'s, so the unwrapped model's ``load_state_dict`` takes it. A collective: one exact fp32
-    all-gather of each unit's master shards in turn (``N`` elements of transient memory for a unit of ``N``). With ``rank0_only`` only the data-parallel group's first rank returns
-    it (the others get ``{}``)."""
+    all-gather of each unit's master shards in turn (``N`` elements of transient memory for a unit of ``N``). With
+    ``rank0_only`` only the data-parallel group's first rank returns it (the others get ``{}``)."""
     keep = not rank0_only or engine.comm.rank == 0
     whole: dict[str, torch.Tensor] = {}
     by_param: dict[int, torch.Tensor] = {}  # sharded frozen parameters
@@ -631,7 +686,8 @@ def load_whole_state_dict(engine: ZeroEngine, state_dict: Mapping[str, torch.Ten
     """Load a whole state dict of the module (``ZeroEngine.load_state_dict``): each trainable parameter's elements
     in this rank's master shard are copied from it (any dtype, converted to fp32), then every unit is published
     (stages 1 and 2: an all-gather); buffers and whole frozen parameters are copied into the module, sharded frozen
-    parameters (stage 3) into this rank's frozen shard. Returns ``(missing keys, unexpected keys)``; with ``strict`` either raises ``KeyError`` before anything is loaded."""
+    parameters (stage 3) into this rank's frozen shard. Returns ``(missing keys, unexpected keys)``; with ``strict``
+    either raises ``KeyError`` before anything is loaded."""
     sources = state_dict_sources(engine)
     missing = [key for key in sources if key not in state_dict]
     unexpected = [key for key in state_dict if key not in sources]

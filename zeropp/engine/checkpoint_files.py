@@ -11,15 +11,32 @@ rank only once every rank has written and checksummed its files:
    (``{"format", "tag", "world_size", "files": {name: {"bytes", "sha256"}}}``) is written and fsynced, then the
    staging directory;
 2. a new tag: ``.saving.<tag>.<nonce>`` is renamed to ``<tag>``. The same tag as an existing checkpoint: the old one
-   is renamed to ``.replaced.<tag>``, the new one to ``<tag>``, then the old one is deleted. Should a crash fall
-   between the two renames, ``resolve`` reads ``.replaced.<tag>`` (the old, complete checkpoint) for ``<tag>``, and
-   the next save renames it back before anything else;
+   is renamed to ``.replaced.<tag>``, the new one to ``<tag>``;
 3. ``save_dir`` is fsynced, then ``latest`` is replaced atomically (written to ``.latest.tmp``, fsynced,
-   ``os.replace``, directory fsynced).
+   ``os.replace``, directory fsynced);
+4. the same tag: the old checkpoint is *retired*: renamed to ``.deleting.<tag>.<nonce>`` (``save_dir`` fsynced),
+   and only then deleted, file by file.
 
-So at every instant ``latest`` names a complete checkpoint, and a killed or failed save leaves only a dot-named
-directory that no load offers and the next save deletes. The directory must be one filesystem that every rank sees
-(as DCP's ``FileSystemWriter`` assumes; a save checks it); two jobs must not save into one ``save_dir`` at once.
+So a directory named ``<tag>`` or ``.replaced.<tag>`` is always a complete checkpoint (each is made by an atomic
+rename of a complete one, and nothing is deleted under either name), and every partial directory is a
+``.saving.*`` or ``.deleting.*`` that no load reads. ``latest`` names what it named before the save until step 3,
+the saved tag after it. Where a save is killed (the test hook's name in brackets), what ``<tag>`` then resolves to,
+and what the next save, of any tag, does first (``prepare``):
+
+* while writing or checksumming (``written``), after the manifest (``manifest``): the previous checkpoint of the tag,
+  if any; the staging directory is deleted.
+* between the two renames (``aside``): ``<tag>`` is missing, so ``resolve`` reads ``.replaced.<tag>`` (the previous
+  checkpoint) for it; it is renamed back to ``<tag>``.
+* after the second rename (``renamed``) or after ``latest`` (``latest``): the new checkpoint (a new tag is kept
+  even where ``latest`` does not name it yet); ``.replaced.<tag>``, the previous one, is retired and deleted.
+* while the previous checkpoint is retired or deleted (``retired``, ``deleting``): the new checkpoint; the
+  ``.deleting.*`` directory, complete or partial, is deleted.
+* while ``prepare`` itself deletes what a killed save left: the same leftovers, deleted by the save after.
+
+A ``.replaced.<tag>`` that is incomplete (left by a save of zeropp before 2026-11-25, which deleted the old
+checkpoint in place, killed mid-way) is never read nor renamed back: ``resolve`` and ``prepare`` check it against its
+manifest first. The directory must be one filesystem that every rank sees (as DCP's ``FileSystemWriter`` assumes; a
+save checks it); two jobs must not save into one ``save_dir`` at once.
 
 At load the manifest is checked before anything is unpickled: every listed file present with its size, and its
 sha256 (streaming, 4 MiB at a time). A checkpoint without ``manifest.json`` (written before zeropp kept one) loads
@@ -47,10 +64,12 @@ MANIFEST = "manifest.json"
 METADATA = ".metadata"
 STAGING = ".saving."
 ASIDE = ".replaced."
+RETIRED = ".deleting."
+LATEST_TMP = f".{LATEST}.tmp"
 MANIFEST_FORMAT = 1
 CHUNK = 4 << 20  # bytes read at a time when checksumming
 CRASH_ENV = "ZEROPP_CHECKPOINT_CRASH"
-CRASH_POINTS = ("written", "manifest", "aside", "renamed", "latest")
+CRASH_POINTS = ("written", "manifest", "aside", "renamed", "latest", "retired", "deleting")
 _SHARD = re.compile(r"__(\d+)_")
 _TAG = re.compile(r"[^/\\\x00-\x1f\x7f]{1,255}")
 
@@ -103,32 +122,74 @@ def read_latest(root: Path) -> str:
     return tag
 
 
+def complete(path: Path) -> bool:
+    """Whether the directory ``path`` holds a whole checkpoint: its ``.metadata``, and every file its manifest lists
+    at the listed size (no checksums: that is for a load to do)."""
+    if not (path / METADATA).is_file():
+        return False
+    try:
+        read_manifest(path)
+    except CheckpointError:
+        return False
+    return True
+
+
 def resolve(save_dir: str | os.PathLike[str], tag: str | None = None) -> Path:
     """The directory of checkpoint ``tag`` of ``save_dir`` (the tag read from ``latest`` when ``None``):
     ``save_dir/tag``, or ``save_dir/.replaced.<tag>`` when a save of the same tag was killed between its two
-    renames. Raises ``FileNotFoundError`` naming the path when the directory, ``latest`` or the tag is missing."""
+    renames (and it is complete). Raises ``FileNotFoundError`` naming the path when the directory, ``latest`` or
+    the tag is missing."""
     root = Path(save_dir)
     if not root.is_dir():
         raise FileNotFoundError(f"checkpoint directory {str(root)!r} does not exist")
     tag = read_latest(root) if tag is None else check_tag(tag)
-    for path in (root / tag, root / f"{ASIDE}{tag}"):
-        if (path / METADATA).is_file():
-            return path
+    if (root / tag / METADATA).is_file():
+        return root / tag
+    if complete(aside := root / f"{ASIDE}{tag}"):
+        return aside
     raise FileNotFoundError(f"no checkpoint {tag!r} in {str(root)!r} ({str(root / tag / METADATA)!r} is missing; "
                             f"the checkpoints there: {tags(root)})")
 
 
-def prepare(root: Path, tag: str) -> Path:
-    """Before a save (first rank only): create ``root``, undo what a killed save left (a ``.replaced.<t>`` whose
-    ``<t>`` is missing is renamed back; every other ``.saving.*`` / ``.replaced.*`` is deleted) and create an empty
-    staging directory for ``tag``. Returns it."""
+def _delete(path: Path, global_rank: int) -> None:
+    """Delete the directory ``path`` (already under a name no load reads), file by file."""
+    for child in sorted(path.iterdir()):
+        if child.is_dir() and not child.is_symlink():
+            shutil.rmtree(child)
+        else:
+            child.unlink()
+        crash_point("deleting", global_rank)
+    path.rmdir()
+
+
+def _retire(root: Path, aside: Path, global_rank: int) -> None:
+    """Delete the old checkpoint ``aside`` (``root/.replaced.<tag>``): renamed to ``.deleting.<tag>.<nonce>``
+    first, durably, so that no partial directory is ever left under a name ``resolve`` or ``prepare`` reads."""
+    retired = root / f"{RETIRED}{aside.name[len(ASIDE):]}.{uuid.uuid4().hex[:12]}"
+    os.rename(aside, retired)
+    _fsync_dir(root)
+    crash_point("retired", global_rank)
+    _delete(retired, global_rank)
+
+
+def prepare(root: Path, tag: str, global_rank: int) -> Path:
+    """Before a save (first rank only, global rank ``global_rank``): create ``root``, undo what a killed save left
+    (module docstring: a complete ``.replaced.<t>`` whose ``<t>`` is missing is renamed back, every other
+    ``.replaced.*`` is retired, every ``.saving.*`` and ``.deleting.*`` deleted, ``.latest.tmp`` removed) and create
+    an empty staging directory for ``tag``. Returns it."""
     root.mkdir(parents=True, exist_ok=True)
-    for path in root.iterdir():
-        if path.name.startswith(ASIDE) and not (root / path.name[len(ASIDE):]).exists():
-            os.rename(path, root / path.name[len(ASIDE):])
-    for path in root.iterdir():
-        if path.name.startswith((STAGING, ASIDE)):
-            shutil.rmtree(path)
+    for path in sorted(root.iterdir()):
+        if path.name.startswith(ASIDE):
+            kept = root / path.name[len(ASIDE):]
+            if not kept.exists() and complete(path):
+                os.rename(path, kept)
+            else:
+                _retire(root, path, global_rank)
+        elif path.name.startswith((STAGING, RETIRED)):
+            _delete(path, global_rank)
+        elif path.name == LATEST_TMP:
+            path.unlink()
+    _fsync_dir(root)
     staging = root / f"{STAGING}{tag}.{uuid.uuid4().hex[:12]}"
     staging.mkdir()
     return staging
@@ -169,25 +230,32 @@ def write_manifest(staging: Path, tag: str, world_size: int, files: dict[str, di
 
 
 def commit(root: Path, tag: str, staging: Path, global_rank: int) -> Path:
-    """Put the complete ``staging`` in place as ``root/tag`` and point ``latest`` at it (module docstring, steps 2
-    and 3). Returns ``root/tag``."""
+    """Put the complete ``staging`` in place as ``root/tag``, point ``latest`` at it and retire a checkpoint it
+    replaces (module docstring, steps 2 to 4). Returns ``root/tag``. When the second rename fails, the old
+    checkpoint is renamed back before the error propagates."""
     target, aside = root / tag, root / f"{ASIDE}{tag}"
     replacing = target.exists()
     if replacing:
         os.rename(target, aside)
         crash_point("aside", global_rank)
-    os.rename(staging, target)
+    try:
+        os.rename(staging, target)
+    except OSError:
+        if replacing:
+            os.rename(aside, target)
+        raise
     _fsync_dir(root)
     crash_point("renamed", global_rank)
-    tmp = root / f".{LATEST}.tmp"
+    tmp = root / LATEST_TMP
     with open(tmp, "w") as f:
         f.write(tag)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, root / LATEST)
     _fsync_dir(root)
+    crash_point("latest", global_rank)
     if replacing:
-        shutil.rmtree(aside)
+        _retire(root, aside, global_rank)
     return target
 
 

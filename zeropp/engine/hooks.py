@@ -50,21 +50,17 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
-from torch.utils import _pytree as pytree
 from torch.utils.hooks import RemovableHandle
 
+from .._torch_internals import in_backward, tree_leaves
 from .prefetch import Prefetcher
 from .unit import Unit
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
 
 
 def _gather_before_backward(unit: Unit, output: Any, prefetcher: Prefetcher) -> None:
     """Gather ``unit`` when autograd computes the gradient of any of its output tensors: that is before autograd
     runs the unit's own backward (a tensor's gradient hooks run before its ``grad_fn`` consumes the gradient)."""
-    tensors = [x for x in pytree.tree_leaves(output) if isinstance(x, torch.Tensor) and x.requires_grad]
+    tensors = [x for x in tree_leaves(output) if isinstance(x, torch.Tensor) and x.requires_grad]
     if tensors:
 
         def hook(_grad: Any) -> None:
@@ -77,7 +73,7 @@ def _gather_before_backward(unit: Unit, output: Any, prefetcher: Prefetcher) -> 
 def _release_after_inputs(unit: Unit, args: Any, kwargs: Any, release: Callable[[Unit], None]) -> None:
     """Units with frozen parameters: count a gradient hook on the inputs that require grad (see the module
     docstring); when it runs, call ``release(unit)``."""
-    inputs = [x for x in pytree.tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.requires_grad]
+    inputs = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor) and x.requires_grad]
     if inputs:
         unit.pending_input_grads += 1
 
@@ -102,11 +98,11 @@ def install_stage3_hooks(
 
     def post_forward(_module: nn.Module, args: Any, kwargs: Any, output: Any) -> Any:
         if not torch.is_grad_enabled():
-            if not _in_backward():
+            if not in_backward():
                 unit.free()
             return output
         if not root:
-            if not _in_backward() and not keep(unit):
+            if not in_backward() and not keep(unit):
                 unit.free()
             _gather_before_backward(unit, output, prefetcher)
             if unit.frozen is not None:
@@ -129,7 +125,7 @@ def install_entry_hooks(unit: Unit, modules: list[nn.Module], *, prefetcher: Pre
 
     def post_forward(_module: nn.Module, _args: Any, output: Any) -> Any:
         if opened.pop():
-            if not _in_backward():
+            if not in_backward():
                 unit.free()
             if torch.is_grad_enabled():
                 _gather_before_backward(unit, output, prefetcher)

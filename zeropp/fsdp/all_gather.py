@@ -1,9 +1,9 @@
 """FSDP2's parameter all-gather run by ``zeropp.comm.all_gather``: exact, or qwZ over the data-parallel group, with
 quantization blocks that never span two parameters.
 
-Subclasses ``AllGather`` from ``torch.distributed.fsdp._fully_shard._fsdp_api``, the interface that the public
-``FSDPModule.set_custom_all_gather`` takes. That module is private: the class is not exported elsewhere; checked
-against torch 2.13 only (the issue reports the same interface in 2.11).
+Subclasses FSDP2's ``AllGather``, the interface that the public ``FSDPModule.set_custom_all_gather`` takes; torch
+defines it only in a private module, so it comes from ``zeropp._torch_internals`` (where a test pins the signature
+implemented here and that FSDP2 calls it).
 
 What FSDP2 passes (torch 2.13, ``_fsdp_collectives.foreach_all_gather``): ``output_tensor`` is a flat buffer of
 ``P * n`` elements that it allocated with ``allocate``; ``input_tensor`` is this rank's ``n`` elements, the
@@ -22,14 +22,14 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather
 
 from .. import comm
+from .._torch_internals import FSDPAllGather
 from ..quant.format import FLOAT_DTYPES, ceil_div
 from .hook import FlatBufferHook
 
 
-class ZeroppAllGather(FlatBufferHook, AllGather):
+class ZeroppAllGather(FlatBufferHook, FSDPAllGather):
     """All-gather of one FSDP2 module's flat parameter shards through ``zeropp.comm.all_gather``.
 
     Over ``topology.group`` (FSDP2's shard group) with ``bits`` set: qwZ with per-parameter blocks. This rank's

@@ -1,8 +1,8 @@
 """FSDP2's gradient reduce-scatter run by ``zeropp.comm.reduce_scatter``: exact, or two-hop qgZ.
 
-Subclasses ``ReduceScatter`` from ``torch.distributed.fsdp._fully_shard._fsdp_api``, the interface that the public
-``FSDPModule.set_custom_reduce_scatter`` takes. That module is private: the class is not exported elsewhere,
-checked against torch 2.13 only (the issue reports the same interface in 2.11).
+Subclasses FSDP2's ``ReduceScatter``, the interface that the public ``FSDPModule.set_custom_reduce_scatter`` takes;
+torch defines it only in a private module, so it comes from ``zeropp._torch_internals`` (where a test pins the
+signature implemented here and that FSDP2 calls it).
 
 What FSDP2 passes (torch 2.13, ``_fsdp_collectives.foreach_reduce``): ``input_tensor`` is a flat buffer of
 ``P * S`` elements in the reduce dtype (``MixedPrecisionPolicy.reduce_dtype``, else the gradients' dtype) that it
@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from .. import comm
+from .._torch_internals import FSDPReduceScatter
 from .hook import FlatBufferHook
 
 
-class ZeroppReduceScatter(FlatBufferHook, ReduceScatter):
+class ZeroppReduceScatter(FlatBufferHook, FSDPReduceScatter):
     """Reduce-scatter of FSDP2's flat gradient buffer through ``zeropp.comm.reduce_scatter`` over ``topology``.
 
     ``bits`` set: qgZ (intra-node all-to-all of quantized slices, reduce and requantize, inter-node all-to-all,
