@@ -154,8 +154,7 @@ def skipped_calls(rank: int, world: int, sync_path: str, timeout_s: float, expli
     assert world == 4
     store = dist.FileStore(sync_path, world)
     out: dict = {}
-    kept = []
-    for name, skipping, waiting, setup in _cases(rank, timeout_s, explicit_s):
+    for name, _skipping, waiting, setup in _cases(rank, timeout_s, explicit_s):
         steps = iter(range(100))
 
         def sync(name: str = name, steps=steps) -> None:
@@ -163,7 +162,6 @@ def skipped_calls(rank: int, world: int, sync_path: str, timeout_s: float, expli
 
         sync()
         call = setup(sync)
-        kept.append(call)
         sync()
         if rank in waiting:
             t0 = time.monotonic()
