@@ -184,6 +184,7 @@ import importlib.util
 import os
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -194,6 +195,7 @@ from .. import comm
 from ..config import Config, ConfigError
 from . import checkpoint, gathered, host_memory, reuse
 from .collectives import Collectives
+from .entry_check import EngineUsageError, EntryCheck
 from .gathered import StateDictGathering
 from .hooks import GradientReadiness, install_entry_hooks, install_stage3_hooks
 from .loss_scaler import LossScaler
@@ -204,10 +206,6 @@ from .policy import UnitPolicy, plan_units
 from .prefetch import Prefetcher
 from .scheduler import build_scheduler
 from .unit import GradientReduction, ReduceBuffers, Unit, gather_bucketed, reduce_bucketed
-
-
-class EngineUsageError(RuntimeError):
-    """The engine's calls came in an order that cannot be right (e.g. ``backward`` before a forward)."""
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -254,7 +252,9 @@ class ZeroEngine:
             hpz=zero.zero_hpz_partition_size if self.stage == 3 else 1,
             error_feedback=zero.zeropp.error_feedback,
             communication_dtype=communication_dtype(config),
+            arrival_timeout=timedelta(seconds=zero.zeropp.entry_check_timeout),
         )
+        self.entry_check = EntryCheck(self.comm, zero.zeropp.entry_check_timeout)
         self.compute_dtype = compute_dtype(config)
         sharded = self.stage == 3
         plans = plan_units(module, unit_policy)
@@ -296,7 +296,7 @@ class ZeroEngine:
                 self._hooks += install_entry_hooks(unit, _holders(module, unit, modules[unit.name]),
                                                    prefetcher=self.prefetcher)
             if self.comm.world_size > 1:
-                self.state_dict_gathering = StateDictGathering(module, self.units)
+                self.state_dict_gathering = StateDictGathering(module, self.units, self.entry_check)
         self.overlap_comm = zero.overlap_comm
         self.reduce_bucket_size = zero.reduce_bucket_size
         self._reductions: collections.deque[GradientReduction] = collections.deque()  # in flight, oldest first
@@ -563,8 +563,9 @@ class ZeroEngine:
         trainable = {name for unit in self.units for name in unit.param_names}
         aliases = checkpoint.state_dict_sources(self)
         out = {}
-        for key, value in self.consolidated_state_dict().items():
-            out[prefix + key] = value.to(dtype) if aliases[key] in trainable else value
+        with self.entry_check.entered("engine.state_dict()"):
+            for key, value in self.consolidated_state_dict().items():
+                out[prefix + key] = value.to(dtype) if aliases[key] in trainable else value
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> LoadResult:
@@ -577,7 +578,8 @@ class ZeroEngine:
         if self._backward_pending or self._forward_pending:
             raise EngineUsageError("load_state_dict() between a forward/backward and its step(); call it at an "
                                    "accumulation boundary")
-        return LoadResult(*checkpoint.load_whole_state_dict(self, state_dict, strict))
+        with self.entry_check.entered("engine.load_state_dict()", save_hint=False):
+            return LoadResult(*checkpoint.load_whole_state_dict(self, state_dict, strict))
 
     def save_16bit_model(self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin") -> bool:
         """Write the whole model's state dict in the compute dtype (``state_dict``) to ``save_dir/save_filename``
@@ -595,18 +597,19 @@ class ZeroEngine:
         if use_safetensors and importlib.util.find_spec("safetensors") is None:
             raise ImportError(f"save_16bit_model(save_filename={save_filename!r}) writes safetensors, which is not "
                               "installed: pip install safetensors, or use a .bin name for torch.save")
-        state = self.state_dict()
-        if self.topology.rank == 0:
-            path = Path(save_dir) / save_filename
-            path.parent.mkdir(parents=True, exist_ok=True)
-            state = {k: v.detach().clone().contiguous() for k, v in state.items()}
-            if use_safetensors:
-                from safetensors.torch import save_file
+        with self.entry_check.entered("engine.save_16bit_model()"):
+            state = self.state_dict()
+            if self.topology.rank == 0:
+                path = Path(save_dir) / save_filename
+                path.parent.mkdir(parents=True, exist_ok=True)
+                state = {k: v.detach().clone().contiguous() for k, v in state.items()}
+                if use_safetensors:
+                    from safetensors.torch import save_file
 
-                save_file(state, str(path), metadata={"format": "pt"})
-            else:
-                torch.save(state, path)
-        self.comm.all_reduce_sum(torch.zeros(1, device=self.device))  # the file exists for every rank on return
+                    save_file(state, str(path), metadata={"format": "pt"})
+                else:
+                    torch.save(state, path)
+            self.comm.all_reduce_sum(torch.zeros(1, device=self.device))  # the file exists for every rank on return
         return True
 
     def _begin_forward(self) -> None:
@@ -763,18 +766,20 @@ class ZeroEngine:
 
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter of the model, whole, as new tensors, by name (tied ones once). A collective: every rank
-        calls it. In stage 3 each unit is gathered and freed in turn. These are the weights the model computes
+        """Every parameter of the model, whole, as new tensors, by name (tied ones once). In stage 3 a collective
+        (every rank calls it): each unit not already whole is gathered and freed in turn. These are the weights the model computes
         with: under qwZ, the dequantized copy of the fp32 master shards the optimizer keeps."""
         out: dict[str, torch.Tensor] = {}
         by_id: dict[int, torch.Tensor] = {}
-        for unit in self.units:
-            was = unit.gathered
-            unit.gather()
-            for p in unit.params + (unit.frozen.params if unit.frozen is not None else []):
-                by_id[id(p)] = p.detach().clone()
-            if not was:
-                unit.free()
+        gathers = any(not unit.gathered for unit in self.units)  # else no communication (stages 1/2, all held)
+        with self.entry_check.entered("engine.full_parameters()") if gathers else contextlib.nullcontext():
+            for unit in self.units:
+                was = unit.gathered
+                unit.gather()
+                for p in unit.params + (unit.frozen.params if unit.frozen is not None else []):
+                    by_id[id(p)] = p.detach().clone()
+                if not was:
+                    unit.free()
         for name, p in self.module.named_parameters():
             out[name] = by_id[id(p)] if id(p) in by_id else p.detach().clone()
         return out
@@ -790,7 +795,8 @@ class ZeroEngine:
         if self._forward_pending or self._backward_pending:
             raise EngineUsageError("gathered_parameters() between a forward and its step(): use it before the forward "
                                    "or after engine.step()")
-        return gathered.gathered_parameters(self.units, self.module, modules, modifier_rank, self.comm)
+        return gathered.gathered_parameters(self.units, self.module, modules, modifier_rank, self.comm,
+                                            self.entry_check)
 
     def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
                         client_state: dict[str, Any] | None = None) -> Path:
@@ -816,7 +822,8 @@ class ZeroEngine:
                 f"{', backward() without step()' if self._backward_pending else ''}): the accumulated gradients are "
                 "not saved; call it after the step() that ends the window"
             )
-        return checkpoint.save(self, save_dir, tag, client_state)
+        with self.entry_check.entered("engine.save_checkpoint()", save_hint=False):
+            return checkpoint.save(self, save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None) -> tuple[Path, dict[str, Any]]:
         """Restore the state saved by ``save_checkpoint`` from ``load_dir/tag`` (``tag`` from ``load_dir/latest``
@@ -838,14 +845,16 @@ class ZeroEngine:
                 "load_checkpoint() in the middle of an accumulation window would mix its gradients into the loaded "
                 "state; call it before the first micro-batch or after a step() that ends a window"
             )
-        return checkpoint.load(self, load_dir, tag)
+        with self.entry_check.entered("engine.load_checkpoint()", save_hint=False):
+            return checkpoint.load(self, load_dir, tag)
 
     def consolidated_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The unwrapped model's state dict with the trainable parameters whole from the exact fp32 master weights
         (buffers and frozen parameters as the module holds them), for ``model.load_state_dict``. A collective (one
         exact all-gather per unit); with ``rank0_only`` the other ranks get ``{}``. Offline, from a checkpoint:
         ``zeropp.engine.checkpoint.consolidate``."""
-        return checkpoint.consolidated_state_dict(self, rank0_only=rank0_only)
+        with self.entry_check.entered("engine.consolidated_state_dict()"):
+            return checkpoint.consolidated_state_dict(self, rank0_only=rank0_only)
 
     def __repr__(self) -> str:
         return (f"ZeroEngine(stage={self.stage}, units={len(self.units)}, world_size={self.comm.world_size}, "

@@ -294,12 +294,13 @@ class Unit:
     @torch.no_grad()
     def exact_values(self) -> dict[int, torch.Tensor]:
         """Every parameter of the unit (trainable and frozen), whole, as a new tensor, by ``id`` of the parameter:
-        an exact all-gather of the compute shards into a transient flat buffer, a collective (none at one rank or
-        in exact stages 1 and 2, where the whole parameters are the shards' values; under qwZ they hold the
-        dequantized values there, so the shards are gathered)."""
+        an exact all-gather of the compute shards into a transient flat buffer, a collective. None while pinned (a
+        ``gathered_parameters`` block holds the exact values, ``gather_exact``: they are copied, with whatever the
+        block changed in place), at one rank, or in exact stages 1 and 2 (where the whole parameters are the shards'
+        values; under qwZ they hold the dequantized values there, so the shards are gathered)."""
         out: dict[int, torch.Tensor] = {}
         for flat in (self, self.frozen) if self.frozen is not None else (self,):
-            if flat.single or (not flat.sharded and flat.comm.weight_bits is None):
+            if self.pinned or flat.single or (not flat.sharded and flat.comm.weight_bits is None):
                 whole = flat.full
             else:
                 whole = flat.shard.new_empty(flat.comm.world_size * flat.shard_numel)
