@@ -139,4 +139,5 @@ class Arrival:
             raise ArrivalError(
                 f"rank {self.rank} arrived, but the group's first rank ({first}) did not confirm within "
                 f"{seconds * _FOLLOWER_SLACK:g} s that every rank of {self.ranks} arrived: it did not arrive, "
-                "another rank did not (the first rank's error names it), or an earlier check failed", None, self.timeout) from e
+                "another rank did not (the first rank's error names it), or an earlier check failed",
+                None, self.timeout) from e

@@ -110,8 +110,8 @@ Our own keys live in ``zero_optimization.zeropp`` (all optional):
   ``load_checkpoint()`` — waits for the others before raising ``zeropp.engine.EngineUsageError`` naming the ranks
   that did not come (a save from one rank, ``if rank == 0: model.save_pretrained(d)``, would otherwise wait for the
   process group's timeout, 30 minutes on gloo, with no message) and the pattern to use instead
-  (``zeropp.engine.entry_check``). Long enough for a rank that evaluates or writes a large file alone before the call; short against
-  torch's timeouts. Nothing in the training loop waits on it.
+  (``zeropp.engine.entry_check``). Long enough for a rank that evaluates or writes a large file alone before the
+  call; short against torch's timeouts (30 minutes for gloo, 10 for NCCL). Nothing in the training loop waits on it.
 
 DeepSpeed keys accepted as harmless (decided one by one):
 

@@ -159,7 +159,7 @@ class ZeroppConfig:
         timeout = get_float(p, block, "entry_check_timeout", w, d.entry_check_timeout)
         if p.ok(name) and not 0 < timeout <= MAX_ENTRY_CHECK_TIMEOUT:
             p.add(name, f"{name}={timeout:g} must be a number of seconds above 0 and at most "
-                        f"{MAX_ENTRY_CHECK_TIMEOUT:g}: how long a rank entering a call that every rank must make "
+                        f"{MAX_ENTRY_CHECK_TIMEOUT:.0f}: how long a rank entering a call that every rank must make "
                         f"(model.state_dict() at stage 3, a save) waits for the others (default "
                         f"{d.entry_check_timeout:g})")
         elif p.ok(name):

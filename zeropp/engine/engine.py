@@ -169,6 +169,17 @@ Outside the engine's forward and backward at stage 3 on more than one rank the m
 changed), and ``engine.full_parameters()`` (the compute weights) or ``engine.consolidated_state_dict()`` (the fp32
 masters) copy them out; ``engine.state_dict()`` gives the masters in the compute dtype. Entry points other than the
 model's ``forward`` (a ``generate`` calling submodules) gather the units whose submodules they call (``hooks``).
+A save from one rank (PEFT's ``save_pretrained``, ``transformers``', a ``torch.save``) goes inside the block, where
+``model.state_dict()`` reads the held weights without communicating::
+
+    with engine.gathered_parameters():
+        if rank == 0:
+            model.save_pretrained(save_dir)
+
+Every call that is a collective outside the training loop (the ones above, ``save_16bit_model``,
+``load_state_dict``, the checkpoints) first checks that every rank entered it, and raises ``EngineUsageError``
+naming the missing ranks and this pattern after ``zero_optimization.zeropp.entry_check_timeout`` seconds instead of
+hanging (``zeropp.engine.entry_check``; no cost in forward, backward or step).
 
 Limits: checkpoints (``save_checkpoint``/``load_checkpoint``, ``zeropp.engine.checkpoint``) are taken at
 accumulation boundaries only and load at any world size and layout, but the qgZ error-feedback residuals are kept
@@ -554,9 +565,10 @@ class ZeroEngine:
 
     def state_dict(self, prefix: str = "") -> dict[str, torch.Tensor]:
         """The module's state dict in the compute dtype, every parameter whole. Stages 1 and 2: the module's own
-        tensors (detached). Stage 3: a collective (every rank calls it; one exact all-gather per unit) returning
-        new tensors: the fp32 master weights rounded to the compute dtype (under qwZ: the exact weights, not the
-        dequantized copy the forward uses); buffers and frozen parameters as the module holds them."""
+        tensors (detached). Stage 3: a collective (every rank calls it, checked on entry: ``zeropp.engine.entry_check``;
+        one exact all-gather per unit) returning new tensors: the fp32 master weights rounded to the compute dtype
+        (under qwZ: the exact weights, not the dequantized copy the forward uses); buffers and frozen parameters as
+        the module holds them."""
         if self.stage != 3 or self.world_size == 1:
             return {prefix + k: v for k, v in self.module.state_dict(keep_vars=False).items()}
         dtype = self.compute_dtype
@@ -572,7 +584,8 @@ class ZeroEngine:
         """Load a whole (unsharded) state dict of the module, e.g. from ``state_dict`` or ``save_16bit_model``:
         each trainable parameter into this rank's fp32 master shard (then published to the compute weights, as
         after an optimizer step: at stages 1 and 2 an all-gather, so a collective), buffers and frozen parameters
-        into the module. The optimizer state is kept. With ``strict``, missing or unexpected keys raise
+        into the module. The optimizer state is kept. Every rank calls it (each loads its own shards; checked on entry:
+        ``zeropp.engine.entry_check``). With ``strict``, missing or unexpected keys raise
         ``KeyError`` naming them (nothing is loaded then); else they are returned, as ``nn.Module.load_state_dict``
         does."""
         if self._backward_pending or self._forward_pending:
@@ -584,7 +597,8 @@ class ZeroEngine:
     def save_16bit_model(self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin") -> bool:
         """Write the whole model's state dict in the compute dtype (``state_dict``) to ``save_dir/save_filename``
         from the data-parallel group's first rank: ``torch.save``, or safetensors when the name ends in
-        ``.safetensors`` (needs the ``safetensors`` package). A collective: every rank calls it. At stage 3 it
+        ``.safetensors`` (needs the ``safetensors`` package). A collective: every rank calls it (checked on entry,
+        ``zeropp.engine.entry_check``). At stage 3 it
         gathers only with ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` (as DeepSpeed: without
         it nothing is written, a warning says so, and it returns ``False``). Returns whether the file was written
         (on every rank). Tied parameters are written once per key (safetensors: as separate copies)."""
@@ -767,8 +781,8 @@ class ZeroEngine:
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
         """Every parameter of the model, whole, as new tensors, by name (tied ones once). In stage 3 a collective
-        (every rank calls it): each unit not already whole is gathered and freed in turn. These are the weights the model computes
-        with: under qwZ, the dequantized copy of the fp32 master shards the optimizer keeps."""
+        (every rank calls it): each unit not already whole is gathered and freed in turn. These are the weights the
+        model computes with: under qwZ, the dequantized copy of the fp32 master shards the optimizer keeps."""
         out: dict[str, torch.Tensor] = {}
         by_id: dict[int, torch.Tensor] = {}
         gathers = any(not unit.gathered for unit in self.units)  # else no communication (stages 1/2, all held)
@@ -790,8 +804,10 @@ class ZeroEngine:
         whole model), trainable and frozen, are whole on every rank, with the compute shards' exact values; on exit
         they are freed again (stage 3). With ``modifier_rank`` (a global rank), the values that rank wrote into them
         in place are broadcast on exit and become the weights: compute shards and fp32 masters (the elements whose
-        compute-dtype value changed). A collective; not between a forward and its ``step()``. Details:
-        ``zeropp.engine.gathered``."""
+        compute-dtype value changed). A collective (checked on entry, ``zeropp.engine.entry_check``); not between a
+        forward and its ``step()``. Inside, ``model.state_dict()`` reads the units the block holds without
+        communicating, so one rank may save: ``with engine.gathered_parameters(): if rank == 0:
+        model.save_pretrained(d)``. Details: ``zeropp.engine.gathered``."""
         if self._forward_pending or self._backward_pending:
             raise EngineUsageError("gathered_parameters() between a forward and its step(): use it before the forward "
                                    "or after engine.step()")
@@ -814,6 +830,8 @@ class ZeroEngine:
         Raises:
             zeropp.engine.checkpoint.CheckpointError: on every rank when the save failed on any (``save_dir`` not
                 writable, a full disk, an exception on one rank); ``save_dir`` is left as it was.
+            EngineUsageError: on the ranks that called it, when not every rank did within
+                ``zero_optimization.zeropp.entry_check_timeout`` seconds (``zeropp.engine.entry_check``).
         """
         if self._backward_pending or self.micro_steps % self._accumulation_steps != 0:
             raise EngineUsageError(
@@ -839,6 +857,8 @@ class ZeroEngine:
             zeropp.engine.checkpoint.CheckpointError: ``latest`` holds no tag; a file of the checkpoint is missing,
                 truncated or corrupted (the file is named); the checkpoint is of another model (the parameter is
                 named), optimizer type or number of parameter groups.
+            EngineUsageError (on the ranks that called it): not every rank did within
+                ``zero_optimization.zeropp.entry_check_timeout`` seconds (``zeropp.engine.entry_check``).
         """
         if self._backward_pending or self.micro_steps % self._accumulation_steps != 0:
             raise EngineUsageError(
@@ -850,9 +870,9 @@ class ZeroEngine:
 
     def consolidated_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The unwrapped model's state dict with the trainable parameters whole from the exact fp32 master weights
-        (buffers and frozen parameters as the module holds them), for ``model.load_state_dict``. A collective (one
-        exact all-gather per unit); with ``rank0_only`` the other ranks get ``{}``. Offline, from a checkpoint:
-        ``zeropp.engine.checkpoint.consolidate``."""
+        (buffers and frozen parameters as the module holds them), for ``model.load_state_dict``. A collective (checked
+        on entry, ``zeropp.engine.entry_check``; one exact all-gather per unit); with ``rank0_only`` the other ranks
+        get ``{}``. Offline, from a checkpoint: ``zeropp.engine.checkpoint.consolidate``."""
         with self.entry_check.entered("engine.consolidated_state_dict()"):
             return checkpoint.consolidated_state_dict(self, rank0_only=rank0_only)
 

@@ -96,5 +96,6 @@ class EntryCheck:
             self.failed = text + (
                 "If every rank does make this call but some arrive later than that, raise "
                 f"zero_optimization.zeropp.entry_check_timeout (now {self.timeout_s:g} s). The ranks are now out of "
-                "step: every later state_dict/gather/save/load call of this engine raises at once; restart the program.")
+                "step: every later state_dict/gather/save/load call of this engine raises at once; restart the "
+                "program.")
             raise EngineUsageError(self.failed) from e

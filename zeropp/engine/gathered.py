@@ -77,7 +77,7 @@ def gathered_parameters(units: list[Unit], module: nn.Module, modules: nn.Module
     needed = {id(owners[key]) for key in params if key in owners}
     picked = [u for u in units if id(u) in needed]  # the engine's order: the same collectives on every rank
     loose = [p for key, p in params.items() if key not in owners]  # whole on every rank (stages 1/2 frozen, ...)
-    if modifier_rank is not None or any(not unit.pinned for unit in picked):  # a collective on entry or exit
+    if modifier_rank is not None or any(unit.gather_exact_communicates for unit in picked):  # a collective
         entry_check.check("engine.gathered_parameters()")
     for unit in picked:
         unit.gather_exact()

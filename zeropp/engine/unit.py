@@ -226,6 +226,11 @@ class Unit:
             self.secondary = self.full[a:b].clone()
         self._bind()
 
+    @property
+    def gather_exact_communicates(self) -> bool:
+        """Whether ``gather_exact`` is a collective now (see its no-op cases)."""
+        return not (self.pinned or self.single) and (self.sharded or self.comm.weight_bits is not None)
+
     def gather_exact(self) -> None:
         """Make the parameters whole from an exact all-gather of the compute shards (never quantized; no hpZ
         secondary made or used): the values the shards hold, for reading or modifying them
@@ -449,6 +454,11 @@ class FrozenFlat:
             i = self.comm.partition_rank
             self.secondary = self.full[i * length : (i + 1) * length].clone()
         self._bind()
+
+    @property
+    def gather_exact_communicates(self) -> bool:
+        """Whether ``gather_exact`` is a collective now (see its no-op cases)."""
+        return not (self.pinned or self.single) and (self.sharded or self.comm.weight_bits is not None)
 
     def gather_exact(self) -> None:
         self.full.untyped_storage().resize_(self._full_nbytes)
