@@ -9,6 +9,7 @@ whole global batch (``stage3_workers.train_reference``).
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -74,7 +75,8 @@ def suite(rank: int, world: int, save_dir: str, timeout_s: float, hpz: int) -> d
     """Train, then: (a) ``with engine.gathered_parameters(): if rank == 0: save`` (PEFT's ``save_pretrained`` and
     ``torch.save(model.state_dict())``), (b) ``if rank == 0: model.save_pretrained(d)`` without the block, which
     must raise within the bound; at world 2 also a rank other than the first calling alone, and ``state_dict``
-    inside a block holding only some units (every rank: those units read, the others gathered)."""
+    inside a block holding only some units (every rank: those units read, the others gathered); at world 4
+    ``comm.Arrival`` with one rank missing."""
     out: dict = {}
     steps = 3
     data = lora_batches(steps, 2 * world)
@@ -106,6 +108,17 @@ def suite(rank: int, world: int, save_dir: str, timeout_s: float, hpz: int) -> d
         out["full_saved"] = torch.load(full_path)
     dist.barrier()  # the other ranks left the block at once and wait here, in an ordinary collective
 
+    if world == 4:  # comm.Arrival itself: all arrive, then every rank but one
+        arrival, bound = comm.Arrival(list(range(world))), timedelta(seconds=timeout_s)
+        arrival.wait_all(bound)
+        if rank != 2:
+            start = time.monotonic()
+            try:
+                arrival.wait_all(bound)
+            except comm.ArrivalError as e:
+                out["partial"] = (time.monotonic() - start, e.missing)
+        dist.barrier()
+
     if world == 2:
         # state_dict inside a block holding one unit, on every rank: that unit read, the others gathered
         block = model.base_model.model.blocks[0]
@@ -115,8 +128,10 @@ def suite(rank: int, world: int, save_dir: str, timeout_s: float, hpz: int) -> d
             torch.equal(partial[k], masters[k]) for k in masters)
         dist.barrier()
 
-        # a rank other than the first alone (a fresh engine: a failed check closes the engine's check group)
-        other, _, _, _ = zeropp.initialize(model=peft_model(seed=3), config=config(timeout_s))
+        # a rank other than the first alone, on an engine over a topology of its own (a failed check closes the
+        # check group that the engines over one topology share)
+        topology = comm.Topology(group=dist.new_group(list(range(world))))
+        other, _, _, _ = zeropp.initialize(model=peft_model(seed=3), config=config(timeout_s), topology=topology)
         if rank == world - 1:
             out["follower"] = timed_error(lambda: other.module.state_dict())
         dist.barrier()

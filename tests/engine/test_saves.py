@@ -77,3 +77,15 @@ def test_other_rank_alone_and_partial_block(runs):
     elapsed, message = other["follower"]  # rank 1 alone: it waits for the first rank's answer, 1.25x the bound
     assert TIMEOUT < elapsed < 2 * TIMEOUT, elapsed
     assert "the group's first rank (0) did not confirm" in message and PATTERN in message, message
+
+
+def test_arrival_names_the_missing_rank(runs):
+    """comm.Arrival on 4 ranks, rank 2 skipping the check: the first rank names it within the bound; the others
+    (which cannot know which rank it was) fail within 1.25x the bound."""
+    results = runs[4]
+    assert "partial" not in results[2]
+    elapsed, missing = results[0]["partial"]
+    assert missing == [2] and TIMEOUT * 0.9 < elapsed < 1.5 * TIMEOUT, (missing, elapsed)
+    for r in (results[1], results[3]):
+        elapsed, missing = r["partial"]
+        assert missing is None and elapsed < 2 * TIMEOUT, (missing, elapsed)

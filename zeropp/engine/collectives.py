@@ -34,8 +34,9 @@ class Collectives:
             float32 sums in fp32 on the wire (``comm.reduce_scatter``'s plain exact path); bfloat16/float16 send
             each rank's gradient in that dtype and sum it at the receiver in float64 (its ``wire_dtype`` path).
             qgZ ignores it (it quantizes from fp32).
-        arrival_timeout: how long ``wait_all_arrived`` waits on the group's first rank (``comm.Arrival``; its side
-            group is created here, a collective over the data-parallel group, when it has more than one rank).
+        arrival_timeout: how long ``wait_all_arrived`` waits on the group's first rank (``comm.Arrival.of``: its
+            side group is made with the first engine over ``topology``, a collective over the data-parallel group,
+            when it has more than one rank).
     """
 
     def __init__(
@@ -65,7 +66,8 @@ class Collectives:
             ranks = topology.partition_ranks(hpz)  # raises if hpz does not divide ranks_per_node
             self.partition_rank = ranks.index(topology.global_rank)  # the group's order: ascending global rank
             self.partition_group = topology.partition_group(hpz)
-        self.arrival = comm.Arrival(topology.ranks, arrival_timeout) if topology.world_size > 1 else None
+        self.arrival = comm.Arrival.of(topology) if topology.world_size > 1 else None
+        self.arrival_timeout = arrival_timeout
 
     @property
     def alignment(self) -> int:
@@ -130,7 +132,7 @@ class Collectives:
         """Return once every rank of the data-parallel group has called this (none at one rank); raises
         ``comm.ArrivalError`` when they do not within ``arrival_timeout`` (``comm.Arrival.wait_all``)."""
         if self.arrival is not None:
-            self.arrival.wait_all()
+            self.arrival.wait_all(self.arrival_timeout)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks, in place."""

@@ -7,8 +7,8 @@ units are held by a ``gathered_parameters`` block), ``gathered_parameters()`` en
 ``load_checkpoint()`` — are collectives. The most common mistake is a save from one rank (``if rank == 0:
 model.save_pretrained(d)``, what PEFT and Hugging Face examples write): that rank would wait in the first all-gather
 until the process group's timeout (30 minutes for gloo) with no message. So each such call first runs an arrival
-check (``comm.Arrival``, through ``Collectives.wait_all_arrived``: a handshake on a gloo side group made at
-``initialize``, one round trip of one-byte messages through the group's first rank): when not every rank arrives
+check (``comm.Arrival``, through ``Collectives.wait_all_arrived``: a handshake on a gloo side group made with the
+first engine over the topology, one round trip of one-byte messages through the group's first rank): when not every rank arrives
 within ``zero_optimization.zeropp.entry_check_timeout`` seconds (default 300), the ranks that did raise
 ``EngineUsageError``, naming the ranks that did not (on the group's first rank; the others wait up to 1.25 times the
 timeout for its answer and cannot know which rank was missing) and the pattern to use instead::
@@ -26,7 +26,8 @@ not checked again); nothing in the training loop (forward, backward, step) ever 
 whose units are all held by a ``gathered_parameters`` block communicates nothing and checks nothing.
 
 After a failed check the ranks are out of step, and the check's side group is closed (see ``comm.arrival``): every
-later checked call raises at once, on every rank. Restart the program (``load_checkpoint`` resumes it).
+later checked call of the engines over that topology raises at once, on every rank. Restart the program
+(``load_checkpoint`` resumes it).
 """
 
 from __future__ import annotations
