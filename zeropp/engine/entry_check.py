@@ -7,9 +7,9 @@ units are held by a ``gathered_parameters`` block), ``gathered_parameters()`` en
 ``load_checkpoint()`` — are collectives. The most common mistake is a save from one rank (``if rank == 0:
 model.save_pretrained(d)``, what PEFT and Hugging Face examples write): that rank would wait in the first all-gather
 until the process group's timeout (30 minutes for gloo) with no message. So each such call first runs an arrival
-check (``comm.Arrival``, through ``Collectives.wait_all_arrived``: a handshake on a gloo side group made with the
-first engine over the topology, one round trip of one-byte messages through the group's first rank): when not every rank arrives
-within ``zero_optimization.zeropp.entry_check_timeout`` seconds (default 300), the ranks that did raise
+check (``comm.Arrival``, through ``Collectives.wait_all_arrived``: a handshake on a gloo side group, one round trip
+of one-byte messages through the group's first rank): when not every rank arrives within
+``zero_optimization.zeropp.entry_check_timeout`` seconds (default 300), the ranks that did raise
 ``EngineUsageError``, naming the ranks that did not (on the group's first rank; the others wait up to 1.25 times the
 timeout for its answer and cannot know which rank was missing) and the pattern to use instead::
 
@@ -21,9 +21,14 @@ The error type is ``EngineUsageError``, not ``comm.CollectiveError``: nothing fa
 made a collective call on some ranks only (or one rank is far slower than the timeout allows), and the fix is in
 the program or the config.
 
+The default, 300 s, is long enough for a rank that evaluates or writes a large file alone before a call the others
+already wait in, and short against torch's own timeouts (30 minutes for gloo, 10 for NCCL); a rank that is merely
+that much slower gets the same error, whose message names the key to raise.
+
 Cost: one check per outermost call (a call made inside another — ``save_16bit_model`` calling ``state_dict`` — is
 not checked again); nothing in the training loop (forward, backward, step) ever checks. A ``model.state_dict()``
-whose units are all held by a ``gathered_parameters`` block communicates nothing and checks nothing.
+whose units are all held by a ``gathered_parameters`` block communicates nothing and checks nothing. The side group
+(a gloo group over the data-parallel ranks, CPU only) is made once per ``Topology``, with the first engine over it.
 
 After a failed check the ranks are out of step, and the check's side group is closed (see ``comm.arrival``): every
 later checked call of the engines over that topology raises at once, on every rank. Restart the program
