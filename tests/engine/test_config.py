@@ -39,7 +39,7 @@ def test_defaults():
     z = c.zero_optimization
     assert z.stage == 1 and z.weight_bits is None and z.gradient_bits is None and not z.hpz
     assert (z.zeropp.weight_bits, z.zeropp.gradient_bits, z.zeropp.block_size) == (8, 4, 128)
-    assert z.zeropp.nonfinite_gradients == "skip"
+    assert z.zeropp.nonfinite_gradients == "skip" and z.zeropp.entry_check_timeout == 300.0
 
 
 def test_full_deepspeed_config_from_json_path(tmp_path):
@@ -171,6 +171,8 @@ def err(config, world: int = 1) -> str:
          ["error_feedback", "zero_quantized_gradients"]),
         ({**BASE, "zero_optimization": {"zeropp": {"nonfinite_gradients": "ignore"}}}, 1,
          ["zero_optimization.zeropp.nonfinite_gradients='ignore'", "'skip', 'raise'"]),
+        ({**BASE, "zero_optimization": {"zeropp": {"entry_check_timeout": 0}}}, 1,
+         ["zero_optimization.zeropp.entry_check_timeout=0", "above 0", "default 300"]),
         ({**BASE, "zero_optimization": []}, 1, ["zero_optimization must be an object"]),
         ({**BASE, "bf16": {"enabled": True}, "fp16": {"enabled": True}}, 1, ["both true"]),
         ({**BASE, "fp16": {"loss_scale_window": 0}}, 1, ["fp16.loss_scale_window=0", ">= 1"]),
@@ -445,7 +447,7 @@ def test_round_trip_keeps_every_field():
             "stage3_param_persistence_threshold": 15, "stage3_model_persistence_threshold": 16,
             "allgather_bucket_size": 17, "sub_group_size": 18, "stage3_gather_16bit_weights_on_model_save": True,
             "zeropp": {"weight_bits": 4, "gradient_bits": 8, "block_size": 64, "error_feedback": True,
-                       "nonfinite_gradients": "raise"},
+                       "nonfinite_gradients": "raise", "entry_check_timeout": 12.5},
         },
     }
     c = load_config(config, world_size=4)
@@ -531,3 +533,32 @@ def test_json_file_with_the_same_key_in_different_objects_parses(tmp_path):
     path.write_text(json.dumps(config))
     c = load_config(path)
     assert c.fp16.enabled and not c.bf16.enabled and c == load_config(config)
+
+
+# ---- zero_optimization.zeropp.entry_check_timeout ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("given", [0.5, 2, 300, 1e6])
+def test_entry_check_timeout_takes_positive_seconds(given):
+    assert zero(zeropp={"entry_check_timeout": given}).zero_optimization.zeropp.entry_check_timeout == given
+
+
+@pytest.mark.parametrize(
+    "given, needles",
+    [
+        (0, ["entry_check_timeout=0 must be a number of seconds above 0 and at most 1000000"]),
+        (-5, ["entry_check_timeout=-5 must be a number of seconds above 0"]),
+        (1e7, ["entry_check_timeout=1e+07", "at most 1000000"]),
+        ("60s", ["entry_check_timeout='60s' must be a finite number"]),
+        (float("inf"), ["entry_check_timeout=inf must be a finite number"]),
+        (True, ["entry_check_timeout=True must be a finite number"]),
+        (None, ["entry_check_timeout=None must be a finite number"]),
+        ("auto", ["'auto'", "zero_optimization.zeropp.entry_check_timeout"]),
+    ],
+)
+def test_entry_check_timeout_rejects_what_is_not_positive_seconds(given, needles):
+    message = err({**BASE, "zero_optimization": {"zeropp": {"entry_check_timeout": given}}})
+    for needle in needles:
+        assert needle in message, (needle, message)
+    assert message.count("entry_check_timeout") == 1 or given == "auto", message  # one line, no follow-on problem
+

@@ -17,12 +17,14 @@ Example (under torchrun; 2 emulated nodes of 2 ranks on one machine with ``ZEROP
 
 Every distinct call (kind, group, numel, dtype, bits, block size, op) is checked once for agreement across the
 ranks (later identical calls cost nothing); ``ZEROPP_DEBUG=1`` checks every call. A collective failing in the
-backend (a timeout, a peer gone) raises ``CollectiveError`` naming it.
+backend (a timeout, a peer gone) raises ``CollectiveError`` naming it. ``Arrival`` checks, with a bounded wait,
+that every rank of a group reached a call before a collective that a program might make on some ranks only.
 This package knows nothing of ``nn.Module``; it uses only the public ops of ``zeropp.quant``.
 """
 
 from .accounting import Traffic, reset_stats, stats
 from .all_gather import all_gather
+from .arrival import Arrival, ArrivalError
 from .checks import debug_enabled
 from .reduce_scatter import ErrorFeedback, ReduceOp, reduce_scatter, shard_range
 from .topology import (
@@ -34,6 +36,8 @@ from .topology import (
 from .work import CollectiveError, CollectiveWork
 
 __all__ = [
+    "Arrival",
+    "ArrivalError",
     "ENV_RANKS_PER_NODE",
     "CollectiveError",
     "CollectiveWork",

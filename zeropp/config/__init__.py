@@ -33,7 +33,7 @@ Keys are spelled as DeepSpeed spells them, with DeepSpeed's defaults::
         "stage3_model_persistence_threshold": sys.maxsize,
         "stage3_gather_16bit_weights_on_model_save": false,
         "zeropp": {"weight_bits": 8, "gradient_bits": 4, "block_size": 128, "error_feedback": false,
-                   "nonfinite_gradients": "skip"}
+                   "nonfinite_gradients": "skip", "entry_check_timeout": 300}
       }
     }
 
@@ -103,6 +103,15 @@ Our own keys live in ``zero_optimization.zeropp`` (all optional):
   the first rank warns, naming the units; ``"raise"``: every rank raises ``zeropp.engine.NonFiniteGradientError``
   naming them. Under fp16 an Inf/NaN is a loss-scale overflow, handled by the loss scaler whatever this says
   (``zeropp.engine.engine`` has the details and the cost: one small all-reduce and one host read per step).
+* ``entry_check_timeout`` (seconds, a number above 0 and at most 1e6, default 300): how long a rank that enters
+  one of the engine's calls that every rank must make — ``model.state_dict()`` at stage 3 (outside a
+  ``gathered_parameters`` block holding the units), ``engine.gathered_parameters()``, ``consolidated_state_dict()``,
+  ``state_dict()``, ``full_parameters()``, ``save_16bit_model()``, ``load_state_dict()``, ``save_checkpoint()``,
+  ``load_checkpoint()`` — waits for the others before raising ``zeropp.engine.EngineUsageError`` naming the ranks
+  that did not come (a save from one rank, ``if rank == 0: model.save_pretrained(d)``, would otherwise wait for the
+  process group's timeout, 30 minutes on gloo, with no message) and the pattern to use instead
+  (``zeropp.engine.entry_check``). Long enough for a rank that evaluates or writes a large file alone before the
+  call; short against torch's timeouts (30 minutes for gloo, 10 for NCCL). Nothing in the training loop waits on it.
 
 DeepSpeed keys accepted as harmless (decided one by one):
 

@@ -114,6 +114,9 @@ _POW2_BLOCKS = [2**k for k in range(4, 14)]
 # zero_optimization.zeropp.nonfinite_gradients: what an fp32/bf16 step does with an Inf/NaN gradient
 NONFINITE_GRADIENTS = ("skip", "raise")
 
+# zero_optimization.zeropp.entry_check_timeout, seconds: the largest value (about 11.6 days; past any torch timeout)
+MAX_ENTRY_CHECK_TIMEOUT = 1e6
+
 
 @dataclass(frozen=True)
 class ZeroppConfig:
@@ -124,12 +127,13 @@ class ZeroppConfig:
     block_size: int = 128
     error_feedback: bool = False
     nonfinite_gradients: str = "skip"
+    entry_check_timeout: float = 300.0
 
     @classmethod
     def parse(cls, block: Mapping[str, Any], p: Problems) -> ZeroppConfig:
         w = "zero_optimization.zeropp"
         check_keys(p, block, w, ["weight_bits", "gradient_bits", "block_size", "error_feedback",
-                                 "nonfinite_gradients"])
+                                 "nonfinite_gradients", "entry_check_timeout"])
         d = cls()
         values: dict[str, Any] = {}
         for key in ("weight_bits", "gradient_bits"):
@@ -151,6 +155,15 @@ class ZeroppConfig:
                 values["nonfinite_gradients"] = mode
             else:
                 p.add(name, f"{name}={mode!r} must be one of {', '.join(map(repr, NONFINITE_GRADIENTS))}")
+        name = f"{w}.entry_check_timeout"
+        timeout = get_float(p, block, "entry_check_timeout", w, d.entry_check_timeout)
+        if p.ok(name) and not 0 < timeout <= MAX_ENTRY_CHECK_TIMEOUT:
+            p.add(name, f"{name}={timeout:g} must be a number of seconds above 0 and at most "
+                        f"{MAX_ENTRY_CHECK_TIMEOUT:.0f}: how long a rank entering a call that every rank must make "
+                        f"(model.state_dict() at stage 3, a save) waits for the others (default "
+                        f"{d.entry_check_timeout:g})")
+        elif p.ok(name):
+            values["entry_check_timeout"] = timeout
         return cls(**values)
 
 

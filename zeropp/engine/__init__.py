@@ -16,6 +16,8 @@ One file per responsibility:
 * ``host_memory.py``: returning the freed heap to the OS after each CPU step;
 * ``materialize.py``: ``Init`` and the unit-by-unit materialisation of a model built on the meta device;
 * ``gathered.py``: whole parameters on demand (``gathered_parameters``, ``model.state_dict()`` at stage 3);
+* ``entry_check.py``: ``EntryCheck``, a collective call (a save, ``state_dict`` at stage 3) made by fewer ranks
+  raises ``EngineUsageError`` within ``zeropp.entry_check_timeout`` instead of hanging;
 * ``checkpoint.py``: sharded save/load with torch.distributed.checkpoint (any world size), the consolidated state dict;
 * ``checkpoint_files.py``: a checkpoint's files: atomic commit of a save, the sha256 manifest, validation, ``latest``;
 * ``initialize.py``: ``initialize``, the entry point (also ``zeropp.initialize``).

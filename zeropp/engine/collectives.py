@@ -5,10 +5,13 @@ The weight all-gather and the gradient reduce-scatter call ``zeropp.comm`` with 
 engine never calls a quantization kernel itself (engine -> comm -> quant). The small collectives that ``zeropp.comm``
 does not provide (the broadcasts of the weights — initial, and ``gathered_parameters``' write-back — and the
 all-reduce of the squared gradient norm) are plain ``torch.distributed`` calls on the topology's data-parallel
-group.
+group; ``wait_all_arrived`` is ``comm.Arrival``'s check on a gloo side group of its own
+(``zeropp.engine.entry_check``).
 """
 
 from __future__ import annotations
+
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -31,6 +34,9 @@ class Collectives:
             float32 sums in fp32 on the wire (``comm.reduce_scatter``'s plain exact path); bfloat16/float16 send
             each rank's gradient in that dtype and sum it at the receiver in float64 (its ``wire_dtype`` path).
             qgZ ignores it (it quantizes from fp32).
+        arrival_timeout: how long ``wait_all_arrived`` waits on the group's first rank (``comm.Arrival.of``: its
+            side group is made with the first engine over ``topology``, a collective over the data-parallel group,
+            when it has more than one rank).
     """
 
     def __init__(
@@ -43,6 +49,7 @@ class Collectives:
         hpz: int = 1,
         error_feedback: bool = False,
         communication_dtype: torch.dtype = torch.float32,
+        arrival_timeout: timedelta,
     ) -> None:
         if error_feedback and gradient_bits is None:
             raise ValueError("error_feedback needs quantized gradients (gradient_bits 8 or 4)")
@@ -59,6 +66,8 @@ class Collectives:
             ranks = topology.partition_ranks(hpz)  # raises if hpz does not divide ranks_per_node
             self.partition_rank = ranks.index(topology.global_rank)  # the group's order: ascending global rank
             self.partition_group = topology.partition_group(hpz)
+        self.arrival = comm.Arrival.of(topology) if topology.world_size > 1 else None
+        self.arrival_timeout = arrival_timeout
 
     @property
     def alignment(self) -> int:
@@ -118,6 +127,12 @@ class Collectives:
         """One rank: a gradient reduce-scatter done locally (the gradient is its own mean) is counted in
         ``comm.stats()`` as the collective would be, moving no bytes."""
         comm.accounting.record("reduce_scatter", comm.accounting.Traffic())
+
+    def wait_all_arrived(self) -> None:
+        """Return once every rank of the data-parallel group has called this (none at one rank); raises
+        ``comm.ArrivalError`` when they do not within ``arrival_timeout`` (``comm.Arrival.wait_all``)."""
+        if self.arrival is not None:
+            self.arrival.wait_all(self.arrival_timeout)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks, in place."""

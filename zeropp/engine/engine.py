@@ -169,6 +169,17 @@ Outside the engine's forward and backward at stage 3 on more than one rank the m
 changed), and ``engine.full_parameters()`` (the compute weights) or ``engine.consolidated_state_dict()`` (the fp32
 masters) copy them out; ``engine.state_dict()`` gives the masters in the compute dtype. Entry points other than the
 model's ``forward`` (a ``generate`` calling submodules) gather the units whose submodules they call (``hooks``).
+A save from one rank (PEFT's ``save_pretrained``, ``transformers``', a ``torch.save``) goes inside the block, where
+``model.state_dict()`` reads the held weights without communicating::
+
+    with engine.gathered_parameters():
+        if rank == 0:
+            model.save_pretrained(save_dir)
+
+Every call that is a collective outside the training loop (the ones above, ``save_16bit_model``,
+``load_state_dict``, the checkpoints) first checks that every rank entered it, and raises ``EngineUsageError``
+naming the missing ranks and this pattern after ``zero_optimization.zeropp.entry_check_timeout`` seconds instead of
+hanging (``zeropp.engine.entry_check``; no cost in forward, backward or step).
 
 Limits: checkpoints (``save_checkpoint``/``load_checkpoint``, ``zeropp.engine.checkpoint``) are taken at
 accumulation boundaries only and load at any world size and layout, but the qgZ error-feedback residuals are kept
@@ -184,6 +195,7 @@ import importlib.util
 import os
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -194,6 +206,7 @@ from .. import comm
 from ..config import Config, ConfigError
 from . import checkpoint, gathered, host_memory, reuse
 from .collectives import Collectives
+from .entry_check import EngineUsageError, EntryCheck
 from .gathered import StateDictGathering
 from .hooks import GradientReadiness, install_entry_hooks, install_stage3_hooks
 from .loss_scaler import LossScaler
@@ -204,10 +217,6 @@ from .policy import UnitPolicy, plan_units
 from .prefetch import Prefetcher
 from .scheduler import build_scheduler
 from .unit import GradientReduction, ReduceBuffers, Unit, gather_bucketed, reduce_bucketed
-
-
-class EngineUsageError(RuntimeError):
-    """The engine's calls came in an order that cannot be right (e.g. ``backward`` before a forward)."""
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -254,7 +263,9 @@ class ZeroEngine:
             hpz=zero.zero_hpz_partition_size if self.stage == 3 else 1,
             error_feedback=zero.zeropp.error_feedback,
             communication_dtype=communication_dtype(config),
+            arrival_timeout=timedelta(seconds=zero.zeropp.entry_check_timeout),
         )
+        self.entry_check = EntryCheck(self.comm, zero.zeropp.entry_check_timeout)
         self.compute_dtype = compute_dtype(config)
         sharded = self.stage == 3
         plans = plan_units(module, unit_policy)
@@ -296,7 +307,7 @@ class ZeroEngine:
                 self._hooks += install_entry_hooks(unit, _holders(module, unit, modules[unit.name]),
                                                    prefetcher=self.prefetcher)
             if self.comm.world_size > 1:
-                self.state_dict_gathering = StateDictGathering(module, self.units)
+                self.state_dict_gathering = StateDictGathering(module, self.units, self.entry_check)
         self.overlap_comm = zero.overlap_comm
         self.reduce_bucket_size = zero.reduce_bucket_size
         self._reductions: collections.deque[GradientReduction] = collections.deque()  # in flight, oldest first
@@ -554,35 +565,40 @@ class ZeroEngine:
 
     def state_dict(self, prefix: str = "") -> dict[str, torch.Tensor]:
         """The module's state dict in the compute dtype, every parameter whole. Stages 1 and 2: the module's own
-        tensors (detached). Stage 3: a collective (every rank calls it; one exact all-gather per unit) returning
-        new tensors: the fp32 master weights rounded to the compute dtype (under qwZ: the exact weights, not the
-        dequantized copy the forward uses); buffers and frozen parameters as the module holds them."""
+        tensors (detached). Stage 3: a collective (every rank calls it, checked on entry: ``zeropp.engine.entry_check``;
+        one exact all-gather per unit) returning new tensors: the fp32 master weights rounded to the compute dtype
+        (under qwZ: the exact weights, not the dequantized copy the forward uses); buffers and frozen parameters as
+        the module holds them."""
         if self.stage != 3 or self.world_size == 1:
             return {prefix + k: v for k, v in self.module.state_dict(keep_vars=False).items()}
         dtype = self.compute_dtype
         trainable = {name for unit in self.units for name in unit.param_names}
         aliases = checkpoint.state_dict_sources(self)
         out = {}
-        for key, value in self.consolidated_state_dict().items():
-            out[prefix + key] = value.to(dtype) if aliases[key] in trainable else value
+        with self.entry_check.entered("engine.state_dict()"):
+            for key, value in self.consolidated_state_dict().items():
+                out[prefix + key] = value.to(dtype) if aliases[key] in trainable else value
         return out
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True) -> LoadResult:
         """Load a whole (unsharded) state dict of the module, e.g. from ``state_dict`` or ``save_16bit_model``:
         each trainable parameter into this rank's fp32 master shard (then published to the compute weights, as
         after an optimizer step: at stages 1 and 2 an all-gather, so a collective), buffers and frozen parameters
-        into the module. The optimizer state is kept. With ``strict``, missing or unexpected keys raise
+        into the module. The optimizer state is kept. Every rank calls it (each loads its own shards; checked on entry:
+        ``zeropp.engine.entry_check``). With ``strict``, missing or unexpected keys raise
         ``KeyError`` naming them (nothing is loaded then); else they are returned, as ``nn.Module.load_state_dict``
         does."""
         if self._backward_pending or self._forward_pending:
             raise EngineUsageError("load_state_dict() between a forward/backward and its step(); call it at an "
                                    "accumulation boundary")
-        return LoadResult(*checkpoint.load_whole_state_dict(self, state_dict, strict))
+        with self.entry_check.entered("engine.load_state_dict()", save_hint=False):
+            return LoadResult(*checkpoint.load_whole_state_dict(self, state_dict, strict))
 
     def save_16bit_model(self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin") -> bool:
         """Write the whole model's state dict in the compute dtype (``state_dict``) to ``save_dir/save_filename``
         from the data-parallel group's first rank: ``torch.save``, or safetensors when the name ends in
-        ``.safetensors`` (needs the ``safetensors`` package). A collective: every rank calls it. At stage 3 it
+        ``.safetensors`` (needs the ``safetensors`` package). A collective: every rank calls it (checked on entry,
+        ``zeropp.engine.entry_check``). At stage 3 it
         gathers only with ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` (as DeepSpeed: without
         it nothing is written, a warning says so, and it returns ``False``). Returns whether the file was written
         (on every rank). Tied parameters are written once per key (safetensors: as separate copies)."""
@@ -595,18 +611,19 @@ class ZeroEngine:
         if use_safetensors and importlib.util.find_spec("safetensors") is None:
             raise ImportError(f"save_16bit_model(save_filename={save_filename!r}) writes safetensors, which is not "
                               "installed: pip install safetensors, or use a .bin name for torch.save")
-        state = self.state_dict()
-        if self.topology.rank == 0:
-            path = Path(save_dir) / save_filename
-            path.parent.mkdir(parents=True, exist_ok=True)
-            state = {k: v.detach().clone().contiguous() for k, v in state.items()}
-            if use_safetensors:
-                from safetensors.torch import save_file
+        with self.entry_check.entered("engine.save_16bit_model()"):
+            state = self.state_dict()
+            if self.topology.rank == 0:
+                path = Path(save_dir) / save_filename
+                path.parent.mkdir(parents=True, exist_ok=True)
+                state = {k: v.detach().clone().contiguous() for k, v in state.items()}
+                if use_safetensors:
+                    from safetensors.torch import save_file
 
-                save_file(state, str(path), metadata={"format": "pt"})
-            else:
-                torch.save(state, path)
-        self.comm.all_reduce_sum(torch.zeros(1, device=self.device))  # the file exists for every rank on return
+                    save_file(state, str(path), metadata={"format": "pt"})
+                else:
+                    torch.save(state, path)
+            self.comm.all_reduce_sum(torch.zeros(1, device=self.device))  # the file exists for every rank on return
         return True
 
     def _begin_forward(self) -> None:
@@ -763,18 +780,20 @@ class ZeroEngine:
 
     @torch.no_grad()
     def full_parameters(self) -> dict[str, torch.Tensor]:
-        """Every parameter of the model, whole, as new tensors, by name (tied ones once). A collective: every rank
-        calls it. In stage 3 each unit is gathered and freed in turn. These are the weights the model computes
-        with: under qwZ, the dequantized copy of the fp32 master shards the optimizer keeps."""
+        """Every parameter of the model, whole, as new tensors, by name (tied ones once). In stage 3 a collective
+        (every rank calls it): each unit not already whole is gathered and freed in turn. These are the weights the
+        model computes with: under qwZ, the dequantized copy of the fp32 master shards the optimizer keeps."""
         out: dict[str, torch.Tensor] = {}
         by_id: dict[int, torch.Tensor] = {}
-        for unit in self.units:
-            was = unit.gathered
-            unit.gather()
-            for p in unit.params + (unit.frozen.params if unit.frozen is not None else []):
-                by_id[id(p)] = p.detach().clone()
-            if not was:
-                unit.free()
+        gathers = any(not unit.gathered for unit in self.units)  # else no communication (stages 1/2, all held)
+        with self.entry_check.entered("engine.full_parameters()") if gathers else contextlib.nullcontext():
+            for unit in self.units:
+                was = unit.gathered
+                unit.gather()
+                for p in unit.params + (unit.frozen.params if unit.frozen is not None else []):
+                    by_id[id(p)] = p.detach().clone()
+                if not was:
+                    unit.free()
         for name, p in self.module.named_parameters():
             out[name] = by_id[id(p)] if id(p) in by_id else p.detach().clone()
         return out
@@ -785,12 +804,15 @@ class ZeroEngine:
         whole model), trainable and frozen, are whole on every rank, with the compute shards' exact values; on exit
         they are freed again (stage 3). With ``modifier_rank`` (a global rank), the values that rank wrote into them
         in place are broadcast on exit and become the weights: compute shards and fp32 masters (the elements whose
-        compute-dtype value changed). A collective; not between a forward and its ``step()``. Details:
-        ``zeropp.engine.gathered``."""
+        compute-dtype value changed). A collective (checked on entry, ``zeropp.engine.entry_check``); not between a
+        forward and its ``step()``. Inside, ``model.state_dict()`` reads the units the block holds without
+        communicating, so one rank may save: ``with engine.gathered_parameters(): if rank == 0:
+        model.save_pretrained(d)``. Details: ``zeropp.engine.gathered``."""
         if self._forward_pending or self._backward_pending:
             raise EngineUsageError("gathered_parameters() between a forward and its step(): use it before the forward "
                                    "or after engine.step()")
-        return gathered.gathered_parameters(self.units, self.module, modules, modifier_rank, self.comm)
+        return gathered.gathered_parameters(self.units, self.module, modules, modifier_rank, self.comm,
+                                            self.entry_check)
 
     def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
                         client_state: dict[str, Any] | None = None) -> Path:
@@ -808,6 +830,8 @@ class ZeroEngine:
         Raises:
             zeropp.engine.checkpoint.CheckpointError: on every rank when the save failed on any (``save_dir`` not
                 writable, a full disk, an exception on one rank); ``save_dir`` is left as it was.
+            EngineUsageError: on the ranks that called it, when not every rank did within
+                ``zero_optimization.zeropp.entry_check_timeout`` seconds (``zeropp.engine.entry_check``).
         """
         if self._backward_pending or self.micro_steps % self._accumulation_steps != 0:
             raise EngineUsageError(
@@ -816,7 +840,8 @@ class ZeroEngine:
                 f"{', backward() without step()' if self._backward_pending else ''}): the accumulated gradients are "
                 "not saved; call it after the step() that ends the window"
             )
-        return checkpoint.save(self, save_dir, tag, client_state)
+        with self.entry_check.entered("engine.save_checkpoint()", save_hint=False):
+            return checkpoint.save(self, save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None) -> tuple[Path, dict[str, Any]]:
         """Restore the state saved by ``save_checkpoint`` from ``load_dir/tag`` (``tag`` from ``load_dir/latest``
@@ -832,20 +857,24 @@ class ZeroEngine:
             zeropp.engine.checkpoint.CheckpointError: ``latest`` holds no tag; a file of the checkpoint is missing,
                 truncated or corrupted (the file is named); the checkpoint is of another model (the parameter is
                 named), optimizer type or number of parameter groups.
+            EngineUsageError (on the ranks that called it): not every rank did within
+                ``zero_optimization.zeropp.entry_check_timeout`` seconds (``zeropp.engine.entry_check``).
         """
         if self._backward_pending or self.micro_steps % self._accumulation_steps != 0:
             raise EngineUsageError(
                 "load_checkpoint() in the middle of an accumulation window would mix its gradients into the loaded "
                 "state; call it before the first micro-batch or after a step() that ends a window"
             )
-        return checkpoint.load(self, load_dir, tag)
+        with self.entry_check.entered("engine.load_checkpoint()", save_hint=False):
+            return checkpoint.load(self, load_dir, tag)
 
     def consolidated_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The unwrapped model's state dict with the trainable parameters whole from the exact fp32 master weights
-        (buffers and frozen parameters as the module holds them), for ``model.load_state_dict``. A collective (one
-        exact all-gather per unit); with ``rank0_only`` the other ranks get ``{}``. Offline, from a checkpoint:
-        ``zeropp.engine.checkpoint.consolidate``."""
-        return checkpoint.consolidated_state_dict(self, rank0_only=rank0_only)
+        (buffers and frozen parameters as the module holds them), for ``model.load_state_dict``. A collective (checked
+        on entry, ``zeropp.engine.entry_check``; one exact all-gather per unit); with ``rank0_only`` the other ranks
+        get ``{}``. Offline, from a checkpoint: ``zeropp.engine.checkpoint.consolidate``."""
+        with self.entry_check.entered("engine.consolidated_state_dict()"):
+            return checkpoint.consolidated_state_dict(self, rank0_only=rank0_only)
 
     def __repr__(self) -> str:
         return (f"ZeroEngine(stage={self.stage}, units={len(self.units)}, world_size={self.comm.world_size}, "

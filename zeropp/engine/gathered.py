@@ -2,25 +2,38 @@
 ``GatheredParameters``) and ``model.state_dict()`` at stage 3.
 
 At stage 3 on more than one rank a unit's parameters are empty tensors except while the engine's hooks hold it
-gathered. Two ways to see them whole:
+gathered. Saving them from one rank (a PEFT adapter, a Hugging Face model) is done this way, on every rank::
+
+    with engine.gathered_parameters():          # every rank: each unit gathered once, whole until the block ends
+        if rank == 0:
+            model.save_pretrained(save_dir)      # PEFT / transformers: model.state_dict() inside, no communication
+    # (or torch.save(model.state_dict(), path), or any submodule's state_dict())
+
+The ways to see the weights whole:
 
 * ``with engine.gathered_parameters(modules=None, modifier_rank=None):`` — the parameters (trainable and frozen) of
   the units owning any parameter of ``modules`` (default: every unit) are whole on every rank inside the block,
   from an exact all-gather of the compute shards (``Unit.gather_exact``: under qwZ the shards' values, not the
   dequantized ones the forward computes with), and freed on exit. The units are pinned: forwards run inside (a
-  ``generate``) leave them whole. With ``modifier_rank=r`` (a global rank of the data-parallel group), what rank
+  ``generate``) leave them whole, and ``model.state_dict()`` reads them as they are, without communicating (so
+  one rank alone may call it there). With ``modifier_rank=r`` (a global rank of the data-parallel group), what rank
   ``r`` wrote into the parameters *in place* inside the block is broadcast on exit and becomes the weights: the
   compute shards, the fp32 masters (the elements whose compute-dtype value changed) and, for stages 1 and 2 and
   parameters outside units, the whole parameters of every rank (``Unit.write_back``). A collective on entry and,
-  with ``modifier_rank``, on exit: every rank enters with the same modules. Not between a forward and its
-  ``step()``.
+  with ``modifier_rank``, on exit: every rank enters with the same modules (checked on entry:
+  ``zeropp.engine.entry_check``). Not between a forward and its ``step()``. Memory: the units' whole parameters
+  for the block's duration (every unit by default: the model's weights in the compute dtype).
 * ``model.state_dict()`` (also on a submodule, and what PEFT's ``save_pretrained`` and ``transformers``' call): at
   stage 3 the engine's state-dict hooks (``nn.Module.register_state_dict_pre_hook`` / ``_post_hook``, public)
-  replace every unit parameter's entry by its whole value in the compute dtype, from an exact all-gather of its
-  unit's shards, one unit at a time (each unit once per call, in module order, so the calls match on every rank):
-  a collective, every rank must call it. Memory: the returned dict (the model's weights, whole) plus one unit's flat
-  buffer. With ``keep_vars=True`` these entries are tensors, not the ``nn.Parameter`` objects. The exact fp32
-  masters: ``engine.consolidated_state_dict()``.
+  replace every unit parameter's entry by its whole value in the compute dtype, as a new tensor: for a unit that a
+  ``gathered_parameters`` block holds, a copy of what the block holds (its exact weights, with any change made in
+  place inside the block); for any other unit, an exact all-gather of its shards, one unit at a time (each unit
+  once per call, in module order, so the calls match on every rank) — then a collective, every rank must call it,
+  and a call that not every rank makes raises ``EngineUsageError`` within ``zero_optimization.zeropp.
+  entry_check_timeout`` seconds naming the pattern above (``zeropp.engine.entry_check``; one arrival check per
+  outermost call, none when every unit it reads is held). Memory: the returned dict (the weights it holds, whole)
+  plus one unit's flat buffer. With ``keep_vars=True`` these entries are tensors, not the ``nn.Parameter`` objects.
+  The exact fp32 masters: ``engine.consolidated_state_dict()`` (a collective).
 """
 
 from __future__ import annotations
@@ -34,6 +47,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from .collectives import Collectives
+from .entry_check import EntryCheck
 from .unit import Unit
 
 
@@ -46,9 +60,9 @@ def _param_owners(units: list[Unit]) -> dict[int, Unit]:
 
 @contextlib.contextmanager
 def gathered_parameters(units: list[Unit], module: nn.Module, modules: nn.Module | Iterable[nn.Module] | None,
-                        modifier_rank: int | None, comm: Collectives) -> Iterator[None]:
-    """The context of ``ZeroEngine.gathered_parameters`` (see the module docstring); ``units``, ``module`` and
-    ``comm`` are the engine's."""
+                        modifier_rank: int | None, comm: Collectives, entry_check: EntryCheck) -> Iterator[None]:
+    """The context of ``ZeroEngine.gathered_parameters`` (see the module docstring); ``units``, ``module``, ``comm``
+    and ``entry_check`` are the engine's."""
     ranks = list(comm.topology.ranks)
     if modifier_rank is not None and modifier_rank not in ranks:
         raise ValueError(f"modifier_rank={modifier_rank} is not a global rank of the data-parallel group {ranks}")
@@ -63,6 +77,8 @@ def gathered_parameters(units: list[Unit], module: nn.Module, modules: nn.Module
     needed = {id(owners[key]) for key in params if key in owners}
     picked = [u for u in units if id(u) in needed]  # the engine's order: the same collectives on every rank
     loose = [p for key, p in params.items() if key not in owners]  # whole on every rank (stages 1/2 frozen, ...)
+    if modifier_rank is not None or any(unit.gather_exact_communicates for unit in picked):  # a collective
+        entry_check.check("engine.gathered_parameters()")
     for unit in picked:
         unit.gather_exact()
         unit.pinned += 1
@@ -88,12 +104,15 @@ class StateDictGathering:
     """The stage-3 state-dict hooks on every module of ``model`` (see the module docstring).
 
     A pre-hook counts the ``state_dict`` calls in progress; each module's post-hook replaces the entries of its own
-    parameters held by ``units`` with whole values (``Unit.exact_values``, gathered once per unit per outermost
-    call); when the outermost call ends the cache is dropped.
+    parameters held by ``units`` with whole values (``Unit.exact_values``, read or gathered once per unit per
+    outermost call; before the call's first gather, ``entry_check`` checks that every rank made it); when the
+    outermost call ends the cache is dropped.
     """
 
-    def __init__(self, model: nn.Module, units: list[Unit]) -> None:
+    def __init__(self, model: nn.Module, units: list[Unit], entry_check: EntryCheck) -> None:
         self.owners = _param_owners(units)
+        self.entry_check = entry_check
+        self._checked = False  # the outermost call in progress has had its arrival check
         self._depth = 0
         self._cache: dict[int, dict[int, torch.Tensor]] = {}  # id(unit) -> its whole values by id(param)
         self._suspended = 0
@@ -122,21 +141,30 @@ class StateDictGathering:
         self._depth += 1
 
     def _post(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, _local_metadata: Any) -> None:
+        self._depth -= 1
         try:
-            if self._suspended:
-                return
-            for name, p in module.named_parameters(recurse=False):
-                unit = self.owners.get(id(p))
-                key = prefix + name
-                if unit is None or key not in state_dict:
-                    continue
-                if id(unit) not in self._cache:
-                    self._cache[id(unit)] = unit.exact_values()
-                state_dict[key] = self._cache[id(unit)][id(p)]
+            if not self._suspended:
+                self._replace(module, state_dict, prefix)
+        except BaseException:
+            self._depth = 0  # the error ends the outermost call: the enclosing modules' post-hooks will not run
+            raise
         finally:
-            self._depth -= 1
             if self._depth == 0:
                 self._cache.clear()
+                self._checked = False
+
+    def _replace(self, module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
+        for name, p in module.named_parameters(recurse=False):
+            unit = self.owners.get(id(p))
+            key = prefix + name
+            if unit is None or key not in state_dict:
+                continue
+            if id(unit) not in self._cache:
+                if not unit.pinned and not self._checked:
+                    self.entry_check.check("model.state_dict() at stage 3")
+                    self._checked = True
+                self._cache[id(unit)] = unit.exact_values()
+            state_dict[key] = self._cache[id(unit)][id(p)]
 
     def remove(self) -> None:
         for h in self.handles:

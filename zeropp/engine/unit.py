@@ -226,6 +226,11 @@ class Unit:
             self.secondary = self.full[a:b].clone()
         self._bind()
 
+    @property
+    def gather_exact_communicates(self) -> bool:
+        """Whether ``gather_exact`` is a collective now (see its no-op cases)."""
+        return not (self.pinned or self.single) and (self.sharded or self.comm.weight_bits is not None)
+
     def gather_exact(self) -> None:
         """Make the parameters whole from an exact all-gather of the compute shards (never quantized; no hpZ
         secondary made or used): the values the shards hold, for reading or modifying them
@@ -294,12 +299,13 @@ class Unit:
     @torch.no_grad()
     def exact_values(self) -> dict[int, torch.Tensor]:
         """Every parameter of the unit (trainable and frozen), whole, as a new tensor, by ``id`` of the parameter:
-        an exact all-gather of the compute shards into a transient flat buffer, a collective (none at one rank or
-        in exact stages 1 and 2, where the whole parameters are the shards' values; under qwZ they hold the
-        dequantized values there, so the shards are gathered)."""
+        an exact all-gather of the compute shards into a transient flat buffer, a collective. None while pinned (a
+        ``gathered_parameters`` block holds the exact values, ``gather_exact``: they are copied, with whatever the
+        block changed in place), at one rank, or in exact stages 1 and 2 (where the whole parameters are the shards'
+        values; under qwZ they hold the dequantized values there, so the shards are gathered)."""
         out: dict[int, torch.Tensor] = {}
         for flat in (self, self.frozen) if self.frozen is not None else (self,):
-            if flat.single or (not flat.sharded and flat.comm.weight_bits is None):
+            if self.pinned or flat.single or (not flat.sharded and flat.comm.weight_bits is None):
                 whole = flat.full
             else:
                 whole = flat.shard.new_empty(flat.comm.world_size * flat.shard_numel)
@@ -448,6 +454,11 @@ class FrozenFlat:
             i = self.comm.partition_rank
             self.secondary = self.full[i * length : (i + 1) * length].clone()
         self._bind()
+
+    @property
+    def gather_exact_communicates(self) -> bool:
+        """Whether ``gather_exact`` is a collective now (see its no-op cases)."""
+        return not (self.pinned or self.single) and (self.sharded or self.comm.weight_bits is not None)
 
     def gather_exact(self) -> None:
         self.full.untyped_storage().resize_(self._full_nbytes)
