@@ -7,7 +7,8 @@
 #   used as it is.
 # * Where torch is missing, or it sees no CUDA device (no GPU, no driver, or a CPU build) and is not 2.13.0,
 #   torch==2.13.0 is installed into .venv: on the CPU machines that release is a CPU build lying on disk (an
-#   unpinned `torch` would pull a multi-GB CUDA build). A torch that sees a GPU is kept, whatever its version.
+#   unpinned `torch` would pull a multi-GB CUDA build). A torch that sees a GPU is kept if it is in the range
+#   pyproject.toml supports (outside it, the zeropp install below asks pip for one that is).
 # * Then zeropp itself, editable, with its test extras.
 # * Then the native kernels with CMake: the CPU library (kernels/cpu -> build/libzeropp_cpu.so) when a C++ compiler
 #   is there (cmake from pip if none is installed; without it the torch reference runs on the CPU, and this says
@@ -122,7 +123,7 @@ elif [ -z "$torch_version" ]; then
     say "torch is not importable: installing torch==$TORCH_CPU_PIN"
     pip_install "torch==$TORCH_CPU_PIN"
 elif [ "$torch_cuda" != 1 ] && [ "$torch_version" != "$TORCH_CPU_PIN" ]; then
-    # A GPU machine whose torch sees its GPU keeps that torch, whatever its version.
+    # A GPU machine whose torch sees its GPU keeps that torch, if pyproject.toml's range admits it.
     say "torch $torch_version sees no CUDA device: installing torch==$TORCH_CPU_PIN into $VENV"
     pip_install "torch==$TORCH_CPU_PIN"
 fi
