@@ -7,7 +7,8 @@
 #   used as it is.
 # * Where torch is missing, or it sees no CUDA device (no GPU, no driver, or a CPU build) and is not 2.13.0,
 #   torch==2.13.0 is installed into .venv: on the CPU machines that release is a CPU build lying on disk (an
-#   unpinned `torch` would pull a multi-GB CUDA build). A torch that sees a GPU is kept, whatever its version.
+#   unpinned `torch` would pull a multi-GB CUDA build). A torch that sees a GPU is kept if it is in the range
+#   pyproject.toml supports (outside it, the zeropp install below asks pip for one that is).
 # * Then zeropp itself, editable, with its test extras.
 # * Then the native kernels with CMake: the CPU library (kernels/cpu -> build/libzeropp_cpu.so) when a C++ compiler
 #   is there (cmake from pip if none is installed; without it the torch reference runs on the CPU, and this says
@@ -15,14 +16,18 @@
 #   build/zeropp_cuda.fatbin, loaded through CuPy) where nvcc is (optional: a failed build only says so).
 # A re-run with nothing changed checks a stamp and a few imports and returns in a second or two.
 # PYTHON=/path/to/python3 picks the interpreter the venv is made from (3.10 or newer).
+# ZEROPP_VENV=dir sets up that venv instead of .venv. ZEROPP_TORCH=X.Y[.Z] installs exactly torch==X.Y[.Z] there,
+#   GPU or not, in a venv without system site-packages, with the pip configuration's constraints lifted for this
+#   run's installs (this machine's pip caps torch at the releases lying on its disk); .ci/torch_version uses both.
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")"
 ROOT=$(pwd -P)
-VENV=.venv
+VENV=${ZEROPP_VENV:-.venv}
 VPY=$VENV/bin/python
 STAMP=$VENV/.zeropp-setup-stamp
 TORCH_CPU_PIN=2.13.0
+TORCH_PIN=${ZEROPP_TORCH:-}
 
 say() { echo "setup.sh: $*" >&2; }
 die() { say "error: $*"; exit 1; }
@@ -72,12 +77,18 @@ PY=${PYTHON:-}
 if [ -z "$PY" ]; then
     PY=$(command -v python3 || command -v python || true)
 fi
+if [ -n "$TORCH_PIN" ]; then
+    [[ "$TORCH_PIN" =~ ^[0-9]+\.[0-9]+(\.[0-9]+)?$ ]] \
+        || die "ZEROPP_TORCH=$TORCH_PIN is not a torch release; give one such as 2.15.0 or 2.15"
+    # pip's --constraint from its configuration would hold torch back; the pin itself is passed to every install
+    export PIP_CONSTRAINT=/dev/null
+fi
 [ -n "$PY" ] || die "no python3 found; install Python 3.10 or newer (or set PYTHON=/path/to/python3)"
 "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
     || die "$PY is Python $("$PY" -c 'import platform; print(platform.python_version())'); zeropp needs 3.10 or newer"
 
-# The stamp records what the last successful run installed for: this checkout and this pyproject.toml.
-stamp_value="$ROOT $(cksum < pyproject.toml | cut -d' ' -f1) $(cksum < setup.sh | cut -d' ' -f1)"
+# The stamp records what the last successful run installed for: this checkout, this pyproject.toml and torch pin.
+stamp_value="$ROOT $(cksum < pyproject.toml | cut -d' ' -f1) $(cksum < setup.sh | cut -d' ' -f1) $TORCH_PIN"
 if [ -x "$VPY" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$stamp_value" ] \
     && "$VPY" - "$ROOT" 2>/dev/null <<'EOF'
 import os, sys
@@ -90,7 +101,10 @@ then
     exit 0
 fi
 
-if [ ! -x "$VPY" ]; then
+if [ ! -x "$VPY" ] && [ -n "$TORCH_PIN" ]; then
+    say "creating $VENV from $PY"
+    "$PY" -m venv "$VENV" || die "could not create $VENV (is the venv module installed?)"
+elif [ ! -x "$VPY" ]; then
     say "creating $VENV from $PY (with system site-packages)"
     "$PY" -m venv --system-site-packages "$VENV" || die "could not create $VENV (is the venv module installed?)"
 fi
@@ -98,16 +112,29 @@ fi
 torch_version=$("$VPY" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true)
 torch_cuda=$("$VPY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null || echo 0)
 
-if [ -z "$torch_version" ]; then
+if [ -n "$TORCH_PIN" ]; then
+    if [ "$torch_version" != "$TORCH_PIN" ] && [ "$torch_version" != "$TORCH_PIN.0" ]; then
+        say "installing torch==$TORCH_PIN into $VENV${torch_version:+ (it has $torch_version)}"
+        pip_install "torch==$TORCH_PIN" \
+            || die "pip could not install torch==$TORCH_PIN (pip's message above): if it is no release for this" \
+                "Python and platform, '$VPY -m pip index versions torch' lists those there are"
+    fi
+elif [ -z "$torch_version" ]; then
     say "torch is not importable: installing torch==$TORCH_CPU_PIN"
     pip_install "torch==$TORCH_CPU_PIN"
 elif [ "$torch_cuda" != 1 ] && [ "$torch_version" != "$TORCH_CPU_PIN" ]; then
-    # A GPU machine whose torch sees its GPU keeps that torch, whatever its version.
+    # A GPU machine whose torch sees its GPU keeps that torch, if pyproject.toml's range admits it.
     say "torch $torch_version sees no CUDA device: installing torch==$TORCH_CPU_PIN into $VENV"
     pip_install "torch==$TORCH_CPU_PIN"
 fi
 
-pip_install -e ".[test,bench]"
+if [ -n "$TORCH_PIN" ]; then
+    pip_install -e ".[test,bench]" "torch==$TORCH_PIN" \
+        || die "zeropp's dependencies do not install beside torch==$TORCH_PIN (pip's message above); if it is" \
+            "outside the torch range in pyproject.toml, widen that range to try it"
+else
+    pip_install -e ".[test,bench]"
+fi
 
 "$VPY" -c 'import zeropp, torch, numpy, pytest' || die "the installed environment does not import"
 build_native

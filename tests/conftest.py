@@ -11,6 +11,7 @@ failure. The native CUDA kernels (``build/zeropp_cuda.fatbin``, launched through
 run; on a machine with a CUDA device ``ZEROPP_REQUIRE_NATIVE=1`` makes a missing fatbin or CuPy a failure too.
 """
 
+import functools
 import os
 
 import torch
@@ -52,11 +53,42 @@ def native_cuda_module() -> native_cuda.Module:
         pytest.skip(f"native CUDA kernels cannot run: {e}")
 
 
+@functools.cache
+def _interpreter_fma_rounds_once() -> bool:
+    """Whether Triton's interpreter computes ``tl.fma`` with one rounding, as the GPU's FMA does: (1 + 2^-12)^2 - 1
+    is 2^-11 + 2^-24 exactly, 2^-11 when the product is rounded first."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def fma_kernel(x_ptr, z_ptr, out_ptr):
+        x = tl.load(x_ptr)
+        tl.store(out_ptr, tl.fma(x, x, tl.load(z_ptr)))
+
+    out = torch.empty(1)
+    fma_kernel[(1,)](torch.tensor([1 + 2.0**-12]), torch.tensor([-1.0]), out)
+    return out.item() == 2.0**-11 + 2.0**-24
+
+
+def exact_triton(device: str) -> str:
+    """``device``, for a test of the Triton kernels' bits; skips the test under a Triton interpreter whose ``tl.fma``
+    rounds twice (triton 3.8 and older compute ``x * y + z`` in float32: torch 2.11 to 2.14 bring them), since the
+    kernels' exact arithmetic rests on the one rounding of the GPU's FMA (triton 3.9's interpreter has it)."""
+    if device == "cpu" and not _interpreter_fma_rounds_once():
+        import triton
+
+        pytest.skip(f"triton {triton.__version__}'s interpreter rounds tl.fma twice: the kernels' bits are checked "
+                    "on a GPU, or on the CPU under triton 3.9 or newer")
+    return device
+
+
 @pytest.fixture(params=["torch", "triton", "native"])
 def quant_backend(request, monkeypatch, kernel_device) -> str:
     """Run a test once per backend of ``zeropp.quant``; yields the device to put tensors on."""
     if request.param == "native":
         native_library()
+    if request.param == "triton":
+        exact_triton(kernel_device)
     if request.param == "triton" and kernel_device == "cuda":
         # CUDA tensors run Triton by default; forcing it would also send the CPU tensors a test builds its
         # expectations from to Triton, which runs them only under the interpreter

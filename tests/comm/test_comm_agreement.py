@@ -4,7 +4,11 @@ errors naming the collective; real gloo processes (see agreement_workers.py)."""
 from __future__ import annotations
 
 import pytest
+import torch.distributed as dist
 from comm_launch import launch
+
+# the flat all-gather zeropp calls: all_gather_single from torch 2.13, all_gather_into_tensor before (comm/_dist.py)
+GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
 
 
 def test_mismatches_raise_without_debug(tmp_path):
@@ -18,14 +22,14 @@ def test_mismatches_raise_without_debug(tmp_path):
 def test_steady_state_costs_no_extra_collective(tmp_path, debug):
     results = launch("agreement_workers:steady_state", 4, tmp_path, timeout=120, debug=debug)
     # world 4, 2 nodes of 2: qwZ = 1 gather, qgZ = 2 all-to-alls, hpZ = 1 gather per iteration
-    data = {"all_gather_single": 2, "all_to_all_single": 2}
+    data = {GATHER: 2, "all_to_all_single": 2}
     for r in results:
         first, *rest = r["per_iteration"]
         checks = 3  # one agreement gather per distinct call
-        assert first.get("all_gather_single", 0) == data["all_gather_single"] + checks, first
+        assert first.get(GATHER, 0) == data[GATHER] + checks, first
         for counts in rest:
             extra = checks if debug else 0
-            assert counts.get("all_gather_single", 0) == data["all_gather_single"] + extra, counts
+            assert counts.get(GATHER, 0) == data[GATHER] + extra, counts
             assert counts.get("all_to_all_single", 0) == data["all_to_all_single"], counts
             assert sum(counts.values()) == sum(data.values()) + extra, counts
 

@@ -26,11 +26,12 @@ BATCH, SEQ, LR = 2, 32, 3e-3
 MP_STEPS = 3
 ACCUM_STEPS, MICRO_BATCHES = 2, 3
 DCP_STEPS = 2
-# name -> (param_dtype, reduce_dtype); None: FSDP2's default (the gradients' dtype)
+# name -> (param_dtype, reduce_dtype). reduce_dtype is always given: left None, FSDP2 reduces in param_dtype up to
+# torch 2.14 and, from 2.15, in the parameters' own dtype (fp32 here)
 POLICIES = {
     "bf16-fp32": (torch.bfloat16, torch.float32),
     "bf16-bf16": (torch.bfloat16, torch.bfloat16),
-    "fp16": (torch.float16, None),
+    "fp16": (torch.float16, torch.float16),
 }
 COMMS = {"exact": (None, None), "quantized": (8, 4)}
 

@@ -1,5 +1,5 @@
 """FSDP2 features under zeropp.fsdp comms, on real gloo processes (4 ranks, 2 emulated nodes of 2), each against
-plain FSDP2 doing the same: MixedPrecisionPolicy (bf16 params with fp32 or bf16 reduce, fp16), gradient
+plain FSDP2 doing the same: MixedPrecisionPolicy (bf16 params with fp32 or bf16 reduce, fp16 params and reduce), gradient
 accumulation with set_requires_gradient_sync, and DCP checkpoints saved under one set of comms and loaded under
 the other. One launch runs every scenario."""
 
@@ -89,10 +89,9 @@ def test_mixed_precision_quantized_comms_close_to_plain(runs: list[dict], policy
 @pytest.mark.parametrize("policy", POLICIES)
 def test_what_fsdp2_passes_the_hooks(runs: list[dict], policy: str) -> None:
     """All-gather: flat input and output in param_dtype, output P times the input. Reduce-scatter: flat input and
-    output in reduce_dtype (default: the gradients' dtype, i.e. param_dtype), op AVG for fp32/bf16 and SUM for
-    fp16 (FSDP2 divides before and after itself), the input the size of a module's full all-gather output."""
+    output in reduce_dtype, op AVG for fp32/bf16 and SUM for fp16 (FSDP2 divides before and after itself), the
+    input the size of a module's full all-gather output."""
     param_dtype, reduce_dtype = POLICIES[policy]
-    reduce_dtype = reduce_dtype or param_dtype
     op = "RedOpType.SUM" if reduce_dtype == torch.float16 else "RedOpType.AVG"
     for r in runs:
         for comms in ("exact", "quantized"):
@@ -118,7 +117,7 @@ def test_byte_counters_count_the_dtype_on_the_wire(runs: list[dict], policy: str
         size = torch.tensor([], dtype=POLICIES[policy][0]).element_size()
         assert exact["stats"]["all_gather"]["sent_inter"] == sum(INTER_PEERS * n * size for _, _, n, _ in gathers)
         reduces = exact["seen"]["reduce_scatter"]
-        rsize = torch.tensor([], dtype=POLICIES[policy][1] or POLICIES[policy][0]).element_size()
+        rsize = torch.tensor([], dtype=POLICIES[policy][1]).element_size()
         assert exact["stats"]["reduce_scatter"]["sent_inter"] == sum(
             INTER_PEERS * n // WORLD * rsize for _, _, n, _ in reduces
         )

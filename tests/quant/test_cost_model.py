@@ -264,9 +264,19 @@ def test_every_row_is_counted(measured):
         assert sum(r[c] for c in cm.CLASSES) == pytest.approx(r["instr/elem"], abs=0.01)
 
 
-def test_instructions_per_element_within_budget(measured):
-    budget = json.loads(cm.BUDGET_FILE.read_text())["instr_per_elem"]
-    problems = cm.budget_problems(measured, budget)
+def _release(version: str) -> tuple[int, ...]:
+    """``"3.9.0"`` -> ``(3, 9, 0)`` (a local or pre-release suffix dropped)."""
+    return tuple(int(re.match(r"\d+", part).group()) for part in version.split("+")[0].split(".")[:3])
+
+
+def test_instructions_per_element_within_budget(request):
+    committed = json.loads(cm.BUDGET_FILE.read_text())
+    triton = pytest.importorskip("triton", reason="triton is not installed (it is a dependency on Linux only)")
+    if _release(triton.__version__) < _release(committed["triton"]):
+        # torch 2.11 brings triton 3.6, whose code for the same kernels is 3-11% more instructions per element
+        pytest.skip(f"the budget counts triton {committed['triton']}'s code; this older triton {triton.__version__} "
+                    "compiles other code")
+    problems = cm.budget_problems(request.getfixturevalue("measured"), committed["instr_per_elem"])
     assert not problems, (
         f"instructions per element against {cm.BUDGET_FILE.relative_to(ROOT)} (at most "
         f"{cm.BUDGET_TOLERANCE:.0%} over):\n" + "\n".join(problems) + "\nIf the change is intended, update the "

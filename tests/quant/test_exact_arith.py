@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from conftest import exact_triton
 from rationals import round_to_float32, round_to_float32_precision
 from zeropp.quant import reference
 from zeropp.quant._triton import common
@@ -75,6 +76,12 @@ def _decode_kernel(words_ptr, out_ptr, zero, BITS: tl.constexpr, ROWS: tl.conste
     tl.store(out_ptr + r[:, None] * C + tl.arange(0, C)[None, :], codes)
 
 
+@pytest.fixture
+def fma_device(kernel_device: str) -> str:
+    """Where the kernels whose arithmetic rests on ``tl.fma`` rounding once run (``conftest.exact_triton``)."""
+    return exact_triton(kernel_device)
+
+
 def _on(device: str, *tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t.contiguous().to(device) for t in tensors]
 
@@ -115,17 +122,17 @@ def gen() -> torch.Generator:
     return torch.Generator().manual_seed(20261124)
 
 
-def test_div_fast_random_quotients(kernel_device, gen):
+def test_div_fast_random_quotients(fma_device, gen):
     """Random divisors over the whole fast range and dividends giving quotients up to 2**10 in magnitude (codes
     live below 128): 4M cases, every quotient bit-identical to IEEE division."""
     n = 1 << 22
     d = _random_in(FAST_MIN, FAST_MAX, n, gen).abs()
     q = _random_in(2.0**-30, 2.0**10, n, gen)
     x = (q.double() * d.double()).float()
-    assert_bits_equal(run_div(x, d, kernel_device), x / d, "x / d")
+    assert_bits_equal(run_div(x, d, fma_device), x / d, "x / d")
 
 
-def test_div_fast_ties_and_neighbours(kernel_device, gen):
+def test_div_fast_ties_and_neighbours(fma_device, gen):
     """Dividends that make ``x / d`` an exact half-integer (where rounding the quotient twice could go wrong) and
     their float32 neighbours one ulp below and above, for divisors with random, all-ones and power-of-two
     mantissas at both ends of the fast range."""
@@ -144,19 +151,19 @@ def test_div_fast_ties_and_neighbours(kernel_device, gen):
     x = (k.double() * d.double()).float()
     below, above = torch.nextafter(x, torch.full_like(x, -float("inf"))), torch.nextafter(x, torch.full_like(x, float("inf")))
     for name, xs in (("tie", x), ("below", below), ("above", above)):
-        assert_bits_equal(run_div(xs, d, kernel_device), xs / d, f"{name}: x / d")
+        assert_bits_equal(run_div(xs, d, fma_device), xs / d, f"{name}: x / d")
     exact = (x.double() / d.double()) == k.double()
     assert exact.float().mean() > 0.25, "too few exact ties: the case generator is stale"
 
 
 @pytest.mark.parametrize("qmax", [127, 7])
-def test_scale_fast(qmax, kernel_device, gen):
+def test_scale_fast(qmax, fma_device, gen):
     """``absmax / qmax`` over the fast range, its ends, and 0."""
     n = 1 << 20
     a = _random_in(FAST_MIN, FAST_MAX, n, gen).abs()
     a[:4] = torch.tensor([0.0, FAST_MIN, FAST_MAX, 1.0])
     a[4 : 4 + 256] = torch.arange(256) * qmax * 2.0**-10  # exact multiples: quotients exactly representable
-    (a_dev,) = _on(kernel_device, a)
+    (a_dev,) = _on(fma_device, a)
     out = torch.empty_like(a_dev)
     _scale_kernel[(n // TILE,)](a_dev, out, QMAX=qmax, TILE=TILE)
     assert_bits_equal(out.cpu(), a / torch.tensor(float(qmax)), f"absmax / {qmax}")
@@ -194,7 +201,7 @@ def _near_ties(scale: torch.Tensor, cols: int, qmax: int, gen: torch.Generator) 
 
 @pytest.mark.parametrize("exact", [False, True])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_quantize_rounds_the_exact_product_once(bits, exact, kernel_device, gen):
+def test_quantize_rounds_the_exact_product_once(bits, exact, fma_device, gen):
     """``quantize_fast`` and ``quantize_exact`` give ``rne(v * r)`` of the exact product over the fast range, for
     exact ties ``k + 0.5`` (power-of-two scales: half to even), values within an ulp of a tie, random quotients and
     zero-scale rows; the count of rows where rounding the product to float32 first would differ is checked too."""
@@ -206,14 +213,14 @@ def test_quantize_rounds_the_exact_product_once(bits, exact, kernel_device, gen)
     scale[:8] = 0.0
     v[:8] = 0.0
     expected = _spec_codes(v, scale, qmax)
-    assert torch.equal(_run_quantize(v, scale, bits, exact, kernel_device), expected)
+    assert torch.equal(_run_quantize(v, scale, bits, exact, fma_device), expected)
     r = torch.ones_like(scale[8:]) / scale[8:]
     twice = (v[8:] * r[:, None]).round().to(torch.int32)  # the product rounded to float32, then to an integer
     assert (twice != expected[8:]).sum() > 10, "no case where one rounding matters: the generator is stale"
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_quantize_exact_every_scale(bits, kernel_device, gen):
+def test_quantize_exact_every_scale(bits, fma_device, gen):
     """``quantize_exact`` for scales from the smallest subnormal to the largest, 0, Inf and NaN, against exact
     rationals: ``r`` is ``1 / scale`` rounded to 24 bits without exponent limit, codes ``clamp(rne(v * r))``, 0
     in rows whose scale is 0 or not finite. The reference's ``reciprocal`` is checked on the same scales."""
@@ -228,7 +235,7 @@ def test_quantize_exact_every_scale(bits, kernel_device, gen):
     v[:, 0] = absmax  # every row holds its absmax, as quantize_rows's input does
     v[:, 1] = -absmax
     v = v.nan_to_num(0.0, posinf=0.0, neginf=0.0)
-    actual = _run_quantize(v, scale, bits, True, kernel_device)
+    actual = _run_quantize(v, scale, bits, True, fma_device)
     usable = torch.isfinite(scale) & (scale > 0)
     assert (usable & (scale < 2.0**-126)).sum() >= 10 and (~usable).sum() >= 5  # subnormal, zero, Inf, NaN scales
     recips = [round_to_float32_precision(1 / Fraction(float(s))) if ok else Fraction(1)
@@ -268,13 +275,13 @@ def _fma_cases(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor
     return codes, scale, acc
 
 
-def test_reference_fma_matches_the_hardware_fma(kernel_device, gen):
+def test_reference_fma_matches_the_hardware_fma(fma_device, gen):
     """``reference.fma_`` (float64 rounded to odd) against ``tl.fma`` (the GPU's FFMA, or the interpreter's C
     ``fmaf``) on a million cases, and against exact rationals on a few thousand: bit for bit."""
     n = 1 << 20
     codes, scale, acc = _fma_cases(n, gen)
     expected = _reference_fma(codes, scale, acc)
-    a, b, c = _on(kernel_device, codes, scale[:, None].expand(-1, 16), acc)
+    a, b, c = _on(fma_device, codes, scale[:, None].expand(-1, 16), acc)
     out = torch.empty_like(c)
     _fma_kernel[(n // TILE,)](a, b, c, out, TILE=TILE)
     assert_bits_equal(out.cpu(), expected, "fma(code, scale, acc)")

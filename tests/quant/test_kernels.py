@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import zeropp.quant as zq
-from conftest import native_cuda_module, native_library
+from conftest import exact_triton, native_cuda_module, native_library
 from zeropp.quant import BlockFormat, _triton, native, native_cuda, reference
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -54,7 +54,7 @@ IMPLEMENTATIONS = ["triton", "native", "native-baseline", "native-cuda"]
 def implementation(param: str, kernel_device: str) -> Kernels:
     """The implementation named by a fixture parameter."""
     if param == "triton":
-        return Kernels(_triton, kernel_device)
+        return Kernels(_triton, exact_triton(kernel_device))
     if param == "native-cuda":
         return Kernels(native_cuda_module(), "cuda")
     return native_build(param)
