@@ -33,7 +33,10 @@ def loads(rank: int, world: int, resave: str) -> dict:
     the loaded ``latest`` state with this code to ``resave`` (tag ``global_step3``). World 1 (rank 0): ``latest``.
     Each from a freshly built engine of another seed."""
     out = {"world4": restored(fixture.make_engine(seed=1), None)}
-    pair, alone = torch.distributed.new_group([0, 1]), torch.distributed.new_group([0])  # every rank creates both
+    # Every rank creates each group, but only its members register it, and torch names a group that only its
+    # members create (zeropp's) by the number of groups a rank registered: so the pair's engines come before the
+    # group only rank 0 registers.
+    pair = torch.distributed.new_group([0, 1])
     if rank < 2:
         topology = zeropp.comm.Topology(group=pair)
         out["world2"] = restored(fixture.make_engine(seed=2, topology=topology), None)
@@ -41,6 +44,7 @@ def loads(rank: int, world: int, resave: str) -> dict:
         out["world2_step2"] = restored(engine, "global_step2")
         engine.load_checkpoint(FIXTURE)
         engine.save_checkpoint(resave, tag="global_step3", client_state={"tag": "global_step3", "note": "fixture"})
+    alone = torch.distributed.new_group([0])
     if rank == 0:
         out["world1"] = restored(fixture.make_engine(seed=4, topology=zeropp.comm.Topology(group=alone)), None)
     torch.distributed.barrier()

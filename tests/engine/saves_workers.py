@@ -109,7 +109,8 @@ def suite(rank: int, world: int, save_dir: str, timeout_s: float, hpz: int) -> d
     dist.barrier()  # the other ranks left the block at once and wait here, in an ordinary collective
 
     if world == 4:  # comm.Arrival itself: all arrive, then every rank but one
-        arrival, bound = comm.Arrival(list(range(world))), timedelta(seconds=timeout_s)
+        bound = timedelta(seconds=timeout_s)
+        arrival = comm.Arrival(list(range(world)), bound)
         arrival.wait_all(bound)
         if rank != 2:
             start = time.monotonic()

@@ -63,18 +63,22 @@ class Arrival:
 
     Creating one is a collective over ``ranks`` (``dist.new_group(backend="gloo", use_local_synchronization=True)``):
     every rank in ``ranks`` creates it, in the same order relative to other group creations; other ranks need not.
+    torch names such a group by its ranks and the number of groups this rank has registered, so the members must
+    have registered as many groups before (a group created by every rank with ``new_group`` registers only on its
+    members): ranks that disagree wait in the creation until ``timeout`` and then fail.
 
     Args:
         ranks: global ranks of the group, this rank among them (at least two).
+        timeout: how long the creation waits for the other ranks (the topology's timeout). Each check's wait names
+            its own timeout, which overrides this one.
     """
 
-    def __init__(self, ranks: Sequence[int]) -> None:
+    def __init__(self, ranks: Sequence[int], timeout: timedelta) -> None:
         self.ranks = sorted(ranks)
         self.rank = dist.get_rank()
         if len(self.ranks) < 2 or self.rank not in self.ranks:
             raise ValueError(f"ranks={list(ranks)} must hold at least two ranks, this rank ({self.rank}) among them")
-        # every wait names its own timeout: the group's (torch's default) bounds nothing here
-        self.group = dist.new_group(self.ranks, backend="gloo", use_local_synchronization=True)
+        self.group = dist.new_group(self.ranks, backend="gloo", timeout=timeout, use_local_synchronization=True)
         self.broken: ArrivalError | None = None
         # the works of a failed round: gloo may still hold their buffers, which must outlive it
         self._abandoned: list[Any] = []
@@ -84,7 +88,7 @@ class Arrival:
         """The ``Arrival`` over ``topology``'s data-parallel ranks, made on the first call for it (then a collective
         over them; see the module docstring)."""
         if topology not in _by_topology:
-            _by_topology[topology] = cls(topology.ranks)
+            _by_topology[topology] = cls(topology.ranks, topology.timeout)
         return _by_topology[topology]
 
     def wait_all(self, timeout: timedelta) -> None:

@@ -59,7 +59,11 @@ class Topology:
     """The node layout of a data-parallel group and its cached intra-node, inter-node and hpZ groups.
 
     Creating one is a collective over ``group`` (one all-gather of host names, then group creation): every rank
-    of ``group`` must create it, with the same arguments, in the same order relative to other collectives. With
+    of ``group`` must create it, with the same arguments, in the same order relative to other collectives. Its
+    groups are created by their members only (``new_group(use_local_synchronization=True)``), which torch names by
+    their ranks and the number of groups the rank has registered: the members must have registered as many groups
+    before (a ``new_group`` that every rank calls registers only on its members), else the creation waits
+    ``timeout`` and fails. With
     NCCL, call ``torch.cuda.set_device`` first (the host names travel as a pickled object on the current device).
 
     Args:
