@@ -85,6 +85,12 @@ def whole_by_dcp(checkpoint: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
     return {k: v for k, v in torch.load(out, weights_only=False).items() if k.startswith(("model.", "optim."))}
 
 
+def _properties(props) -> dict:
+    """``TensorProperties`` as a dict, without ``strides``: torch 2.15 records the strides of a plain tensor's
+    entry (``()`` for a 0-d one), which metadata written before reads back as ``None``, and a load ignores."""
+    return {k: v for k, v in vars(props).items() if k != "strides"}
+
+
 def test_new_checkpoint_has_the_old_format(job, tmp_path):
     resave, _ = job
     old = FileSystemReader(FIXTURE / "global_step3").read_metadata()
@@ -98,7 +104,7 @@ def test_new_checkpoint_has_the_old_format(job, tmp_path):
             continue
         assert isinstance(md, TensorStorageMetadata)
         tensors += 1
-        assert (got.size, got.properties) == (md.size, md.properties), key
+        assert (got.size, _properties(got.properties)) == (md.size, _properties(md.properties)), key
         assert sorted((tuple(c.offsets), tuple(c.sizes)) for c in got.chunks) == sorted(
             (tuple(c.offsets), tuple(c.sizes)) for c in md.chunks), key
     assert tensors == 3 * 7 + 2  # masters and 2 moments of 7 parameters, the frozen matrix, the buffer
