@@ -265,7 +265,7 @@ class ZeroEngine:
             communication_dtype=communication_dtype(config),
             arrival_timeout=timedelta(seconds=zero.zeropp.entry_check_timeout),
         )
-        self.entry_check = EntryCheck(self.comm, zero.zeropp.entry_check_timeout)
+        self.entry_check = EntryCheck(self.comm)
         self.compute_dtype = compute_dtype(config)
         sharded = self.stage == 3
         plans = plan_units(module, unit_policy)

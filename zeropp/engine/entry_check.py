@@ -60,12 +60,10 @@ class EntryCheck:
 
     Args:
         collectives: the engine's collectives (their ``wait_all_arrived`` is the check).
-        timeout_s: the configured bound (``zero_optimization.zeropp.entry_check_timeout``), for the message.
     """
 
-    def __init__(self, collectives: Collectives, timeout_s: float) -> None:
+    def __init__(self, collectives: Collectives) -> None:
         self.comm = collectives
-        self.timeout_s = timeout_s
         self._depth = 0
         self.failed: str | None = None  # the message of the failed check, if one failed
 
@@ -101,7 +99,7 @@ class EntryCheck:
                 text += " "
             self.failed = text + (
                 "If every rank does make this call but some arrive later than that, raise "
-                f"zero_optimization.zeropp.entry_check_timeout (now {self.timeout_s:g} s). The ranks are now out of "
+                f"zero_optimization.zeropp.entry_check_timeout (now {self.comm.arrival_timeout.total_seconds():g} s). The ranks are now out of "
                 "step: every later state_dict/gather/save/load call of this engine raises at once; restart the "
                 "program.")
             raise EngineUsageError(self.failed) from e
