@@ -3,7 +3,7 @@
 
 The reference is plain single-process training, computed on every rank independently of zeropp: the same tiny
 GPT and seed, the whole global batch in one forward, ``torch.nn.utils.clip_grad_norm_`` and
-``torch.optim.AdamW/Adam/SGD(foreach=False)``. The engine sees the same global batch cut into micro-batches:
+``torch.optim.AdamW/Adam(fused=True)`` and ``SGD(foreach=True)``. The engine sees the same global batch cut into micro-batches:
 micro-step ``k`` of rank ``r`` takes samples ``[(k * P + r) * m, (k * P + r + 1) * m)``.
 """
 
@@ -49,10 +49,10 @@ def param_groups(model: torch.nn.Module, spec: str | None) -> list:
 def torch_optimizer(opt: dict, groups: list) -> torch.optim.Optimizer:
     kind, params = opt["type"], dict(opt.get("params", {}))
     if kind == "SGD":
-        return torch.optim.SGD(groups, foreach=False, **params)
+        return torch.optim.SGD(groups, foreach=True, **params)
     if kind == "Adam" and not params.pop("adam_w_mode", True):
-        return torch.optim.Adam(groups, foreach=False, **params)
-    return torch.optim.AdamW(groups, foreach=False, **params)
+        return torch.optim.Adam(groups, fused=True, **params)
+    return torch.optim.AdamW(groups, fused=True, **params)
 
 
 def relative_errors(got: dict[str, torch.Tensor], ref: torch.nn.Module) -> dict[str, tuple[float, float]]:
@@ -243,7 +243,7 @@ def module_called_twice(rank: int, world: int, stage: int, zero: dict | None = N
     config = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "SGD", "params": {"lr": 0.1,
               "momentum": 0.9}}, "zero_optimization": {"stage": stage, **(zero or {})}}
     engine, _, _, _ = zeropp.initialize(model=model, config=config)
-    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, foreach=False)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9, foreach=True)
     g = torch.Generator().manual_seed(5)
     for _ in range(5):
         data = torch.randn(4 * world, 8, generator=g)

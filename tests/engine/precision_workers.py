@@ -7,7 +7,7 @@ The bf16 reference (computed on every rank, independently of zeropp): a plain si
 * holds the model in bfloat16 (``GPT(seed=0).bfloat16()``) and an fp32 master copy of its (bf16-rounded) weights;
 * per step, runs each rank's micro-batch through the bf16 model separately (``loss.float().backward()``), upcasts
   each micro-batch's bf16 gradients to fp32 and averages them in fp32 over the ranks;
-* steps ``torch.optim.AdamW(foreach=False)`` on the fp32 masters and copies them down (round to nearest) to the
+* steps ``torch.optim.AdamW(fused=True)`` on the fp32 masters and copies them down (round to nearest) to the
   bf16 model.
 
 That is the engine's exact bf16 semantics stated without sharding, so the only differences left are the order of
@@ -45,7 +45,7 @@ def bf16_reference(rank: int, world: int, steps: int) -> tuple[list[float], dict
     model = GPT(MODEL, seed=0).bfloat16()
     params = dict(model.named_parameters())
     masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in params.items()}
-    opt = torch.optim.AdamW(list(masters.values()), foreach=False, **ADAMW["params"])
+    opt = torch.optim.AdamW(list(masters.values()), fused=True, **ADAMW["params"])
     losses = []
     for inputs, targets in text_batches(steps, 2 * world):
         sums = {n: torch.zeros_like(m) for n, m in masters.items()}

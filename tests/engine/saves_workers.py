@@ -2,7 +2,7 @@
 ``engine_launch.launch``.
 
 A PEFT LoRA model (``peft.get_peft_model`` on a tiny token model) is trained at stage 3; the reference is the same
-PEFT model built on one process from the same seeds and trained with ``torch.optim.AdamW(foreach=False)`` on the
+PEFT model built on one process from the same seeds and trained with ``torch.optim.AdamW(fused=True)`` on the
 whole global batch (``stage3_workers.train_reference``).
 """
 

@@ -2,7 +2,7 @@
 run on every rank by ``engine_launch.launch``.
 
 References are independent of the engine's sharding: the same model built eagerly on one process
-(``reset_parameters_by_unit`` gives meta-built models' weights), trained with ``torch.optim.AdamW(foreach=False)`` on
+(``reset_parameters_by_unit`` gives meta-built models' weights), trained with ``torch.optim.AdamW(fused=True)`` on
 the whole global batch — or, with BatchNorm, on each rank's micro-batch in turn with that rank's own running
 statistics, gradients averaged (what data parallelism computes: buffers are rank-local, as in DeepSpeed and DDP
 without SyncBatchNorm).
@@ -41,7 +41,7 @@ def max_rel(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> floa
 
 
 def train_reference(model: nn.Module, data: list, steps: int) -> None:
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], foreach=False, **ADAMW["params"])
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], fused=True, **ADAMW["params"])
     for inputs, targets in data[:steps]:
         _, loss = model(inputs, targets)
         loss.backward()
@@ -340,7 +340,7 @@ def buffers_and_generate(rank: int, world: int, steps: int) -> dict:
     data = lora_batches(steps, 2 * world, vocab=32)
     train_engine(engine, rank, world, data, steps)
     # the reference: data parallelism on one process, rank r's running statistics its own
-    opt = torch.optim.AdamW(ref.parameters(), foreach=False, **ADAMW["params"])
+    opt = torch.optim.AdamW(ref.parameters(), fused=True, **ADAMW["params"])
     names = [n for n, _ in ref.named_buffers()]
     local = [{n: b.clone() for n, b in ref.named_buffers()} for _ in range(world)]
     for inputs, targets in data:

@@ -29,7 +29,7 @@ def reference_a() -> dict:
     model = MLP(seed=0)
     x, y = dataset().tensors
     sched = CONFIG_A["scheduler"]["params"]
-    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01, foreach=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01, fused=True)
     per_step = WORLD * MICRO * CONFIG_A["gradient_accumulation_steps"]
     states, norms, rank0_losses = [], [], []
     for step in range(SAMPLES // per_step):
@@ -131,7 +131,7 @@ def test_no_sync_user_scheduler_and_errors(tmp_path):
     results = launch("parity_workers:no_sync_and_user_scheduler", WORLD, tmp_path, timeout=240)
     model = MLP(seed=0)
     x, y = dataset().tensors
-    opt = torch.optim.Adam(model.parameters(), lr=0.01, foreach=False)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
     for step in range(6):
         lr, beta1 = one_cycle(step - 1)
         for group in opt.param_groups:
@@ -171,7 +171,7 @@ def test_torch_lr_scheduler_drives_the_partitioned_optimizer(tmp_path):
     results = launch("parity_workers:torch_scheduler", WORLD, tmp_path, timeout=240)
     model = MLP(seed=0)
     x, y = dataset().tensors
-    opt = torch.optim.AdamW(model.parameters(), lr=0.02, foreach=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.02, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 0.5 ** k)
     for step in range(4):  # each step: the mean loss of the WORLD * MICRO samples the ranks saw
         opt.zero_grad()
