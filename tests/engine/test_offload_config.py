@@ -332,6 +332,9 @@ def test_no_stage_rule_on_a_stage_that_did_not_parse():
     (3, {}, {"aio": {"queue_depth": "auto"}}, "aio.queue_depth"),
     (3, {}, {"aio": {"use_gds": "auto"}}, "aio.use_gds"),
     (3, {"zeropp": {"memory_budget": "auto"}}, {}, "zero_optimization.zeropp.memory_budget"),
+    (3, {"offload_param": "auto", "zeropp": {"memory_budget": {}}}, {}, "zero_optimization.offload_param"),
+    (3, {"offload_param": {"device": "auto"}, "zeropp": {"memory_budget": {}}}, {},
+     "zero_optimization.offload_param.device"),
     (3, {"offload_param": {"device": "cpu"}, "zeropp": {"memory_budget": {"device": "auto"}}}, {},
      "zero_optimization.zeropp.memory_budget.device"),
 ])

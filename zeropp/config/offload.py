@@ -242,8 +242,8 @@ def offload_consistency(p: Problems, optimizer: OffloadOptimizerConfig, param: O
     w = "zero_optimization.zeropp.memory_budget"
     if budget is None:
         return
-    if p.ok("zero_optimization.offload_optimizer.device", "zero_optimization.offload_param.device") and not (
-            optimizer.enabled or param.enabled):
+    blocks = ("zero_optimization.offload_optimizer", "zero_optimization.offload_param")
+    if p.ok(*blocks, *(f"{block}.device" for block in blocks)) and not (optimizer.enabled or param.enabled):
         p.add(w, f"{w} places states beyond the accelerator only as far as the offload blocks allow, and both "
                  "zero_optimization.offload_optimizer.device and offload_param.device are \"none\": set either to "
                  "\"cpu\" (or \"nvme\" with nvme_path), or remove memory_budget")
