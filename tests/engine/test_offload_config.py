@@ -286,6 +286,8 @@ def test_memory_budget_null_is_no_budget():
                                                              'set either to "cpu"', "or remove memory_budget"]),
     (3, {"offload_optimizer": {"device": "cpu", "ratio": 0.5}, "zeropp": {"memory_budget": {"cpu": 1e9}}}, {},
      ["offload_optimizer.ratio=0.5", "remove one of the two"]),
+    (2, {"offload_optimizer": {"device": "cpu", "ratio": 0.5}, "zeropp": {"memory_budget": {"cpu": 1e9}}}, {},
+     ["offload_optimizer.ratio=0.5", "needs stage 3"]),
     # DeepSpeed's deprecated switches point at the blocks
     (2, {"cpu_offload": True}, {}, ["zero_optimization.cpu_offload=True", 'offload_optimizer {"device": "cpu"}']),
 ])

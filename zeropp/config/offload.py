@@ -247,7 +247,7 @@ def offload_consistency(p: Problems, optimizer: OffloadOptimizerConfig, param: O
         p.add(w, f"{w} places states beyond the accelerator only as far as the offload blocks allow, and both "
                  "zero_optimization.offload_optimizer.device and offload_param.device are \"none\": set either to "
                  "\"cpu\" (or \"nvme\" with nvme_path), or remove memory_budget")
-    if optimizer.partial:
+    if optimizer.partial and p.ok("zero_optimization.offload_optimizer.ratio"):
         p.add("zero_optimization.offload_optimizer.ratio",
               f"zero_optimization.offload_optimizer.ratio={optimizer.ratio:g} fixes how much of the optimizer states "
               f"goes to the CPU, and {w} places them by size: remove one of the two")
