@@ -32,9 +32,16 @@ Keys are spelled as DeepSpeed spells them, with DeepSpeed's defaults::
         "stage3_param_persistence_threshold": 100000,
         "stage3_model_persistence_threshold": sys.maxsize,
         "stage3_gather_16bit_weights_on_model_save": false,
+        "offload_optimizer": {"device": "none", "nvme_path": null, "pin_memory": true, "buffer_count": 4,
+                              "pipeline_read": false, "pipeline_write": false, "fast_init": false, "ratio": 1.0},
+        "offload_param": {"device": "none", "nvme_path": null, "pin_memory": true, "buffer_count": 5,
+                          "buffer_size": 100000000, "max_in_cpu": 1000000000},
         "zeropp": {"weight_bits": 8, "gradient_bits": 4, "block_size": 128, "error_feedback": false,
-                   "nonfinite_gradients": "skip", "entry_check_timeout": 300}
-      }
+                   "nonfinite_gradients": "skip", "entry_check_timeout": 300,
+                   "memory_budget": null}           # e.g. {"device": 40e9, "cpu": 100e9}
+      },
+      "aio": {"block_size": 1048576, "queue_depth": 8, "intra_op_parallelism": 1, "single_submit": false,
+              "overlap_events": true, "use_gds": false}
     }
 
 Batch sizes follow DeepSpeed's rules: any two of ``train_batch_size``, ``train_micro_batch_size_per_gpu`` and
@@ -90,6 +97,47 @@ parameters gathered together, ``zeropp.engine.policy``) plays the part of DeepSp
 * ``allgather_bucket_size`` (5e8) and ``sub_group_size`` (1e9) are read and have no effect: the stage-1/2 weight
   gather runs unit by unit, and the optimizer steps each unit's shard in turn.
 
+Offload (``zeropp.config.offload``), DeepSpeed's blocks with DeepSpeed's keys, defaults and meanings. **This build
+parses and validates them, but its engine does not run offload tiers yet: ``zeropp.initialize`` raises a
+``ConfigError`` for an offload device other than ``"none"`` or a ``memory_budget``.**
+
+* ``zero_optimization.offload_optimizer`` (stages 1, 2, 3): the optimizer states (fp32 master weights, moments,
+  fp32 gradient shard) live on ``device`` and the optimizer step runs on the CPU. ``device``: ``"none"`` (default:
+  off), ``"cpu"``, or ``"nvme"`` (stage 3 only, as DeepSpeed documents; states swapped through CPU buffers);
+  ``nvme_path`` (required with ``"nvme"``): the swap directory, on a local NVMe drive; ``pin_memory`` (true:
+  page-locked host buffers for full-bandwidth asynchronous copies; DeepSpeed's default since 0.19.5, false before);
+  ``buffer_count`` (4, at least 1): NVMe swap buffers (at least the states per parameter: 4 for Adam);
+  ``pipeline_read`` / ``pipeline_write`` (false): overlap the NVMe read of the next sub-group / write of the
+  previous one with the step of the current one; ``fast_init`` (false): with the parameters on NVMe too, write the
+  initial NVMe master weights in batches; ``ratio`` (1, a fraction above 0 and at most 1): the part of the
+  optimizer states (and step) on the CPU, the rest staying on the accelerator (below 1: stage 3 and ``"cpu"``
+  only). ``super_offload`` is accepted as false only; ``cpuadam_cores_perc`` (a fraction in [0, 1]) sizes
+  SuperOffload's CPU Adam and is checked and has no effect.
+* ``zero_optimization.offload_param`` (stage 3 only, DeepSpeed's rule; an error at stages 1 and 2): the 16-bit
+  parameter shards live on ``device`` between uses. ``device`` and ``nvme_path`` as above; ``pin_memory`` (true);
+  ``buffer_count`` (5) and ``buffer_size`` (1e8 elements), both at least 1: the buffer pool NVMe reads and writes go
+  through (a parameter larger than a buffer cannot be swapped); ``max_in_cpu`` (1e9 elements, at least 0): with
+  NVMe, the parameter elements also kept in CPU memory.
+  Every key of both blocks is validated whatever the device; with ``device: "none"`` the others have no effect.
+* ``aio`` (top level; inside ``zero_optimization`` it is an error, as in DeepSpeed): the Linux asynchronous I/O of
+  the NVMe tier. ``block_size`` (1048576 bytes per request), ``queue_depth`` (8 requests in flight),
+  ``intra_op_parallelism`` (1 thread per read or write; DeepSpeed's name before 0.16.4, ``thread_count``, is read
+  too: give only one), all at least 1; ``single_submit`` (false: requests are submitted as a batch);
+  ``overlap_events`` (true: new requests go out without waiting for earlier ones); ``use_gds`` accepted as false only
+  (GPUDirect Storage is not supported).
+* ``zero_optimization.zeropp.memory_budget`` (zeropp's own; default null: none): ``{"device": bytes, "cpu":
+  bytes}``, the most ZeRO-state bytes per rank on the accelerator and in CPU memory (integers at least 1; ``40e9``
+  is read as 40000000000). Either may be left out: that tier's budget is then what the engine measures free there
+  during the first step. Meaning: from the sizes the first step measured, the engine places each unit's states on
+  the accelerator up to the device budget, then in CPU memory up to the CPU budget, then on NVMe, which has no
+  budget (a ``"nvme"`` key is an error) and takes the rest. **With a budget, an offload block's ``device`` is the
+  farthest tier that kind of state may go to, not where all of it goes**: ``"none"`` keeps it on the accelerator,
+  ``"cpu"`` allows accelerator and CPU, ``"nvme"`` allows all three (its ``nvme_path`` is where NVMe states of that
+  kind go). So a budget needs at least one block with a device other than ``"none"`` and cannot be combined with
+  ``offload_optimizer.ratio`` below 1 (both would split the optimizer states); states that fit in no allowed tier
+  are an error at the first step, never a silent spill. Without a budget the blocks mean what they mean in
+  DeepSpeed: all of that kind of state on ``device``.
+
 Our own keys live in ``zero_optimization.zeropp`` (all optional):
 
 * ``weight_bits`` (8 or 4, default 8): code width of the qwZ weight all-gather when ``zero_quantized_weights``;
@@ -120,10 +168,9 @@ DeepSpeed keys accepted as harmless (decided one by one):
   false``, ``fp32_allreduce: false`` (for an fp32 reduction set ``communication_data_type``), ``fp16.auto_cast:
   false``, ``fp16.consecutive_hysteresis: false``, ``fp16.fp16_master_weights_and_grads: false``, and in
   ``zero_optimization``: ``ignore_unused_parameters: true``, ``load_from_fp32_weights: true``,
-  ``elastic_checkpoint``, ``cpu_offload``, ``cpu_offload_params``, ``cpu_offload_use_pin_memory``,
-  ``legacy_stage1``, ``use_all_reduce_for_fetch_params``, ``pipeline_loading_checkpoint``: all ``false``;
-* ``zero_optimization.offload_optimizer`` / ``offload_param`` with ``"device": "none"`` (DeepSpeed's default:
-  off; the block's other keys are not read); any other device is an error (no offload);
+  ``elastic_checkpoint``, ``legacy_stage1``, ``use_all_reduce_for_fetch_params``, ``pipeline_loading_checkpoint``:
+  all ``false``; DeepSpeed's deprecated ``cpu_offload``, ``cpu_offload_params``, ``cpu_offload_use_pin_memory``:
+  ``false`` (use the offload blocks);
 * how DeepSpeed implements what zeropp computes its own way, any boolean, no effect on the result:
   ``contiguous_gradients``, ``allgather_partitions``, ``reduce_scatter`` (false: DeepSpeed all-reduces; zeropp
   always reduce-scatters, the same average), ``round_robin_gradients``, ``memory_efficient_linear``,
@@ -142,13 +189,14 @@ its reciprocal are then normal float32 numbers); with a dynamic scale, ``min_los
 
 Errors (``ConfigError``, a ``ValueError``) are raised here, never mid-run, and list every problem of the config at
 once, one line each naming the key and what to change. An unknown key gets the closest valid spelling and the valid
-keys at its level. A DeepSpeed key that zeropp does not implement (real offload, pipeline, activation checkpointing,
+keys at its level. A DeepSpeed key that zeropp does not implement (pipeline, activation checkpointing,
 ``zero_quantized_nontrainable_weights``, MiCS, ...) says so. ``"auto"`` values (placeholders the Hugging Face
 Trainer fills in) give one line naming every ``"auto"`` key.
 
 One file per responsibility: ``errors`` (``ConfigError``, the problem collector), ``readers`` (reading one value
-or block), ``blocks`` (``bf16``, ``fp16``, ``zero_optimization``), ``optimizer``, ``scheduler``, ``batch`` (the
-batch-size arithmetic), ``training`` (``Config``, the top-level keys), ``load`` (``load_config``, ``to_dict``).
+or block), ``blocks`` (``bf16``, ``fp16``, ``zero_optimization``), ``offload`` (``offload_optimizer``,
+``offload_param``, ``aio``, ``memory_budget``), ``optimizer``, ``scheduler``, ``batch`` (the batch-size arithmetic),
+``training`` (``Config``, the top-level keys), ``load`` (``load_config``, ``to_dict``).
 """
 
 from .blocks import (
@@ -160,18 +208,32 @@ from .blocks import (
 )
 from .errors import ConfigError, Problems
 from .load import load_config, to_dict
+from .offload import (
+    MEMORY_TIERS,
+    OFFLOAD_DEVICES,
+    AioConfig,
+    MemoryBudget,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+)
 from .optimizer import OptimizerConfig
 from .scheduler import SCHEDULER_TYPES, SchedulerConfig
 from .training import COMMUNICATION_DTYPES, Config
 
 __all__ = [
     "COMMUNICATION_DTYPES",
+    "MEMORY_TIERS",
     "NONFINITE_GRADIENTS",
+    "OFFLOAD_DEVICES",
     "SCHEDULER_TYPES",
+    "AioConfig",
     "BF16Config",
     "Config",
     "ConfigError",
     "FP16Config",
+    "MemoryBudget",
+    "OffloadOptimizerConfig",
+    "OffloadParamConfig",
     "OptimizerConfig",
     "Problems",
     "SchedulerConfig",

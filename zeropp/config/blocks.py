@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import Problems
+from .offload import MemoryBudget, OffloadOptimizerConfig, OffloadParamConfig, offload_consistency
 from .readers import (
     as_bool,
     check_fixed,
     check_keys,
-    dotted,
     get_block,
     get_bool,
     get_float,
@@ -128,12 +128,13 @@ class ZeroppConfig:
     error_feedback: bool = False
     nonfinite_gradients: str = "skip"
     entry_check_timeout: float = 300.0
+    memory_budget: MemoryBudget | None = None
 
     @classmethod
     def parse(cls, block: Mapping[str, Any], p: Problems) -> ZeroppConfig:
         w = "zero_optimization.zeropp"
         check_keys(p, block, w, ["weight_bits", "gradient_bits", "block_size", "error_feedback",
-                                 "nonfinite_gradients", "entry_check_timeout"])
+                                 "nonfinite_gradients", "entry_check_timeout", "memory_budget"])
         d = cls()
         values: dict[str, Any] = {}
         for key in ("weight_bits", "gradient_bits"):
@@ -164,6 +165,10 @@ class ZeroppConfig:
                         f"{d.entry_check_timeout:g})")
         elif p.ok(name):
             values["entry_check_timeout"] = timeout
+        if block.get("memory_budget") is not None:
+            budget = get_block(p, block, "memory_budget", w)
+            if p.ok(f"{w}.memory_budget"):
+                values["memory_budget"] = MemoryBudget.parse(budget, p)
         return cls(**values)
 
 
@@ -180,9 +185,12 @@ _ZERO_FIXED = {
     "ignore_unused_parameters": (True, "unused parameters are always allowed (their gradient is zero)"),
     "load_from_fp32_weights": (True, "checkpoints always hold and load the fp32 master weights"),
     "elastic_checkpoint": (False, "elastic checkpoints are not supported (checkpoints load at any world size)"),
-    "cpu_offload": (False, "CPU offload is not supported"),
-    "cpu_offload_params": (False, "CPU offload is not supported"),
-    "cpu_offload_use_pin_memory": (False, "CPU offload is not supported"),
+    "cpu_offload": (False, "DeepSpeed's deprecated switch; for CPU offload give offload_optimizer "
+                           "{\"device\": \"cpu\"}"),
+    "cpu_offload_params": (False, "DeepSpeed's deprecated switch; for CPU offload give offload_param "
+                                  "{\"device\": \"cpu\"}"),
+    "cpu_offload_use_pin_memory": (False, "DeepSpeed's deprecated switch; give pin_memory in offload_optimizer / "
+                                          "offload_param"),
     "legacy_stage1": (False, "only the current stage 1 exists"),
     "use_all_reduce_for_fetch_params": (False, "parameters are always fetched by all-gather"),
     "pipeline_loading_checkpoint": (False, "pipeline parallelism is not supported"),
@@ -192,8 +200,6 @@ _ZERO_FIXED = {
 # boolean is accepted and changes nothing (the trained weights are the same)
 _ZERO_NO_EFFECT = ["contiguous_gradients", "allgather_partitions", "reduce_scatter", "round_robin_gradients",
                    "memory_efficient_linear", "log_trace_cache_warnings"]
-
-_OFFLOAD = ("offload_optimizer", "offload_param")
 
 _STAGE3_DEFAULTS = {
     "stage3_max_live_parameters": 1_000_000_000,
@@ -207,8 +213,8 @@ _STAGE3_DEFAULTS = {
 
 @dataclass(frozen=True)
 class ZeroConfig:
-    """``zero_optimization``: the ZeRO stage, the ZeRO++ switches, the bucket sizes and DeepSpeed's stage-3 tuning
-    keys (their meaning in zeropp: the ``zeropp.config`` docstring)."""
+    """``zero_optimization``: the ZeRO stage, the ZeRO++ switches, the bucket sizes, DeepSpeed's stage-3 tuning keys
+    and the offload blocks (their meaning in zeropp: the ``zeropp.config`` docstring)."""
 
     stage: int = 1
     zero_quantized_weights: bool = False
@@ -224,6 +230,8 @@ class ZeroConfig:
     allgather_bucket_size: int = 500_000_000
     sub_group_size: int = 1_000_000_000
     stage3_gather_16bit_weights_on_model_save: bool = False
+    offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
+    offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
     zeropp: ZeroppConfig = field(default_factory=ZeroppConfig)
 
     @property
@@ -240,20 +248,27 @@ class ZeroConfig:
     def hpz(self) -> bool:
         return self.zero_hpz_partition_size > 1
 
+    @property
+    def offload(self) -> bool:
+        """Whether some state may leave the accelerator: an offload device other than ``"none"`` or a
+        ``zeropp.memory_budget``."""
+        return self.offload_optimizer.enabled or self.offload_param.enabled or self.zeropp.memory_budget is not None
+
     @classmethod
     def parse(cls, block: Mapping[str, Any], p: Problems) -> ZeroConfig:
         w = "zero_optimization"
         valid = ["stage", "zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size",
                  "reduce_bucket_size", "stage3_prefetch_bucket_size", "overlap_comm", "zeropp",
                  "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
-                 *_STAGE3_DEFAULTS, *_OFFLOAD, *_ZERO_FIXED, *_ZERO_NO_EFFECT]
+                 "offload_optimizer", "offload_param", "aio", *_STAGE3_DEFAULTS, *_ZERO_FIXED, *_ZERO_NO_EFFECT]
         check_keys(p, block, w, valid, _ZERO_UNSUPPORTED)
         check_fixed(p, block, w, _ZERO_FIXED)
         for key in _ZERO_NO_EFFECT:
             if key in block:
                 as_bool(p, block[key], f"{w}.{key}")
-        for key in _OFFLOAD:
-            _check_offload(p, get_block(p, block, key, w), f"{w}.{key}")
+        if "aio" in block:
+            p.add(f"{w}.aio", f"{w}.aio: aio is a top-level block of the config (DeepSpeed rejects it here too); move "
+                              "it out of zero_optimization")
         d = cls()
         stage = get_int(p, block, "stage", w, d.stage)
         if p.ok(f"{w}.stage"):
@@ -261,12 +276,16 @@ class ZeroConfig:
                 p.add(f"{w}.stage", f"{w}.stage=0 (plain data parallelism) is not supported; use stage 1, 2 or 3")
             elif stage not in (1, 2, 3):
                 p.add(f"{w}.stage", f"{w}.stage={stage} must be 1, 2 or 3")
+        known_stage = stage if p.ok(f"{w}.stage") else None
+        offload_optimizer = OffloadOptimizerConfig.parse(get_block(p, block, "offload_optimizer", w), p, known_stage)
+        offload_param = OffloadParamConfig.parse(get_block(p, block, "offload_param", w), p, known_stage)
         qg = get_bool(p, block, "zero_quantized_gradients", w, False)
         hpz = get_int(p, block, "zero_hpz_partition_size", w, 1, minimum=1)
         if hpz > 1 and stage != 3 and p.ok(f"{w}.stage"):
             p.add(f"{w}.zero_hpz_partition_size", f"{w}.zero_hpz_partition_size={hpz} applies to the stage-3 "
                                                   "backward weight all-gather; set stage to 3 (or the size to 1)")
         zeropp = ZeroppConfig.parse(get_block(p, block, "zeropp", w), p)
+        offload_consistency(p, offload_optimizer, offload_param, zeropp.memory_budget)
         if zeropp.error_feedback and not qg and p.ok(f"{w}.zero_quantized_gradients"):
             p.add(f"{w}.zeropp.error_feedback",
                   f"{w}.zeropp.error_feedback=true needs {w}.zero_quantized_gradients=true")
@@ -286,17 +305,8 @@ class ZeroConfig:
             overlap_comm=get_bool(p, block, "overlap_comm", w, stage == 3),
             **{key: get_int(p, block, key, w, default, minimum=0) for key, default in _STAGE3_DEFAULTS.items()},
             stage3_gather_16bit_weights_on_model_save=gather,
+            offload_optimizer=offload_optimizer,
+            offload_param=offload_param,
             zeropp=zeropp,
         )
 
-
-def _check_offload(p: Problems, block: Mapping[str, Any], where: str) -> None:
-    """``offload_optimizer`` / ``offload_param``: ``device`` ``"none"`` (DeepSpeed's default) is off and accepted,
-    with the block's other keys (pin_memory, nvme_path, ...) unread; any other device is a problem."""
-    name = dotted(where, "device")
-    device = block.get("device", "none")
-    if device is None or is_auto(p, device, name):
-        return
-    if device != "none":
-        p.add(name, f"{name}={device!r}: CPU/NVMe offload is not supported; set it to \"none\" (or remove the "
-                    f"{where!r} block)")

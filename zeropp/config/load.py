@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from dataclasses import fields
+from dataclasses import asdict, fields
 from typing import Any
 
 from .errors import ConfigError
@@ -91,13 +91,11 @@ def to_dict(config: Config) -> dict[str, Any]:
         "gradient_clipping": config.gradient_clipping,
         "bf16": {"enabled": config.bf16.enabled},
         "fp16": {f.name: getattr(config.fp16, f.name) for f in fields(config.fp16)},
-        "zero_optimization": {
-            **{f.name: getattr(z, f.name) for f in fields(z) if f.name != "zeropp"},
-            "zeropp": {f.name: getattr(z.zeropp, f.name) for f in fields(z.zeropp)},
-        },
+        "zero_optimization": asdict(z),
         "communication_data_type": config.communication_data_type,
         "steps_per_print": config.steps_per_print,
         "wall_clock_breakdown": config.wall_clock_breakdown,
+        "aio": asdict(config.aio),
     }
     if config.optimizer is not None:
         out["optimizer"] = {"type": config.optimizer.type,

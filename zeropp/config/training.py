@@ -9,6 +9,7 @@ from typing import Any
 from .batch import batch_sizes
 from .blocks import BF16Config, FP16Config, ZeroConfig
 from .errors import Problems
+from .offload import AioConfig
 from .optimizer import OptimizerConfig
 from .readers import (
     as_bool,
@@ -89,6 +90,7 @@ class Config:
     communication_data_type: str | None = None
     steps_per_print: int = 10
     wall_clock_breakdown: bool = False
+    aio: AioConfig = field(default_factory=AioConfig)
 
     @property
     def zero(self) -> ZeroConfig:
@@ -105,7 +107,7 @@ class Config:
             p.raise_if_any()
         valid = ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                  "gradient_clipping", "bf16", "bfloat16", "fp16", "optimizer", "scheduler", "zero_optimization",
-                 "communication_data_type", "steps_per_print", "wall_clock_breakdown",
+                 "communication_data_type", "steps_per_print", "wall_clock_breakdown", "aio",
                  *_FIXED, *_DISABLED, *_NO_EFFECT]
         check_keys(p, config, "", valid, _UNSUPPORTED)
         check_fixed(p, config, "", _FIXED)
@@ -146,6 +148,7 @@ class Config:
             communication_data_type=_communication_dtype(p, config.get("communication_data_type")),
             steps_per_print=get_int(p, config, "steps_per_print", "", 10, minimum=1),
             wall_clock_breakdown=as_bool(p, config.get("wall_clock_breakdown", False), "wall_clock_breakdown"),
+            aio=AioConfig.parse(get_block(p, config, "aio"), p),
         )
         p.raise_if_any()
         return out

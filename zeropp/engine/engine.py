@@ -250,6 +250,7 @@ class ZeroEngine:
         lr_scheduler: Any = None,
         meta_init: MetaInit | None = None,
     ) -> None:
+        _refuse_offload(config)  # placeholder until the engine runs offload tiers
         self.module = module
         self.config = config
         self.topology = topology
@@ -886,6 +887,22 @@ class LoadResult(NamedTuple):
 
     missing_keys: list[str]
     unexpected_keys: list[str]
+
+
+def _refuse_offload(config: Config) -> None:
+    """Raise a ``ConfigError`` when ``config`` asks for offload (an offload device other than ``"none"`` or a
+    ``zero_optimization.zeropp.memory_budget``): the config parses it, but this engine keeps every state on the
+    accelerator, so running would silently ignore it. A placeholder, removed when the engine runs offload tiers."""
+    zero = config.zero_optimization
+    asked = [f"zero_optimization.{key}.device={block.device!r}"
+             for key, block in (("offload_optimizer", zero.offload_optimizer), ("offload_param", zero.offload_param))
+             if block.enabled]
+    if zero.zeropp.memory_budget is not None:
+        asked.append("zero_optimization.zeropp.memory_budget")
+    if asked:
+        raise ConfigError(f"{', '.join(asked)}: parsed, but this build of zeropp does not run offload tiers yet; set "
+                          "the offload devices to \"none\" and remove memory_budget to train with every state on the "
+                          "accelerator")
 
 
 def compute_dtype(config: Config) -> torch.dtype:
