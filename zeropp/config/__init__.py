@@ -97,18 +97,19 @@ parameters gathered together, ``zeropp.engine.policy``) plays the part of DeepSp
 * ``allgather_bucket_size`` (5e8) and ``sub_group_size`` (1e9) are read and have no effect: the stage-1/2 weight
   gather runs unit by unit, and the optimizer steps each unit's shard in turn.
 
-Offload (``zeropp.config.offload``), DeepSpeed's blocks with DeepSpeed's keys, defaults and meanings. **This build
-parses and validates them, but its engine does not run offload tiers yet: ``zeropp.initialize`` raises a
-``ConfigError`` for an offload device other than ``"none"`` or a ``memory_budget``.**
+Offload (``zeropp.config.offload``), DeepSpeed's blocks with DeepSpeed's keys, defaults and meanings; the engine's
+tiers: ``zeropp.engine.offload``. **This build runs ``offload_optimizer`` (``"cpu"`` and ``"nvme"``, stages 1-3);
+``offload_param`` with a device other than ``"none"`` and ``memory_budget`` are parsed and validated, but
+``zeropp.initialize`` raises a ``ConfigError`` for them.**
 
 * ``zero_optimization.offload_optimizer`` (stages 1, 2, 3): the optimizer states (fp32 master weights, moments,
   fp32 gradient shard) live on ``device`` and the optimizer step runs on the CPU. ``device``: ``"none"`` (default:
-  off), ``"cpu"``, or ``"nvme"`` (stage 3 only, as DeepSpeed documents; states swapped through CPU buffers);
+  off), ``"cpu"``, or ``"nvme"`` (any stage; DeepSpeed documents stage 3 only; masters and moments in swap files);
   ``nvme_path`` (required with ``"nvme"``): the swap directory, on a local NVMe drive; ``pin_memory`` (true:
   page-locked host buffers for full-bandwidth asynchronous copies; DeepSpeed's default since 0.19.5, false before);
-  ``buffer_count`` (4, at least 1): NVMe swap buffers (at least the states per parameter: 4 for Adam);
-  ``pipeline_read`` / ``pipeline_write`` (false): overlap the NVMe read of the next sub-group / write of the
-  previous one with the step of the current one; ``fast_init`` (false): with the parameters on NVMe too, write the
+  ``buffer_count`` (4, at least 1): NVMe: how many units' states are in memory at once (and the swap's host
+  buffers); ``pipeline_read`` / ``pipeline_write`` (false): overlap the NVMe read of the next units / write of the
+  previous ones with the step of the current one (false: each waited for at once); ``fast_init`` (false): with the parameters on NVMe too, write the
   initial NVMe master weights in batches; ``ratio`` (1, a fraction above 0 and at most 1): the part of the
   optimizer states (and step) on the CPU, the rest staying on the accelerator (below 1: stage 3 and ``"cpu"``
   only). ``super_offload`` is accepted as false only; ``cpuadam_cores_perc`` (a fraction in [0, 1]) sizes

@@ -5,9 +5,8 @@
 Keys, defaults and meanings are DeepSpeed's (``deepspeed/runtime/zero/offload_config.py`` and
 ``deepspeed/runtime/swap_tensor/aio_config.py``), with these differences, each an error where DeepSpeed goes on:
 ``device: "nvme"`` needs ``nvme_path`` (DeepSpeed fails later, joining a null path); ``offload_param`` at stage 1 or 2
-(DeepSpeed ignores it: there are no parameter shards to move); optimizer NVMe offload at stage 1 or 2 (documented as
-stage 3 only; DeepSpeed treats it as CPU offload); the buffer sizes and counts must be positive (DeepSpeed allows 0);
-``ratio`` must be above 0 (DeepSpeed allows 0: nothing offloaded) and, below 1, needs ``device: "cpu"`` (the partial
+(DeepSpeed ignores it: there are no parameter shards to move); the buffer sizes and counts must be positive
+(DeepSpeed allows 0); ``ratio`` must be above 0 (DeepSpeed allows 0: nothing offloaded) and, below 1, needs ``device: "cpu"`` (the partial
 offload splits the optimizer step between the accelerator and the CPU).
 """
 
@@ -35,11 +34,12 @@ class OffloadOptimizerConfig:
     """``zero_optimization.offload_optimizer`` (stages 1, 2 and 3): the optimizer states (fp32 master weights,
     moments, fp32 gradient shard) on ``device`` and the optimizer step on the CPU.
 
-    ``nvme_path``: the directory of the swap files with ``device == "nvme"`` (stage 3 only); ``pin_memory``:
+    ``nvme_path``: the directory of the swap files with ``device == "nvme"`` (any stage: zeropp swaps the
+    optimizer's side unit by unit at every stage, where DeepSpeed documents stage 3 only); ``pin_memory``:
     page-locked host buffers (DeepSpeed's default true since 0.19.5, false before: needed for asynchronous copies at
-    full bandwidth); ``buffer_count``: NVMe swap buffers (at least the states per parameter, 4 for Adam);
-    ``pipeline_read`` / ``pipeline_write``: overlap the read of the next sub-group / the write of the previous one
-    with the optimizer step of the current one (NVMe); ``fast_init``: with the parameters on NVMe too, write the
+    full bandwidth); ``buffer_count``: NVMe: how many units' states are in memory at once (and the swap's host
+    buffers); ``pipeline_read`` / ``pipeline_write``: overlap the read of the next units / the write of the previous
+    ones with the optimizer step of the current one (NVMe); ``fast_init``: with the parameters on NVMe too, write the
     initial NVMe master weights from them in batches instead of one sub-group at a time; ``ratio`` (stage 3,
     ``device == "cpu"``): the fraction of the optimizer states (and of the step) on the CPU, the rest staying on the
     accelerator."""
@@ -85,9 +85,6 @@ class OffloadOptimizerConfig:
         d = cls()
         device = _device(p, block, w)
         name = f"{w}.device"
-        if device == "nvme" and stage in (1, 2):
-            p.add(name, f"{name}=\"nvme\": NVMe optimizer offload (ZeRO-Infinity) needs stage 3, as in DeepSpeed; "
-                        "set the stage to 3, or the device to \"cpu\"")
         ratio = d.ratio
         if "ratio" in block:
             ratio = _fraction(p, block["ratio"], f"{w}.ratio", above_zero=True, fallback=d.ratio)

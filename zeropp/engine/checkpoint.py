@@ -434,9 +434,11 @@ def save(engine: ZeroEngine, save_dir: str | os.PathLike[str], tag: str | None =
         except Exception as e:  # noqa: BLE001 - raised on every rank by _agree
             error = e
     staging = _agree(engine, error, staging, context, first_alone=True)[0]
+    held = contextlib.ExitStack()  # an NVMe offload tier's masters and states, in memory until written
     try:
         error, state = None, {}
         try:
+            held.enter_context(engine.offload.resident(engine.units, write=False))
             if not staging.is_dir():
                 raise CheckpointError(f"rank {rank} does not see the directory {str(staging)!r} that the first rank "
                                       "created: save_dir must be one filesystem shared by every rank")
@@ -466,6 +468,8 @@ def save(engine: ZeroEngine, save_dir: str | os.PathLike[str], tag: str | None =
         if first:
             shutil.rmtree(staging, ignore_errors=True)
         raise
+    finally:
+        held.close()
     return root / tag
 
 
@@ -568,7 +572,7 @@ def _error_feedback_targets(engine: ZeroEngine, info: dict[str, Any] | None) -> 
     for entry in info["units"]:
         u, unit = entry["unit"], engine.units[entry["unit"]]
         ef = unit.error_feedback
-        ef.allocate(tuple(entry["key"]), entry["numel"], entry["partial_numel"], unit.master.device)
+        ef.allocate(tuple(entry["key"]), entry["numel"], entry["partial_numel"], unit.full.device)
         out[f"{prefix}.{u}.residual"] = ef.residual
         out[f"{prefix}.{u}.partial_residual"] = ef.partial_residual
     return out
@@ -612,19 +616,21 @@ def load(engine: ZeroEngine, load_dir: str | os.PathLike[str], tag: str | None =
         error = e
     _agree(engine, error)
 
-    # every tensor is read in place: masters, optimizer state, frozen parameters (shards), buffers, qgZ residuals
-    state = _tensors(engine)
-    state.update(_error_feedback_targets(engine, saved.get(_error_feedback_key(engine))))
-    try:
-        plain, slices = _split(state)
-        dcp.load(plain, checkpoint_id=path, process_group=engine.topology.group, planner=_LoadPlanner(slices))
-    except dcp.CheckpointException as e:  # raised on every rank by DCP
-        raise CheckpointError(f"reading checkpoint {str(path)!r} failed{_HINT}: {_describe(e)}") from None
+    # every tensor is read in place: masters, optimizer state, frozen parameters (shards), buffers, qgZ residuals;
+    # an NVMe offload tier's masters and states are read into memory and written to its swap files afterwards
+    with engine.offload.resident(engine.units, write=True):
+        state = _tensors(engine)
+        state.update(_error_feedback_targets(engine, saved.get(_error_feedback_key(engine))))
+        try:
+            plain, slices = _split(state)
+            dcp.load(plain, checkpoint_id=path, process_group=engine.topology.group, planner=_LoadPlanner(slices))
+        except dcp.CheckpointException as e:  # raised on every rank by DCP
+            raise CheckpointError(f"reading checkpoint {str(path)!r} failed{_HINT}: {_describe(e)}") from None
 
-    for unit in engine.units:
-        unit.publish()  # compute shard (and stages 1/2: whole parameters) from the masters; stage 3: freed
-        if unit.frozen is not None:
-            unit.frozen.secondary = None  # hpZ: held the values before the load
+        for unit in engine.units:
+            unit.publish()  # compute shard (and stages 1/2: whole parameters) from the masters; stage 3: freed
+            if unit.frozen is not None:
+                unit.frozen.secondary = None  # hpZ: held the values before the load
     values = saved["engine"]
     opt = engine.optimizer
     for group, hyper in zip(opt.param_groups, values["param_groups"]):
@@ -660,15 +666,16 @@ def consolidated_state_dict(engine: ZeroEngine, *, rank0_only: bool = False) -> 
     keep = not rank0_only or engine.comm.rank == 0
     whole: dict[str, torch.Tensor] = {}
     by_param: dict[int, torch.Tensor] = {}  # sharded frozen parameters
-    for unit in engine.units:
-        full = torch.empty(unit.full.numel(), dtype=torch.float32, device=unit.master.device)
-        engine.comm.gather_exact(unit.master, full)
+    for u, unit in enumerate(engine.units):
+        full = torch.empty(unit.full.numel(), dtype=torch.float32, device=unit.full.device)
+        with engine.offload.resident(engine.units, [u], write=False):  # an offloaded master: gathered on the device
+            engine.comm.gather_exact(unit.master.to(unit.full.device), full)
         if keep:
             for name, off, shape in zip(unit.param_names, unit.offsets, unit.shapes):
                 whole[name] = full[off : off + shape.numel()].view(shape).clone()
         if unit.frozen is not None:
-            values = unit.frozen.shard.new_empty(unit.comm.world_size * unit.frozen.shard_numel)
-            engine.comm.gather_exact(unit.frozen.shard, values)
+            values = unit.frozen.full.new_empty(unit.comm.world_size * unit.frozen.shard_numel)
+            engine.comm.gather_exact(unit.frozen.device_shard(), values)
             if keep:
                 for p, off, shape in zip(unit.frozen.params, unit.frozen.offsets, unit.frozen.shapes):
                     by_param[id(p)] = values[off : off + shape.numel()].view(shape).clone()
@@ -702,14 +709,15 @@ def load_whole_state_dict(engine: ZeroEngine, state_dict: Mapping[str, torch.Ten
         if name in values and tuple(values[name].shape) != tuple(unit.shapes[i]):
             raise ValueError(f"load_state_dict: {name!r} has shape {tuple(values[name].shape)}, the model's is "
                              f"{tuple(unit.shapes[i])}")
-    for unit in engine.units:
-        for i, a, b in unit.param_ranges():
-            value = values.get(unit.param_names[i])
-            if value is not None:
-                flat = value.detach().reshape(-1).to(device=unit.master.device, dtype=torch.float32)
-                lo = unit.start + a - unit.offsets[i]
-                unit.master[a:b].copy_(flat[lo : lo + b - a])
-        unit.publish()
+    for u, unit in enumerate(engine.units):
+        with engine.offload.resident(engine.units, [u], write=True):
+            for i, a, b in unit.param_ranges():
+                value = values.get(unit.param_names[i])
+                if value is not None:
+                    flat = value.detach().reshape(-1).to(device=unit.master.device, dtype=torch.float32)
+                    lo = unit.start + a - unit.offsets[i]
+                    unit.master[a:b].copy_(flat[lo : lo + b - a])
+            unit.publish()
     for key, tensor in _others(engine).items():
         if key in values:
             tensor.copy_(values[key])

@@ -203,6 +203,7 @@ import torch
 from torch import nn
 
 from .. import comm
+from ..offload import SwapError
 from ..config import Config, ConfigError
 from . import checkpoint, gathered, host_memory, reuse
 from .collectives import Collectives
@@ -212,11 +213,12 @@ from .hooks import GradientReadiness, install_entry_hooks, install_stage3_hooks
 from .loss_scaler import LossScaler
 from .monitor import Monitor
 from .materialize import Materializer, MetaInit
+from .offload import OffloadError, OptimizerOffload, ParamOffload
 from .optimizer import PartitionedOptimizer
 from .policy import UnitPolicy, plan_units
 from .prefetch import Prefetcher
 from .scheduler import build_scheduler
-from .unit import GradientReduction, ReduceBuffers, Unit, gather_bucketed, reduce_bucketed
+from .unit import GradientReduction, ReduceBuffers, Unit, gather_bucketed, moved, reduce_bucketed
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -250,7 +252,7 @@ class ZeroEngine:
         lr_scheduler: Any = None,
         meta_init: MetaInit | None = None,
     ) -> None:
-        _refuse_offload(config)  # placeholder until the engine runs offload tiers
+        _refuse_unsupported_offload(config)
         self.module = module
         self.config = config
         self.topology = topology
@@ -275,6 +277,17 @@ class ZeroEngine:
             module, plans, seed=meta_init.seed, param_init_fn=meta_init.param_init_fn, device=meta_init.device,
             dtype=self.compute_dtype)
         buffers = ReduceBuffers()
+        built = [plan for plan in plans if plan.params or (plan.frozen if sharded else [])]
+        self._device = _device_of(built, meta_init)
+        self.offload = OptimizerOffload(zero.offload_optimizer, config.aio, device=self._device,
+                                        numels=[sum(p.numel() for _, p in plan.params) for plan in built],
+                                        rank=topology.global_rank)
+        self.param_offload = ParamOffload(zero.offload_param, device=self._device)
+        if self.param_offload.enabled and self.comm.world_size == 1 and self._device.type != "cpu":
+            raise ConfigError(f"zero_optimization.offload_param.device=\"cpu\" at one rank on {self._device}: this "
+                              "build keeps the whole weights of a single rank on the device (there are no shards to "
+                              "move); set it to \"none\" (offload_optimizer moves the optimizer's states), or train "
+                              "on more ranks")
         self.units = []
         modules = {}
         for plan in plans:
@@ -282,11 +295,17 @@ class ZeroEngine:
                 self.materializer.materialize(plan)
             frozen = plan.frozen if sharded else []  # stages 1/2: frozen parameters stay whole, in no unit
             if plan.params or frozen:
+                u = len(self.units)
                 self.units.append(Unit(plan.name, plan.params, self.comm, sharded=sharded, reduce_buffers=buffers,
-                                       frozen=frozen, broadcast=self.materializer is None))
+                                       frozen=frozen, broadcast=self.materializer is None,
+                                       optimizer_side=None if not self.offload.config.enabled
+                                       else lambda n, u=u: self.offload.empty(u, n),
+                                       shard_home=self.param_offload.home if self.param_offload.enabled else None))
                 modules[plan.name] = plan.module
         assert config.optimizer is not None
         self.optimizer = PartitionedOptimizer(config.optimizer, self.units, model_parameters)
+        self.offload.attach(self.units, self.optimizer.state)
+        self._failure: str | None = None  # why the engine cannot go on (an offload read or write failed)
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self.prefetcher = Prefetcher(zero.stage3_prefetch_bucket_size if sharded else 0)
         self.state_dict_gathering: StateDictGathering | None = None
@@ -341,6 +360,7 @@ class ZeroEngine:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model. With grad enabled, the result's loss must go to ``backward`` before the next ``step``."""
+        self._check_usable()
         if self._backward_pending and torch.is_grad_enabled():
             raise EngineUsageError(
                 "forward() after backward() without step(): call engine.step() after every engine.backward() "
@@ -430,9 +450,7 @@ class ZeroEngine:
             self._global_grad_norm = None
         else:
             self._clip_gradients(stats[0])
-            self.optimizer.step()
-            for unit in self.units:
-                unit.publish()
+            self._step_optimizer()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
         self._step_applied = not self.overflow
@@ -513,8 +531,9 @@ class ZeroEngine:
 
     @property
     def device(self) -> torch.device:
-        """The device of the model's parameters and of every shard."""
-        return self.units[0].master.device
+        """The device of the model's parameters and of the compute shards (an offload tier keeps the optimizer's
+        side elsewhere: ``zeropp.engine.offload``)."""
+        return self._device
 
     def get_lr(self) -> list[float]:
         """The learning rate of every parameter group (what the next optimizer step uses)."""
@@ -723,6 +742,42 @@ class ZeroEngine:
         while self._reductions:
             self._reductions.popleft().wait()
 
+    def _step_optimizer(self) -> None:
+        """Step every unit, in the order of the offload tier's stream (an NVMe tier reads each unit's master and
+        state ahead and writes them behind), copying each stepped master into its compute shard; then, stages 1
+        and 2, all-gather the shards. With NVMe, the ranks first agree whether some rank's swap failed (one small
+        all-reduce), so that no rank waits in a collective that a failed rank never enters."""
+        failure: SwapError | None = None
+        stream = self.offload.stream(self.units, write=True)
+        try:
+            self.optimizer.step(stream, after=Unit.publish_shard)
+        except SwapError as e:
+            failure = e
+        finally:
+            stream.close()
+        if self.offload.nvme:
+            flags = torch.zeros(self.comm.world_size, device=self.device)
+            flags[self.comm.rank] = failure is not None
+            failed = [self.topology.ranks[r] for r, bad in enumerate(self.comm.all_reduce_sum(flags).tolist()) if bad]
+            if failed:
+                self._failure = (
+                    f"the optimizer step {self.global_steps + 1} failed reading or writing the NVMe offload's swap "
+                    f"files on rank(s) {failed} ({failure if failure is not None else 'that rank raised the cause'}); "
+                    "some units were stepped and some not, so this engine's weights are no longer consistent: build a "
+                    "new engine and load the last checkpoint (engine.load_checkpoint)")
+                raise OffloadError(self._failure) from failure
+        for unit in self.units:
+            unit.publish_gather()
+
+    def _check_usable(self) -> None:
+        if self._failure is not None:
+            raise OffloadError(f"this engine cannot go on: {self._failure}")
+
+    def destroy(self) -> None:
+        """Release what the engine holds outside the process's memory: the NVMe offload's swap files (DeepSpeed's
+        ``engine.destroy()``). Also done when the process exits."""
+        self.offload.close()
+
     def _gradient_stats(self) -> torch.Tensor:
         """At the boundary, before clipping and the optimizer: under fp16 divide every ``grad_shard`` by the loss
         scale; then compute one float64 vector of ``1 + len(units)`` values over this rank's units and sum it over
@@ -742,15 +797,15 @@ class ZeroEngine:
             inv = 1.0 / self.loss_scaler.scale
             for unit in self.units:
                 unit.grad_shard.mul_(inv)
-        total = torch.zeros((), dtype=torch.float64, device=self.units[0].grad_shard.device)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)
         flags = []
-        for unit in self.units:
+        for unit in self.units:  # an offloaded grad_shard: reduced where it lives, the value moved to the device
             if clip:
-                sq = unit.grad_shard.double().pow(2).sum()
+                sq = moved(unit.grad_shard.double().pow(2).sum(), self.device)
                 total += sq
                 flags.append(torch.isfinite(sq).logical_not())
             else:
-                flags.append(torch.isfinite(unit.grad_shard).all().logical_not())
+                flags.append(moved(torch.isfinite(unit.grad_shard).all().logical_not(), self.device))
         stats = torch.cat([total.view(1), torch.stack(flags).to(torch.float64)])
         return self.comm.all_reduce_sum(stats)
 
@@ -775,7 +830,7 @@ class ZeroEngine:
         # the float64 arithmetic of the host formula, so the result is bit-identical to it
         coef = torch.full_like(norm, clip).div_(norm + 1e-6).clamp_(max=1.0)
         for unit in self.units:
-            unit.grad_shard.mul_(coef)
+            unit.grad_shard.mul_(moved(coef, unit.grad_shard.device))
 
     # ---- weights ------------------------------------------------------------------------------------------
 
@@ -813,7 +868,7 @@ class ZeroEngine:
             raise EngineUsageError("gathered_parameters() between a forward and its step(): use it before the forward "
                                    "or after engine.step()")
         return gathered.gathered_parameters(self.units, self.module, modules, modifier_rank, self.comm,
-                                            self.entry_check)
+                                            self.entry_check, self.offload)
 
     def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
                         client_state: dict[str, Any] | None = None) -> Path:
@@ -841,6 +896,7 @@ class ZeroEngine:
                 f"{', backward() without step()' if self._backward_pending else ''}): the accumulated gradients are "
                 "not saved; call it after the step() that ends the window"
             )
+        self._check_usable()
         with self.entry_check.entered("engine.save_checkpoint()", save_hint=False):
             return checkpoint.save(self, save_dir, tag, client_state)
 
@@ -889,20 +945,28 @@ class LoadResult(NamedTuple):
     unexpected_keys: list[str]
 
 
-def _refuse_offload(config: Config) -> None:
-    """Raise a ``ConfigError`` when ``config`` asks for offload (an offload device other than ``"none"`` or a
-    ``zero_optimization.zeropp.memory_budget``): the config parses it, but this engine keeps every state on the
-    accelerator, so running would silently ignore it. A placeholder, removed when the engine runs offload tiers."""
+def _refuse_unsupported_offload(config: Config) -> None:
+    """Raise a ``ConfigError`` when ``config`` asks for what the config parses but the engine does not run yet:
+    ``offload_param`` on NVMe and ``zero_optimization.zeropp.memory_budget``."""
     zero = config.zero_optimization
-    asked = [f"zero_optimization.{key}.device={block.device!r}"
-             for key, block in (("offload_optimizer", zero.offload_optimizer), ("offload_param", zero.offload_param))
-             if block.enabled]
+    param = zero.offload_param
+    asked = [f"zero_optimization.offload_param.device={param.device!r}"] if param.nvme else []
     if zero.zeropp.memory_budget is not None:
         asked.append("zero_optimization.zeropp.memory_budget")
     if asked:
-        raise ConfigError(f"{', '.join(asked)}: parsed, but this build of zeropp does not run offload tiers yet; set "
-                          "the offload devices to \"none\" and remove memory_budget to train with every state on the "
-                          "accelerator")
+        raise ConfigError(f"{', '.join(asked)}: parsed, but this build of zeropp does not run it yet (issue 21); "
+                          "set offload_param.device to \"none\" or \"cpu\" and remove memory_budget; offload_optimizer "
+                          "(cpu or nvme) runs")
+
+
+def _device_of(plans: list[Any], meta_init: MetaInit | None) -> torch.device:
+    """The compute device: where a meta model is materialised, else that of the first unit's parameters."""
+    if meta_init is not None:
+        return torch.device(meta_init.device)
+    for plan in plans:
+        for _, p in [*plan.params, *plan.frozen]:
+            return p.device
+    return torch.device("cpu")
 
 
 def compute_dtype(config: Config) -> torch.dtype:

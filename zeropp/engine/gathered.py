@@ -48,6 +48,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .collectives import Collectives
 from .entry_check import EntryCheck
+from .offload import OptimizerOffload
 from .unit import Unit
 
 
@@ -60,9 +61,10 @@ def _param_owners(units: list[Unit]) -> dict[int, Unit]:
 
 @contextlib.contextmanager
 def gathered_parameters(units: list[Unit], module: nn.Module, modules: nn.Module | Iterable[nn.Module] | None,
-                        modifier_rank: int | None, comm: Collectives, entry_check: EntryCheck) -> Iterator[None]:
-    """The context of ``ZeroEngine.gathered_parameters`` (see the module docstring); ``units``, ``module``, ``comm``
-    and ``entry_check`` are the engine's."""
+                        modifier_rank: int | None, comm: Collectives, entry_check: EntryCheck,
+                        offload: OptimizerOffload) -> Iterator[None]:
+    """The context of ``ZeroEngine.gathered_parameters`` (see the module docstring); ``units``, ``module``, ``comm``,
+    ``entry_check`` and ``offload`` (where the masters live) are the engine's."""
     ranks = list(comm.topology.ranks)
     if modifier_rank is not None and modifier_rank not in ranks:
         raise ValueError(f"modifier_rank={modifier_rank} is not a global rank of the data-parallel group {ranks}")
@@ -92,7 +94,8 @@ def gathered_parameters(units: list[Unit], module: nn.Module, modules: nn.Module
         if modifier_rank is not None and not failed:
             with torch.no_grad():
                 for unit in picked:
-                    unit.write_back(modifier_rank)
+                    with offload.resident(units, [units.index(unit)], write=True):
+                        unit.write_back(modifier_rank)
                 for p in loose:
                     comm.broadcast(p.data, modifier_rank)
         for unit in picked:

@@ -7,7 +7,9 @@ that an fp32 step must read and write, against about eight passes of the single-
 ``torch.optim.sgd.sgd(..., foreach=True)``. So a sharded run is bit-identical to a single-process
 ``torch.optim.AdamW(fused=True)`` / ``Adam(fused=True)`` / ``SGD(foreach=True)`` run on the same gradients: the
 fused kernel computes every element alone, whatever tensor it sits in (``tests/engine/test_optimizer_step.py``
-shows it for cuts at any offset). One call per parameter group steps every segment of that group at once.
+shows it for cuts at any offset). One call per unit and parameter group steps that unit's segments of the group; the
+units are stepped one after the other, so an offload tier (``zeropp.engine.offload``) can hold only the unit being
+stepped (and those read ahead) in memory.
 
 Parameter groups work as in torch.optim: ``param_groups`` is a list of dicts holding ``params`` (the original
 ``nn.Parameter`` objects) and the hyperparameters, read again at every step (so a learning-rate schedule may set
@@ -27,7 +29,7 @@ group to ``initialize``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,34 +108,39 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                     self.segments.append(_Segment(unit, g, a, b))
         # optimizer state, one fp32 shard per unit and kind
         kinds = ("exp_avg", "exp_avg_sq") if self.type != "SGD" else ("momentum_buffer",)
-        self.state: dict[str, list[torch.Tensor]] = {
+        self.state: dict[str, list[torch.Tensor]] = {  # on each master's device (an offload tier's home)
             k: [torch.zeros_like(u.master) for u in units] for k in kinds
         }
         self._unit_index = {id(u): i for i, u in enumerate(units)}
-        self._by_group: dict[int, list[_Segment]] = {g: [] for g in range(len(self.param_groups))}
+        # per unit, its segments by parameter group: one fused call steps a unit's segments of one group
+        self._by_unit: list[dict[int, list[_Segment]]] = [{} for _ in units]
         for seg in self.segments:
-            self._by_group[seg.group].append(seg)
+            self._by_unit[self._unit_index[id(seg.unit)]].setdefault(seg.group, []).append(seg)
         self.steps = [0 for _ in self.param_groups]
 
     @torch.no_grad()
-    def step(self) -> None:
-        """One update of every master shard from its gradient shard (``Unit.grad_shard``)."""
+    def step(self, order: Iterable[int] | None = None, after: Callable[[Unit], None] | None = None) -> None:
+        """One update of every master shard from its gradient shard (``Unit.grad_shard``).
+
+        ``order`` yields the index of each unit, in the order to step them (all units in turn by default; the
+        engine passes ``OptimizerOffload.stream``, which has each unit's state in memory while it is stepped), and
+        ``after(unit)`` runs once the unit is stepped, before the next is asked for (the engine publishes it)."""
         for g in range(len(self.param_groups)):
             self.steps[g] += 1
-        for g, segments in self._by_group.items():
-            if not segments:
-                continue
-            group = self.param_groups[g]
-            params = [seg.unit.master[seg.start : seg.stop] for seg in segments]
-            grads = [seg.unit.grad_shard[seg.start : seg.stop] for seg in segments]
-            units = [self._unit_index[id(seg.unit)] for seg in segments]
-            state = {k: [v[u][seg.start : seg.stop] for u, seg in zip(units, segments)]
-                     for k, v in self.state.items()}
-            if self.type == "SGD":
-                _sgd(params, grads, state["momentum_buffer"], group, first=self.steps[g] == 1)
-            else:
-                decoupled = self.type == "AdamW" or group["adam_w_mode"]
-                _adam(params, grads, state["exp_avg"], state["exp_avg_sq"], group, self.steps[g], decoupled)
+        for u in range(len(self.units)) if order is None else order:
+            unit = self.units[u]
+            for g, segments in self._by_unit[u].items():
+                group = self.param_groups[g]
+                params = [unit.master[seg.start : seg.stop] for seg in segments]
+                grads = [unit.grad_shard[seg.start : seg.stop] for seg in segments]
+                state = {k: [v[u][seg.start : seg.stop] for seg in segments] for k, v in self.state.items()}
+                if self.type == "SGD":
+                    _sgd(params, grads, state["momentum_buffer"], group, first=self.steps[g] == 1)
+                else:
+                    decoupled = self.type == "AdamW" or group["adam_w_mode"]
+                    _adam(params, grads, state["exp_avg"], state["exp_avg_sq"], group, self.steps[g], decoupled)
+            if after is not None:
+                after(unit)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients accumulated since the last optimizer step (``ZeroEngine.zero_grad``): every unit's

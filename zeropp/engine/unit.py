@@ -71,6 +71,8 @@ waits for it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -105,6 +107,12 @@ class Unit:
             (floating ones; others stay whole on every rank).
         broadcast: take the first rank's values (a model built eagerly on every rank); ``False``: every rank
             already holds the same values (a materialised model), nothing is sent.
+        optimizer_side: makes the fp32 ``master`` and ``grad_shard`` (an element count -> an uninitialised fp32
+            tensor) where an offload tier keeps them (``OptimizerOffload.empty``); by default they are made on the
+            parameters' device.
+        shard_home: stage 3, ``offload_param``: moves a compute-dtype shard (this unit's and its frozen one) to where
+            it lives between uses (``ParamOffload.home``); every gather copies it to the device first
+            (``device_shard``). By default the shards stay on the parameters' device.
 
     Attributes:
         pinned: while positive, ``free()`` leaves the unit whole (``ZeroEngine.gathered_parameters``).
@@ -123,6 +131,8 @@ class Unit:
         reduce_buffers: ReduceBuffers | None = None,
         frozen: list[tuple[str, nn.Parameter]] | None = None,
         broadcast: bool = True,
+        optimizer_side: Callable[[int], torch.Tensor] | None = None,
+        shard_home: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.name = name
         self.param_names = [n for n, _ in params]
@@ -160,14 +170,18 @@ class Unit:
         if broadcast:
             comm.broadcast_from_first(self.full)  # every rank starts from the first rank's weights
         local = self.full[self.start : self.start + self.shard_numel]
-        self.shard = local if self.single else local.clone()
-        self.master = local.to(torch.float32, copy=True)
-        self.grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
+        self.shard = local if self.single else local.clone() if shard_home is None else shard_home(local)
+        if optimizer_side is None:
+            self.master = local.to(torch.float32, copy=True)
+            self.grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
+        else:  # an offload tier's home (zeropp.engine.offload)
+            self.master = optimizer_side(self.shard_numel).copy_(local)
+            self.grad_shard = optimizer_side(self.shard_numel).zero_()
         self._full_nbytes = self.full.untyped_storage().nbytes()
         self.hpz = comm.hpz if sharded else 1
         self.secondary: torch.Tensor | None = None  # hpZ: this rank's 1/hpz of the gathered values
         self.error_feedback = _comm.ErrorFeedback() if comm.error_feedback else None
-        self.frozen = (FrozenFlat(frozen_floating, comm, hpz=self.hpz, broadcast=broadcast)
+        self.frozen = (FrozenFlat(frozen_floating, comm, hpz=self.hpz, broadcast=broadcast, shard_home=shard_home)
                        if frozen_floating else None)
         self.pinned = 0
         self.pending_input_grads = 0
@@ -189,6 +203,10 @@ class Unit:
         for p, off, shape in zip(self.params, self.offsets, self.shapes):
             p.data = self.full[off : off + shape.numel()].view(shape)
 
+    def device_shard(self) -> torch.Tensor:
+        """The compute shard on the parameters' device, for a collective (``_on_device``)."""
+        return _on_device(self.shard, self.full)
+
     def secondary_range(self) -> tuple[int, int]:
         """hpZ: elements ``[start, stop)`` of ``full`` this rank keeps as its secondary shard (its position
         ``i`` in the partition group: ``i * L`` to ``(i + 1) * L``, ``L = P * S / hpz``)."""
@@ -206,7 +224,7 @@ class Unit:
             if self.secondary is not None:
                 self._gathering = self.comm.gather_secondary(self.secondary, self.full)
             else:
-                self._gathering = self.comm.gather_params(self.shard, self.full)
+                self._gathering = self.comm.gather_params(self.device_shard(), self.full)
             if self.frozen is not None:
                 self.frozen.start_gather()
             self.gathered = True
@@ -245,7 +263,7 @@ class Unit:
             return
         self._release()  # a persistent unit too: it may hold qwZ-dequantized values
         self.full.untyped_storage().resize_(self._full_nbytes)
-        self.comm.gather_exact(self.shard, self.full)
+        self.comm.gather_exact(self.device_shard(), self.full)
         if self.frozen is not None:
             self.frozen.gather_exact()
         self.gathered = True
@@ -288,8 +306,9 @@ class Unit:
         must be whole with exact values (``gather_exact``). A collective."""
         self.comm.broadcast(self.full, src)
         new = self.full[self.start : self.start + self.shard_numel]
-        changed = new != self.master.to(new.dtype)
-        torch.where(changed, new.to(torch.float32), self.master, out=self.master)
+        here = moved(new, self.master.device)  # an offloaded master: compared and updated where it lives
+        changed = here != self.master.to(new.dtype)
+        torch.where(changed, here.to(torch.float32), self.master, out=self.master)
         if not self.single:
             self.shard.copy_(new)
         self.secondary = None
@@ -308,20 +327,28 @@ class Unit:
             if self.pinned or flat.single or (not flat.sharded and flat.comm.weight_bits is None):
                 whole = flat.full
             else:
-                whole = flat.shard.new_empty(flat.comm.world_size * flat.shard_numel)
-                flat.comm.gather_exact(flat.shard, whole)
+                whole = flat.full.new_empty(flat.comm.world_size * flat.shard_numel)
+                flat.comm.gather_exact(flat.device_shard(), whole)
             for p, off, shape in zip(flat.params, flat.offsets, flat.shapes):
                 out[id(p)] = whole[off : off + shape.numel()].view(shape).clone()
         return out
 
     def publish(self) -> None:
-        """After an optimizer step: copy the master shard into ``shard`` and, in stages 1 and 2, all-gather it so
-        every rank's whole parameters hold the new values (stage 3, persistent units too: gathers at the next use).
-        Frozen parameters are left as they are."""
+        """After an optimizer step: ``publish_shard`` then ``publish_gather``."""
+        self.publish_shard()
+        self.publish_gather()
+
+    def publish_shard(self) -> None:
+        """Copy the master shard (stepped) into the compute-dtype ``shard``; stage 3: release the whole parameters
+        and drop the hpZ secondary (they hold the old weights). No communication."""
         if self.sharded:
             self._release()
-        self.secondary = None  # hpZ: the secondary holds the old weights
+        self.secondary = None
         self.shard.copy_(self.master)
+
+    def publish_gather(self) -> None:
+        """Stages 1 and 2: all-gather the shards so that every rank's whole parameters hold the new values (stage
+        3, persistent units too: gathered at the next use). Frozen parameters are left as they are."""
         if not self.sharded and not self.single:
             self.comm.gather_params(self.shard, self.full).wait()
 
@@ -338,7 +365,7 @@ class Unit:
         if self.single:
             for p, off in zip(self.params, self.offsets):
                 if p.grad is not None:
-                    self.grad_shard[off : off + p.numel()].add_(p.grad.reshape(-1))
+                    self.grad_shard[off : off + p.numel()].add_(moved(p.grad.reshape(-1), self.grad_shard.device))
                     p.grad = None
             self.comm.count_local_reduce_scatter()
             return GradientReduction(None)
@@ -402,7 +429,7 @@ class FrozenFlat:
     """
 
     def __init__(self, params: list[tuple[str, nn.Parameter]], comm: Collectives, *, hpz: int,
-                 broadcast: bool) -> None:
+                 broadcast: bool, shard_home: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
         self.param_names = [n for n, _ in params]
         self.params = [p for _, p in params]
         self.comm = comm
@@ -424,7 +451,7 @@ class FrozenFlat:
         if broadcast:
             comm.broadcast_from_first(self.full)
         local = self.full[self.start : self.start + self.shard_numel]
-        self.shard = local if self.single else local.clone()
+        self.shard = local if self.single else local.clone() if shard_home is None else shard_home(local)
         self._full_nbytes = self.full.untyped_storage().nbytes()
         self.hpz = hpz
         self.secondary: torch.Tensor | None = None  # hpZ: made at the first gather, kept (the values never change)
@@ -442,7 +469,10 @@ class FrozenFlat:
         if self.secondary is not None:
             self._gathering = self.comm.gather_secondary(self.secondary, self.full)
         else:
-            self._gathering = self.comm.gather_params(self.shard, self.full)
+            self._gathering = self.comm.gather_params(self.device_shard(), self.full)
+
+    def device_shard(self) -> torch.Tensor:
+        return _on_device(self.shard, self.full)
 
     def finish_gather(self) -> None:
         work, self._gathering = self._gathering, None
@@ -462,7 +492,7 @@ class FrozenFlat:
 
     def gather_exact(self) -> None:
         self.full.untyped_storage().resize_(self._full_nbytes)
-        self.comm.gather_exact(self.shard, self.full)
+        self.comm.gather_exact(self.device_shard(), self.full)
         self._bind()
 
     def free(self) -> None:
@@ -479,6 +509,20 @@ class FrozenFlat:
         if not self.single:
             self.shard.copy_(self.full[self.start : self.start + self.shard_numel])
         self.secondary = None
+
+
+def moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device``: itself when it is there (no call that could wait for a device), else a copy (an
+    offload tier's host tensors meeting the device's)."""
+    return tensor if tensor.device == device else tensor.to(device)
+
+
+def _on_device(shard: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """``shard`` itself when it is on ``full``'s device, else (``offload_param``) a copy of it there: asynchronous
+    from page-locked memory, on the current stream, which the collective that reads it then uses."""
+    if shard.device == full.device:
+        return shard
+    return shard.to(full.device, non_blocking=shard.is_pinned())
 
 
 def gather_bucketed(units: list[Unit]) -> None:
@@ -500,7 +544,7 @@ def gather_bucketed(units: list[Unit]) -> None:
         return
     sizes = [u.shard_numel for u in todo]
     width = sum(sizes)
-    shards = torch.cat([u.shard for u in todo])
+    shards = torch.cat([u.device_shard() for u in todo])
     bucket = torch.empty(comm.world_size * width, dtype=shards.dtype, device=shards.device)
     work = comm.gather_params(shards, bucket)
     at = 0
@@ -616,8 +660,8 @@ class GradientReduction:
         self._work.wait()
         self._work = None
         at = 0
-        for grad_shard in self._grad_shards:
-            grad_shard.add_(self._received[at : at + grad_shard.numel()])
+        for grad_shard in self._grad_shards:  # an offloaded grad_shard: the slice copied to the host first
+            grad_shard.add_(moved(self._received[at : at + grad_shard.numel()], grad_shard.device))
             at += grad_shard.numel()
         if self._flat is not None and self._buffers is not None:
             self._buffers.give(self._flat)

@@ -1,0 +1,277 @@
+"""Where the optimizer side of each unit lives: DeepSpeed's ``zero_optimization.offload_optimizer`` (ZeRO-Offload and
+ZeRO-Infinity's optimizer tier); and ``offload_param: cpu``, the stage-3 compute shards in host memory
+(``ParamOffload``).
+
+The optimizer side of a unit is its fp32 ``master`` shard, its fp32 ``grad_shard`` and the optimizer's state kinds
+(``exp_avg``/``exp_avg_sq`` or ``momentum_buffer``), ``S`` elements each (``Unit``). Tiers (``device``):
+
+* ``"none"``: all on the compute device (no offload).
+* ``"cpu"``: all in host memory, page-locked when the compute device is CUDA and ``pin_memory`` is set. Each
+  reduce-scatter's slice is copied to the host and added into ``grad_shard``; the step runs on the CPU threads
+  (torch's fused CPU Adam); ``publish`` copies the new master into the compute-dtype shard on the device. With
+  ``ratio < 1`` (stage 3) only the first units up to that fraction of the trainable elements go to the host, the
+  rest stay on the device (DeepSpeed's partial offload).
+* ``"nvme"``: ``grad_shard`` in host memory as ``"cpu"``; ``master`` and the state kinds in swap files under
+  ``nvme_path`` (``zeropp.offload.SwapSpace``, one region per unit and kind), in memory only while a unit is being
+  stepped or read. The step streams the units in order: with ``pipeline_read`` the next units' reads are started
+  before the current unit is stepped, with ``pipeline_write`` a stepped unit's write-behind is left in flight while
+  the next units step (without them each read and write is waited for at once, DeepSpeed's meaning). At most
+  ``buffer_count`` units' states are in memory at once, so per-rank host memory is the gradient shards, the swap
+  buffers and ``buffer_count`` units' ``3 S`` (Adam) fp32 elements.
+
+On a machine without an accelerator the compute device is the CPU, so ``"cpu"`` keeps exactly what ``"none"`` keeps
+(only ``"nvme"`` moves anything): the host-device copies are exercised by the CUDA tests.
+
+A swapped-out tensor keeps its shape and dtype but no storage (``untyped_storage().resize_(0)``, as stage 3 frees
+``full``), so code that reads a master without making it resident fails at once instead of reading stale values;
+``resident`` and ``stream`` bring storage back and read the swap files into it. A read whose checksum does not match
+what was written raises ``zeropp.offload.SwapError`` naming the file (``zeropp.offload.swap``).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import time
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+
+from ..config import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
+from ..offload import SwapSpace
+from ..offload import aio as _aio
+from .unit import Unit
+
+
+class OffloadError(RuntimeError):
+    """An offload tier failed (a swap read or write on some rank): raised on every rank by the step, and by every
+    later use of the engine; its message names the ranks and the cause, and says to resume from the last
+    checkpoint in a new engine."""
+
+
+class OptimizerOffload:
+    """The tier of every unit's optimizer side (module docstring).
+
+    Args:
+        config: the ``offload_optimizer`` block.
+        aio: the ``aio`` block (NVMe reads and writes).
+        device: the compute device (the parameters').
+        numels: the trainable elements of each unit, in unit order (for ``ratio``).
+        rank: the global rank (names the swap directory).
+    """
+
+    def __init__(self, config: OffloadOptimizerConfig, aio: AioConfig, *, device: torch.device,
+                 numels: Sequence[int], rank: int) -> None:
+        self.config = config
+        self.aio = aio
+        self.device = torch.device(device)
+        self.rank = rank
+        self.tier = config.device
+        host = torch.device("cpu")
+        if not config.enabled:
+            self.homes = [self.device for _ in numels]
+        elif config.partial:  # the first units up to ratio of the elements on the host
+            total, at, self.homes = sum(numels), 0, []
+            for n in numels:
+                self.homes.append(host if at + n <= config.ratio * total else self.device)
+                at += n
+        else:
+            self.homes = [host for _ in numels]
+        self.pin = config.enabled and config.pin_memory and self.device.type == "cuda"
+        self.swap: SwapSpace | None = None
+        self._tensors: list[dict[str, torch.Tensor]] = []  # nvme: per unit, the swapped tensors by kind
+        self._resident: set[int] = set()
+        self.counters = {"bytes_read": 0, "bytes_written": 0, "read_wait_s": 0.0, "write_wait_s": 0.0}
+        """NVMe: bytes read from and written to the swap files since ``attach``, and the seconds the engine waited
+        for reads and for writes (time a pipelined transfer ran under the step is not counted)."""
+
+    @property
+    def nvme(self) -> bool:
+        return self.tier == "nvme"
+
+    def empty(self, unit: int, numel: int) -> torch.Tensor:
+        """An fp32 tensor of ``numel`` elements for unit ``unit``'s optimizer side, on its home (pinned if asked)."""
+        home = self.homes[unit]
+        if home.type == "cpu" and self.pin:
+            return torch.empty(numel, dtype=torch.float32, pin_memory=True)
+        return torch.empty(numel, dtype=torch.float32, device=home)
+
+    def attach(self, units: Sequence[Unit], state: dict[str, list[torch.Tensor]]) -> None:
+        """NVMe: make one swap region per unit and kind (``master`` and the optimizer's ``state`` kinds), write the
+        initial values to them and release the tensors' storage. Other tiers: nothing."""
+        if not self.nvme:
+            return
+        self._tensors = [{"master": unit.master, **{k: v[u] for k, v in state.items()}} for u, unit in enumerate(units)]
+        regions = {_key(u, kind): t.numel() * t.element_size()
+                   for u, tensors in enumerate(self._tensors) for kind, t in tensors.items() if t.numel()}
+        if not regions:
+            return
+        self.swap = SwapSpace(
+            self.config.nvme_path, regions, rank=self.rank,
+            config_key="zero_optimization.offload_optimizer.nvme_path",
+            aio=_aio.AioConfig(block_size=self.aio.block_size, queue_depth=self.aio.queue_depth,
+                               thread_count=self.aio.intra_op_parallelism),
+            buffer_count=self.config.buffer_count, pin_memory=self.pin)
+        weakref.finalize(self, self.swap.close)  # the files go when the engine does, or at exit, without destroy()
+        self._resident = set(range(len(units)))
+        for u in range(len(units)):
+            self._finish_write(u, self._write(u))
+        self.counters = dict.fromkeys(self.counters, 0)
+
+    def close(self) -> None:
+        """Delete the swap files (NVMe)."""
+        if self.swap is not None:
+            self.swap.close()
+            self.swap = None
+
+    # ---- residency ------------------------------------------------------------------------------------------
+
+    def stream(self, units: Sequence[Unit], *, write: bool) -> Iterator[int]:
+        """Yield the index of each of ``units`` in order, its optimizer side in memory while the caller holds it;
+        with ``write`` each is written back after the caller moves on (NVMe; other tiers yield at once). Reads
+        ahead with ``pipeline_read``, leaves writes in flight with ``pipeline_write``, never more than
+        ``buffer_count`` units in memory. Every transfer has finished when the generator is exhausted or closed; closed
+        early (the caller raised), the unit it held is released without being written."""
+        if not self.nvme or self.swap is None:
+            yield from range(len(units))
+            return
+        limit = max(1, self.config.buffer_count)
+        ahead = limit - 1 if self.config.pipeline_read else 0
+        reads: dict[int, _Transfers] = {}
+        writes: collections.deque[tuple[int, _Transfers]] = collections.deque()
+        held: int | None = None  # the unit the caller holds
+        try:
+            for u in range(len(units)):
+                for v in range(u, min(len(units), u + ahead + 1)):
+                    if v in reads or v in self._resident:
+                        continue
+                    while len(self._resident) >= limit and writes:
+                        self._finish_write(*writes.popleft())
+                    if v != u and len(self._resident) >= limit:
+                        break
+                    reads[v] = self._read(v)
+                if u in reads:
+                    self._wait(reads.pop(u), "read_wait_s")
+                held = u
+                yield u
+                held = None
+                if write:
+                    writes.append((u, self._write(u)))
+                    if not self.config.pipeline_write:
+                        self._finish_write(*writes.popleft())
+                else:
+                    self._release(u)
+            while writes:
+                self._finish_write(*writes.popleft())
+        finally:  # an error or an early close: every transfer ends before the tensors are released; the unit the
+            # caller held is dropped unwritten (its swap files keep the values last written)
+            for u, transfers in list(reads.items()) + list(writes):
+                transfers.wait_quietly()
+                self._release(u)
+            if held is not None:
+                self._release(held)
+
+    @contextlib.contextmanager
+    def resident(self, units: Sequence[Unit], indices: Iterable[int] | None = None, *,
+                 write: bool) -> Iterator[None]:
+        """Hold the optimizer side of ``units[i]`` for ``i`` in ``indices`` (all by default) in memory for the
+        block (checkpoints, ``load_state_dict``, ``gathered_parameters`` write-back); with ``write``, write them
+        back at the end (NVMe; other tiers: nothing)."""
+        if not self.nvme or self.swap is None:
+            yield
+            return
+        chosen = [u for u in (range(len(units)) if indices is None else indices) if u not in self._resident]
+        try:
+            for u in chosen:
+                self._wait(self._read(u), "read_wait_s")
+            yield
+            if write:
+                for u in chosen:
+                    self._wait(self._write(u), "write_wait_s")
+        finally:
+            for u in chosen:
+                if u in self._resident:
+                    self._release(u)
+
+    def _read(self, u: int) -> _Transfers:
+        assert self.swap is not None
+        handles = []
+        for kind, t in self._tensors[u].items():
+            if t.numel():
+                t.untyped_storage().resize_(t.numel() * t.element_size())
+                handles.append(self.swap.read(_key(u, kind), t))
+                self.counters["bytes_read"] += t.numel() * t.element_size()
+        self._resident.add(u)
+        return _Transfers(handles)
+
+    def _write(self, u: int) -> _Transfers:
+        assert self.swap is not None
+        tensors = [(kind, t) for kind, t in self._tensors[u].items() if t.numel()]
+        self.counters["bytes_written"] += sum(t.numel() * t.element_size() for _, t in tensors)
+        return _Transfers([self.swap.write(_key(u, kind), t) for kind, t in tensors])
+
+    def _finish_write(self, u: int, transfers: _Transfers) -> None:
+        self._wait(transfers, "write_wait_s")
+        self._release(u)
+
+    def _wait(self, transfers: _Transfers, counter: str) -> None:
+        start = time.perf_counter()
+        try:
+            transfers.wait_all()
+        finally:
+            self.counters[counter] += time.perf_counter() - start
+
+    def _release(self, u: int) -> None:
+        for t in self._tensors[u].values():
+            t.untyped_storage().resize_(0)
+        self._resident.discard(u)
+
+
+class ParamOffload:
+    """DeepSpeed's ``offload_param`` with ``device: "cpu"`` (stage 3): the compute-dtype parameter shards (trainable
+    and frozen) live in host memory between uses, page-locked when the compute device is CUDA and ``pin_memory`` is
+    set; each gather copies a unit's shard to the device just before its all-gather (``Unit.device_shard``; the
+    stage-3 prefetcher starts it ahead of the unit's use), and the step writes the new shard from the master into
+    host memory. On a CPU-only machine host and device coincide: the shards stay where they were."""
+
+    def __init__(self, config: OffloadParamConfig, *, device: torch.device) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.pin = config.enabled and config.pin_memory and self.device.type == "cuda"
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.enabled
+
+    def home(self, local: torch.Tensor) -> torch.Tensor:
+        """A host copy of the shard ``local`` (page-locked if asked)."""
+        out = torch.empty(local.shape, dtype=local.dtype, pin_memory=self.pin)
+        return out.copy_(local)
+
+
+class _Transfers:
+    """The swap reads or writes of one unit's tensors."""
+
+    def __init__(self, handles: list) -> None:
+        self.handles = handles
+
+    def wait_all(self) -> None:
+        """Wait for every transfer; raise the first failure (``SwapError``) after all have ended."""
+        error: BaseException | None = None
+        for handle in self.handles:
+            try:
+                handle.wait()
+            except BaseException as e:  # noqa: BLE001 - the others must end before the buffers go
+                error = error or e
+        if error is not None:
+            raise error
+
+    def wait_quietly(self) -> None:
+        for handle in self.handles:
+            with contextlib.suppress(BaseException):
+                handle.wait()
+
+
+def _key(unit: int, kind: str) -> str:
+    return f"unit{unit}.{kind}"
