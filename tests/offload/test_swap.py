@@ -166,6 +166,15 @@ def test_close_removes_everything_and_two_spaces_do_not_collide(tmp_path, gen):
         b.write("w", b_data)
 
 
+def test_close_refuses_to_delete_foreign_files(tmp_path):
+    space = SwapSpace(tmp_path, {"w": 10})
+    foreign = os.path.join(space.directory, "notes.txt")
+    open(foreign, "w").close()
+    with pytest.raises(SwapError, match=r"holds files zeropp did not make: \['notes.txt'\]; delete them"):
+        space.close()
+    assert os.listdir(space.directory) == ["notes.txt"]
+
+
 def test_the_same_run_id_and_rank_twice_is_refused(tmp_path):
     with SwapSpace(tmp_path, {"w": 10}, run_id="run", rank=3) as space:
         assert space.directory == str(tmp_path / "zeropp-swap" / "run-rank3")

@@ -252,6 +252,7 @@ class SwapSpace:
             raise
         self._io = AsyncFileIO(aio)
         self._queue: queue.SimpleQueue[Optional[SwapHandle]] = queue.SimpleQueue()
+        self._submit_lock = threading.Lock()
         self._dispatcher = threading.Thread(target=self._dispatch_loop, name="zeropp-swap-dispatch", daemon=True)
         self._dispatcher.start()
         self._closed = False
@@ -273,9 +274,7 @@ class SwapSpace:
     def write(self, key: str, tensor: torch.Tensor) -> SwapHandle:
         """Start writing ``tensor`` (contiguous, any device and dtype, exactly the region's bytes) to region ``key``;
         do not modify ``tensor`` until the handle's ``wait()`` returns, which raises ``SwapError`` on failure."""
-        region = self._check(key, tensor, "write")
-        region.dtype = tensor.dtype
-        return self._submit("write", region, tensor)
+        return self._submit("write", self._check(key, tensor, "write"), tensor)
 
     def read(self, key: str, out: torch.Tensor) -> SwapHandle:
         """Start reading region ``key`` into ``out`` (contiguous, any device, the dtype and byte size last written);
@@ -326,9 +325,12 @@ class SwapSpace:
         return region
 
     def _submit(self, kind: str, region: _Region, tensor: torch.Tensor) -> SwapHandle:
-        handle = SwapHandle(kind, region, tensor, region.last)
-        region.last = handle
-        self._queue.put(handle)
+        with self._submit_lock:  # callers on several threads: each key's operations still form one chain
+            handle = SwapHandle(kind, region, tensor, region.last)
+            region.last = handle
+            if kind == "write":
+                region.dtype = tensor.dtype
+            self._queue.put(handle)
         return handle
 
     def _dispatch_loop(self) -> None:
@@ -372,7 +374,12 @@ class SwapSpace:
             if os.path.exists(region.path):
                 os.unlink(region.path)
         if os.path.isdir(self.directory):
-            os.rmdir(self.directory)
+            try:
+                os.rmdir(self.directory)
+            except OSError as error:
+                raise SwapError(f"removing swap directory {self.directory!r} failed ({error.strerror}): it holds "
+                                f"files zeropp did not make: {sorted(os.listdir(self.directory))[:8]}; delete them "
+                                f"and the directory by hand") from error
         try:
             os.rmdir(self._root)
         except OSError:  # other runs' or ranks' swap directories are still there
