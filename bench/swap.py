@@ -7,7 +7,10 @@ For each size: ``measure_disk`` (one file, 8 MiB ``O_DIRECT`` requests, 8 in fli
 write and read rates; then for each ``--aio`` setting (``block_size:queue_depth:thread_count``) a
 ``SwapSpace`` holds the same bytes as ``--region-mib`` regions (the swapped tensors: fp32, random), which are all
 written (every write issued, then all waited for) and all read back (likewise), and the read is checked bit-exact;
-the first setting runs again with CRC-32C replaced by a constant, to time what the checksums cost end to end.
+the first setting runs again with CRC-32C replaced by a constant, to time what the checksums cost end to end. "CPU
+s/GiB" is this process's CPU time (all threads) per GiB moved, the lowest of the runs: steadier than wall time on
+a shared machine; "raw CPU s/GiB" is measure_disk's, per GiB written or read (the kernel's share of any
+O_DIRECT transfer).
 Rates are bytes moved / wall time, the best of ``--repeats`` runs of each, raw and SwapSpace alternated (a shared
 disk's rate swings from run to run); "vs raw" is the SwapSpace rate over the raw rate of the same size. The checksum table times CRC-32C (``crc32c``, what SwapSpace uses) and ``zlib.crc32`` on one 64 MiB
 buffer, and the host copy into a swap buffer, against the disk's read rate (the share of a read's time each costs
@@ -58,27 +61,28 @@ def best_rate(fn, nbytes: int, repeats: int = 3) -> float:
 
 
 def swap_rates(directory: str, total: int, region: int, config: AioConfig, buffer_count: int,
-               buffer_size: int, checksums: bool = True) -> tuple[float, float, bool]:
-    """Write rate, read rate (bytes/s) and O_DIRECT of a SwapSpace moving ``total`` bytes in ``region``-byte fp32
-    regions; ``checksums=False`` replaces CRC-32C by a constant (to time what checksumming costs end to end)."""
+               buffer_size: int, checksums: bool = True) -> tuple[float, float, float, float, bool]:
+    """Write rate, read rate (bytes/s), write and read CPU time (seconds of this process, all threads, per GiB) and
+    O_DIRECT of a SwapSpace moving ``total`` bytes in ``region``-byte fp32 regions; ``checksums=False`` replaces
+    CRC-32C by a constant (to time what checksumming costs end to end)."""
     sizes = [min(region, total - start) for start in range(0, total, region)]
     tensors = {f"r{i}": torch.randn(n // 4) for i, n in enumerate(sizes)}
     no_checksum = contextlib.nullcontext() if checksums else mock.patch.object(crc32c, "crc32c", lambda data: 0)
     with no_checksum, SwapSpace(directory, {k: t.nbytes for k, t in tensors.items()}, aio=config, buffer_count=buffer_count,
                    buffer_size=buffer_size) as space:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         for handle in [space.write(k, t) for k, t in tensors.items()]:
             handle.wait()
-        write_s = time.perf_counter() - start
+        write_s, write_cpu = time.perf_counter() - start, time.process_time() - cpu
         outs = {k: torch.empty_like(t) for k, t in tensors.items()}
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         for handle in [space.read(k, outs[k]) for k in tensors]:
             handle.wait()
-        read_s = time.perf_counter() - start
+        read_s, read_cpu = time.perf_counter() - start, time.process_time() - cpu
         if not all(torch.equal(outs[k], t) for k, t in tensors.items()):
             raise AssertionError("SwapSpace read back different data")
         moved = sum(t.nbytes for t in tensors.values())
-        return moved / write_s, moved / read_s, space.direct
+        return moved / write_s, moved / read_s, write_cpu * 2**30 / moved, read_cpu * 2**30 / moved, space.direct
 
 
 def main() -> None:
@@ -119,23 +123,29 @@ def main() -> None:
             progress(f"{size} MiB, block {block}, queue depth {depth}, threads {threads}")
             checks = [True, False] if setting == args.aio[0] else [True]
             runs = []
+            raw_cpu = float("inf")
             for _ in range(args.repeats):  # alternated, so that a load change hits them alike
-                runs.append((measure_disk(args.dir, size * MIB), [swap_rates(
+                cpu = time.process_time()
+                raw = measure_disk(args.dir, size * MIB)
+                raw_cpu = min(raw_cpu, (time.process_time() - cpu) * 2**30 / (2 * size * MIB))
+                runs.append((raw, [swap_rates(
                     args.dir, size * MIB, args.region_mib * MIB, config, args.buffer_count, args.buffer_mib * MIB,
                     check) for check in checks]))
             raw_write = max(raw.write_bytes_per_s for raw, _ in runs)
             raw_read = max(raw.read_bytes_per_s for raw, _ in runs)
             for i, check in enumerate(checks):
                 write, read = max(s[i][0] for _, s in runs), max(s[i][1] for _, s in runs)
+                write_cpu, read_cpu = min(s[i][2] for _, s in runs), min(s[i][3] for _, s in runs)
                 rows.append({"MiB": size, "block_size": block, "queue_depth": depth, "thread_count": threads,
                              "CRC-32C": "on" if check else "off (timing only)",
-                             "O_DIRECT": all(raw.direct and s[i][2] for raw, s in runs),
+                             "O_DIRECT": all(raw.direct and s[i][4] for raw, s in runs),
                              "raw write MB/s": raw_write / 1e6, "swap write MB/s": write / 1e6,
                              "write vs raw": write / raw_write, "raw read MB/s": raw_read / 1e6,
-                             "swap read MB/s": read / 1e6, "read vs raw": read / raw_read})
+                             "swap read MB/s": read / 1e6, "read vs raw": read / raw_read,
+                             "raw CPU s/GiB": raw_cpu, "write CPU s/GiB": write_cpu, "read CPU s/GiB": read_cpu})
     columns = list(rows[0])
     print(rows_table(rows, columns, {c: ".0f" for c in columns if c.endswith("MB/s")}
-                     | {"write vs raw": ".2f", "read vs raw": ".2f"}))
+                     | {c: ".2f" for c in columns if c.endswith(("vs raw", "CPU s/GiB"))}))
     print(f"\nload average after: {os.getloadavg()[0]:.2f}")
     if args.csv:
         write_csv(rows, args.csv)

@@ -41,7 +41,6 @@ import time
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Optional
 
 import crc32c
 import torch
@@ -72,10 +71,10 @@ class _Region:
                 index += 1
             self.chunks.append((start, end, pieces))
         self.pieces = index
-        self.dtype: Optional[torch.dtype] = None  # of the last write called
-        self.checksums: Optional[list[int]] = None  # of the last write completed, None if it failed or none ran
+        self.dtype: torch.dtype | None = None  # of the last write called
+        self.checksums: list[int] | None = None  # of the last write completed, None if it failed or none ran
         self.failure = "it was never written"
-        self.last: Optional[SwapHandle] = None  # the last operation called on it
+        self.last: SwapHandle | None = None  # the last operation called on it
 
 
 class _BufferPool:
@@ -103,21 +102,21 @@ class _BufferPool:
 class SwapHandle:
     """One ``write`` or ``read`` of a ``SwapSpace``, in flight until ``wait()`` returns."""
 
-    def __init__(self, kind: str, region: _Region, tensor: torch.Tensor, previous: Optional[SwapHandle]) -> None:
+    def __init__(self, kind: str, region: _Region, tensor: torch.Tensor, previous: SwapHandle | None) -> None:
         self._kind, self._region, self._previous = kind, region, previous
-        self._bytes: Optional[torch.Tensor] = tensor.reshape(-1).view(torch.uint8)
-        self._ready: Optional[torch.cuda.Event] = None
+        self._bytes: torch.Tensor | None = tensor.reshape(-1).view(torch.uint8)
+        self._ready: torch.cuda.Event | None = None
         if tensor.is_cuda:
             self._ready = torch.cuda.Event()
             self._ready.record(torch.cuda.current_stream(tensor.device))
         self._checksums: list[int] = [0] * region.pieces
-        self._fd: Optional[int] = None
-        self._error: Optional[BaseException] = None
+        self._fd: int | None = None
+        self._error: BaseException | None = None
         self._outstanding = 1  # the dispatcher's own share, plus one per chunk in flight
         self._lock = threading.Lock()
         self._done = threading.Event()
 
-    def wait(self, timeout: Optional[float] = None) -> None:
+    def wait(self, timeout: float | None = None) -> None:
         """Block until the transfer is complete; raise its ``SwapError`` if it failed. ``timeout`` (seconds):
         raise ``TimeoutError`` if it is still running then (it keeps running)."""
         if not self._done.wait(timeout):
@@ -205,9 +204,9 @@ class SwapSpace:
     """
 
     def __init__(self, nvme_path: str | os.PathLike, regions: Mapping[str, int], *, rank: int = 0,
-                 run_id: Optional[str] = None, config_key: str = "nvme_path", aio: AioConfig = AioConfig(),
+                 run_id: str | None = None, config_key: str = "nvme_path", aio: AioConfig = AioConfig(),
                  buffer_count: int = 4, buffer_size: int = 64 << 20, pin_memory: bool = False,
-                 direct: Optional[bool] = None) -> None:
+                 direct: bool | None = None) -> None:
         if not regions:
             raise ValueError("regions is empty: give {key: bytes} for every tensor to swap")
         for key, nbytes in regions.items():
@@ -251,7 +250,7 @@ class SwapSpace:
             self._remove_files()
             raise
         self._io = AsyncFileIO(aio)
-        self._queue: queue.SimpleQueue[Optional[SwapHandle]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[SwapHandle | None] = queue.SimpleQueue()
         self._submit_lock = threading.Lock()
         self._dispatcher = threading.Thread(target=self._dispatch_loop, name="zeropp-swap-dispatch", daemon=True)
         self._dispatcher.start()
@@ -395,7 +394,7 @@ class _Chunk:
         self._left = pieces
         self._lock = threading.Lock()
 
-    def run(self, piece: _Piece, expected: Optional[list[int]]) -> None:
+    def run(self, piece: _Piece, expected: list[int] | None) -> None:
         handle, region = self.handle, self.handle._region
         try:
             if handle._error is None:
