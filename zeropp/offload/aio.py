@@ -240,8 +240,9 @@ def measure_disk(path: str, nbytes: int, *, request_bytes: int = 8 << 20, in_fli
     total = round_up(max(nbytes, 1), request_bytes)
     offsets = range(0, total, request_bytes)
     buffers = [aligned_buffer(request_bytes) for _ in range(in_flight)]
-    for buffer in buffers:
-        buffer.copy_(torch.randint(0, 256, (request_bytes,), dtype=torch.uint8))
+    buffers[0].copy_(torch.randint(0, 256, (request_bytes,), dtype=torch.uint8))
+    for i, buffer in enumerate(buffers[1:], 1):  # distinct contents, cheaply
+        torch.bitwise_xor(buffers[0], i, out=buffer)
     # Requests i and i + in_flight may share a buffer at once: harmless, the data read back is not looked at.
     views = [memoryview(buffer.numpy()) for buffer in buffers]
     file = os.path.join(path, f".zeropp-measure-disk-{os.getpid()}-{threading.get_ident()}")
