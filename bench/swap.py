@@ -1,20 +1,21 @@
 """SwapSpace's write and read rates against the raw disk's, side by side, and the checksum's cost.
 
-    python bench/swap.py                                   # /tmp, 256 MiB and 1 GiB, four aio settings
+    python bench/swap.py                                   # /tmp; 256 MiB, 1 and 2 GiB; four aio settings
     python bench/swap.py --dir /local_nvme --sizes 2048 --aio 1048576:8:1 262144:32:1 --csv out.csv
 
 For each size: ``measure_disk`` (one file, 8 MiB ``O_DIRECT`` requests, 8 in flight) gives the raw sequential
-write and read rates; then for each ``--aio`` setting (``block_size:queue_depth:thread_count``) a
-``SwapSpace`` holds the same bytes as ``--region-mib`` regions (the swapped tensors: fp32, random), which are all
-written (every write issued, then all waited for) and all read back (likewise), and the read is checked bit-exact;
-the first setting runs again with CRC-32C replaced by a constant, to time what the checksums cost end to end. "CPU
-s/GiB" is this process's CPU time (all threads) per GiB moved, the lowest of the runs: steadier than wall time on
-a shared machine; "raw CPU s/GiB" is measure_disk's, per GiB written or read (the kernel's share of any
-O_DIRECT transfer).
+write and read rates; then for each ``--aio`` setting (``block_size:queue_depth:thread_count``) a ``SwapSpace``
+holds the same bytes as ``--region-mib`` regions (the swapped tensors: fp32, random), which are all written (every
+write issued, then all waited for) and all read back (likewise), and the read is checked bit-exact; the first
+setting runs again with CRC-32C replaced by a constant, to time what the checksums cost end to end.
+
 Rates are bytes moved / wall time, the best of ``--repeats`` runs of each, raw and SwapSpace alternated (a shared
-disk's rate swings from run to run); "vs raw" is the SwapSpace rate over the raw rate of the same size. The checksum table times CRC-32C (``crc32c``, what SwapSpace uses) and ``zlib.crc32`` on one 64 MiB
-buffer, and the host copy into a swap buffer, against the disk's read rate (the share of a read's time each costs
-if run serially). The disk is described with ``lsblk`` and ``df``.
+disk's rate swings from run to run); "vs raw" is the SwapSpace rate over the raw rate of the same size. "CPU s/GiB"
+is this process's CPU time (all threads) per GiB moved, the lowest of the runs: steadier than wall time on a shared
+machine; "raw CPU s/GiB" is measure_disk's per GiB written or read (the kernel's share of any O_DIRECT transfer).
+The first table times CRC-32C (``crc32c``, what SwapSpace uses), ``zlib.crc32`` and the host copy into a swap
+buffer on one 64 MiB buffer, against the disk's read rate (the share of a read's time each costs if run serially).
+The disk is described with ``lsblk`` and ``df``.
 """
 
 from __future__ import annotations
@@ -68,8 +69,9 @@ def swap_rates(directory: str, total: int, region: int, config: AioConfig, buffe
     sizes = [min(region, total - start) for start in range(0, total, region)]
     tensors = {f"r{i}": torch.randn(n // 4) for i, n in enumerate(sizes)}
     no_checksum = contextlib.nullcontext() if checksums else mock.patch.object(crc32c, "crc32c", lambda data: 0)
-    with no_checksum, SwapSpace(directory, {k: t.nbytes for k, t in tensors.items()}, aio=config, buffer_count=buffer_count,
-                   buffer_size=buffer_size) as space:
+    regions = {k: t.nbytes for k, t in tensors.items()}
+    with no_checksum, SwapSpace(directory, regions, aio=config, buffer_count=buffer_count,
+                                buffer_size=buffer_size) as space:
         start, cpu = time.perf_counter(), time.process_time()
         for handle in [space.write(k, t) for k, t in tensors.items()]:
             handle.wait()
@@ -88,7 +90,7 @@ def swap_rates(directory: str, total: int, region: int, config: AioConfig, buffe
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", default="/tmp", help="directory on the disk to measure (default /tmp)")
-    parser.add_argument("--sizes", type=int, nargs="+", default=[256, 1024], help="MiB moved per run")
+    parser.add_argument("--sizes", type=int, nargs="+", default=[256, 1024, 2048], help="MiB moved per run")
     parser.add_argument("--aio", nargs="+", default=["1048576:8:1", "262144:32:1", "1048576:4:2", "4194304:8:1"],
                         help="block_size:queue_depth:thread_count settings")
     parser.add_argument("--region-mib", type=int, default=64, help="MiB per swap region (tensor)")

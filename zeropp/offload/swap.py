@@ -9,9 +9,10 @@ spaces never share files) holding one file per region, ``<index>-<key>.swap`` (i
 ``close()`` deletes them and the directory (and ``zeropp-swap`` if that is then empty); checkpoints are separate.
 
 Transfers. A region is moved in chunks of at most ``buffer_size`` bytes, each through one host buffer of a pool of
-``buffer_count`` (``ALIGNMENT``-aligned; page-locked if ``pin_memory``), so the host memory of the transfers in
-flight is bounded by ``buffer_count * buffer_size`` however many are queued; each chunk is split into pieces of
-``aio.block_size`` bytes, the unit of I/O and of checksumming. ``write`` and ``read`` return at once; one
+``buffer_count`` (``ALIGNMENT``-aligned; page-locked if ``pin_memory`` and CUDA is there), so the host memory of
+the transfers in flight is bounded by ``buffer_count * buffer_size`` however many are queued (a region smaller than
+a buffer still holds a whole one); each chunk is split into pieces of ``aio.block_size`` bytes, the unit of I/O and
+of checksumming. ``write`` and ``read`` return at once; one
 dispatcher thread, in call order, waits for a free buffer, copies the chunk in (write) and hands its pieces to the
 I/O threads (``AsyncFileIO``); the read's last piece of a chunk copies it out and frees the buffer. Operations on
 one key run in call order (a read sees every write called before it); operations on different keys overlap.
@@ -21,13 +22,13 @@ returns; after ``read(key, out)`` it must not use ``out`` until then. CUDA tenso
 work queued on the caller's current stream when ``write``/``read`` was called, and is complete when ``wait()``
 returns.
 
-Integrity. Each piece's CRC-32C (the ``crc32c`` package: SSE4.2 or ARMv8 CRC instructions, about 10 GB/s per core
-here; ``bench/swap.py`` measures it against the disk) is recorded in memory when it is written and checked when it
-is read. Every failure is a ``SwapError`` naming the file, the byte offset, what happened and what to do: the
-preflight at creation (``nvme_path`` missing, not a directory, not writable, too little free space; the message
-names the caller's ``config_key``), no space or a file-size limit while writing, a device error, a file deleted or
-truncated behind zeropp's back, a checksum mismatch. A failed write leaves its region unreadable (reads raise)
-until it is written again.
+Integrity. Each piece's CRC-32C (the ``crc32c`` package: SSE4.2 or ARMv8 CRC instructions, 6-10 GB/s on one core
+of the development machine, 3-4x zlib.crc32; ``bench/swap.py`` measures it against the disk) is recorded in memory
+when it is written and checked when it is read. Every failure is a ``SwapError`` naming the file, the byte offset,
+what happened and what to do: the preflight at creation (``nvme_path`` missing, not a directory, not writable, too
+little free space; the message names the caller's ``config_key``), no space or a file-size limit while writing, a
+device error, a file deleted or truncated behind zeropp's back, a checksum mismatch. A failed write leaves its
+region unreadable (reads raise) until it is written again.
 """
 
 from __future__ import annotations
@@ -194,7 +195,8 @@ class SwapSpace:
     * ``aio``: block size, queue depth and threads (``AioConfig``).
     * ``buffer_count``, ``buffer_size``: the host buffer pool (bytes; ``buffer_size`` is cut to the largest region
       rounded up to ``ALIGNMENT``, and must be a multiple of ``ALIGNMENT``).
-    * ``pin_memory``: page-locked buffers (faster copies to and from a GPU; needs CUDA).
+    * ``pin_memory``: page-locked buffers where CUDA is available (faster copies to and from a GPU; without CUDA
+      there is nothing to gain and ``pinned`` is False).
     * ``direct``: ``None`` uses ``O_DIRECT`` where the filesystem accepts it, else buffered I/O with a warning
       (once per filesystem); ``True`` requires ``O_DIRECT``; ``False`` uses buffered I/O.
 
@@ -245,7 +247,8 @@ class SwapSpace:
                 path = os.path.join(self.directory, _file_name(index, key))
                 os.close(open_file(path, write=True, direct=False, create=True))
                 self._regions[key] = _Region(key, nbytes, path, self.buffer_size, aio.block_size)
-            self._pool = _BufferPool(buffer_count, self.buffer_size, pin_memory)
+            self.pinned = pin_memory and torch.cuda.is_available()
+            self._pool = _BufferPool(buffer_count, self.buffer_size, self.pinned)
         except BaseException:
             self._remove_files()
             raise
