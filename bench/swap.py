@@ -13,8 +13,9 @@ Rates are bytes moved / wall time, the best of ``--repeats`` runs of each, raw a
 disk's rate swings from run to run); "vs raw" is the SwapSpace rate over the raw rate of the same size. "CPU s/GiB"
 is this process's CPU time (all threads) per GiB moved, the lowest of the runs: steadier than wall time on a shared
 machine; "raw CPU s/GiB" is measure_disk's per GiB written or read (the kernel's share of any O_DIRECT transfer).
-The first table times CRC-32C (``crc32c``, what SwapSpace uses), ``zlib.crc32`` and the host copy into a swap
-buffer on one 64 MiB buffer, against the disk's read rate (the share of a read's time each costs if run serially).
+The second table times CRC-32C (``crc32c``, what SwapSpace uses), ``zlib.crc32`` and the host copy into a swap
+buffer on one ``--check-mib`` buffer, against the median raw read rate of the first (the share of a read's time
+each would cost if run serially).
 The disk is described with ``lsblk`` and ``df``.
 """
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -97,25 +99,12 @@ def main() -> None:
     parser.add_argument("--buffer-count", type=int, default=4)
     parser.add_argument("--buffer-mib", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=2, help="runs of each, alternated; the best is shown")
+    parser.add_argument("--check-mib", type=int, default=64, help="MiB per checksum and copy timing")
     parser.add_argument("--csv", help="also write the rows as CSV here")
     args = parser.parse_args()
 
     print(describe_disk(args.dir))
     print(f"\nload average before: {os.getloadavg()[0]:.2f}, {os.cpu_count()} CPUs\n")
-
-    data = aligned_buffer(64 * MIB)
-    data.copy_(torch.randint(0, 256, (64 * MIB,), dtype=torch.uint8))
-    view = memoryview(data.numpy())
-    staging = aligned_buffer(64 * MIB)
-    raw = measure_disk(args.dir, 256 * MIB)
-    checks = [("crc32c.crc32c (SwapSpace)", best_rate(lambda: crc32c.crc32c(view), 64 * MIB)),
-              ("zlib.crc32", best_rate(lambda: zlib.crc32(view), 64 * MIB)),
-              ("host copy into a swap buffer", best_rate(lambda: staging.copy_(data), 64 * MIB))]
-    print(rows_table([{"operation (64 MiB, one thread)": name, "GB/s": rate / 1e9,
-                       "% of the disk's read time": 100 * raw.read_bytes_per_s / rate} for name, rate in checks],
-                     ["operation (64 MiB, one thread)", "GB/s", "% of the disk's read time"],
-                     {"GB/s": ".2f", "% of the disk's read time": ".1f"}))
-    print(f"(disk read rate for that column: {raw.read_bytes_per_s / 1e9:.3f} GB/s, measure_disk 256 MiB)\n")
 
     rows = []
     for size in args.sizes:
@@ -148,6 +137,21 @@ def main() -> None:
     columns = list(rows[0])
     print(rows_table(rows, columns, {c: ".0f" for c in columns if c.endswith("MB/s")}
                      | {c: ".2f" for c in columns if c.endswith(("vs raw", "CPU s/GiB"))}))
+    print()
+    check = args.check_mib * MIB
+    data = aligned_buffer(check)
+    data.copy_(torch.randint(0, 256, (check,), dtype=torch.uint8))
+    view = memoryview(data.numpy())
+    staging = aligned_buffer(check)
+    disk = statistics.median(row["raw read MB/s"] for row in rows) * 1e6
+    label = f"operation ({args.check_mib} MiB, one thread)"
+    checks = [("crc32c.crc32c (SwapSpace)", best_rate(lambda: crc32c.crc32c(view), check)),
+              ("zlib.crc32", best_rate(lambda: zlib.crc32(view), check)),
+              ("host copy into a swap buffer", best_rate(lambda: staging.copy_(data), check))]
+    print(rows_table([{label: name, "GB/s": rate / 1e9, "% of the disk's read time": 100 * disk / rate}
+                      for name, rate in checks], [label, "GB/s", "% of the disk's read time"],
+                     {"GB/s": ".2f", "% of the disk's read time": ".1f"}))
+    print(f"(the disk's read rate there: {disk / 1e9:.3f} GB/s, the median raw read above)")
     print(f"\nload average after: {os.getloadavg()[0]:.2f}")
     if args.csv:
         write_csv(rows, args.csv)
