@@ -131,8 +131,10 @@ class SwapHandle:
 
     def _fail(self, error: BaseException) -> None:
         if not isinstance(error, SwapError):
+            cause = error
             error = SwapError(f"{self._kind} of swap region {self._region.key!r} ({self._region.path!r}) failed: "
-                              f"{type(error).__name__}: {error}")
+                              f"{type(cause).__name__}: {cause}")
+            error.__cause__ = cause
         with self._lock:
             if self._error is None:
                 self._error = error
