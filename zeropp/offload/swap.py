@@ -22,7 +22,7 @@ returns; after ``read(key, out)`` it must not use ``out`` until then. CUDA tenso
 work queued on the caller's current stream when ``write``/``read`` was called, and is complete when ``wait()``
 returns.
 
-Integrity. Each piece's CRC-32C (the ``crc32c`` package: SSE4.2 or ARMv8 CRC instructions, 6-10 GB/s on one core
+Integrity. Each piece's CRC-32C (the ``crc32c`` package: SSE4.2 or ARMv8 CRC instructions, 6-15 GB/s on one core
 of the development machine, 3-4x zlib.crc32; ``bench/swap.py`` measures it against the disk) is recorded in memory
 when it is written and checked when it is read. Every failure is a ``SwapError`` naming the file, the byte offset,
 what happened and what to do: the preflight at creation (``nvme_path`` missing, not a directory, not writable, too
