@@ -4,7 +4,7 @@
     python bench/swap.py --dir /local_nvme --sizes 2048 --aio 1048576:8:1 262144:32:1 --csv out.csv
 
 For each size: ``measure_disk`` (one file, 8 MiB ``O_DIRECT`` requests, 8 in flight) gives the raw sequential
-write and read rates; then for each ``--aio`` setting (``block_size:queue_depth:thread_count``) a ``SwapSpace``
+write and read rates; then for each ``--aio`` setting (``block_size:queue_depth:intra_op_parallelism``) a ``SwapSpace``
 holds the same bytes as ``--region-mib`` regions (the swapped tensors: fp32, random), which are all written (every
 write issued, then all waited for) and all read back (likewise), and the read is checked bit-exact; the first
 setting runs again with CRC-32C replaced by a constant, to time what the checksums cost end to end.
@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import crc32c  # noqa: E402
 
 from zeropp.bench.report import progress, rows_table, write_csv  # noqa: E402
-from zeropp.offload import AioConfig, SwapSpace, aligned_buffer, measure_disk  # noqa: E402
+from zeropp.offload import AioSettings, SwapSpace, aligned_buffer, measure_disk  # noqa: E402
 
 MIB = 1 << 20
 
@@ -63,7 +63,7 @@ def best_rate(fn, nbytes: int, repeats: int = 3) -> float:
     return nbytes / best
 
 
-def swap_rates(directory: str, total: int, region: int, config: AioConfig, buffer_count: int,
+def swap_rates(directory: str, total: int, region: int, config: AioSettings, buffer_count: int,
                buffer_size: int, checksums: bool = True) -> tuple[float, float, float, float, bool]:
     """Write rate, read rate (bytes/s), write and read CPU time (seconds of this process, all threads, per GiB) and
     O_DIRECT of a SwapSpace moving ``total`` bytes in ``region``-byte fp32 regions; ``checksums=False`` replaces
@@ -94,7 +94,7 @@ def main() -> None:
     parser.add_argument("--dir", default="/tmp", help="directory on the disk to measure (default /tmp)")
     parser.add_argument("--sizes", type=int, nargs="+", default=[256, 1024, 2048], help="MiB moved per run")
     parser.add_argument("--aio", nargs="+", default=["1048576:8:1", "262144:32:1", "1048576:4:2", "4194304:8:1"],
-                        help="block_size:queue_depth:thread_count settings")
+                        help="block_size:queue_depth:intra_op_parallelism settings")
     parser.add_argument("--region-mib", type=int, default=64, help="MiB per swap region (tensor)")
     parser.add_argument("--buffer-count", type=int, default=4)
     parser.add_argument("--buffer-mib", type=int, default=64)
@@ -110,7 +110,7 @@ def main() -> None:
     for size in args.sizes:
         for setting in args.aio:
             block, depth, threads = (int(x) for x in setting.split(":"))
-            config = AioConfig(block_size=block, queue_depth=depth, thread_count=threads)
+            config = AioSettings(block_size=block, queue_depth=depth, intra_op_parallelism=threads)
             progress(f"{size} MiB, block {block}, queue depth {depth}, threads {threads}")
             checks = [True, False] if setting == args.aio[0] else [True]
             runs = []
@@ -127,7 +127,7 @@ def main() -> None:
             for i, check in enumerate(checks):
                 write, read = max(s[i][0] for _, s in runs), max(s[i][1] for _, s in runs)
                 write_cpu, read_cpu = min(s[i][2] for _, s in runs), min(s[i][3] for _, s in runs)
-                rows.append({"MiB": size, "block_size": block, "queue_depth": depth, "thread_count": threads,
+                rows.append({"MiB": size, "block_size": block, "queue_depth": depth, "intra_op_parallelism": threads,
                              "CRC-32C": "on" if check else "off (timing only)",
                              "O_DIRECT": all(raw.direct and s[i][4] for raw, s in runs),
                              "raw write MB/s": raw_write / 1e6, "swap write MB/s": write / 1e6,

@@ -22,7 +22,7 @@ def test_swap_bench_rows(tmp_path):
          "--csv", str(out)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     rows = list(csv.DictReader(open(out)))
-    keys = [(r["MiB"], r["block_size"], r["queue_depth"], r["thread_count"], r["CRC-32C"]) for r in rows]
+    keys = [(r["MiB"], r["block_size"], r["queue_depth"], r["intra_op_parallelism"], r["CRC-32C"]) for r in rows]
     assert keys == [("8", "65536", "2", "1", "on"), ("8", "65536", "2", "1", "off (timing only)"),
                     ("8", "131072", "1", "2", "on")]
     for r in rows:

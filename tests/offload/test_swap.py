@@ -18,11 +18,12 @@ import warnings
 import pytest
 import torch
 
-from zeropp.offload import ALIGNMENT, AioConfig, SwapError, SwapSpace, aligned_buffer, measure_disk
+from zeropp.offload import ALIGNMENT, AioSettings, SwapError, SwapSpace, aligned_buffer, measure_disk
 from zeropp.offload import aio
 
 BLOCK = 8192
-SMALL = dict(aio=AioConfig(block_size=BLOCK, queue_depth=3, thread_count=2), buffer_count=3, buffer_size=3 * BLOCK)
+SMALL = dict(aio=AioSettings(block_size=BLOCK, queue_depth=3, intra_op_parallelism=2), buffer_count=3,
+             buffer_size=3 * BLOCK)
 
 
 def random_tensor(numel: int, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
@@ -130,7 +131,7 @@ def test_many_overlapping_transfers_keep_per_key_order(tmp_path, gen):
 @pytest.mark.parametrize("buffer_count", [1, 2])
 def test_buffer_pool_bounds_the_buffers_in_flight(tmp_path, gen, buffer_count):
     tensors = {f"k{i}": random_tensor(7 * BLOCK + 3, torch.uint8, gen) for i in range(6)}
-    with SwapSpace(tmp_path, {k: t.nbytes for k, t in tensors.items()}, aio=AioConfig(block_size=BLOCK),
+    with SwapSpace(tmp_path, {k: t.nbytes for k, t in tensors.items()}, aio=AioSettings(block_size=BLOCK),
                    buffer_count=buffer_count, buffer_size=2 * BLOCK) as space:
         for handle in [space.write(k, t) for k, t in tensors.items()]:
             handle.wait()
@@ -200,7 +201,7 @@ def test_misuse_is_refused(tmp_path):
         with pytest.raises(ValueError):
             SwapSpace(tmp_path, bad)
     with pytest.raises(ValueError, match="block_size=1000"):
-        AioConfig(block_size=1000)
+        AioSettings(block_size=1000)
 
 
 KEY = "zero_optimization.offload_optimizer.nvme_path"
@@ -240,7 +241,7 @@ def test_preflight_too_little_free_space(tmp_path):
 def test_filesystem_full_while_writing(small_tmpfs, gen):
     path = small_tmpfs("size=1m")
     data = random_tensor(256 << 10, torch.uint8, gen)
-    with SwapSpace(path, {"w": data.nbytes}, aio=AioConfig(block_size=64 << 10)) as space:
+    with SwapSpace(path, {"w": data.nbytes}, aio=AioSettings(block_size=64 << 10)) as space:
         with open(os.path.join(path, "filler"), "wb") as filler:  # another program fills the disk
             with pytest.raises(OSError) as full:
                 while True:
@@ -262,9 +263,9 @@ def test_filesystem_full_while_writing(small_tmpfs, gen):
 def test_file_size_limit_while_writing(tmp_path):
     script = textwrap.dedent(f"""
         import resource, signal, torch
-        from zeropp.offload import AioConfig, SwapError, SwapSpace
+        from zeropp.offload import AioSettings, SwapError, SwapSpace
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        space = SwapSpace({str(tmp_path)!r}, {{"w": 1 << 20}}, aio=AioConfig(block_size=1 << 16))
+        space = SwapSpace({str(tmp_path)!r}, {{"w": 1 << 20}}, aio=AioSettings(block_size=1 << 16))
         resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 18, resource.RLIM_INFINITY))
         try:
             space.write("w", torch.ones(1 << 20, dtype=torch.uint8)).wait()

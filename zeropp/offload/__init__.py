@@ -1,6 +1,6 @@
 """The offload tiers' storage (ZeRO-Infinity's NVMe swap), below the engine: no torch.distributed, no nn.Module.
 
-* ``aio.py``: asynchronous file I/O: ``AioConfig`` (DeepSpeed's ``aio`` block), ``ALIGNMENT``-aligned host
+* ``aio.py``: asynchronous file I/O: ``AioSettings`` (DeepSpeed's ``aio`` block), ``ALIGNMENT``-aligned host
   buffers, ``O_DIRECT`` files with a buffered fallback, a pool of I/O threads, ``SwapError``, ``measure_disk``;
 * ``swap.py``: ``SwapSpace``, a rank's fixed-size named regions under ``<nvme_path>/zeropp-swap/``, written and
   read asynchronously (``SwapHandle``) through a bounded pool of host buffers, CRC-32C checked.
@@ -14,8 +14,8 @@ Example::
     space.close()                                   # deletes the files
 """
 
-from .aio import ALIGNMENT, AioConfig, DiskRates, SwapError, aligned_buffer, measure_disk
+from .aio import ALIGNMENT, AioSettings, DiskRates, SwapError, aligned_buffer, measure_disk
 from .swap import SwapHandle, SwapSpace
 
-__all__ = ["ALIGNMENT", "AioConfig", "DiskRates", "SwapError", "SwapHandle", "SwapSpace", "aligned_buffer",
+__all__ = ["ALIGNMENT", "AioSettings", "DiskRates", "SwapError", "SwapHandle", "SwapSpace", "aligned_buffer",
            "measure_disk"]

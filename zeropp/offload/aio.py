@@ -1,9 +1,9 @@
 """Asynchronous file I/O for the NVMe tier: aligned host buffers, O_DIRECT files, a pool of I/O threads.
 
-Backend. A ``concurrent.futures.ThreadPoolExecutor`` of ``thread_count * queue_depth`` threads, each issuing
+Backend. A ``concurrent.futures.ThreadPoolExecutor`` of ``intra_op_parallelism * queue_depth`` threads, each issuing
 blocking ``os.pwrite`` / ``os.preadv`` calls (they release the GIL), so at most ``queue_depth`` requests per
 thread of the ``aio`` config are in flight at the device. Callers split their transfers into ``block_size``
-pieces (``AioConfig``) and submit one piece per task (``AsyncFileIO.submit``).
+pieces (``AioSettings``) and submit one piece per task (``AsyncFileIO.submit``).
 
 Alignment. Files are opened with ``O_DIRECT`` (no page cache: the host memory stays bounded by the caller's
 buffers and the measured rates are the device's). ``O_DIRECT`` needs the buffer address, the file offset and the
@@ -47,14 +47,15 @@ def round_up(nbytes: int, multiple: int = ALIGNMENT) -> int:
 
 
 @dataclass(frozen=True)
-class AioConfig:
-    """DeepSpeed's ``aio`` block, as far as this backend has a use for it.
+class AioSettings:
+    """DeepSpeed's ``aio`` block (parsed by ``zeropp.config``'s ``AioConfig``), as far as this backend has a use for
+    it.
 
     * ``block_size``: bytes per I/O request (a transfer is split into pieces of this size); a multiple of
       ``ALIGNMENT``. DeepSpeed's default, 1 MiB.
     * ``queue_depth``: requests in flight per thread (8).
-    * ``thread_count``: threads (DeepSpeed's ``thread_count`` / ``intra_op_parallelism``, 1); this backend runs
-      ``thread_count * queue_depth`` blocking I/O threads in all.
+    * ``intra_op_parallelism``: threads (DeepSpeed's older name: ``thread_count``; 1); this backend runs
+      ``intra_op_parallelism * queue_depth`` blocking I/O threads in all.
 
     DeepSpeed's ``single_submit`` and ``overlap_events`` choose how libaio batches submissions and waits for
     completions; a pool of blocking threads submits every request on its own as soon as a thread is free, which is
@@ -63,20 +64,20 @@ class AioConfig:
 
     block_size: int = 1 << 20
     queue_depth: int = 8
-    thread_count: int = 1
+    intra_op_parallelism: int = 1
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size % ALIGNMENT:
             raise ValueError(f"aio.block_size={self.block_size}: must be a positive multiple of {ALIGNMENT} bytes "
                              f"(O_DIRECT alignment), e.g. {1 << 20}")
-        for name in ("queue_depth", "thread_count"):
+        for name in ("queue_depth", "intra_op_parallelism"):
             if getattr(self, name) < 1:
                 raise ValueError(f"aio.{name}={getattr(self, name)}: must be at least 1")
 
     @property
     def workers(self) -> int:
-        """The number of I/O threads: ``thread_count * queue_depth``."""
-        return self.thread_count * self.queue_depth
+        """The number of I/O threads: ``intra_op_parallelism * queue_depth``."""
+        return self.intra_op_parallelism * self.queue_depth
 
 
 def aligned_buffer(nbytes: int, *, pin_memory: bool = False) -> torch.Tensor:
@@ -206,7 +207,7 @@ class AsyncFileIO:
 
     The caller owns buffers and file descriptors: it must keep both alive until the returned future is done."""
 
-    def __init__(self, config: AioConfig) -> None:
+    def __init__(self, config: AioSettings) -> None:
         self.config = config
         self._pool = ThreadPoolExecutor(max_workers=config.workers, thread_name_prefix="zeropp-aio")
 

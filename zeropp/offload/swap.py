@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import crc32c
 import torch
 
-from .aio import (ALIGNMENT, AioConfig, AsyncFileIO, SwapError, aligned_buffer, direct_io_supported, open_file,
+from .aio import (ALIGNMENT, AioSettings, AsyncFileIO, SwapError, aligned_buffer, direct_io_supported, open_file,
                   pread_full, pwrite_full, round_up, warn_buffered)
 
 
@@ -194,7 +194,7 @@ class SwapSpace:
     * ``regions``: ``{key: bytes}``, each region's fixed size (a positive number of bytes); ``write`` and ``read``
       move exactly that many bytes.
     * ``rank``, ``run_id``: name the directory ``<nvme_path>/zeropp-swap/<run_id>-rank<rank>``.
-    * ``aio``: block size, queue depth and threads (``AioConfig``).
+    * ``aio``: block size, queue depth and threads (``AioSettings``).
     * ``buffer_count``, ``buffer_size``: the host buffer pool (bytes; ``buffer_size`` is cut to the largest region
       rounded up to ``ALIGNMENT``, and must be a multiple of ``ALIGNMENT``).
     * ``pin_memory``: page-locked buffers where CUDA is available (faster copies to and from a GPU; without CUDA
@@ -208,7 +208,7 @@ class SwapSpace:
     """
 
     def __init__(self, nvme_path: str | os.PathLike, regions: Mapping[str, int], *, rank: int = 0,
-                 run_id: str | None = None, config_key: str = "nvme_path", aio: AioConfig = AioConfig(),
+                 run_id: str | None = None, config_key: str = "nvme_path", aio: AioSettings = AioSettings(),
                  buffer_count: int = 4, buffer_size: int = 64 << 20, pin_memory: bool = False,
                  direct: bool | None = None) -> None:
         if not regions:
