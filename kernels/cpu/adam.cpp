@@ -199,7 +199,8 @@ void step(const Tensors& t, const Constants& k) {
     const int64_t body = Fma ? t.n - t.n % t.width : t.n;
     const int64_t lines = (body + kLine - 1) / kLine;
     auto range = [&](int64_t i, int64_t count) {
-        const int64_t a = std::min(body, lines * i / count * kLine), e = std::min(body, lines * (i + 1) / count * kLine);
+        const int64_t a = std::min(body, lines * i / count * kLine);
+        const int64_t e = std::min(body, lines * (i + 1) / count * kLine);
         Isa::template run<D, Out, Fma>(t.param, t.grad, t.exp_avg, t.exp_avg_sq, t.out, k, a, e);
     };
     if (t.threads <= 1 || lines < 2) {
