@@ -22,9 +22,10 @@ OpenMP runtime, torch's), in one run:
 
 Byte model: an Adam step moves 28 bytes per element (param, exp_avg, exp_avg_sq read and written, grad read:
 7 x 4); with the bf16 copy 30 (2 more written). GB/s = bytes / median time; "vs axpy" = GB/s over axpy's GB/s at
-the same size and threads. Times: ``--warmup`` untimed runs, then the median of ``--reps`` timed runs (host
-clock); min and max are shown as the spread. The machine may be shared: the load average before and after is
-printed, and runs should be repeated.
+the same size and threads (from medians; "vs axpy (min)" from the fastest runs); "vs before" = the single-tensor
+step's median time over the row's. Times (host clock): ``--reps`` rounds after ``--warmup`` untimed ones, each
+round timing every row once in turn, so that load from other jobs on a shared machine falls on all rows alike;
+the median, min and max are shown. The load average before and after is printed: repeat runs and compare.
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ from zeropp.bench.report import progress, rows_table, write_csv
 from zeropp.optim import native
 
 LR, BETA1, BETA2, EPS, WEIGHT_DECAY = 1e-3, 0.9, 0.999, 1e-8, 0.01
-FORMATS = {"ms": ".2f", "min ms": ".2f", "max ms": ".2f", "GB/s": ".1f", "vs axpy": ".2f", "vs before": ".2f"}
-COLUMNS = ["elements", "threads", "row", "bytes/elem", "ms", "min ms", "max ms", "GB/s", "vs axpy", "vs before"]
+FORMATS = {"ms": ".2f", "min ms": ".2f", "max ms": ".2f", "GB/s": ".1f", "vs axpy": ".2f", "vs axpy (min)": ".2f",
+           "vs before": ".2f"}
+COLUMNS = ["elements", "threads", "row", "bytes/elem", "ms", "min ms", "max ms", "GB/s", "vs axpy", "vs axpy (min)",
+           "vs before"]
 
 
 def parse_size(text: str) -> int:
@@ -59,17 +62,17 @@ def parse_size(text: str) -> int:
     return int(t)
 
 
-def timed(fn: Callable[[], object], warmup: int, reps: int) -> tuple[float, float, float]:
-    """(median, min, max) seconds of ``fn()`` over ``reps`` runs after ``warmup`` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    return times[len(times) // 2], times[0], times[-1]
+def interleaved(fns: dict[str, Callable[[], object]], warmup: int, reps: int) -> dict[str, list[float]]:
+    """Seconds of each ``fns[name]()`` over ``reps`` rounds, each round running every function once in turn (so
+    that load from other jobs falls on all rows alike), after ``warmup`` untimed rounds."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for round_ in range(warmup + reps):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            if round_ >= warmup:
+                times[name].append(time.perf_counter() - t0)
+    return times
 
 
 def load_deepspeed() -> tuple[type | None, str]:
@@ -87,20 +90,16 @@ def load_deepspeed() -> tuple[type | None, str]:
     return DeepSpeedCPUAdam, ""
 
 
-def bandwidth_rows(n: int, warmup: int, reps: int) -> list[tuple[str, int, tuple[float, float, float]]]:
-    """(row, bytes per element, times) of axpy, triad and a 28-byte copy_ over n elements."""
+BANDWIDTH_ROWS = {"axpy a += s*c": 12, "triad a = b + s*c": 12, "copy_ (28 B/elem)": 28}
+STEP_ROWS = {"single-tensor (before)": 28, "foreach": 28, "torch fused": 28, "torch fused + copy_ bf16": 30,
+             "native": 28, "native + bf16 out": 30, "DeepSpeedCPUAdam": 28}
+
+
+def rows_for(n: int, deepspeed: type | None) -> tuple[dict[str, Callable[[], object]], dict[str, str]]:
+    """The functions to time over n elements, by row name (see the module docstring), and notes for rows that
+    cannot run here."""
     a, b, c = (torch.rand(n) for _ in range(3))
-    rows = [("axpy a += s*c", 12, timed(lambda: a.add_(c, alpha=1e-9), warmup, reps)),
-            ("triad a = b + s*c", 12, timed(lambda: torch.add(b, c, alpha=0.5, out=a), warmup, reps))]
-    del a, b, c
     src, dst = torch.rand(7 * n // 2), torch.empty(7 * n // 2)
-    rows.append(("copy_ (28 B/elem)", 28, timed(lambda: dst.copy_(src), warmup, reps)))
-    return rows
-
-
-def step_rows(n: int, warmup: int, reps: int, deepspeed: type | None, ds_note: str
-              ) -> list[tuple[str, int, tuple[float, float, float] | str]]:
-    """(row, bytes per element, times or a note) of each AdamW step on n elements."""
     gen = torch.Generator().manual_seed(0)
     param, grad = torch.randn(n, generator=gen), 1e-3 * torch.randn(n, generator=gen)
     exp_avg, exp_avg_sq = torch.zeros(n), torch.zeros(n)
@@ -126,26 +125,27 @@ def step_rows(n: int, warmup: int, reps: int, deepspeed: type | None, ds_note: s
                              eps=EPS, weight_decay=WEIGHT_DECAY, decoupled=True, out=out if with_out else None)
         return run
 
-    rows: list[tuple[str, int, tuple[float, float, float] | str]] = [
-        ("single-tensor (before)", 28, timed(torch_step(foreach=False, fused=False), warmup, reps)),
-        ("foreach", 28, timed(torch_step(foreach=True, fused=False), warmup, reps)),
-        ("torch fused", 28, timed(torch_step(fused=True), warmup, reps)),
-        ("torch fused + copy_ bf16", 30, timed(fused_and_copy, warmup, reps)),
-    ]
+    fns: dict[str, Callable[[], object]] = {
+        "axpy a += s*c": lambda: a.add_(c, alpha=1e-9),
+        "triad a = b + s*c": lambda: torch.add(b, c, alpha=0.5, out=a),
+        "copy_ (28 B/elem)": lambda: dst.copy_(src),
+        "single-tensor (before)": torch_step(foreach=False, fused=False),
+        "foreach": torch_step(foreach=True, fused=False),
+        "torch fused": torch_step(fused=True),
+        "torch fused + copy_ bf16": fused_and_copy,
+    }
+    notes = {}
     if native.available():
-        rows += [("native", 28, timed(native_step(False), warmup, reps)),
-                 ("native + bf16 out", 30, timed(native_step(True), warmup, reps))]
+        fns["native"] = native_step(False)
+        fns["native + bf16 out"] = native_step(True)
     else:
-        rows.append(("native", 28, f"unavailable: {native.unavailable_reason()}"))
+        notes["native"] = f"unavailable: {native.unavailable_reason()}"
     if deepspeed is not None:
-        p = torch.nn.Parameter(param)
+        p = torch.nn.Parameter(param)  # the same storage: DeepSpeed steps param with its own state
         p.grad = grad
-        opt = deepspeed([p], lr=LR, betas=(BETA1, BETA2), eps=EPS, weight_decay=WEIGHT_DECAY, adamw_mode=True)
-        rows.append(("DeepSpeedCPUAdam", 28, timed(opt.step, warmup, reps)))
-        del opt, p
-    else:
-        rows.append(("DeepSpeedCPUAdam", 28, ds_note))
-    return rows
+        fns["DeepSpeedCPUAdam"] = deepspeed([p], lr=LR, betas=(BETA1, BETA2), eps=EPS, weight_decay=WEIGHT_DECAY,
+                                            adamw_mode=True).step
+    return fns, notes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -171,29 +171,34 @@ def main(argv: list[str] | None = None) -> int:
             for threads in args.threads:
                 torch.set_num_threads(threads)
                 progress(f"2^{n.bit_length() - 1} elements, {threads} thread(s)")
-                measured = bandwidth_rows(n, args.warmup, args.reps)
-                measured += step_rows(n, args.warmup, args.reps, deepspeed, ds_note)
-                axpy_gbs = 12 * n / measured[0][2][0] / 1e9
-                before_s = next(t[0] for name, _, t in measured if name.startswith("single-tensor"))
-                for name, nbytes, result in measured:
+                fns, notes = rows_for(n, deepspeed)
+                if deepspeed is None:
+                    notes["DeepSpeedCPUAdam"] = ds_note
+                times = {name: sorted(t) for name, t in interleaved(fns, args.warmup, args.reps).items()}
+                del fns
+                axpy = times["axpy a += s*c"]
+                before = times["single-tensor (before)"]
+                for name, nbytes in {**BANDWIDTH_ROWS, **STEP_ROWS}.items():
                     row = {"elements": f"2^{n.bit_length() - 1}", "threads": threads, "row": name,
                            "bytes/elem": nbytes}
-                    if isinstance(result, str):
-                        row["ms"] = result
-                    else:
-                        median, low, high = result
-                        gbs = nbytes * n / median / 1e9
-                        row.update({"ms": 1e3 * median, "min ms": 1e3 * low, "max ms": 1e3 * high, "GB/s": gbs,
-                                    "vs axpy": gbs / axpy_gbs})
-                        if name not in ("axpy a += s*c", "triad a = b + s*c", "copy_ (28 B/elem)"):
-                            row["vs before"] = before_s / median
+                    if name in notes:
+                        row["ms"] = notes[name]
+                    elif name in times:
+                        t = times[name]
+                        median = t[len(t) // 2]
+                        row.update({"ms": 1e3 * median, "min ms": 1e3 * t[0], "max ms": 1e3 * t[-1],
+                                    "GB/s": nbytes * n / median / 1e9,
+                                    "vs axpy": nbytes / 12 * axpy[len(axpy) // 2] / median,
+                                    "vs axpy (min)": nbytes / 12 * axpy[0] / t[0]})
+                        if name in STEP_ROWS:
+                            row["vs before"] = before[len(before) // 2] / median
                     rows.append(row)
     finally:
         torch.set_num_threads(threads_before)
     load_after = os.getloadavg()
     print(rows_table(rows, COLUMNS, FORMATS))
-    print(f"\nload average {load_before[0]:.2f} before, {load_after[0]:.2f} after; median of {args.reps} runs after "
-          f"{args.warmup} warm-up runs")
+    print(f"\nload average {load_before[0]:.2f} before, {load_after[0]:.2f} after; median of {args.reps} interleaved "
+          f"rounds after {args.warmup} warm-up rounds")
     if args.csv:
         write_csv(rows, args.csv)
     return 0
