@@ -22,8 +22,9 @@
 // which (zeropp/optim/native.py finds it by running torch's step on probes). Every other operation is one IEEE
 // float operation (this file is built with -ffp-contract=off; the FMAs are explicit).
 //
-// The kernels are one loop written for auto-vectorization, compiled three times (AVX-512, AVX2 + FMA, portable)
-// and chosen when called, as in quant.cpp; ZEROPP_NO_AVX512 and ZEROPP_BASELINE_ONLY drop sets the same way (the
+// The kernels are one loop written for auto-vectorization (this file alone is built with -fno-math-errno, without
+// which the square root does not vectorize), compiled three times (AVX-512, AVX2 + FMA, portable) and chosen when
+// called, as in quant.cpp; ZEROPP_NO_AVX512 and ZEROPP_BASELINE_ONLY drop sets the same way (the
 // portable loop's FMAs are the C library's exact fmaf). The elements are split over `threads` OpenMP threads in
 // ranges of whole 64-byte lines; each element's result does not depend on the split.
 #include <algorithm>
