@@ -191,13 +191,13 @@ struct Tensors {
     float* exp_avg_sq;
     void* out;
     int64_t n;
-    int64_t width;  // torch's vector length (its scalar loop computes the last n % width elements)
+    int64_t tail;  // the last elements, computed as torch's scalar loop does (n % width of the tensor torch stepped)
     int threads;
 };
 
 template <class Isa, int D, int Out, bool Fma>
 void step(const Tensors& t, const Constants& k) {
-    const int64_t body = Fma ? t.n - t.n % t.width : t.n;
+    const int64_t body = Fma ? t.n - t.tail : t.n;
     const int64_t lines = (body + kLine - 1) / kLine;
     auto range = [&](int64_t i, int64_t count) {
         const int64_t a = std::min(body, lines * i / count * kLine);
@@ -250,19 +250,23 @@ extern "C" {
 
 // Bumped whenever zeropp_adam_step's signature changes; zeropp/optim/native.py refuses a library of another
 // version (or one without it, built before this file).
-int zeropp_cpu_optim_abi_version(void) { return 1; }
+int zeropp_cpu_optim_abi_version(void) { return 2; }
 
 // One step on param, exp_avg, exp_avg_sq (float32, n elements each, updated in place) from grad (float32), and,
 // when out_dtype is 0/1/2 (float32/bfloat16/float16; -1: none), the new param in that dtype into out. step >= 1
 // is the count after this step (torch's state_step after its increment); decoupled != 0 is AdamW; fma != 0 takes
-// the FMAs of torch's AVX2 and AVX-512 kernels, whose vector length is width floats (8 or 16; see above). Returns
-// 0, or non-zero for bad arguments (the Python side validates first; this is a second line).
+// the FMAs of torch's AVX2 and AVX-512 kernels, whose vector length is width floats (8 or 16; see above), and
+// computes the last `tail` elements as torch's scalar loop (tail < 0: n % width, torch stepping these n elements as
+// one tensor; a piece of a larger tensor passes the part of that tensor's tail it holds). Returns 0, or non-zero for
+// bad arguments (the Python side validates first; this is a second line).
 int zeropp_adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n, int64_t step,
                      double lr, double beta1, double beta2, double eps, double weight_decay, int decoupled,
-                     void* out, int out_dtype, int fma, int64_t width, int threads) {
+                     void* out, int out_dtype, int fma, int64_t width, int64_t tail, int threads) {
     if (n < 0 || step < 1) return 1;
     if (out_dtype < kNone || out_dtype > kFloat16 || (out_dtype != kNone && out == nullptr)) return 2;
     if (fma && width != 8 && width != 16) return 3;
+    if (tail > n) return 4;
+    if (tail < 0) tail = n % width;
     if (n == 0) return 0;
     const double s = static_cast<float>(step);  // torch's state_step is a float32 tensor
     const double step_size = lr / (1 - std::pow(beta1, s));
@@ -278,7 +282,7 @@ int zeropp_adam_step(float* param, const float* grad, float* exp_avg, float* exp
     k.neg_step_size = static_cast<float>(-step_size);
     const int decay = weight_decay == 0 ? kNoDecay : decoupled ? kDecoupled : kL2;
     k.decay = static_cast<float>(decay == kDecoupled ? 1 - lr * weight_decay : weight_decay);
-    const Tensors t{param, grad, exp_avg, exp_avg_sq, out, n, width, threads};
+    const Tensors t{param, grad, exp_avg, exp_avg_sq, out, n, tail, threads};
 #if ZEROPP_AVX512_KERNELS
     if (avx512_usable()) {
         dispatch<Avx512>(decay, out_dtype, fma != 0, t, k);

@@ -231,3 +231,25 @@ def test_library_without_the_op_is_refused_with_the_fix(tmp_path):
         native.Library(fake)
     with pytest.raises(native.NativeLibraryError, match="does not exist"):
         native.Library(tmp_path / "missing.so")
+
+
+def test_pieces_with_their_share_of_the_tail_equal_the_whole_tensor_step() -> None:
+    """A tensor cut into pieces at random offsets, each stepped alone with ``tail_in_piece``: bit for bit torch's
+    fused step on the whole tensor (without ``tail`` a piece's own last elements would round as a tail)."""
+    if not native.available():
+        pytest.skip(f"native CPU library not built: {native.unavailable_reason()}")
+    gen = torch.Generator().manual_seed(torch.seed() % 2**31)
+    for numel in (1, 7, 100, 1023, 4099):
+        whole = [torch.randn(numel, generator=gen) for _ in range(2)] + [0.01 * torch.rand(numel, generator=gen)]
+        grad = 10 * torch.randn(numel, generator=gen)
+        ref = [t.clone() for t in whole]
+        torch_adam([ref[0]], [grad], [ref[1]], [ref[2]], [], [torch.tensor(2.0)], fused=True,
+                   decoupled_weight_decay=True, amsgrad=False, beta1=0.9, beta2=0.999, lr=1e-2, weight_decay=0.1,
+                   eps=1e-8, maximize=False)
+        cuts = sorted({0, numel, *torch.randint(0, numel + 1, (4,), generator=gen).tolist()})
+        for a, b in zip(cuts, cuts[1:]):
+            native.adam_step(whole[0][a:b], grad[a:b], whole[1][a:b], whole[2][a:b], step=3, lr=1e-2, beta1=0.9,
+                             beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True,
+                             tail=native.tail_in_piece(a, b, numel))
+        for got, want in zip(whole, ref):
+            assert torch.equal(got, want), numel

@@ -36,7 +36,7 @@ from torch.optim.adam import adam as torch_adam
 from zeropp.quant.native import BUILD_HINT, DEFAULT_PATH, NativeLibraryError
 from zeropp.quant.native_loader import NativeBackend
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 """The ``zeropp_cpu_optim_abi_version()`` this module is written for (kernels/cpu/adam.cpp)."""
 
 _OUT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -82,27 +82,30 @@ class Library:
             )
         i32, i64, ptr, f64 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_double
         fn = lib.zeropp_adam_step
-        fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f64, f64, f64, f64, f64, i32, ptr, i32, i32, i64, i32]
+        fn.argtypes = [ptr, ptr, ptr, ptr, i64, i64, f64, f64, f64, f64, f64, i32, ptr, i32, i32, i64, i64, i32]
         fn.restype = i32
         self._step = fn
         self.arithmetic = self._find_arithmetic()
 
     def adam_step(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
                   *, step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                  decoupled: bool, out: torch.Tensor | None = None) -> None:
+                  decoupled: bool, out: torch.Tensor | None = None, tail: int | None = None) -> None:
         """As the module's ``adam_step``."""
         _check(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, out)
+        if tail is not None and not 0 <= tail <= param.numel():
+            raise ValueError(f"tail={tail}: must be in [0, {param.numel()}] (the last elements of param that torch's "
+                             "scalar loop computes), or None for param's own")
         self._run(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, weight_decay, decoupled, out,
-                  self.arithmetic, torch.get_num_threads())
+                  self.arithmetic, torch.get_num_threads(), tail)
 
     def _run(self, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
              step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool,
-             out: torch.Tensor | None, arithmetic: Arithmetic, threads: int) -> None:
+             out: torch.Tensor | None, arithmetic: Arithmetic, threads: int, tail: int | None = None) -> None:
         status = self._step(
             param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(), param.numel(), step,
             float(lr), float(beta1), float(beta2), float(eps), float(weight_decay), int(decoupled),
             None if out is None else out.data_ptr(), _NO_OUT if out is None else _OUT_DTYPES[out.dtype],
-            int(arithmetic.fma), arithmetic.width, threads)
+            int(arithmetic.fma), arithmetic.width, -1 if tail is None else tail, threads)
         if status:
             raise NativeLibraryError(f"zeropp_adam_step refused its arguments (status {status})")
 
@@ -195,7 +198,7 @@ unavailable_reason = _backend.unavailable_reason
 
 def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
               step: int, lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool,
-              out: torch.Tensor | None = None) -> None:
+              out: torch.Tensor | None = None, tail: int | None = None) -> None:
     """One Adam (``decoupled=False``: L2 weight decay added to the gradient) or AdamW (``decoupled=True``) step,
     in place, bit for bit torch's fused CPU step (see the module docstring), and ``out.copy_(param)`` after it.
 
@@ -203,9 +206,22 @@ def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, ex
     flat), each its own memory; ``grad`` is only read. ``step``: this step's count, from 1 (bias correction uses
     it as torch's float32 ``state_step``). ``lr``, ``beta1``, ``beta2``, ``eps``, ``weight_decay``: as torch's
     Adam. ``out``: None, or a contiguous CPU tensor of the same numel in float32, bfloat16 or float16 that receives
-    the updated ``param`` rounded to nearest even. Raises ``ValueError``/``TypeError`` on bad arguments before
+    the updated ``param`` rounded to nearest even. ``tail``: how many of the last elements torch's scalar loop
+    computes; ``None`` (torch stepping ``param`` as one tensor) is its ``numel % width``; for a piece ``[a, b)`` of a
+    tensor of ``N`` elements that torch steps whole, the piece's share of that tensor's last ``N % width`` elements,
+    so the piece gets the bits the whole tensor's step gives it (``tail_in_piece``). Raises
+    ``ValueError``/``TypeError`` on bad arguments before
     touching anything, ``NativeLibraryError`` (its message says why and how to fix it) when the library does not
     load here.
     """
     library().adam_step(param, grad, exp_avg, exp_avg_sq, step=step, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                        weight_decay=weight_decay, decoupled=decoupled, out=out)
+                        weight_decay=weight_decay, decoupled=decoupled, out=out, tail=tail)
+
+
+def tail_in_piece(start: int, stop: int, numel: int) -> int:
+    """How many elements of the piece ``[start, stop)`` of a tensor of ``numel`` elements lie in the part torch's
+    fused step computes in its scalar loop (the last ``numel % width`` elements; ``width``: torch's vector length
+    here, ``library().arithmetic.width``): the ``tail`` that makes ``adam_step`` on the piece give the piece the bits
+    of torch's step on the whole tensor."""
+    first = numel - numel % library().arithmetic.width
+    return max(0, stop - max(start, first))
