@@ -252,6 +252,7 @@ def test_memory_budget_null_is_no_budget():
     (3, {"offload_param": {"device": "cpu", "ratio": 0.5}}, {}, ["offload_param.ratio", "valid keys"]),
     # aio
     (3, {}, {"aio": {"block_size": 0}}, ["aio.block_size=0", ">= 1"]),
+    (3, {}, {"aio": {"block_size": 1000}}, ["aio.block_size=1000", "multiple of 4096", "e.g. 1048576"]),
     (3, {}, {"aio": {"queue_depth": 0}}, ["aio.queue_depth=0", ">= 1"]),
     (3, {}, {"aio": {"intra_op_parallelism": 0}}, ["aio.intra_op_parallelism=0", ">= 1"]),
     (3, {}, {"aio": {"thread_count": 0}}, ["aio.thread_count=0", ">= 1"]),

@@ -382,3 +382,12 @@ def test_cuda_tensors_round_trip_through_pinned_buffers(tmp_path, gen):
         out = torch.empty_like(data)
         space.read("w", out).wait()
         assert same_bits(out, data)
+
+
+def test_the_config_alignment_is_the_swap_alignment() -> None:
+    """``zeropp.config`` checks ``aio.block_size`` against its own copy of the O_DIRECT unit (the config layer imports
+    nothing of zeropp's): it must be this module's."""
+    from zeropp.config.offload import DIRECT_IO_ALIGNMENT
+    from zeropp.offload import ALIGNMENT
+
+    assert DIRECT_IO_ALIGNMENT == ALIGNMENT

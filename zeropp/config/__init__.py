@@ -109,10 +109,10 @@ tiers: ``zeropp.engine.offload``. **This build runs ``offload_optimizer`` (``"cp
   page-locked host buffers for full-bandwidth asynchronous copies; DeepSpeed's default since 0.19.5, false before);
   ``buffer_count`` (4, at least 1): NVMe: how many units' states are in memory at once (and the swap's host
   buffers); ``pipeline_read`` / ``pipeline_write`` (false): overlap the NVMe read of the next units / write of the
-  previous ones with the step of the current one (false: each waited for at once); ``fast_init`` (false): with the parameters on NVMe too, write the
-  initial NVMe master weights in batches; ``ratio`` (1, a fraction above 0 and at most 1): the part of the
-  optimizer states (and step) on the CPU, the rest staying on the accelerator (below 1: stage 3 and ``"cpu"``
-  only). ``super_offload`` is accepted as false only; ``cpuadam_cores_perc`` (a fraction in [0, 1]) sizes
+  previous ones with the step of the current one (false: each waited for at once); ``fast_init`` (false): with the
+  parameters on NVMe too, write the initial NVMe master weights in batches; ``ratio`` (1, a fraction above 0 and at
+  most 1): the part of the optimizer states (and step) on the CPU, the rest staying on the accelerator (below 1:
+  stage 3 and ``"cpu"`` only). ``super_offload`` is accepted as false only; ``cpuadam_cores_perc`` (a fraction in [0, 1]) sizes
   SuperOffload's CPU Adam and is checked and has no effect.
 * ``zero_optimization.offload_param`` (stage 3 only, DeepSpeed's rule; an error at stages 1 and 2): the 16-bit
   parameter shards live on ``device`` between uses. ``device`` and ``nvme_path`` as above; ``pin_memory`` (true);

@@ -6,8 +6,8 @@ Keys, defaults and meanings are DeepSpeed's (``deepspeed/runtime/zero/offload_co
 ``deepspeed/runtime/swap_tensor/aio_config.py``), with these differences, each an error where DeepSpeed goes on:
 ``device: "nvme"`` needs ``nvme_path`` (DeepSpeed fails later, joining a null path); ``offload_param`` at stage 1 or 2
 (DeepSpeed ignores it: there are no parameter shards to move); the buffer sizes and counts must be positive
-(DeepSpeed allows 0); ``ratio`` must be above 0 (DeepSpeed allows 0: nothing offloaded) and, below 1, needs ``device: "cpu"`` (the partial
-offload splits the optimizer step between the accelerator and the CPU).
+(DeepSpeed allows 0); ``ratio`` must be above 0 (DeepSpeed allows 0: nothing offloaded) and, below 1, needs ``device:
+"cpu"`` (the partial offload splits the optimizer step between the accelerator and the CPU).
 """
 
 from __future__ import annotations
@@ -154,6 +154,9 @@ class OffloadParamConfig:
         )
 
 
+DIRECT_IO_ALIGNMENT = 4096
+"""Bytes: ``aio.block_size`` is a multiple of it (``zeropp.offload.ALIGNMENT``, the swap files' O_DIRECT unit)."""
+
 _AIO_FIXED = {
     "use_gds": (False, "GPUDirect Storage is not supported"),
 }
@@ -187,8 +190,12 @@ class AioConfig:
                 p.add(f"{w}.thread_count", f"{w}.thread_count is the old name of {w}.{threads_key}; give only one")
             else:
                 threads_key = "thread_count"
+        block_size = get_int(p, block, "block_size", w, d.block_size, minimum=1)
+        if p.ok(f"{w}.block_size") and block_size % DIRECT_IO_ALIGNMENT:
+            p.add(f"{w}.block_size", f"{w}.block_size={block_size} must be a multiple of {DIRECT_IO_ALIGNMENT} bytes "
+                                     f"(the O_DIRECT alignment of the swap files), e.g. {d.block_size}")
         return cls(
-            block_size=get_int(p, block, "block_size", w, d.block_size, minimum=1),
+            block_size=block_size,
             queue_depth=get_int(p, block, "queue_depth", w, d.queue_depth, minimum=1),
             intra_op_parallelism=get_int(p, block, threads_key, w, d.intra_op_parallelism, minimum=1),
             single_submit=get_bool(p, block, "single_submit", w, d.single_submit),

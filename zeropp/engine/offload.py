@@ -39,8 +39,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 
 from ..config import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
-from ..offload import SwapSpace
-from ..offload import aio as _aio
+from ..offload import AioSettings, SwapSpace
 from .unit import Unit
 
 
@@ -110,8 +109,8 @@ class OptimizerOffload:
         self.swap = SwapSpace(
             self.config.nvme_path, regions, rank=self.rank,
             config_key="zero_optimization.offload_optimizer.nvme_path",
-            aio=_aio.AioConfig(block_size=self.aio.block_size, queue_depth=self.aio.queue_depth,
-                               thread_count=self.aio.intra_op_parallelism),
+            aio=AioSettings(block_size=self.aio.block_size, queue_depth=self.aio.queue_depth,
+                            intra_op_parallelism=self.aio.intra_op_parallelism),
             buffer_count=self.config.buffer_count, pin_memory=self.pin)
         weakref.finalize(self, self.swap.close)  # the files go when the engine does, or at exit, without destroy()
         self._resident = set(range(len(units)))

@@ -1,14 +1,21 @@
 """Partitioned AdamW / Adam / SGD: each rank steps only the fp32 master shards it owns.
 
 The update of every element depends on that element alone, so stepping the shards is the same computation as
-stepping whole tensors. The step is torch.optim's own public functional form: Adam and AdamW are
-``torch.optim.adam.adam(..., fused=True)`` (the fused kernel on CPU and CUDA: one pass over the 28 bytes per element
-that an fp32 step must read and write, against about eight passes of the single-tensor arithmetic), SGD is
-``torch.optim.sgd.sgd(..., foreach=True)``. So a sharded run is bit-identical to a single-process
-``torch.optim.AdamW(fused=True)`` / ``Adam(fused=True)`` / ``SGD(foreach=True)`` run on the same gradients: the
-fused kernel computes every element alone, whatever tensor it sits in (``tests/engine/test_optimizer_step.py``
-shows it for cuts at any offset). One call per unit and parameter group steps that unit's segments of the group; the
-units are stepped one after the other, so an offload tier (``zeropp.engine.offload``) can hold only the unit being
+stepping whole tensors, if every element is rounded as the whole tensor's step rounds it. The reference is torch.optim's
+own fused step (``torch.optim.AdamW/Adam(fused=True)``, one pass over the 28 bytes per element an fp32 Adam step must
+read and write, against about eight passes of the single-tensor arithmetic) and foreach SGD:
+
+* Adam/AdamW with CPU masters (the CPU, and the offload tiers): the native step (``zeropp.optim.native``), one call per
+  piece of a parameter in the shard, bit for bit torch's fused step on the whole parameter: torch's kernel rounds a
+  tensor's last ``numel % 8`` (AVX2) elements in its scalar loop, differently, so each piece is given its share of its
+  parameter's tail. When the compute shard is on the CPU the new weights are written into it in the same pass (30
+  bytes per element instead of 28 + a 6-byte copy). Without the native library: torch's functional fused step
+  (``torch.optim.adam.adam(..., fused=True)``) on the unit's segments, which rounds the segments' own tails: about 1%
+  of the elements then differ from the whole-tensor step by rounding (``tests/engine/test_optimizer_step.py``).
+* Adam/AdamW with CUDA masters: torch's functional fused step on the segments, one call per unit and group.
+* SGD: ``torch.optim.sgd.sgd(..., foreach=True)`` on the segments: bit for bit ``SGD`` on the whole parameters.
+
+The units are stepped one after the other, so an offload tier (``zeropp.engine.offload``) can hold only the unit being
 stepped (and those read ahead) in memory.
 
 Parameter groups work as in torch.optim: ``param_groups`` is a list of dicts holding ``params`` (the original
@@ -38,6 +45,7 @@ from torch.optim.adam import adam as torch_adam
 from torch.optim.sgd import sgd as torch_sgd
 
 from ..config import ConfigError, OptimizerConfig
+from ..optim import native as native_optim
 from .unit import Unit
 
 _HYPER = {
@@ -116,31 +124,64 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         self._by_unit: list[dict[int, list[_Segment]]] = [{} for _ in units]
         for seg in self.segments:
             self._by_unit[self._unit_index[id(seg.unit)]].setdefault(seg.group, []).append(seg)
+        self._group_of_param = [[group_of[id(p)] for p in unit.params] for unit in units]
         self.steps = [0 for _ in self.param_groups]
 
     @torch.no_grad()
-    def step(self, order: Iterable[int] | None = None, after: Callable[[Unit], None] | None = None) -> None:
+    def step(self, order: Iterable[int] | None = None,
+             after: Callable[[Unit, bool], None] | None = None) -> None:
         """One update of every master shard from its gradient shard (``Unit.grad_shard``).
 
         ``order`` yields the index of each unit, in the order to step them (all units in turn by default; the
         engine passes ``OptimizerOffload.stream``, which has each unit's state in memory while it is stepped), and
-        ``after(unit)`` runs once the unit is stepped, before the next is asked for (the engine publishes it)."""
+        ``after(unit, copied)`` runs once the unit is stepped, before the next is asked for (the engine publishes
+        it); ``copied``: the native step already wrote the new values into the compute shard."""
         for g in range(len(self.param_groups)):
             self.steps[g] += 1
         for u in range(len(self.units)) if order is None else order:
             unit = self.units[u]
-            for g, segments in self._by_unit[u].items():
-                group = self.param_groups[g]
-                params = [unit.master[seg.start : seg.stop] for seg in segments]
-                grads = [unit.grad_shard[seg.start : seg.stop] for seg in segments]
-                state = {k: [v[u][seg.start : seg.stop] for seg in segments] for k, v in self.state.items()}
-                if self.type == "SGD":
-                    _sgd(params, grads, state["momentum_buffer"], group, first=self.steps[g] == 1)
-                else:
-                    decoupled = self.type == "AdamW" or group["adam_w_mode"]
-                    _adam(params, grads, state["exp_avg"], state["exp_avg_sq"], group, self.steps[g], decoupled)
+            copied = self._native_unit(u) if self.type != "SGD" and self._native_usable(unit) else False
+            if not copied:
+                self._torch_unit(u)
             if after is not None:
-                after(unit)
+                after(unit, copied)
+
+    def _torch_unit(self, u: int) -> None:
+        """Step unit ``u`` with torch's functional fused Adam (or foreach SGD), one call per parameter group."""
+        unit = self.units[u]
+        for g, segments in self._by_unit[u].items():
+            group = self.param_groups[g]
+            params = [unit.master[seg.start : seg.stop] for seg in segments]
+            grads = [unit.grad_shard[seg.start : seg.stop] for seg in segments]
+            state = {k: [v[u][seg.start : seg.stop] for seg in segments] for k, v in self.state.items()}
+            if self.type == "SGD":
+                _sgd(params, grads, state["momentum_buffer"], group, first=self.steps[g] == 1)
+            else:
+                decoupled = self.type == "AdamW" or group["adam_w_mode"]
+                _adam(params, grads, state["exp_avg"], state["exp_avg_sq"], group, self.steps[g], decoupled)
+
+    def _native_usable(self, unit: Unit) -> bool:
+        return unit.master.device.type == "cpu" and native_optim.available()
+
+    def _native_unit(self, u: int) -> bool:
+        """Step unit ``u`` with the native fused Adam (``zeropp.optim.native``), one call per piece of a parameter,
+        each with its share of that parameter's tail (``tail_in_piece``): bit for bit torch's fused step on the
+        whole parameters. When the compute shard is a CPU tensor of a dtype the kernel writes, the new values go
+        into it in the same pass (returns True: the engine need not copy them)."""
+        unit = self.units[u]
+        out_ok = unit.shard.device.type == "cpu" and unit.shard.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        m, v = self.state["exp_avg"][u], self.state["exp_avg_sq"][u]
+        for i, a, b in unit.param_ranges():
+            g = self._group_of_param[u][i]
+            group = self.param_groups[g]
+            beta1, beta2 = group["betas"]
+            lo = unit.start + a - unit.offsets[i]  # the piece within parameter i
+            native_optim.adam_step(
+                unit.master[a:b], unit.grad_shard[a:b], m[a:b], v[a:b], step=self.steps[g], lr=group["lr"],
+                beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                decoupled=self.type == "AdamW" or group["adam_w_mode"], out=unit.shard[a:b] if out_ok else None,
+                tail=native_optim.tail_in_piece(lo, lo + b - a, unit.shapes[i].numel()))
+        return out_ok
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients accumulated since the last optimizer step (``ZeroEngine.zero_grad``): every unit's

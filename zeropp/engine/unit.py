@@ -338,13 +338,15 @@ class Unit:
         self.publish_shard()
         self.publish_gather()
 
-    def publish_shard(self) -> None:
-        """Copy the master shard (stepped) into the compute-dtype ``shard``; stage 3: release the whole parameters
-        and drop the hpZ secondary (they hold the old weights). No communication."""
+    def publish_shard(self, copied: bool = False) -> None:
+        """Copy the master shard (stepped) into the compute-dtype ``shard`` (unless ``copied``: the optimizer's step
+        already wrote it); stage 3: release the whole parameters and drop the hpZ secondary (they hold the old
+        weights). No communication."""
         if self.sharded:
             self._release()
         self.secondary = None
-        self.shard.copy_(self.master)
+        if not copied:
+            self.shard.copy_(self.master)
 
     def publish_gather(self) -> None:
         """Stages 1 and 2: all-gather the shards so that every rank's whole parameters hold the new values (stage
