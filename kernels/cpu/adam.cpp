@@ -63,36 +63,7 @@ struct Constants {
     float neg_step_size;  // -lr / (1 - beta1^step)
 };
 
-ZEROPP_INLINE uint32_t bits_of(float v) {
-    uint32_t u;
-    std::memcpy(&u, &v, 4);
-    return u;
-}
-
-ZEROPP_INLINE float float_of(uint32_t u) {
-    float v;
-    std::memcpy(&v, &u, 4);
-    return v;
-}
-
-// float -> bfloat16 and float16 bits, round to nearest even, NaN stays a (quiet) NaN; as quant.cpp's, in integer
-// and exact float operations that vectorize.
-ZEROPP_INLINE uint16_t float_to_bfloat16(float v) {
-    const uint32_t u = bits_of(v);
-    const uint32_t rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16;
-    return uint16_t(v != v ? (u >> 16) | 0x40 : rounded);
-}
-
-ZEROPP_INLINE uint16_t float_to_half(float v) {
-    uint32_t u = bits_of(v);
-    const uint32_t sign = u & 0x80000000u;
-    u ^= sign;
-    const uint32_t special = u > 0x7F800000u ? 0x7E00u : 0x7C00u;  // NaN, or Inf (also for 65520 and more)
-    const uint32_t subnormal = bits_of(float_of(u) + 0.5f) - 0x3F000000u;  // adding 0.5 rounds at the half step
-    const uint32_t normal = (u + 0xC8000FFFu + ((u >> 13) & 1)) >> 13;  // rebias, round 13 bits to nearest even
-    const uint32_t o = u >= 0x47800000u ? special : (u < (113u << 23) ? subnormal : normal);
-    return uint16_t(o | (sign >> 16));
-}
+#include "float_bits.h"
 
 template <int Out>
 ZEROPP_INLINE void store_out(void* out, int64_t i, float p) {
