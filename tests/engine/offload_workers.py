@@ -165,3 +165,28 @@ def hf_templates(rank: int, world: int, paths: list[str]) -> dict[str, dict[str,
                                           "applied": engine.global_steps - engine.skipped_steps}
             engine.destroy()
     return out
+
+
+def cuda_tiers(rank: int, world: int, runs: dict[str, dict], nvme: str, steps: int = 3) -> dict[str, dict]:
+    """On CUDA (one process, gloo over CUDA tensors at world size 1): each run's losses, whole masters (on the host)
+    and where the engine keeps its tensors."""
+    dev = torch.device("cuda")
+    out: dict[str, dict] = {}
+    for name, tier in runs.items():
+        tier = {k: {kk: (vv.format(nvme=nvme) if isinstance(vv, str) else vv) for kk, vv in v.items()}
+                for k, v in tier.items()}
+        config = _config({"stage": 3}, tier, dtype="bf16", accumulation=1, clipping=1.0)
+        engine, _, _, _ = zeropp.initialize(model=GPT(MODEL, seed=0).to(dev), config=config)
+        unit = next(u for u in engine.units if u.master.numel())
+        placed = {"master": str(unit.master.device), "grad_shard": str(unit.grad_shard.device),
+                  "shard": str(unit.shard.device), "pinned": bool(unit.grad_shard.is_pinned())}
+        losses = []
+        for x, y in text_batches(steps, 2 * world, seed=7):
+            _, loss = engine(x[2 * rank : 2 * rank + 2].to(dev), y[2 * rank : 2 * rank + 2].to(dev))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        masters = {k: v.cpu() for k, v in engine.consolidated_state_dict().items()}
+        engine.destroy()
+        out[name] = {"losses": losses, "masters": masters, "placed": placed}
+    return out

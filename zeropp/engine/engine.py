@@ -299,7 +299,7 @@ class ZeroEngine:
                 self.units.append(Unit(plan.name, plan.params, self.comm, sharded=sharded, reduce_buffers=buffers,
                                        frozen=frozen, broadcast=self.materializer is None,
                                        optimizer_side=None if not self.offload.config.enabled
-                                       else lambda n, u=u: self.offload.empty(u, n),
+                                       else lambda n, kind, u=u: self.offload.empty(u, n, kind),
                                        shard_home=self.param_offload.home if self.param_offload.enabled else None))
                 modules[plan.name] = plan.module
         assert config.optimizer is not None

@@ -89,10 +89,12 @@ class OptimizerOffload:
     def nvme(self) -> bool:
         return self.tier == "nvme"
 
-    def empty(self, unit: int, numel: int) -> torch.Tensor:
-        """An fp32 tensor of ``numel`` elements for unit ``unit``'s optimizer side, on its home (pinned if asked)."""
+    def empty(self, unit: int, numel: int, kind: str) -> torch.Tensor:
+        """An fp32 tensor of ``numel`` elements for unit ``unit``'s ``kind`` (``"master"`` or ``"grad_shard"``), on
+        the unit's home; page-locked when asked, except an NVMe master (its storage is released and re-made at every
+        swap, which page-locked storage does not allow; the swap copies through its own page-locked buffers)."""
         home = self.homes[unit]
-        if home.type == "cpu" and self.pin:
+        if home.type == "cpu" and self.pin and not (self.nvme and kind == "master"):
             return torch.empty(numel, dtype=torch.float32, pin_memory=True)
         return torch.empty(numel, dtype=torch.float32, device=home)
 

@@ -107,9 +107,9 @@ class Unit:
             (floating ones; others stay whole on every rank).
         broadcast: take the first rank's values (a model built eagerly on every rank); ``False``: every rank
             already holds the same values (a materialised model), nothing is sent.
-        optimizer_side: makes the fp32 ``master`` and ``grad_shard`` (an element count -> an uninitialised fp32
-            tensor) where an offload tier keeps them (``OptimizerOffload.empty``); by default they are made on the
-            parameters' device.
+        optimizer_side: makes the fp32 ``master`` and ``grad_shard`` (an element count and ``"master"`` or
+            ``"grad_shard"`` -> an uninitialised fp32 tensor) where an offload tier keeps them
+            (``OptimizerOffload.empty``); by default they are made on the parameters' device.
         shard_home: stage 3, ``offload_param``: moves a compute-dtype shard (this unit's and its frozen one) to where
             it lives between uses (``ParamOffload.home``); every gather copies it to the device first
             (``device_shard``). By default the shards stay on the parameters' device.
@@ -131,7 +131,7 @@ class Unit:
         reduce_buffers: ReduceBuffers | None = None,
         frozen: list[tuple[str, nn.Parameter]] | None = None,
         broadcast: bool = True,
-        optimizer_side: Callable[[int], torch.Tensor] | None = None,
+        optimizer_side: Callable[[int, str], torch.Tensor] | None = None,
         shard_home: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> None:
         self.name = name
@@ -175,8 +175,8 @@ class Unit:
             self.master = local.to(torch.float32, copy=True)
             self.grad_shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=device)
         else:  # an offload tier's home (zeropp.engine.offload)
-            self.master = optimizer_side(self.shard_numel).copy_(local)
-            self.grad_shard = optimizer_side(self.shard_numel).zero_()
+            self.master = optimizer_side(self.shard_numel, "master").copy_(local)
+            self.grad_shard = optimizer_side(self.shard_numel, "grad_shard").zero_()
         self._full_nbytes = self.full.untyped_storage().nbytes()
         self.hpz = comm.hpz if sharded else 1
         self.secondary: torch.Tensor | None = None  # hpZ: this rank's 1/hpz of the gathered values
