@@ -120,7 +120,10 @@ their backward), ``2 * N`` bytes each in bf16; plus the gradients held for their
 ``reduce_bucket_size`` elements, as the compute-dtype ``.grad``) and the reduce buffers: one of each bucket size (on
 CPU ``unit.ReduceBuffers`` keeps them for reuse), more with ``overlap_comm`` (those in flight at once). On CPU the
 step returns the C heap's free pages to the OS (``host_memory``). At one rank ``shard`` is a view of ``full`` (one
-copy of the weights, never freed) and gradients go straight into ``grad_shard``.
+copy of the weights, never freed) and gradients go straight into ``grad_shard``. Offload
+(``zeropp.engine.offload``) moves ``grad_shard``, ``master`` and the optimizer state to host memory
+(``offload_optimizer: cpu``; ``ratio``: part of the units) or the last two to NVMe swap files (``nvme``: at most
+``buffer_count`` units' in memory, during the step), and stage 3's ``shard`` to host memory (``offload_param: cpu``).
 
 fp16 loss scaling (``zeropp.engine.loss_scaler``, DeepSpeed's rules): ``backward`` differentiates ``loss.float() /
 gradient_accumulation_steps * scale``. At the boundary ``step`` divides every ``grad_shard`` by the scale and checks
