@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import exact_triton
 
 import zeropp.quant as zq
 from zeropp.quant import BlockFormat
@@ -173,6 +174,7 @@ def test_kernels_are_chosen_by_exact_name(torch_backend, tmp_path, capsys):
 def test_triton_kernels_pass_the_check_under_the_interpreter(tmp_path):
     """The real kernels (interpreted) through the whole --check path: chosen rows, the far windows (scaled down), a
     two-tile sweep of one row."""
+    exact_triton("cpu")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     runs = [
         ["--sizes", "2^12", "--block-size", "2048", "--world", "2", "--ranks-per-node", "2", "--far-numel", "24576",

@@ -11,6 +11,7 @@ import importlib.util
 
 import pytest
 from comm_launch import launch
+from conftest import exact_triton
 
 
 @pytest.mark.parametrize(
@@ -64,4 +65,5 @@ def test_error_feedback_lowers_accumulated_error(tmp_path, d):
 def test_kernels_through_collectives(tmp_path, kernel_device):
     if kernel_device != "cpu":
         pytest.skip("gloo runs on CPU tensors; the GPU kernels are covered by tests/quant")
+    exact_triton("cpu")
     launch("comm_workers:kernels", 4, tmp_path, env={"TRITON_INTERPRET": "1"}, timeout=300)
