@@ -59,7 +59,7 @@ from dataclasses import dataclass
 
 import torch
 
-from zeropp.bench.report import progress, rows_table, write_csv
+from zeropp.bench.report import parse_size, progress, rows_table, write_csv
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from kernel_check import FAR_NUMEL, PackLayout, Reference, compare, far_checks, far_memory  # noqa: E402
@@ -72,19 +72,6 @@ SWEEP_ELEMENTS = (2048, 4096, 8192, 16384, 32768)
 SWEEP_WARPS = (4, 8)
 FORMATS = {"bytes": "{:,}".format, "ms": ".4f", "copy ms": ".4f", "GB/s": ".4g", "elem/s": ".3g",
            "floor/time": ".3f", "vs default": ".3f", "DS ms": ".4f", "DS GB/s": ".4g", "DS floor/time": ".3f"}
-
-
-def parse_size(text: str) -> int:
-    """``2^28``, ``1<<28``, ``268435456`` or ``256M`` / ``4K`` (binary)."""
-    t = text.strip()
-    if "^" in t:
-        base, exp = t.split("^")
-        return int(base) ** int(exp)
-    if "<<" in t:
-        a, b = t.split("<<")
-        return int(a) << int(b)
-    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1].upper())
-    return int(t[:-1]) * mult if mult else int(t)
 
 
 def size_label(n: int) -> str:

@@ -40,7 +40,7 @@ from collections.abc import Callable
 import torch
 from torch.optim.adam import adam as torch_adam
 
-from zeropp.bench.report import progress, rows_table, write_csv
+from zeropp.bench.report import parse_size, progress, rows_table, write_csv
 from zeropp.optim import native
 
 LR, BETA1, BETA2, EPS, WEIGHT_DECAY = 1e-3, 0.9, 0.999, 1e-8, 0.01
@@ -48,18 +48,6 @@ FORMATS = {"ms": ".2f", "min ms": ".2f", "max ms": ".2f", "GB/s": ".1f", "vs axp
            "vs before": ".2f"}
 COLUMNS = ["elements", "threads", "row", "bytes/elem", "ms", "min ms", "max ms", "GB/s", "vs axpy", "vs axpy (min)",
            "vs before"]
-
-
-def parse_size(text: str) -> int:
-    """``2^24``, ``1<<24`` or ``16777216``."""
-    t = text.strip()
-    if "^" in t:
-        base, exp = t.split("^")
-        return int(base) ** int(exp)
-    if "<<" in t:
-        base, shift = t.split("<<")
-        return int(base) << int(shift)
-    return int(t)
 
 
 def interleaved(fns: dict[str, Callable[[], object]], warmup: int, reps: int) -> dict[str, list[float]]:

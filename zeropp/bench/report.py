@@ -1,4 +1,4 @@
-"""Output helpers shared by the benchmarks."""
+"""Output and argument helpers shared by the benchmarks."""
 
 from __future__ import annotations
 
@@ -61,6 +61,19 @@ def rows_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str],
     formats = formats or {}
     used = [c for c in columns if any(row.get(c) not in (None, "") for row in rows)]
     return markdown_table(used, [[format_cell(row.get(c), formats.get(c)) for c in used] for row in rows])
+
+
+def parse_size(text: str) -> int:
+    """``2^28``, ``1<<28``, ``268435456`` or ``256M`` / ``4K`` (binary)."""
+    t = text.strip()
+    if "^" in t:
+        base, exp = t.split("^")
+        return int(base) ** int(exp)
+    if "<<" in t:
+        a, b = t.split("<<")
+        return int(a) << int(b)
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1].upper())
+    return int(t[:-1]) * mult if mult else int(t)
 
 
 def progress(message: str) -> None:
