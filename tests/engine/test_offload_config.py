@@ -465,7 +465,7 @@ def test_initialize_runs_optimizer_offload_and_refuses_what_it_does_not_run(tmp_
     got = dict(json.loads(line) for line in proc.stdout.splitlines() if line.startswith("["))
     for name in ("no offload", "optimizer cpu", "optimizer nvme", "param cpu"):
         assert got[name] == "initialized", (name, got[name])
-    tail = "parsed, but this build of zeropp does not run it yet (issue 21)"
+    tail = "parsed, but this build of zeropp does not run it yet"
     assert got["param nvme"].startswith("zero_optimization.offload_param.device='nvme': " + tail)
     assert got["budget"].startswith("zero_optimization.zeropp.memory_budget: " + tail)
     for name in ("param nvme", "budget"):

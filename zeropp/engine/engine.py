@@ -206,8 +206,8 @@ import torch
 from torch import nn
 
 from .. import comm
-from ..offload import SwapError
 from ..config import Config, ConfigError
+from ..offload import SwapError
 from . import checkpoint, gathered, host_memory, reuse
 from .collectives import Collectives
 from .entry_check import EngineUsageError, EntryCheck
@@ -957,7 +957,7 @@ def _refuse_unsupported_offload(config: Config) -> None:
     if zero.zeropp.memory_budget is not None:
         asked.append("zero_optimization.zeropp.memory_budget")
     if asked:
-        raise ConfigError(f"{', '.join(asked)}: parsed, but this build of zeropp does not run it yet (issue 21); "
+        raise ConfigError(f"{', '.join(asked)}: parsed, but this build of zeropp does not run it yet; "
                           "set offload_param.device to \"none\" or \"cpu\" and remove memory_budget; offload_optimizer "
                           "(cpu or nvme) runs")
 
