@@ -36,17 +36,7 @@
 #include <omp.h>
 #endif
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(ZEROPP_BASELINE_ONLY)
-#define ZEROPP_X86_KERNELS 1
-#else
-#define ZEROPP_X86_KERNELS 0
-#endif
-#if ZEROPP_X86_KERNELS && !defined(ZEROPP_NO_AVX512)
-#define ZEROPP_AVX512_KERNELS 1
-#else
-#define ZEROPP_AVX512_KERNELS 0
-#endif
-#define ZEROPP_INLINE inline __attribute__((always_inline))
+#include "isa.h"
 
 namespace {
 
@@ -125,14 +115,6 @@ struct Avx2 {
         step_range<D, Out, Fma>(param, grad, exp_avg, exp_avg_sq, out, k, a, e);
     }
 };
-
-bool avx2_usable() {
-    static const bool usable = [] {
-        __builtin_cpu_init();
-        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    }();
-    return usable;
-}
 #endif
 
 #if ZEROPP_AVX512_KERNELS

@@ -34,24 +34,15 @@
 #include <omp.h>
 #endif
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(ZEROPP_BASELINE_ONLY)
-#define ZEROPP_X86_KERNELS 1
-#include <cpuid.h>
+#include "isa.h"
+#if ZEROPP_X86_KERNELS
 // GCC 12's AVX-512 intrinsics start from deliberately undefined vectors, which -Wmaybe-uninitialized flags when
 // they are inlined (GCC bug 105593).
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 #pragma GCC diagnostic pop
-#else
-#define ZEROPP_X86_KERNELS 0
 #endif
-#if ZEROPP_X86_KERNELS && !defined(ZEROPP_NO_AVX512)
-#define ZEROPP_AVX512_KERNELS 1
-#else
-#define ZEROPP_AVX512_KERNELS 0
-#endif
-#define ZEROPP_INLINE inline __attribute__((always_inline))
 
 namespace {
 
@@ -948,20 +939,6 @@ void run_format(int bits, int dtype, Args... args) {
         run_dtype<Op, Isa, 4>(dtype, args...);
     }
 }
-
-#if ZEROPP_X86_KERNELS
-// Whether this CPU (and its operating system, which must save the vector registers) runs the AVX2 kernels. F16C
-// is read from CPUID: clang's __builtin_cpu_supports does not know it.
-bool avx2_usable() {
-    static const bool usable = [] {
-        __builtin_cpu_init();
-        unsigned eax, ebx, ecx, edx;
-        const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C);
-        return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c;
-    }();
-    return usable;
-}
-#endif
 
 #if ZEROPP_AVX512_KERNELS
 // Whether this CPU runs the AVX-512 kernels (AVX-512 F, BW, VL and VBMI2, besides the AVX2 kernels' needs).

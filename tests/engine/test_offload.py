@@ -170,7 +170,6 @@ def test_the_stream_holds_at_most_buffer_count_units_and_keeps_every_value(tmp_p
     units = [_FakeUnit(m) for m in masters]
     off = _offload(tmp_path, sizes, device="nvme", nvme_path=str(tmp_path), buffer_count=buffers,
                    pipeline_read=pipelined, pipeline_write=pipelined)
-    off.device = torch.device("cpu")
     off.attach(units, state)
     assert all(m.untyped_storage().nbytes() == 0 for m in masters)
     for step in range(3):
