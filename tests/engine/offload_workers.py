@@ -10,6 +10,7 @@ import torch
 from engine_workers import MODEL, text_batches
 
 import zeropp
+from zeropp.engine.checkpoint_files import CheckpointError
 from zeropp.engine.offload import OffloadError
 from zeropp.models import GPT
 
@@ -79,38 +80,51 @@ def checkpoint_across_tiers(rank: int, world: int, nvme: str, save_dir: str, pha
     zero = {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
             "zero_hpz_partition_size": 2 if world == 4 else 1}
     nvme_tier = {"offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pipeline_read": True,
-                                       "pipeline_write": True, "pin_memory": False}}
+                                       "pipeline_write": True, "pin_memory": False, "buffer_count": 2}}
     tiers_ = {"none": {}, "cpu": {"offload_optimizer": {"device": "cpu", "pin_memory": False}}, "nvme": nvme_tier}
     if phase == "save":
         engine, _, _, _ = zeropp.initialize(model=GPT(MODEL, seed=0), config=_config(
             zero, nvme_tier, dtype="bf16", accumulation=1, clipping=1.0))
         _train(engine, rank, world, 3, 1, seed=11)
         saved = engine.consolidated_state_dict()
+        engine.offload.peak_resident, before = 0, engine.offload.counters["bytes_read"]
         engine.save_checkpoint(save_dir, tag="t")
+        held = engine.offload.peak_resident  # the save reads pieces, never a whole unit
+        read = engine.offload.counters["bytes_read"] - before
         after = _train(engine, rank, world, 2, 1, seed=12)
-        out = {"saved": saved, "losses": after, "masters": engine.consolidated_state_dict()}
+        out = {"saved": saved, "losses": after, "masters": engine.consolidated_state_dict(), "held": held,
+               "read": read, "state_bytes": 12 * sum(unit.master.numel() for unit in engine.units),
+               "units": len(engine.units)}
         engine.destroy()
         return out
     out = {}
     for name, tier in tiers_.items():
         engine, _, _, _ = zeropp.initialize(model=GPT(MODEL, seed=5), config=_config(
             zero, tier, dtype="bf16", accumulation=1, clipping=1.0))
+        engine.offload.peak_resident = 0
         engine.load_checkpoint(save_dir, tag="t")
+        held = engine.offload.peak_resident  # nvme: the load holds buffer_count units at a time
         loaded = engine.consolidated_state_dict()
         losses = _train(engine, rank, world, 2, 1, seed=12)
-        out[name] = {"loaded": loaded, "losses": losses, "masters": engine.consolidated_state_dict()}
+        out[name] = {"loaded": loaded, "losses": losses, "masters": engine.consolidated_state_dict(), "held": held}
         engine.destroy()
     return out
 
 
-def swap_faults(rank: int, world: int, nvme: str, fault: str, victim: int) -> dict:
-    """Train with NVMe offload; after 2 steps damage one swap file of rank ``victim`` (``fault``: "corrupt" flips a
-    byte, "truncate" halves the file, "delete" removes it); return what the next step raised on this rank and what
-    a later forward raised."""
+def swap_faults(rank: int, world: int, nvme: str, fault: str, victim: int, during: str = "step",
+                save_dir: str = "") -> dict:
+    """Train with NVMe offload; after 2 steps (``during`` "load": and a checkpoint save) damage one swap file of rank
+    ``victim`` (``fault``: "corrupt" flips a byte, "truncate" halves the file, "delete" removes it); return what the
+    next step (or the checkpoint's load into the same engine) raised on this rank and what a later forward raised;
+    for "load", also the masters a new engine without offload loads from the checkpoint, and those saved."""
     tier = {"offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": False}}
     engine, _, _, _ = zeropp.initialize(model=GPT(MODEL, seed=0), config=_config(
         {"stage": 3}, tier, dtype="fp32", accumulation=1, clipping=0.0))
     _train(engine, rank, world, 2, 1, seed=3)
+    out = {}
+    if during == "load":
+        out["saved"] = engine.consolidated_state_dict()
+        engine.save_checkpoint(save_dir, tag="t")
     if rank == victim:
         path = Path(engine.offload.swap.path("unit1.exp_avg"))
         if fault == "corrupt":
@@ -123,17 +137,25 @@ def swap_faults(rank: int, world: int, nvme: str, fault: str, victim: int) -> di
             os.truncate(path, path.stat().st_size // 2)
         else:
             path.unlink()
-    out = {}
     try:
-        _train(engine, rank, world, 1, 1, seed=4)
+        if during == "load":
+            engine.load_checkpoint(save_dir, tag="t")
+        else:
+            _train(engine, rank, world, 1, 1, seed=4)
         out["step"] = None
-    except OffloadError as e:
-        out["step"] = str(e)
+    except (OffloadError, CheckpointError) as e:
+        out["step"] = f"{type(e).__name__}: {e}"
     try:
         _train(engine, rank, world, 1, 1, seed=5)
         out["later"] = None
     except OffloadError as e:
         out["later"] = str(e)
+    engine.destroy()
+    if during == "load":
+        fresh, _, _, _ = zeropp.initialize(model=GPT(MODEL, seed=5), config=_config(
+            {"stage": 3}, {}, dtype="fp32", accumulation=1, clipping=0.0))
+        fresh.load_checkpoint(save_dir, tag="t")
+        out["reloaded"] = fresh.consolidated_state_dict()
     engine.destroy()
     return out
 
@@ -190,3 +212,16 @@ def cuda_tiers(rank: int, world: int, runs: dict[str, dict], nvme: str, steps: i
         engine.destroy()
         out[name] = {"losses": losses, "masters": masters, "placed": placed}
     return out
+
+
+def swap_setup_fault(rank: int, world: int, nvme: str, victim: int) -> str | None:
+    """Initialize with NVMe offload where rank ``victim``'s ``nvme_path`` does not exist; return what initialize
+    raised on this rank (``None``: it returned)."""
+    path = os.path.join(nvme, "missing") if rank == victim else nvme
+    tier = {"offload_optimizer": {"device": "nvme", "nvme_path": path, "pin_memory": False}}
+    try:
+        zeropp.initialize(model=GPT(MODEL, seed=0), config=_config({"stage": 2}, tier, dtype="fp32", accumulation=1,
+                                                                    clipping=0.0))
+    except OffloadError as e:
+        return str(e)
+    return None

@@ -13,11 +13,15 @@ hold one swap file per unit and state kind, release the masters' memory between 
 ``destroy()``.
 
 Checkpoints: a 4-rank NVMe run saves, then every tier loads it at 4 and at 2 ranks and continues: the loaded masters
-equal the saved ones, and at 4 ranks the continued losses and masters equal the NVMe run's own continuation.
+equal the saved ones, and at 4 ranks the continued losses and masters equal the NVMe run's own continuation. The
+NVMe save reads each parameter's piece from the swap files as DCP writes it (no unit held in memory); the NVMe load
+holds ``buffer_count`` units at a time.
 
 Faults: a swap file of one rank corrupted, truncated or deleted between steps: the next step raises
-``OffloadError`` on every rank (naming the failing rank; that rank's message names the file), and any later use of
-the engine raises too.
+``OffloadError`` on every rank (naming the failing rank and its message, which names the file), and any later use of
+the engine raises too; corrupted before a checkpoint load into the engine: ``CheckpointError`` on every rank, the
+engine refuses to go on, and a new engine loads the checkpoint; one rank's ``nvme_path`` missing: ``initialize``
+raises on every rank.
 """
 
 from __future__ import annotations
@@ -88,6 +92,10 @@ def test_checkpoints_load_across_tiers_and_world_sizes(tmp_path) -> None:
                      save_dir=str(ckpt), phase="load")
     loaded2 = launch("offload_workers:checkpoint_across_tiers", 2, tmp_path, timeout=300, nvme=str(nvme),
                      save_dir=str(ckpt), phase="load")
+    for want in saved:  # the save read each parameter's piece from the swap files, holding no unit in memory
+        assert want["held"] == 0 and 0 < want["read"] <= want["state_bytes"], want
+    for res in loaded4 + loaded2:  # the load held buffer_count (2) units at a time
+        assert res["nvme"]["held"] == 2 < saved[0]["units"], res["nvme"]["held"]
     for want, res in zip(saved, loaded4):  # losses are each rank's own micro-batch's
         for name, run in res.items():
             assert _same(run["loaded"], want["saved"]), name
@@ -109,9 +117,33 @@ def test_a_damaged_swap_file_stops_every_rank(tmp_path, fault) -> None:
         assert res["step"] is not None, (rank, "the step after the damage went on")
         assert "failed reading or writing the NVMe offload's swap files on rank(s) [1]" in res["step"], res["step"]
         assert "load the last checkpoint" in res["step"]
+        assert "(rank 1: " in res["step"] and "unit1.exp_avg" in res["step"], res["step"]  # the cause, everywhere
         assert res["later"] is not None and res["later"].startswith("this engine cannot go on"), res["later"]
-    victim = results[1]["step"]
-    assert "unit1.exp_avg" in victim, victim
+
+
+def test_a_missing_nvme_path_on_one_rank_stops_every_rank_at_initialize(tmp_path) -> None:
+    results = launch("offload_workers:swap_setup_fault", 2, tmp_path, timeout=300, nvme=str(tmp_path), victim=1)
+    for message in results:
+        assert message is not None and message.startswith("setting up the NVMe offload's swap files failed on rank(s) "
+                                                          "[1] (rank 1: zero_optimization.offload_optimizer.nvme_path="
+                                                          ), message
+        assert "does not exist" in message and "mkdir -p" in message, message
+    assert not list(tmp_path.glob("zeropp-swap/*")), "rank 0's swap files were left behind"
+
+
+def test_a_swap_file_damaged_before_a_checkpoint_load_stops_every_rank(tmp_path) -> None:
+    """The load reads each group of units from the swap files before loading into them: rank 1's corrupted file
+    fails that read, and every rank raises (no rank waits in DCP's collectives); the engine refuses to go on, and
+    the checkpoint stays loadable (a new engine loads the saved masters exactly)."""
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    results = launch("offload_workers:swap_faults", 2, tmp_path, timeout=300, nvme=str(nvme), fault="corrupt",
+                     victim=1, during="load", save_dir=str(tmp_path / "ckpt"))
+    for rank, res in enumerate(results):
+        assert res["step"] is not None and res["step"].startswith("CheckpointError: loading checkpoint"), res["step"]
+        assert "on rank 1" in res["step"] and "CRC-32C" in res["step"], res["step"]
+        assert res["later"] is not None and res["later"].startswith("this engine cannot go on"), res["later"]
+        assert _same(res["reloaded"], res["saved"])
 
 
 def test_hugging_face_trainer_templates_run_unchanged(tmp_path) -> None:

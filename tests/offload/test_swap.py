@@ -311,6 +311,37 @@ def test_corrupted_byte_is_caught_with_its_range(written, gen):
     assert same_bits(out, data)
 
 
+def test_read_range_reads_any_part_and_checks_what_it_touches(written, gen):
+    """``read_range`` returns exactly the asked elements (ranges inside one piece, across pieces and chunks, the
+    region's ends), waits for a write called before it, and catches a corrupted byte in a piece it touches but not
+    one outside."""
+    space, data = written
+    n = data.numel()
+    ranges = [(0, n), (0, 1), (n - 1, n), (BLOCK // 4 - 3, BLOCK // 4 + 5), (7, 3 * BLOCK // 4 + 11)]
+    ranges += [tuple(sorted(int(x) for x in torch.randint(0, n + 1, (2,), generator=gen))) for _ in range(4)]
+    for a, b in ranges:
+        out = torch.empty(b - a, dtype=data.dtype)
+        space.read_range("w", 4 * a, out)
+        assert same_bits(out, data[a:b]), (a, b)
+    newer = random_tensor(n, torch.float32, gen)
+    space.write("w", newer)  # not waited for: read_range waits for it
+    out = torch.empty(100, dtype=torch.float32)
+    space.read_range("w", 4 * (n - 100), out)
+    assert same_bits(out, newer[n - 100:])
+    with open(space.path("w"), "r+b") as file:  # corrupt the first piece
+        file.seek(5)
+        byte = file.read(1)[0]
+        file.seek(5)
+        file.write(bytes([byte ^ 0x01]))
+    space.read_range("w", BLOCK, torch.empty(10, dtype=torch.float32))  # the second piece is intact
+    with pytest.raises(SwapError, match=r"bytes \[0, \d+\) of .* do not match the CRC-32C recorded"):
+        space.read_range("w", 0, torch.empty(10, dtype=torch.float32))
+    with pytest.raises(ValueError, match=r"outside the region's"):
+        space.read_range("w", 4 * n - 4, torch.empty(2, dtype=torch.float32))
+    with pytest.raises(ValueError, match=r"dtype torch.float32"):
+        space.read_range("w", 0, torch.empty(2, dtype=torch.int32))
+
+
 def test_truncated_file_is_a_short_read(written):
     space, data = written
     os.truncate(space.path("w"), 2 * BLOCK + ALIGNMENT)

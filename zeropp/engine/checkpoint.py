@@ -63,8 +63,9 @@ import io
 import os
 import random
 import shutil
+import sys
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -105,6 +106,7 @@ from .checkpoint_files import (
     verify,
     write_manifest,
 )
+from ..offload import SwapError
 from .unit import FrozenFlat, Unit
 
 if TYPE_CHECKING:
@@ -123,11 +125,13 @@ _HINT = " (a file of it is missing, truncated or not DCP's)"
 class _Slice:
     """This rank's elements ``[offset, offset + values.numel())`` of a 1-D tensor of ``numel`` elements in the
     checkpoint: one DCP chunk of it. ``values`` views the engine's storage (a save writes it, a load reads into
-    it in place)."""
+    it in place); for a save of a unit swapped out to NVMe it is a meta tensor of the piece's shape, and ``read``
+    returns the values (read from the swap file when DCP writes the piece, so a save holds one piece at a time)."""
 
     values: torch.Tensor
     offset: int
     numel: int
+    read: Callable[[], torch.Tensor] | None = None
 
 
 def _params(engine: ZeroEngine) -> Iterator[tuple[str, Unit, int]]:
@@ -137,14 +141,20 @@ def _params(engine: ZeroEngine) -> Iterator[tuple[str, Unit, int]]:
             yield name, unit, i
 
 
-def _slice(unit: Unit | FrozenFlat, index: int, local: torch.Tensor) -> _Slice | None:
+def _slice(unit: Unit | FrozenFlat, index: int, local: torch.Tensor,
+           read: Callable[[int, int], torch.Tensor] | None = None) -> _Slice | None:
     """This rank's piece of parameter ``index`` of ``unit`` (a ``Unit`` or its ``FrozenFlat``), a view of
     ``local`` (a tensor in the layout of this rank's shard); ``None`` when the shard holds no element of it. A
-    shard is one contiguous run of the unit's flat buffer, so it holds one piece of a parameter at most."""
+    shard is one contiguous run of the unit's flat buffer, so it holds one piece of a parameter at most. With
+    ``read`` (``local`` is swapped out), the piece is read when needed: ``read(start, numel)`` in the shard."""
     off, numel = unit.offsets[index], unit.shapes[index].numel()
     a, b = max(off, unit.start), min(off + numel, unit.start + unit.shard_numel)
     if a >= b:
         return None
+    if read is not None:
+        start, count = a - unit.start, b - a
+        return _Slice(torch.empty(count, dtype=local.dtype, device="meta"), a - off, numel,
+                      lambda: read(start, count))
     return _Slice(local[a - unit.start : b - unit.start], a - off, numel)
 
 
@@ -177,7 +187,9 @@ class _SavePlanner(DefaultSavePlanner):
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
         piece = self._slices.get(write_item.index.fqn)
-        return piece.values if piece is not None else super().resolve_data(write_item)
+        if piece is None:
+            return super().resolve_data(write_item)
+        return piece.values if piece.read is None else piece.read()
 
 
 class _LoadPlanner(DefaultLoadPlanner):
@@ -362,18 +374,35 @@ def _agree(engine: ZeroEngine, error: BaseException | None, payload: Any = None,
     raise kind(context + body) from error
 
 
-def _tensors(engine: ZeroEngine) -> dict[str, Any]:
-    """The ``model.*`` and ``optim.*`` entries (module docstring), viewing this rank's tensors (sharded ones as
-    ``_Slice``): what ``save`` writes and what ``load`` reads into in place."""
+def _unit_tensors(engine: ZeroEngine, u: int) -> dict[str, _Slice]:
+    """The ``model.*`` and ``optim.*`` entries of unit ``u``'s trainable parameters, this rank's pieces (module
+    docstring): views of the master and state shards, or, of a unit swapped out by the NVMe tier, pieces read from
+    the swap files when written (``_Slice.read``)."""
+    state: dict[str, _Slice] = {}
+    unit, offload = engine.units[u], engine.offload
+    swapped = offload.swapped(u)
+    for i, name in enumerate(unit.param_names):
+        kinds = {"model": ("master", unit.master)}
+        kinds.update({f"optim.{kind}": (kind, shards[u]) for kind, shards in engine.optimizer.state.items()})
+        for prefix, (kind, local) in kinds.items():
+            read = (lambda start, count, kind=kind: offload.read_range(u, kind, start, count)) if swapped else None
+            piece = _slice(unit, i, local, read)
+            if piece is None:  # no element of this parameter on this rank
+                break
+            state[f"{prefix}.{name}"] = piece
+    return state
+
+
+def _tensors(engine: ZeroEngine, units: Iterator[int] | list[int] | None = None, *,
+             others: bool = True) -> dict[str, Any]:
+    """The ``model.*`` and ``optim.*`` entries (module docstring) of ``units`` (indices; all by default) and, with
+    ``others``, of the frozen parameters and buffers, viewing this rank's tensors (sharded ones as ``_Slice``):
+    what ``save`` writes and what ``load`` reads into in place."""
     state: dict[str, Any] = {}
-    for u, unit in enumerate(engine.units):
-        for i, name in enumerate(unit.param_names):
-            master = _slice(unit, i, unit.master)
-            if master is None:  # no element of this parameter on this rank
-                continue
-            state[f"model.{name}"] = master
-            for kind, shards in engine.optimizer.state.items():
-                state[f"optim.{kind}.{name}"] = _slice(unit, i, shards[u])
+    for u in range(len(engine.units)) if units is None else units:
+        state.update(_unit_tensors(engine, u))
+    if not others:
+        return state
     for key, (param, flat, i) in _frozen(engine).items():
         if flat is None:
             state[f"model.{key}"] = param.detach().view(-1)
@@ -434,11 +463,9 @@ def save(engine: ZeroEngine, save_dir: str | os.PathLike[str], tag: str | None =
         except Exception as e:  # noqa: BLE001 - raised on every rank by _agree
             error = e
     staging = _agree(engine, error, staging, context, first_alone=True)[0]
-    held = contextlib.ExitStack()  # an NVMe offload tier's masters and states, in memory until written
     try:
         error, state = None, {}
         try:
-            held.enter_context(engine.offload.resident(engine.units, write=False))
             if not staging.is_dir():
                 raise CheckpointError(f"rank {rank} does not see the directory {str(staging)!r} that the first rank "
                                       "created: save_dir must be one filesystem shared by every rank")
@@ -468,8 +495,6 @@ def save(engine: ZeroEngine, save_dir: str | os.PathLike[str], tag: str | None =
         if first:
             shutil.rmtree(staging, ignore_errors=True)
         raise
-    finally:
-        held.close()
     return root / tag
 
 
@@ -617,20 +642,23 @@ def load(engine: ZeroEngine, load_dir: str | os.PathLike[str], tag: str | None =
     _agree(engine, error)
 
     # every tensor is read in place: masters, optimizer state, frozen parameters (shards), buffers, qgZ residuals;
-    # an NVMe offload tier's masters and states are read into memory and written to its swap files afterwards
-    with engine.offload.resident(engine.units, write=True):
-        state = _tensors(engine)
-        state.update(_error_feedback_targets(engine, saved.get(_error_feedback_key(engine))))
-        try:
-            plain, slices = _split(state)
-            dcp.load(plain, checkpoint_id=path, process_group=engine.topology.group, planner=_LoadPlanner(slices))
-        except dcp.CheckpointException as e:  # raised on every rank by DCP
-            raise CheckpointError(f"reading checkpoint {str(path)!r} failed{_HINT}: {_describe(e)}") from None
-
-        for unit in engine.units:
-            unit.publish()  # compute shard (and stages 1/2: whole parameters) from the masters; stage 3: freed
-            if unit.frozen is not None:
-                unit.frozen.secondary = None  # hpZ: held the values before the load
+    # an NVMe offload tier's units, a group of buffer_count at a time, are read from its swap files, loaded, and
+    # written back (one dcp.load per group)
+    for n, group in enumerate(engine.offload.batches(len(engine.units))):
+        with _held(engine, group, path):
+            state = _tensors(engine, group, others=n == 0)
+            if n == 0:
+                state.update(_error_feedback_targets(engine, saved.get(_error_feedback_key(engine))))
+            try:
+                plain, slices = _split(state)
+                dcp.load(plain, checkpoint_id=path, process_group=engine.topology.group, planner=_LoadPlanner(slices))
+            except dcp.CheckpointException as e:  # raised on every rank by DCP
+                raise CheckpointError(f"reading checkpoint {str(path)!r} failed{_HINT}: {_describe(e)}") from None
+            for u in group:
+                unit = engine.units[u]
+                unit.publish()  # compute shard (and stages 1/2: whole parameters) from the masters; stage 3: freed
+                if unit.frozen is not None:
+                    unit.frozen.secondary = None  # hpZ: held the values before the load
     values = saved["engine"]
     opt = engine.optimizer
     for group, hyper in zip(opt.param_groups, values["param_groups"]):
@@ -650,6 +678,40 @@ def load(engine: ZeroEngine, load_dir: str | os.PathLike[str], tag: str | None =
     if f"rank{rank}.rng" in saved:
         _set_rng_state(saved[f"rank{rank}.rng"])
     return path, saved["client_state"]
+
+
+@contextlib.contextmanager
+def _held(engine: ZeroEngine, group: list[int], path: Path) -> Iterator[None]:
+    """The NVMe offload tier's units ``group`` in memory for a load into them, written back to the swap files at the
+    end; a swap failure on any rank raises on every rank (``_agree``) before the next collective, and leaves the
+    engine unusable (``OffloadError`` at its next use: some units hold the checkpoint, some not)."""
+    context = f"loading checkpoint {str(path)!r} failed: "
+    held, error = contextlib.ExitStack(), None
+    try:
+        held.enter_context(engine.offload.resident(engine.units, group, write=True))
+    except SwapError as e:
+        error = e
+    try:
+        _agree_swap(engine, error, context)
+        yield
+    except BaseException:
+        held.__exit__(*sys.exc_info())  # the group is released unwritten
+        raise
+    error = None
+    try:
+        held.close()
+    except SwapError as e:
+        error = e
+    _agree_swap(engine, error, context)
+
+
+def _agree_swap(engine: ZeroEngine, error: SwapError | None, context: str) -> None:
+    try:
+        _agree(engine, error, None, context)
+    except CheckpointError as e:
+        engine._failure = (f"{e}; the engine's weights are no longer consistent: build a new engine and load a "
+                           "checkpoint")
+        raise
 
 
 # ---- consolidated state dict --------------------------------------------------------------------------------

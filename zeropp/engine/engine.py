@@ -203,6 +203,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .. import comm
@@ -307,8 +308,15 @@ class ZeroEngine:
                 modules[plan.name] = plan.module
         assert config.optimizer is not None
         self.optimizer = PartitionedOptimizer(config.optimizer, self.units, model_parameters)
-        self.offload.attach(self.units, self.optimizer.state)
         self._failure: str | None = None  # why the engine cannot go on (an offload read or write failed)
+        failure: SwapError | None = None
+        try:
+            self.offload.attach(self.units, self.optimizer.state)
+        except SwapError as e:
+            failure = e
+        if (failed := self._swap_failures(failure)) is not None:
+            self.offload.close()
+            raise OffloadError(f"setting up the NVMe offload's swap files failed on {failed}") from failure
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self.prefetcher = Prefetcher(zero.stage3_prefetch_bucket_size if sharded else 0)
         self.state_dict_gathering: StateDictGathering | None = None
@@ -758,19 +766,34 @@ class ZeroEngine:
             failure = e
         finally:
             stream.close()
-        if self.offload.nvme:
-            flags = torch.zeros(self.comm.world_size, device=self.device)
-            flags[self.comm.rank] = failure is not None
-            failed = [self.topology.ranks[r] for r, bad in enumerate(self.comm.all_reduce_sum(flags).tolist()) if bad]
-            if failed:
-                self._failure = (
-                    f"the optimizer step {self.global_steps + 1} failed reading or writing the NVMe offload's swap "
-                    f"files on rank(s) {failed} ({failure if failure is not None else 'that rank raised the cause'}); "
-                    "some units were stepped and some not, so this engine's weights are no longer consistent: build a "
-                    "new engine and load the last checkpoint (engine.load_checkpoint)")
-                raise OffloadError(self._failure) from failure
+        if (failed := self._swap_failures(failure)) is not None:
+            self._failure = (
+                f"the optimizer step {self.global_steps + 1} failed reading or writing the NVMe offload's swap files "
+                f"on {failed}; some units were stepped and some not, so this engine's weights are no longer "
+                "consistent: build a new engine and load the last checkpoint (engine.load_checkpoint)")
+            raise OffloadError(self._failure) from failure
         for unit in self.units:
             unit.publish_gather()
+
+    def _swap_failures(self, failure: SwapError | None) -> str | None:
+        """With an NVMe tier, whether this rank's ``failure`` or another rank's happened (one all-reduce of
+        ``world_size`` flags, so that no rank goes on into a collective that a failed rank never enters): ``None``
+        if none did, else ``"rank(s) [r, ...] (rank r: its message; ...)"``, the same on every rank (the messages
+        are gathered only after a failure). Without NVMe: ``failure`` is raised as it is, or ``None``."""
+        if not self.offload.nvme:
+            if failure is not None:
+                raise failure
+            return None
+        flags = torch.zeros(self.comm.world_size, device=self.device)
+        flags[self.comm.rank] = failure is not None
+        failed = [r for r, bad in enumerate(self.comm.all_reduce_sum(flags).tolist()) if bad]
+        if not failed:
+            return None
+        messages: list[str | None] = [None] * self.comm.world_size
+        dist.all_gather_object(messages, None if failure is None else str(failure), group=self.topology.group)
+        ranks = [self.topology.ranks[r] for r in failed]
+        causes = "; ".join(f"rank {self.topology.ranks[r]}: {messages[r]}" for r in failed)
+        return f"rank(s) {ranks} ({causes})"
 
     def _check_usable(self) -> None:
         if self._failure is not None:

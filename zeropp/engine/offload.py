@@ -84,6 +84,8 @@ class OptimizerOffload:
         self.counters = {"bytes_read": 0, "bytes_written": 0, "read_wait_s": 0.0, "write_wait_s": 0.0}
         """NVMe: bytes read from and written to the swap files since ``attach``, and the seconds the engine waited
         for reads and for writes (time a pipelined transfer ran under the step is not counted)."""
+        self.peak_resident = 0
+        """NVMe: the most units whose optimizer side was in memory at once since ``attach`` (a caller may reset it)."""
 
     @property
     def nvme(self) -> bool:
@@ -119,6 +121,7 @@ class OptimizerOffload:
         for u in range(len(units)):
             self._finish_write(u, self._write(u))
         self.counters = dict.fromkeys(self.counters, 0)
+        self.peak_resident = 0
 
     def close(self) -> None:
         """Delete the swap files (NVMe)."""
@@ -195,6 +198,31 @@ class OptimizerOffload:
                 if u in self._resident:
                     self._release(u)
 
+    def swapped(self, unit: int) -> bool:
+        """Whether unit ``unit``'s master and state are out of memory now (NVMe, not held by ``stream`` or
+        ``resident``): their tensors have no storage, read them with ``read_range``."""
+        return self.swap is not None and unit not in self._resident and bool(self._tensors[unit]["master"].numel())
+
+    def read_range(self, unit: int, kind: str, start: int, numel: int) -> torch.Tensor:
+        """Elements ``[start, start + numel)`` of unit ``unit``'s ``kind`` (``"master"`` or a state kind) as a new
+        fp32 CPU tensor, of a ``swapped`` unit: only the swap pieces holding them are read (``SwapSpace.read_range``;
+        a checkpoint save writes a unit's parameters one piece at a time, in any order)."""
+        if not self.swapped(unit):
+            raise ValueError(f"read_range: unit {unit}'s optimizer side is in memory; read its tensors directly")
+        assert self.swap is not None
+        out = torch.empty(numel, dtype=torch.float32)
+        self.swap.read_range(_key(unit, kind), start * out.element_size(), out)
+        self.counters["bytes_read"] += numel * out.element_size()
+        return out
+
+    def batches(self, count: int) -> list[list[int]]:
+        """The indices of ``count`` units in groups of at most ``buffer_count`` (NVMe), to hold in memory one group
+        at a time (a checkpoint load); other tiers: one group of all."""
+        if self.swap is None:
+            return [list(range(count))]
+        size = max(1, self.config.buffer_count)
+        return [list(range(at, min(at + size, count))) for at in range(0, count, size)]
+
     def _read(self, u: int) -> _Transfers:
         assert self.swap is not None
         handles = []
@@ -204,6 +232,7 @@ class OptimizerOffload:
                 handles.append(self.swap.read(_key(u, kind), t))
                 self.counters["bytes_read"] += t.numel() * t.element_size()
         self._resident.add(u)
+        self.peak_resident = max(self.peak_resident, len(self._resident))
         return _Transfers(handles)
 
     def _write(self, u: int) -> _Transfers:

@@ -292,6 +292,35 @@ class SwapSpace:
                              f"pass an out tensor of dtype {region.dtype}")
         return self._submit("read", region, out)
 
+    def read_range(self, key: str, start: int, out: torch.Tensor) -> None:
+        """Read bytes ``[start, start + out's bytes)`` of region ``key`` into ``out`` (a contiguous CPU tensor of the
+        dtype last written) now, on the calling thread, after every operation called on ``key`` before it; every
+        ``aio.block_size`` piece it touches is read whole and its CRC-32C checked. For a part of a region without
+        the region's whole size in memory (a checkpoint's piece of one parameter); raises ``SwapError`` as ``read``
+        does."""
+        region = self._check_range(key, start, out)
+        if region.last is not None:
+            region.last._done.wait()
+        if region.checksums is None:
+            raise SwapError(f"read of swap region {region.key!r} from {region.path!r}: {region.failure}; its data "
+                            f"is lost: write it again (or restart from the last checkpoint)")
+        end = start + out.numel() * out.element_size()
+        wanted = out.view(-1).view(torch.uint8)
+        staging = aligned_buffer(round_up(self.aio.block_size))
+        view = memoryview(staging.numpy())
+        fd = open_file(region.path, write=False, direct=self.direct)
+        try:
+            for _, _, pieces in region.chunks:
+                for piece in pieces:
+                    a, b = max(start, piece.offset), min(end, piece.offset + piece.length)
+                    if a >= b:
+                        continue
+                    pread_full(fd, view[:piece.io_length], piece.offset, region.path)
+                    _verify(region, piece, crc32c.crc32c(view[:piece.length]), region.checksums[piece.index])
+                    wanted[a - start:b - start].copy_(staging[a - piece.offset:b - piece.offset])
+        finally:
+            os.close(fd)
+
     def close(self) -> None:
         """Wait for every transfer, stop the threads, and delete the region files and the directory. Idempotent;
         failures of transfers nobody waited for are not raised here."""
@@ -326,6 +355,21 @@ class SwapSpace:
         if nbytes != region.nbytes:
             raise ValueError(f"{kind} of swap region {key!r}: the tensor has {nbytes} bytes, the region "
                              f"{region.nbytes}; pass a tensor of exactly the region's size")
+        return region
+
+    def _check_range(self, key: str, start: int, out: torch.Tensor) -> _Region:
+        if self._closed:
+            raise ValueError(f"read of swap region {key!r}: the swap space {self.directory!r} is closed")
+        region = self._region(key)
+        if out.is_cuda or not out.is_contiguous():
+            raise ValueError(f"read_range of swap region {key!r}: out must be a contiguous CPU tensor")
+        if region.dtype is not None and out.dtype != region.dtype:
+            raise ValueError(f"read_range of swap region {key!r} into a {out.dtype} tensor: it holds "
+                             f"{region.dtype} data; pass an out tensor of dtype {region.dtype}")
+        nbytes = out.numel() * out.element_size()
+        if start < 0 or start + nbytes > region.nbytes:
+            raise ValueError(f"read_range of swap region {key!r}: bytes [{start}, {start + nbytes}) are outside the "
+                             f"region's [0, {region.nbytes})")
         return region
 
     def _submit(self, kind: str, region: _Region, tensor: torch.Tensor) -> SwapHandle:
@@ -390,6 +434,17 @@ class SwapSpace:
             pass
 
 
+def _verify(region: _Region, piece: _Piece, got: int, expected: int) -> None:
+    """Raise ``SwapError`` unless a piece read back has the CRC-32C recorded when it was written."""
+    if got != expected:
+        raise SwapError(
+            f"read of swap region {region.key!r}: bytes [{piece.offset}, {piece.offset + piece.length}) of "
+            f"{region.path!r} do not match the CRC-32C recorded when they were written (expected {expected:#010x}, "
+            f"read {got:#010x}): the file was changed by something outside zeropp or the disk returned corrupted "
+            f"data. Fix: check the disk (dmesg, smartctl) and keep other programs out of the swap directory; the "
+            f"swapped data is lost: restart from the last checkpoint")
+
+
 class _Chunk:
     """The pieces of one chunk of a transfer, in one pool buffer; the last piece to finish copies the chunk out (a
     read) and frees the buffer."""
@@ -410,15 +465,7 @@ class _Chunk:
                     pwrite_full(handle._fd, view, piece.offset, region.path)
                 else:
                     pread_full(handle._fd, view, piece.offset, region.path)
-                    got = crc32c.crc32c(view[:piece.length])
-                    if got != expected[piece.index]:
-                        raise SwapError(
-                            f"read of swap region {region.key!r}: bytes [{piece.offset}, {piece.offset + piece.length})"
-                            f" of {region.path!r} do not match the CRC-32C recorded when they were written (expected "
-                            f"{expected[piece.index]:#010x}, read {got:#010x}): the file was changed by something "
-                            f"outside zeropp or the disk returned corrupted data. Fix: check the disk (dmesg, "
-                            f"smartctl) and keep other programs out of the swap directory; the swapped data is lost: "
-                            f"restart from the last checkpoint")
+                    _verify(region, piece, crc32c.crc32c(view[:piece.length]), expected[piece.index])
         except BaseException as error:
             handle._fail(error)
         finally:
