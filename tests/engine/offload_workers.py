@@ -24,11 +24,21 @@ def _config(zero: dict, tier: dict, *, dtype: str, accumulation: int, clipping: 
     return config
 
 
-def _train(engine, rank: int, world: int, steps: int, accumulation: int, seed: int) -> list[float]:
+def _train(engine, rank: int, world: int, steps: int, accumulation: int, seed: int,
+           spoil: int | None = None) -> list[float]:
+    """Train ``steps`` steps; with ``spoil``, the last rank puts a NaN into one gradient element in micro-step
+    ``spoil`` (the engine skips that step: ``nonfinite_gradients`` "skip")."""
     losses = []
-    for inputs, targets in text_batches(steps * accumulation, 2 * world, seed=seed):
+    weight = next(p for p in engine.module.parameters() if p.requires_grad)
+    for micro, (inputs, targets) in enumerate(text_batches(steps * accumulation, 2 * world, seed=seed)):
         _, loss = engine(inputs[2 * rank : 2 * rank + 2], targets[2 * rank : 2 * rank + 2])
+        handle = None
+        if micro == spoil and rank == world - 1:
+            handle = weight.register_hook(lambda g: g.clone().view(-1).index_fill_(0, torch.tensor([3]),
+                                                                                   float("nan")).view_as(g))
         engine.backward(loss)
+        if handle is not None:
+            handle.remove()
         engine.step()
         losses.append(loss.item())
     return losses
@@ -36,7 +46,8 @@ def _train(engine, rank: int, world: int, steps: int, accumulation: int, seed: i
 
 def tiers(rank: int, world: int, cases: dict[str, dict], runs: dict[str, dict], nvme: str,
           steps: int = 3) -> dict[str, dict[str, dict]]:
-    """For each case (``zero`` keys, ``dtype``, ``accumulation``, ``clipping``, ``frozen``) and each run (the
+    """For each case (``zero`` keys, ``dtype``, ``accumulation``, ``clipping``, ``frozen``, ``meta``: the model built
+    on the meta device under ``zeropp.Init``, ``spoil``: a NaN gradient in that micro-step) and each run (the
     offload keys merged into ``zero_optimization``; ``{nvme}`` in a path becomes ``nvme``): train ``steps`` steps;
     return the losses, the whole fp32 masters (``consolidated_state_dict``) and, for NVMe runs, what the swap
     space held."""
@@ -51,17 +62,22 @@ def tiers(rank: int, world: int, cases: dict[str, dict], runs: dict[str, dict], 
                     for k, v in tier.items()}
             config = _config(case["zero"], tier, dtype=case.get("dtype", "fp32"),
                              accumulation=case.get("accumulation", 1), clipping=case.get("clipping", 0.0))
-            model = GPT(MODEL, seed=0)
+            if case.get("meta"):
+                with zeropp.Init():
+                    model = GPT(MODEL)
+            else:
+                model = GPT(MODEL, seed=0)
             if case.get("frozen"):
                 model.blocks[0].requires_grad_(False)
             engine, _, _, _ = zeropp.initialize(
-                model=model, config=config, model_parameters=[p for p in model.parameters() if p.requires_grad])
+                model=model, config=config, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                init_seed=0 if case.get("meta") else None)
             swap = engine.offload.swap
             files = sorted(os.listdir(swap.directory)) if swap is not None else []
             stepped = [u for u, unit in enumerate(engine.units) if unit.master.numel()]
             released = (engine.offload.nvme
                         and all(u.master.untyped_storage().nbytes() == 0 for u in engine.units if u.master.numel()))
-            losses = _train(engine, rank, world, steps, case.get("accumulation", 1), seed=7)
+            losses = _train(engine, rank, world, steps, case.get("accumulation", 1), seed=7, spoil=case.get("spoil"))
             masters = engine.consolidated_state_dict()
             directory = swap.directory if swap is not None else None
             engine.destroy()

@@ -8,7 +8,8 @@ and writes with 4 buffers; ``nvme_sync``: neither pipelined, one buffer, so ever
 at stage 3, ``cpu_ratio``: ``ratio`` 0.5, half the units' optimizer side on the host, and ``nvme_param_cpu``: with
 ``offload_param: cpu`` too, the compute shards in host memory).
 Cases: stages 1, 2 and 3; fp32, bf16 and fp16 (loss scaling); gradient accumulation 2; clipping; a frozen block;
-full ZeRO++ (qwZ, qgZ, hpZ). Every run's losses and final fp32 masters are bit-identical to ``none``'s; NVMe runs
+full ZeRO++ (qwZ, qgZ, hpZ); meta-device init (``zeropp.Init``); a NaN gradient on one rank (the step skipped, as
+without offload); and at world size 1, stage 3 in bf16. Every run's losses and final fp32 masters are bit-identical to ``none``'s; NVMe runs
 hold one swap file per unit and state kind, release the masters' memory between steps, and delete the files at
 ``destroy()``.
 
@@ -46,31 +47,38 @@ RUNS = {
                        "offload_param": {"device": "cpu", "pin_memory": False}},
 }
 CASES = {
-    "stage1_fp32": {"zero": {"stage": 1}},
+    "stage1_fp32_nan": {"zero": {"stage": 1}, "spoil": 1},
     "stage2_bf16_clip": {"zero": {"stage": 2}, "dtype": "bf16", "clipping": 0.5},
     "stage3_fp16_accum": {"zero": {"stage": 3}, "dtype": "fp16", "accumulation": 2},
-    "stage3_zeropp_frozen": {"zero": {"stage": 3, **FULL}, "dtype": "bf16", "frozen": True, "clipping": 1.0},
+    "stage3_zeropp_frozen_meta": {"zero": {"stage": 3, **FULL}, "dtype": "bf16", "frozen": True, "clipping": 1.0,
+                                  "meta": True},
 }
+WORLD1 = {"stage3_bf16_world1": {"zero": {"stage": 3}, "dtype": "bf16", "clipping": 1.0, "spoil": 2}}
 
 
 def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_every_tier_trains_bit_identically(tmp_path) -> None:
+@pytest.mark.parametrize("world", [4, 1])
+def test_every_tier_trains_bit_identically(tmp_path, world) -> None:
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    results = launch("offload_workers:tiers", 4, tmp_path, env=NODES, timeout=600, cases=CASES, runs=RUNS,
-                     nvme=str(nvme))
+    cases = CASES if world == 4 else WORLD1
+    results = launch("offload_workers:tiers", world, tmp_path, env=NODES if world == 4 else {}, timeout=600,
+                     cases=cases, runs=RUNS, nvme=str(nvme))
     for rank, res in enumerate(results):
         for case, runs in res.items():
-            stage3 = CASES[case]["zero"]["stage"] == 3
+            stage3 = cases[case]["zero"]["stage"] == 3
             assert ("nvme_param_cpu" in runs) == ("cpu_ratio" in runs) == stage3, (case, list(runs))
             ref = runs["none"]
-            assert len(ref["losses"]) == 3 * CASES[case].get("accumulation", 1)
+            assert len(ref["losses"]) == 3 * cases[case].get("accumulation", 1)
+            if "spoil" in cases[case]:  # the NaN step was skipped, here as without offload
+                assert ref["skipped"] >= 1, case
             for name, run in runs.items():
                 assert run["losses"] == ref["losses"], (rank, case, name)
                 assert _same(run["masters"], ref["masters"]), (rank, case, name)
+                assert run["skipped"] == ref["skipped"], (rank, case, name)
                 if name.startswith("nvme"):  # files "<index>-unit<u>.<kind>.swap"
                     regions = {f.split("-", 1)[1].rsplit(".", 1)[0] for f in run["files"]}
                     assert regions == {f"unit{u}.{kind}" for u in run["stepped"]
@@ -78,7 +86,7 @@ def test_every_tier_trains_bit_identically(tmp_path) -> None:
                     assert run["released"], (case, name)
                     assert not run["left"], "destroy() left the swap directory"
     # the masters moved: the comparison is not of untouched weights
-    first = results[0]["stage1_fp32"]["none"]
+    first = results[0][next(iter(cases))]["none"]
     assert first["losses"][-1] < first["losses"][0]
     assert not list((nvme / "zeropp-swap").glob("*-rank*")), "swap directories left behind"
 
