@@ -208,7 +208,7 @@ from torch import nn
 from .. import comm
 from ..config import Config, ConfigError
 from ..offload import SwapError
-from . import checkpoint, gathered, host_memory, reuse
+from . import checkpoint, gathered, host_memory, placement, reuse
 from .collectives import Collectives
 from .entry_check import EngineUsageError, EntryCheck
 from .gathered import StateDictGathering
@@ -309,6 +309,10 @@ class ZeroEngine:
         self.optimizer = PartitionedOptimizer(config.optimizer, self.units, model_parameters)
         self.offload.attach(self.units, self.optimizer.state)
         self._failure: str | None = None  # why the engine cannot go on (an offload read or write failed)
+        self.placement: placement.Placement | None = None
+        """``memory_budget``: the tiers the first step chose (``zeropp.engine.placement``); None before it, or
+        without a budget."""
+        self._placement_due = zero.zeropp.memory_budget is not None
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self.prefetcher = Prefetcher(zero.stage3_prefetch_bucket_size if sharded else 0)
         self.state_dict_gathering: StateDictGathering | None = None
@@ -473,6 +477,8 @@ class ZeroEngine:
         self.global_samples += self.train_batch_size()
         self.monitor.end("step")
         self.monitor.boundary(self)
+        if self._placement_due:
+            self._place_states()
         if self.units and self.units[0].full.device.type == "cpu":
             host_memory.release_free_heap()  # the step's freed buffers back to the OS (see host_memory)
         if error is not None:
@@ -759,18 +765,42 @@ class ZeroEngine:
         finally:
             stream.close()
         if self.offload.nvme:
-            flags = torch.zeros(self.comm.world_size, device=self.device)
-            flags[self.comm.rank] = failure is not None
-            failed = [self.topology.ranks[r] for r, bad in enumerate(self.comm.all_reduce_sum(flags).tolist()) if bad]
-            if failed:
-                self._failure = (
-                    f"the optimizer step {self.global_steps + 1} failed reading or writing the NVMe offload's swap "
-                    f"files on rank(s) {failed} ({failure if failure is not None else 'that rank raised the cause'}); "
-                    "some units were stepped and some not, so this engine's weights are no longer consistent: build a "
-                    "new engine and load the last checkpoint (engine.load_checkpoint)")
-                raise OffloadError(self._failure) from failure
+            self._agree_on_swap(failure, f"the optimizer step {self.global_steps + 1}", "some units were stepped and "
+                                "some not, so this engine's weights are no longer consistent")
         for unit in self.units:
             unit.publish_gather()
+
+    def _agree_on_swap(self, failure: SwapError | None, what: str, consequence: str) -> None:
+        """NVMe: every rank learns whether ``what`` failed reading or writing some rank's swap files (one small
+        all-reduce, so that no rank waits in a collective a failed rank never enters); if so the engine is unusable
+        and ``OffloadError`` is raised on every rank."""
+        flags = torch.zeros(self.comm.world_size, device=self.device)
+        flags[self.comm.rank] = failure is not None
+        failed = [self.topology.ranks[r] for r, bad in enumerate(self.comm.all_reduce_sum(flags).tolist()) if bad]
+        if failed:
+            self._failure = (
+                f"{what} failed reading or writing the NVMe offload's swap files on rank(s) {failed} "
+                f"({failure if failure is not None else 'that rank raised the cause'}); {consequence}: build a new "
+                "engine and load the last checkpoint (engine.load_checkpoint)")
+            raise OffloadError(self._failure) from failure
+
+    def _place_states(self) -> None:
+        """``memory_budget``, after the first step: choose each unit's tier from what it measured (the same on every
+        rank; ``zeropp.engine.placement``), move the states there and say so on the first rank."""
+        self._placement_due = False
+        chosen = placement.choose(self)
+        reads = any(old == "nvme" != new for old, new in zip(self.offload.tiers, chosen.tiers))
+        failure: SwapError | None = None
+        try:
+            self.offload.migrate(self.units, self.optimizer.state, chosen.tiers)
+        except SwapError as e:
+            failure = e
+        if reads:
+            self._agree_on_swap(failure, "moving the optimizer states to the tiers memory_budget chose",
+                                "some units were moved and some not")
+        self.placement = chosen
+        if self.topology.rank == 0:
+            print(chosen.describe(), flush=True)
 
     def _check_usable(self) -> None:
         if self._failure is not None:
@@ -950,16 +980,12 @@ class LoadResult(NamedTuple):
 
 def _refuse_unsupported_offload(config: Config) -> None:
     """Raise a ``ConfigError`` when ``config`` asks for what the config parses but the engine does not run yet:
-    ``offload_param`` on NVMe and ``zero_optimization.zeropp.memory_budget``."""
-    zero = config.zero_optimization
-    param = zero.offload_param
-    asked = [f"zero_optimization.offload_param.device={param.device!r}"] if param.nvme else []
-    if zero.zeropp.memory_budget is not None:
-        asked.append("zero_optimization.zeropp.memory_budget")
-    if asked:
-        raise ConfigError(f"{', '.join(asked)}: parsed, but this build of zeropp does not run it yet; "
-                          "set offload_param.device to \"none\" or \"cpu\" and remove memory_budget; offload_optimizer "
-                          "(cpu or nvme) runs")
+    ``offload_param`` on NVMe."""
+    param = config.zero_optimization.offload_param
+    if param.nvme:
+        raise ConfigError(f"zero_optimization.offload_param.device={param.device!r}: parsed, but this build of zeropp "
+                          "does not run it yet; set offload_param.device to \"none\" or \"cpu\"; offload_optimizer "
+                          "(cpu or nvme) runs, also under zero_optimization.zeropp.memory_budget")
 
 
 def _device_of(plans: list[Any], meta_init: MetaInit | None) -> torch.device:
