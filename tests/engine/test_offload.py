@@ -29,6 +29,7 @@ import torch
 from engine_launch import launch
 
 NODES = {"ZEROPP_RANKS_PER_NODE": "2"}
+BUDGET = 450_000  # bytes per rank: the tiny GPT's root unit in memory, its blocks on NVMe (not all: frozen)
 FULL = {"zero_quantized_weights": True, "zero_quantized_gradients": True, "zero_hpz_partition_size": 2}
 RUNS = {
     "none": {},
@@ -40,6 +41,8 @@ RUNS = {
     "cpu_ratio": {"offload_optimizer": {"device": "cpu", "ratio": 0.5, "pin_memory": False}},
     "nvme_param_cpu": {"offload_optimizer": {"device": "nvme", "nvme_path": "{nvme}", "pin_memory": False},
                        "offload_param": {"device": "cpu", "pin_memory": False}},
+    "budget": {"offload_optimizer": {"device": "nvme", "nvme_path": "{nvme}", "buffer_count": 1, "pin_memory": False},
+               "zeropp": {"memory_budget": {"device": BUDGET, "cpu": BUDGET + 1}}},
 }
 CASES = {
     "stage1_fp32": {"zero": {"stage": 1}},
@@ -67,16 +70,47 @@ def test_every_tier_trains_bit_identically(tmp_path) -> None:
             for name, run in runs.items():
                 assert run["losses"] == ref["losses"], (rank, case, name)
                 assert _same(run["masters"], ref["masters"]), (rank, case, name)
-                if name.startswith("nvme"):  # files "<index>-unit<u>.<kind>.swap"
-                    regions = {f.split("-", 1)[1].rsplit(".", 1)[0] for f in run["files"]}
-                    assert regions == {f"unit{u}.{kind}" for u in run["stepped"]
-                                       for kind in ("master", "exp_avg", "exp_avg_sq")}, run["files"]
+                if name.startswith("nvme") or name == "budget":  # files "<index>-unit<u>.<kind>.swap"
+                    assert _regions(run["files"]) == _swapped(run["stepped"]), run["files"]
                     assert run["released"], (case, name)
                     assert not run["left"], "destroy() left the swap directory"
+                if name == "budget":
+                    _check_budget(run, case, rank)
     # the masters moved: the comparison is not of untouched weights
     first = results[0]["stage1_fp32"]["none"]
     assert first["losses"][-1] < first["losses"][0]
     assert not list((nvme / "zeropp-swap").glob("*-rank*")), "swap directories left behind"
+
+
+def _regions(files: list[str]) -> set[str]:
+    return {f.split("-", 1)[1].rsplit(".", 1)[0] for f in files}
+
+
+def _swapped(units: list[int]) -> set[str]:
+    return {f"unit{u}.{kind}" for u in units for kind in ("master", "exp_avg", "exp_avg_sq")}
+
+
+def _check_budget(run: dict, case: str, rank: int) -> None:
+    """The placement the engine reported is the rule's for the units' sizes and the budget (the smaller of the two:
+    on this CPU-only machine the device is host memory), fits it, mixes memory and NVMe (not with a frozen block:
+    its units then all fit in memory), and is what the engine holds: swap files and released storage for the NVMe
+    units only."""
+    from zeropp.engine.placement import UnitStates, place
+
+    chosen = run["placement"]
+    assert chosen is not None, (case, "no placement after the first step")
+    units = [UnitStates(*size) for size in chosen["sizes"]]
+    room = BUDGET - chosen["fixed"].get("device", 0)
+    assert chosen["room"] == {"device": room}
+    assert chosen["tiers"] == list(place(units, farthest="nvme", room={"device": room}, buffer_count=1, shared=True))
+    assert chosen["offload_tiers"] == chosen["tiers"]
+    assert chosen["used"]["device"] <= room and chosen["used"]["cpu"] == 0
+    nvme = [u for u, t in enumerate(chosen["tiers"]) if t == "nvme"]
+    if not CASES[case].get("frozen"):
+        assert "device" in chosen["tiers"] and nvme, (case, chosen)
+    stepped = [u for u in nvme if chosen["sizes"][u][0]]
+    assert _regions(run["files_after"]) == _swapped(stepped), (rank, case, run["files_after"])
+    assert run["swapped_out"] == stepped, (rank, case)
 
 
 def test_checkpoints_load_across_tiers_and_world_sizes(tmp_path) -> None:
@@ -96,8 +130,14 @@ def test_checkpoints_load_across_tiers_and_world_sizes(tmp_path) -> None:
     for res in loaded2:
         for name, run in res.items():
             assert _same(run["loaded"], saved[0]["saved"]), name
-        assert res["none"]["losses"] == res["nvme"]["losses"] == res["cpu"]["losses"]
+        assert res["none"]["losses"] == res["nvme"]["losses"] == res["cpu"]["losses"] == res["budget"]["losses"]
         assert _same(res["none"]["masters"], res["nvme"]["masters"])
+        assert _same(res["none"]["masters"], res["budget"]["masters"])
+    for res in loaded4 + loaded2:  # a checkpoint saved with units in memory and on NVMe loads back exactly
+        run = res["budget"]
+        tiers = run["placement"]["tiers"]
+        assert "device" in tiers and "nvme" in tiers, tiers
+        assert _same(run["reloaded"], run["masters"])
 
 
 @pytest.mark.parametrize("fault", ["corrupt", "truncate", "delete"])

@@ -63,11 +63,11 @@ def test_states_that_fit_nowhere_are_an_error_naming_the_bytes() -> None:
         place(units, farthest="cpu", room={"device": 16 * MB, "cpu": 10 * MB}, buffer_count=1, shared=False)
     message = str(info.value)
     assert isinstance(info.value, ConfigError)
-    assert f"host memory needs {16 * MB} bytes per rank and has room for {10 * MB}" in message, message
+    assert f"take {16 * MB} bytes per rank of host memory, which has room for {10 * MB}" in message, message
     assert "offload_optimizer.device='cpu'" in message and "raise zero_optimization.zeropp.memory_budget.cpu" in message
     assert 'device="nvme"' in message
     # NVMe takes the states but not their host side: gradients 8 + staging 12 + 4 = 24 MiB
-    with pytest.raises(PlacementError, match=f"needs {24 * MB} bytes per rank and has room for {MB}"):
+    with pytest.raises(PlacementError, match=f"take {24 * MB} bytes per rank of host memory, which has room for {MB}"):
         place(units, farthest="nvme", room={"device": 0, "cpu": MB}, buffer_count=1, shared=False)
 
 
@@ -79,7 +79,7 @@ def test_the_offload_blocks_device_is_the_farthest_tier() -> None:
                  shared=False) == ("device", "device", "cpu")
     assert place(units, farthest="device", room={"device": 12 * MB, "cpu": 0}, buffer_count=1,
                  shared=False) == ("device",) * 3
-    with pytest.raises(PlacementError, match="device memory needs"):
+    with pytest.raises(PlacementError, match="bytes per rank of device memory"):
         place(units, farthest="device", room={"device": 12 * MB - 1, "cpu": 1 << 40}, buffer_count=1, shared=False)
 
 

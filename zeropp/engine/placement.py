@@ -191,13 +191,13 @@ def place(units: Sequence[UnitStates], *, farthest: str, room: Mapping[str, int]
 
 def _no_fit(too_much: Mapping[str, tuple[int, int]], farthest: str, shared: bool) -> str:
     device = {"device": "none", "cpu": "cpu", "nvme": "nvme"}[farthest]
-    parts = [f"{'host' if shared or tier == 'cpu' else 'device'} memory needs {need} bytes per rank and has room for "
+    parts = [f"{need} bytes per rank of {'host' if shared or tier == 'cpu' else 'device'} memory, which has room for "
              f"{have}" for tier, (need, have) in too_much.items()]
     further = ("" if farthest == "nvme" else
                ", or let them go further: zero_optimization.offload_optimizer.device=\"nvme\" with an nvme_path")
     what = "the NVMe units' gradient shards and staging buffers" if farthest == "nvme" else "the optimizer states"
     return (f"{_KEY}: the optimizer states fit in no tier allowed: with every unit's states as far as "
-            f"offload_optimizer.device={device!r} allows, {what} in {'; '.join(parts)} (the room is the budget less "
+            f"offload_optimizer.device={device!r} allows, {what} take {'; and '.join(parts)} (the room is the budget less "
             f"the parameter shards there, or without a budget what the first step left free); raise "
             f"{_KEY}.{'device' if shared else 'cpu' if 'cpu' in too_much else 'device'}{further}")
 
