@@ -19,6 +19,13 @@ The optimizer side of a unit is its fp32 ``master`` shard, its fp32 ``grad_shard
   ``buffer_count`` units' states are in memory at once, so per-rank host memory is the gradient shards, the swap
   buffers and ``buffer_count`` units' ``3 S`` (Adam) fp32 elements.
 
+Each unit has its own tier (``OptimizerOffload.tiers``: ``"device"``, ``"cpu"`` or ``"nvme"``; without a budget
+all units take the block's ``device``, or with ``ratio`` the first ones ``"cpu"``). With
+``zero_optimization.zeropp.memory_budget`` every unit starts in the block's ``device`` and, after the first step,
+``migrate`` moves each towards the device to the tier ``zeropp.engine.placement`` chose: the tensors are copied
+exactly (a unit leaving NVMe is read back and its swap regions deleted); the stream and ``resident`` then read and
+write only the NVMe units.
+
 On a machine without an accelerator the compute device is the CPU, so ``"cpu"`` keeps exactly what ``"none"`` keeps
 (only ``"nvme"`` moves anything): the host-device copies are exercised by the CUDA tests.
 

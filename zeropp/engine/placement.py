@@ -15,7 +15,7 @@ Room. A memory tier's room for these states is its budget less the other ZeRO st
 place: the stage-3 compute-dtype parameter shards (on the device, or in host memory with ``offload_param: cpu``,
 where they stay: this build places only the optimizer side by size). A tier without a budget: what the first step
 left free there at its peak, plus the optimizer states the tier held then (they are what gets placed) — host memory:
-``MemAvailable`` less the growth of this process's resident set from its peak (``VmHWM - VmRSS``), split evenly
+``MemAvailable`` less what this process's resident set has shrunk since its peak (``VmHWM - VmRSS``), split evenly
 between the ranks on the host; CUDA: the driver's free memory plus what torch's allocator holds unused, less the
 step's peak (``torch.cuda.max_memory_allocated``). Every rank places with the smallest room any rank found, so all
 ranks choose the same tiers.
@@ -197,8 +197,8 @@ def _no_fit(too_much: Mapping[str, tuple[int, int]], farthest: str, shared: bool
                ", or let them go further: zero_optimization.offload_optimizer.device=\"nvme\" with an nvme_path")
     what = "the NVMe units' gradient shards and staging buffers" if farthest == "nvme" else "the optimizer states"
     return (f"{_KEY}: the optimizer states fit in no tier allowed: with every unit's states as far as "
-            f"offload_optimizer.device={device!r} allows, {what} take {'; and '.join(parts)} (the room is the budget less "
-            f"the parameter shards there, or without a budget what the first step left free); raise "
+            f"offload_optimizer.device={device!r} allows, {what} take {'; and '.join(parts)} (the room is the "
+            f"budget less the parameter shards there, or without a budget what the first step left free); raise "
             f"{_KEY}.{'device' if shared else 'cpu' if 'cpu' in too_much else 'device'}{further}")
 
 
@@ -243,9 +243,9 @@ def choose(engine: Any) -> Placement:
 
 
 def host_free_bytes(ranks_on_host: int) -> int:
-    """Host memory free for this rank at the peak so far: ``MemAvailable`` less the growth of this process's resident
-    set from its peak to now (``VmHWM - VmRSS``, ``/proc/self/status``), over the ``ranks_on_host`` ranks sharing
-    the host."""
+    """Host memory free for this rank at the peak so far: ``MemAvailable`` less what this process's resident set has
+    shrunk since its peak (``VmHWM - VmRSS``, ``/proc/self/status``), over the ``ranks_on_host`` ranks sharing the
+    host."""
     meminfo = _proc_kb("/proc/meminfo", ("MemAvailable",))
     status = _proc_kb("/proc/self/status", ("VmHWM", "VmRSS"))
     free = meminfo["MemAvailable"] - (status["VmHWM"] - status["VmRSS"])
