@@ -6,14 +6,17 @@ device (``none``, the reference), on the CPU (``cpu``: on this CPU-only machine 
 host-device copies run in the CUDA tests), and on NVMe swap files under pytest's tmp dir (``nvme``: pipelined reads
 and writes with 4 buffers; ``nvme_sync``: neither pipelined, one buffer, so every unit is read and written alone;
 at stage 3, ``cpu_ratio``: ``ratio`` 0.5, half the units' optimizer side on the host, and ``nvme_param_cpu``: with
-``offload_param: cpu`` too, the compute shards in host memory).
+``offload_param: cpu`` too, the compute shards in host memory; and ``budget``: ``memory_budget`` with NVMe allowed,
+sized so that the first step's placement keeps the root unit in memory and the blocks on NVMe; the placement
+reported must be the rule's (``zeropp.engine.placement.place``) and what the engine holds).
 Cases: stages 1, 2 and 3; fp32, bf16 and fp16 (loss scaling); gradient accumulation 2; clipping; a frozen block;
 full ZeRO++ (qwZ, qgZ, hpZ). Every run's losses and final fp32 masters are bit-identical to ``none``'s; NVMe runs
 hold one swap file per unit and state kind, release the masters' memory between steps, and delete the files at
 ``destroy()``.
 
-Checkpoints: a 4-rank NVMe run saves, then every tier loads it at 4 and at 2 ranks and continues: the loaded masters
-equal the saved ones, and at 4 ranks the continued losses and masters equal the NVMe run's own continuation.
+Checkpoints: a 4-rank NVMe run saves, then every tier (and a budget) loads it at 4 and at 2 ranks and continues: the
+loaded masters equal the saved ones, and at 4 ranks the continued losses and masters equal the NVMe run's own
+continuation; the budget run, its units then in memory and on NVMe, saves and loads back its own masters exactly.
 
 Faults: a swap file of one rank corrupted, truncated or deleted between steps: the next step raises
 ``OffloadError`` on every rank (naming the failing rank; that rank's message names the file), and any later use of
