@@ -49,8 +49,8 @@ def tiers(rank: int, world: int, cases: dict[str, dict], runs: dict[str, dict], 
     """For each case (``zero`` keys, ``dtype``, ``accumulation``, ``clipping``, ``frozen``, ``meta``: the model built
     on the meta device under ``zeropp.Init``, ``spoil``: a NaN gradient in that micro-step) and each run (the
     offload keys merged into ``zero_optimization``; ``{nvme}`` in a path becomes ``nvme``): train ``steps`` steps;
-    return the losses, the whole fp32 masters (``consolidated_state_dict``) and, for NVMe runs, what the swap
-    space held."""
+    return the losses, the whole fp32 masters (``consolidated_state_dict``), for NVMe runs what the swap space held
+    at the start and at the end, and with ``memory_budget`` the placement the first step chose."""
     out: dict[str, dict[str, dict]] = {}
     for case_name, case in cases.items():
         out[case_name] = {}
@@ -80,24 +80,44 @@ def tiers(rank: int, world: int, cases: dict[str, dict], runs: dict[str, dict], 
             losses = _train(engine, rank, world, steps, case.get("accumulation", 1), seed=7, spoil=case.get("spoil"))
             masters = engine.consolidated_state_dict()
             directory = swap.directory if swap is not None else None
+            files_after = sorted(os.listdir(directory)) if directory else []
+            swapped_out = [u for u, unit in enumerate(engine.units)
+                           if unit.master.numel() and unit.master.untyped_storage().nbytes() == 0]
             engine.destroy()
             out[case_name][run_name] = {
                 "losses": losses, "masters": masters, "files": files, "released": released, "stepped": stepped,
                 "left": os.path.exists(directory) if directory else False,
-                "skipped": engine.skipped_steps,
+                "skipped": engine.skipped_steps, "files_after": files_after, "swapped_out": swapped_out,
+                "placement": _placement(engine),
             }
     return out
 
 
+def _placement(engine) -> dict | None:
+    """What ``memory_budget`` chose (None without one) and the units' sizes, bytes: (master and optimizer states,
+    gradient shard)."""
+    if engine.placement is None:
+        return None
+    kinds = len(engine.optimizer.state)
+    return {"tiers": list(engine.placement.tiers), "room": engine.placement.room, "used": engine.placement.used,
+            "fixed": engine.placement.fixed, "offload_tiers": list(engine.offload.tiers),
+            "sizes": [(4 * u.master.numel() * (1 + kinds), 4 * u.grad_shard.numel()) for u in engine.units]}
+
+
 def checkpoint_across_tiers(rank: int, world: int, nvme: str, save_dir: str, phase: str) -> dict:
     """``phase`` "save": train 3 steps with NVMe offload (stage 3, bf16, qwZ/qgZ/hpZ on), save, train 2 more; return
-    the losses of the 2 and the masters after. "load": at this world size, for each tier (none, cpu, nvme), load the
-    checkpoint, return the masters right after the load and the losses of 2 more steps and the masters after."""
+    the losses of the 2 and the masters after. "load": at this world size, for each tier (none, cpu, nvme, and
+    ``memory_budget`` with NVMe allowed), load the checkpoint, return the masters right after the load and the
+    losses of 2 more steps and the masters after; the budget run then saves (its units placed in memory and on
+    NVMe) and loads that back into the same engine, and returns the masters loaded and the placement."""
     zero = {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
             "zero_hpz_partition_size": 2 if world == 4 else 1}
     nvme_tier = {"offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pipeline_read": True,
                                        "pipeline_write": True, "pin_memory": False, "buffer_count": 2}}
-    tiers_ = {"none": {}, "cpu": {"offload_optimizer": {"device": "cpu", "pin_memory": False}}, "nvme": nvme_tier}
+    budget = {"offload_optimizer": {**nvme_tier["offload_optimizer"], "buffer_count": 1},
+              "zeropp": {"memory_budget": {"device": 1_800_000 // world}}}
+    tiers_ = {"none": {}, "cpu": {"offload_optimizer": {"device": "cpu", "pin_memory": False}}, "nvme": nvme_tier,
+              "budget": budget}
     if phase == "save":
         engine, _, _, _ = zeropp.initialize(model=GPT(MODEL, seed=0), config=_config(
             zero, nvme_tier, dtype="bf16", accumulation=1, clipping=1.0))
@@ -123,6 +143,11 @@ def checkpoint_across_tiers(rank: int, world: int, nvme: str, save_dir: str, pha
         loaded = engine.consolidated_state_dict()
         losses = _train(engine, rank, world, 2, 1, seed=12)
         out[name] = {"loaded": loaded, "losses": losses, "masters": engine.consolidated_state_dict(), "held": held}
+        if name == "budget":
+            engine.save_checkpoint(save_dir, tag=f"budget{world}")
+            _train(engine, rank, world, 1, 1, seed=13)
+            engine.load_checkpoint(save_dir, tag=f"budget{world}")
+            out[name].update(reloaded=engine.consolidated_state_dict(), placement=_placement(engine))
         engine.destroy()
     return out
 

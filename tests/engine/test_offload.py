@@ -6,17 +6,20 @@ device (``none``, the reference), on the CPU (``cpu``: on this CPU-only machine 
 host-device copies run in the CUDA tests), and on NVMe swap files under pytest's tmp dir (``nvme``: pipelined reads
 and writes with 4 buffers; ``nvme_sync``: neither pipelined, one buffer, so every unit is read and written alone;
 at stage 3, ``cpu_ratio``: ``ratio`` 0.5, half the units' optimizer side on the host, and ``nvme_param_cpu``: with
-``offload_param: cpu`` too, the compute shards in host memory).
+``offload_param: cpu`` too, the compute shards in host memory; and ``budget``: ``memory_budget`` with NVMe allowed,
+sized so that the first step's placement keeps the root unit in memory and the blocks on NVMe; the placement
+reported must be the rule's (``zeropp.engine.placement.place``) and what the engine holds).
 Cases: stages 1, 2 and 3; fp32, bf16 and fp16 (loss scaling); gradient accumulation 2; clipping; a frozen block;
 full ZeRO++ (qwZ, qgZ, hpZ); meta-device init (``zeropp.Init``); a NaN gradient on one rank (the step skipped, as
 without offload); and at world size 1, stage 3 in bf16. Every run's losses and final fp32 masters are bit-identical to ``none``'s; NVMe runs
 hold one swap file per unit and state kind, release the masters' memory between steps, and delete the files at
 ``destroy()``.
 
-Checkpoints: a 4-rank NVMe run saves, then every tier loads it at 4 and at 2 ranks and continues: the loaded masters
-equal the saved ones, and at 4 ranks the continued losses and masters equal the NVMe run's own continuation. The
-NVMe save reads each parameter's piece from the swap files as DCP writes it (no unit held in memory); the NVMe load
-holds ``buffer_count`` units at a time.
+Checkpoints: a 4-rank NVMe run saves, then every tier (and a budget) loads it at 4 and at 2 ranks and continues: the
+loaded masters equal the saved ones, and at 4 ranks the continued losses and masters equal the NVMe run's own
+continuation; the budget run, its units then in memory and on NVMe, saves and loads back its own masters exactly. The NVMe save
+reads each parameter's piece from the swap files as DCP writes it (no unit held in memory); the NVMe load holds
+``buffer_count`` units at a time.
 
 Faults: a swap file of one rank corrupted, truncated or deleted between steps: the next step raises
 ``OffloadError`` on every rank (naming the failing rank and its message, which names the file), and any later use of
@@ -34,6 +37,7 @@ import torch
 from engine_launch import launch
 
 NODES = {"ZEROPP_RANKS_PER_NODE": "2"}
+BUDGET = 450_000  # bytes per rank: the tiny GPT's root unit in memory, its blocks on NVMe (not all: frozen)
 FULL = {"zero_quantized_weights": True, "zero_quantized_gradients": True, "zero_hpz_partition_size": 2}
 RUNS = {
     "none": {},
@@ -45,6 +49,8 @@ RUNS = {
     "cpu_ratio": {"offload_optimizer": {"device": "cpu", "ratio": 0.5, "pin_memory": False}},
     "nvme_param_cpu": {"offload_optimizer": {"device": "nvme", "nvme_path": "{nvme}", "pin_memory": False},
                        "offload_param": {"device": "cpu", "pin_memory": False}},
+    "budget": {"offload_optimizer": {"device": "nvme", "nvme_path": "{nvme}", "buffer_count": 1, "pin_memory": False},
+               "zeropp": {"memory_budget": {"device": BUDGET, "cpu": BUDGET + 1}}},
 }
 CASES = {
     "stage1_fp32_nan": {"zero": {"stage": 1}, "spoil": 1},
@@ -66,7 +72,8 @@ def test_every_tier_trains_bit_identically(tmp_path, world) -> None:
     nvme.mkdir()
     cases = CASES if world == 4 else WORLD1
     results = launch("offload_workers:tiers", world, tmp_path, env=NODES if world == 4 else {}, timeout=600,
-                     cases=cases, runs=RUNS, nvme=str(nvme))
+                     cases=cases, runs=RUNS if world == 4 else {k: v for k, v in RUNS.items() if k != "budget"},
+                     nvme=str(nvme))
     for rank, res in enumerate(results):
         for case, runs in res.items():
             stage3 = cases[case]["zero"]["stage"] == 3
@@ -79,16 +86,47 @@ def test_every_tier_trains_bit_identically(tmp_path, world) -> None:
                 assert run["losses"] == ref["losses"], (rank, case, name)
                 assert _same(run["masters"], ref["masters"]), (rank, case, name)
                 assert run["skipped"] == ref["skipped"], (rank, case, name)
-                if name.startswith("nvme"):  # files "<index>-unit<u>.<kind>.swap"
-                    regions = {f.split("-", 1)[1].rsplit(".", 1)[0] for f in run["files"]}
-                    assert regions == {f"unit{u}.{kind}" for u in run["stepped"]
-                                       for kind in ("master", "exp_avg", "exp_avg_sq")}, run["files"]
+                if name.startswith("nvme") or name == "budget":  # files "<index>-unit<u>.<kind>.swap"
+                    assert _regions(run["files"]) == _swapped(run["stepped"]), run["files"]
                     assert run["released"], (case, name)
                     assert not run["left"], "destroy() left the swap directory"
+                if name == "budget":
+                    _check_budget(run, case, rank)
     # the masters moved: the comparison is not of untouched weights
     first = results[0][next(iter(cases))]["none"]
     assert first["losses"][-1] < first["losses"][0]
     assert not list((nvme / "zeropp-swap").glob("*-rank*")), "swap directories left behind"
+
+
+def _regions(files: list[str]) -> set[str]:
+    return {f.split("-", 1)[1].rsplit(".", 1)[0] for f in files}
+
+
+def _swapped(units: list[int]) -> set[str]:
+    return {f"unit{u}.{kind}" for u in units for kind in ("master", "exp_avg", "exp_avg_sq")}
+
+
+def _check_budget(run: dict, case: str, rank: int) -> None:
+    """The placement the engine reported is the rule's for the units' sizes and the budget (the smaller of the two:
+    on this CPU-only machine the device is host memory), fits it, mixes memory and NVMe (not with a frozen block:
+    its units then all fit in memory), and is what the engine holds: swap files and released storage for the NVMe
+    units only."""
+    from zeropp.engine.placement import UnitStates, place
+
+    chosen = run["placement"]
+    assert chosen is not None, (case, "no placement after the first step")
+    units = [UnitStates(*size) for size in chosen["sizes"]]
+    room = BUDGET - chosen["fixed"].get("device", 0)
+    assert chosen["room"] == {"device": room}
+    assert chosen["tiers"] == list(place(units, farthest="nvme", room={"device": room}, buffer_count=1, shared=True))
+    assert chosen["offload_tiers"] == chosen["tiers"]
+    assert chosen["used"]["device"] <= room and chosen["used"]["cpu"] == 0
+    nvme = [u for u, t in enumerate(chosen["tiers"]) if t == "nvme"]
+    if not CASES[case].get("frozen"):
+        assert "device" in chosen["tiers"] and nvme, (case, chosen)
+    stepped = [u for u in nvme if chosen["sizes"][u][0]]
+    assert _regions(run["files_after"]) == _swapped(stepped), (rank, case, run["files_after"])
+    assert run["swapped_out"] == stepped, (rank, case)
 
 
 def test_checkpoints_load_across_tiers_and_world_sizes(tmp_path) -> None:
@@ -112,8 +150,14 @@ def test_checkpoints_load_across_tiers_and_world_sizes(tmp_path) -> None:
     for res in loaded2:
         for name, run in res.items():
             assert _same(run["loaded"], saved[0]["saved"]), name
-        assert res["none"]["losses"] == res["nvme"]["losses"] == res["cpu"]["losses"]
+        assert res["none"]["losses"] == res["nvme"]["losses"] == res["cpu"]["losses"] == res["budget"]["losses"]
         assert _same(res["none"]["masters"], res["nvme"]["masters"])
+        assert _same(res["none"]["masters"], res["budget"]["masters"])
+    for res in loaded4 + loaded2:  # a checkpoint saved with units in memory and on NVMe loads back exactly
+        run = res["budget"]
+        tiers = run["placement"]["tiers"]
+        assert "device" in tiers and "nvme" in tiers, tiers
+        assert _same(run["reloaded"], run["masters"])
 
 
 @pytest.mark.parametrize("fault", ["corrupt", "truncate", "delete"])
@@ -132,9 +176,9 @@ def test_a_damaged_swap_file_stops_every_rank(tmp_path, fault) -> None:
 def test_a_missing_nvme_path_on_one_rank_stops_every_rank_at_initialize(tmp_path) -> None:
     results = launch("offload_workers:swap_setup_fault", 2, tmp_path, timeout=300, nvme=str(tmp_path), victim=1)
     for message in results:
-        assert message is not None and message.startswith("setting up the NVMe offload's swap files failed on rank(s) "
-                                                          "[1] (rank 1: zero_optimization.offload_optimizer.nvme_path="
-                                                          ), message
+        assert message is not None and message.startswith(
+            "setting up the engine failed reading or writing the NVMe offload's swap files on rank(s) [1] (rank 1: "
+            "zero_optimization.offload_optimizer.nvme_path="), message
         assert "does not exist" in message and "mkdir -p" in message, message
     assert not list(tmp_path.glob("zeropp-swap/*")), "rank 0's swap files were left behind"
 

@@ -98,9 +98,10 @@ parameters gathered together, ``zeropp.engine.policy``) plays the part of DeepSp
   gather runs unit by unit, and the optimizer steps each unit's shard in turn.
 
 Offload (``zeropp.config.offload``), DeepSpeed's blocks with DeepSpeed's keys, defaults and meanings; the engine's
-tiers: ``zeropp.engine.offload``. **This build runs ``offload_optimizer`` (``"cpu"`` and ``"nvme"``, stages 1-3);
-``offload_param`` with a device other than ``"none"`` and ``memory_budget`` are parsed and validated, but
-``zeropp.initialize`` raises a ``ConfigError`` for them.**
+tiers: ``zeropp.engine.offload``. **This build runs ``offload_optimizer`` (``"cpu"`` and ``"nvme"``, stages 1-3),
+``offload_param: "cpu"`` (stage 3) and ``memory_budget`` (``zeropp.engine.placement``: it places the optimizer
+states by size; the parameter shards stay where ``offload_param`` puts them and count against that tier's budget);
+``offload_param: "nvme"`` is parsed and validated, but ``zeropp.initialize`` raises a ``ConfigError`` for it.**
 
 * ``zero_optimization.offload_optimizer`` (stages 1, 2, 3): the optimizer states (fp32 master weights, moments,
   fp32 gradient shard) live on ``device`` and the optimizer step runs on the CPU. ``device``: ``"none"`` (default:
@@ -137,7 +138,14 @@ tiers: ``zeropp.engine.offload``. **This build runs ``offload_optimizer`` (``"cp
   kind go). So a budget needs at least one block with a device other than ``"none"`` and cannot be combined with
   ``offload_optimizer.ratio`` below 1 (both would split the optimizer states); states that fit in no allowed tier
   are an error at the first step, never a silent spill. Without a budget the blocks mean what they mean in
-  DeepSpeed: all of that kind of state on ``device``.
+  DeepSpeed: all of that kind of state on ``device``. The engine (``zeropp.engine.placement``) runs the first step
+  with every unit's optimizer states in the farthest tier allowed, then moves them nearer (exactly: no value
+  changes), prints what it chose on the first rank and keeps it in ``engine.placement``. A budget counts the
+  optimizer states placed in that tier, the NVMe units' host memory (gradient shards, ``buffer_count`` units being
+  stepped, the swap buffers) in ``cpu``, and the stage-3 parameter shards, which are not placed by size in this
+  build: they stay where ``offload_param`` puts them (on the accelerator, or with ``"cpu"`` in CPU memory). On a
+  machine without an accelerator the compute device is the CPU, so ``device`` and ``cpu`` bound one memory: the
+  smaller of the two given applies to all of it.
 
 Our own keys live in ``zero_optimization.zeropp`` (all optional):
 

@@ -123,7 +123,9 @@ step returns the C heap's free pages to the OS (``host_memory``). At one rank ``
 copy of the weights, never freed) and gradients go straight into ``grad_shard``. Offload
 (``zeropp.engine.offload``) moves ``grad_shard``, ``master`` and the optimizer state to host memory
 (``offload_optimizer: cpu``; ``ratio``: part of the units) or the last two to NVMe swap files (``nvme``: at most
-``buffer_count`` units' in memory, during the step), and stage 3's ``shard`` to host memory (``offload_param: cpu``).
+``buffer_count`` units' in memory, during the step), and stage 3's ``shard`` to host memory (``offload_param: cpu``);
+with ``zero_optimization.zeropp.memory_budget`` each unit's tier is chosen after the first step
+(``zeropp.engine.placement``, ``engine.placement``).
 
 fp16 loss scaling (``zeropp.engine.loss_scaler``, DeepSpeed's rules): ``backward`` differentiates ``loss.float() /
 gradient_accumulation_steps * scale``. At the boundary ``step`` divides every ``grad_shard`` by the scale and checks
@@ -209,7 +211,7 @@ from torch import nn
 from .. import comm
 from ..config import Config, ConfigError
 from ..offload import SwapError
-from . import checkpoint, gathered, host_memory, reuse
+from . import checkpoint, gathered, host_memory, placement, reuse
 from .collectives import Collectives
 from .entry_check import EngineUsageError, EntryCheck
 from .gathered import StateDictGathering
@@ -309,14 +311,21 @@ class ZeroEngine:
         assert config.optimizer is not None
         self.optimizer = PartitionedOptimizer(config.optimizer, self.units, model_parameters)
         self._failure: str | None = None  # why the engine cannot go on (an offload read or write failed)
+        self.placement: placement.Placement | None = None
+        """``memory_budget``: the tiers the first step chose (``zeropp.engine.placement``); None before it, or
+        without a budget."""
+        self._placement_due = zero.zeropp.memory_budget is not None
         failure: SwapError | None = None
         try:
             self.offload.attach(self.units, self.optimizer.state)
         except SwapError as e:
             failure = e
-        if (failed := self._swap_failures(failure)) is not None:
-            self.offload.close()
-            raise OffloadError(f"setting up the NVMe offload's swap files failed on {failed}") from failure
+        if self.offload.nvme:
+            try:
+                self._agree_on_swap(failure, "setting up the engine", None)
+            except OffloadError:
+                self.offload.close()
+                raise
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self.prefetcher = Prefetcher(zero.stage3_prefetch_bucket_size if sharded else 0)
         self.state_dict_gathering: StateDictGathering | None = None
@@ -481,6 +490,8 @@ class ZeroEngine:
         self.global_samples += self.train_batch_size()
         self.monitor.end("step")
         self.monitor.boundary(self)
+        if self._placement_due:
+            self._place_states()
         if self.units and self.units[0].full.device.type == "cpu":
             host_memory.release_free_heap()  # the step's freed buffers back to the OS (see host_memory)
         if error is not None:
@@ -766,34 +777,50 @@ class ZeroEngine:
             failure = e
         finally:
             stream.close()
-        if (failed := self._swap_failures(failure)) is not None:
-            self._failure = (
-                f"the optimizer step {self.global_steps + 1} failed reading or writing the NVMe offload's swap files "
-                f"on {failed}; some units were stepped and some not, so this engine's weights are no longer "
-                "consistent: build a new engine and load the last checkpoint (engine.load_checkpoint)")
-            raise OffloadError(self._failure) from failure
+        if self.offload.nvme:
+            self._agree_on_swap(failure, f"the optimizer step {self.global_steps + 1}", "some units were stepped and "
+                                "some not, so this engine's weights are no longer consistent")
         for unit in self.units:
             unit.publish_gather()
 
-    def _swap_failures(self, failure: SwapError | None) -> str | None:
-        """With an NVMe tier, whether this rank's ``failure`` or another rank's happened (one all-reduce of
-        ``world_size`` flags, so that no rank goes on into a collective that a failed rank never enters): ``None``
-        if none did, else ``"rank(s) [r, ...] (rank r: its message; ...)"``, the same on every rank (the messages
-        are gathered only after a failure). Without NVMe: ``failure`` is raised as it is, or ``None``."""
-        if not self.offload.nvme:
-            if failure is not None:
-                raise failure
-            return None
+    def _agree_on_swap(self, failure: SwapError | None, what: str, consequence: str | None) -> None:
+        """NVMe: every rank learns whether ``what`` failed reading or writing some rank's swap files (one all-reduce
+        of ``world_size`` flags, so that no rank waits in a collective a failed rank never enters); if so
+        ``OffloadError`` is raised on every rank, naming the failed ranks and their messages (gathered only after a
+        failure), and, with a ``consequence``, the engine is unusable from then on."""
         flags = torch.zeros(self.comm.world_size, device=self.device)
         flags[self.comm.rank] = failure is not None
         failed = [r for r, bad in enumerate(self.comm.all_reduce_sum(flags).tolist()) if bad]
         if not failed:
-            return None
+            return
         messages: list[str | None] = [None] * self.comm.world_size
         dist.all_gather_object(messages, None if failure is None else str(failure), group=self.topology.group)
-        ranks = [self.topology.ranks[r] for r in failed]
         causes = "; ".join(f"rank {self.topology.ranks[r]}: {messages[r]}" for r in failed)
-        return f"rank(s) {ranks} ({causes})"
+        text = (f"{what} failed reading or writing the NVMe offload's swap files on rank(s) "
+                f"{[self.topology.ranks[r] for r in failed]} ({causes})")
+        if consequence is None:
+            raise OffloadError(text) from failure
+        self._failure = (f"{text}; {consequence}: build a new engine and load the last checkpoint "
+                         "(engine.load_checkpoint)")
+        raise OffloadError(self._failure) from failure
+
+    def _place_states(self) -> None:
+        """``memory_budget``, after the first step: choose each unit's tier from what it measured (the same on every
+        rank; ``zeropp.engine.placement``), move the states there and say so on the first rank."""
+        self._placement_due = False
+        chosen = placement.choose(self)
+        reads = any(old == "nvme" != new for old, new in zip(self.offload.tiers, chosen.tiers))
+        failure: SwapError | None = None
+        try:
+            self.offload.migrate(self.units, self.optimizer.state, chosen.tiers)
+        except SwapError as e:
+            failure = e
+        if reads:
+            self._agree_on_swap(failure, "moving the optimizer states to the tiers memory_budget chose",
+                                "some units were moved and some not")
+        self.placement = chosen
+        if self.topology.rank == 0:
+            print(chosen.describe(), flush=True)
 
     def _check_usable(self) -> None:
         if self._failure is not None:
@@ -973,16 +1000,12 @@ class LoadResult(NamedTuple):
 
 def _refuse_unsupported_offload(config: Config) -> None:
     """Raise a ``ConfigError`` when ``config`` asks for what the config parses but the engine does not run yet:
-    ``offload_param`` on NVMe and ``zero_optimization.zeropp.memory_budget``."""
-    zero = config.zero_optimization
-    param = zero.offload_param
-    asked = [f"zero_optimization.offload_param.device={param.device!r}"] if param.nvme else []
-    if zero.zeropp.memory_budget is not None:
-        asked.append("zero_optimization.zeropp.memory_budget")
-    if asked:
-        raise ConfigError(f"{', '.join(asked)}: parsed, but this build of zeropp does not run it yet; "
-                          "set offload_param.device to \"none\" or \"cpu\" and remove memory_budget; offload_optimizer "
-                          "(cpu or nvme) runs")
+    ``offload_param`` on NVMe."""
+    param = config.zero_optimization.offload_param
+    if param.nvme:
+        raise ConfigError(f"zero_optimization.offload_param.device={param.device!r}: parsed, but this build of zeropp "
+                          "does not run it yet; set offload_param.device to \"none\" or \"cpu\"; offload_optimizer "
+                          "(cpu or nvme) runs, also under zero_optimization.zeropp.memory_budget")
 
 
 def _device_of(plans: list[Any], meta_init: MetaInit | None) -> torch.device:

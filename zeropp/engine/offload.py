@@ -19,6 +19,13 @@ The optimizer side of a unit is its fp32 ``master`` shard, its fp32 ``grad_shard
   ``buffer_count`` units' states are in memory at once, so per-rank host memory is the gradient shards, the swap
   buffers and ``buffer_count`` units' ``3 S`` (Adam) fp32 elements.
 
+Each unit has its own tier (``OptimizerOffload.tiers``: ``"device"``, ``"cpu"`` or ``"nvme"``; without a budget
+all units take the block's ``device``, or with ``ratio`` the first ones ``"cpu"``). With
+``zero_optimization.zeropp.memory_budget`` every unit starts in the block's ``device`` and, after the first step,
+``migrate`` moves each towards the device to the tier ``zeropp.engine.placement`` chose: the tensors are copied
+exactly (a unit leaving NVMe is read back and its swap regions deleted); the stream and ``resident`` then read and
+write only the NVMe units.
+
 On a machine without an accelerator the compute device is the CPU, so ``"cpu"`` keeps exactly what ``"none"`` keeps
 (only ``"nvme"`` moves anything): the host-device copies are exercised by the CUDA tests.
 
@@ -67,16 +74,17 @@ class OptimizerOffload:
         self.device = torch.device(device)
         self.rank = rank
         self.tier = config.device
-        host = torch.device("cpu")
+        self.tiers: list[str]
+        """Each unit's tier, ``"device"``, ``"cpu"`` or ``"nvme"`` (``migrate`` changes them)."""
         if not config.enabled:
-            self.homes = [self.device for _ in numels]
+            self.tiers = ["device" for _ in numels]
         elif config.partial:  # the first units up to ratio of the elements on the host
-            total, at, self.homes = sum(numels), 0, []
+            total, at, self.tiers = sum(numels), 0, []
             for n in numels:
-                self.homes.append(host if at + n <= config.ratio * total else self.device)
+                self.tiers.append("cpu" if at + n <= config.ratio * total else "device")
                 at += n
         else:
-            self.homes = [host for _ in numels]
+            self.tiers = [config.device for _ in numels]
         self.pin = config.enabled and config.pin_memory and self.device.type == "cuda"
         self.swap: SwapSpace | None = None
         self._tensors: list[dict[str, torch.Tensor]] = []  # nvme: per unit, the swapped tensors by kind
@@ -89,23 +97,31 @@ class OptimizerOffload:
 
     @property
     def nvme(self) -> bool:
-        return self.tier == "nvme"
+        """Whether some unit's optimizer side is on NVMe."""
+        return "nvme" in self.tiers
+
+    @property
+    def homes(self) -> list[torch.device]:
+        """Each unit's memory: the compute device (tier ``"device"``) or the host (``"cpu"``; ``"nvme"``: the
+        gradient shard, and the master and states while in memory)."""
+        return [self.device if t == "device" else torch.device("cpu") for t in self.tiers]
 
     def empty(self, unit: int, numel: int, kind: str) -> torch.Tensor:
         """An fp32 tensor of ``numel`` elements for unit ``unit``'s ``kind`` (``"master"`` or ``"grad_shard"``), on
         the unit's home; page-locked when asked, except an NVMe master (its storage is released and re-made at every
         swap, which page-locked storage does not allow; the swap copies through its own page-locked buffers)."""
         home = self.homes[unit]
-        if home.type == "cpu" and self.pin and not (self.nvme and kind == "master"):
+        if home.type == "cpu" and self.pin and not (self.tiers[unit] == "nvme" and kind == "master"):
             return torch.empty(numel, dtype=torch.float32, pin_memory=True)
         return torch.empty(numel, dtype=torch.float32, device=home)
 
     def attach(self, units: Sequence[Unit], state: dict[str, list[torch.Tensor]]) -> None:
-        """NVMe: make one swap region per unit and kind (``master`` and the optimizer's ``state`` kinds), write the
-        initial values to them and release the tensors' storage. Other tiers: nothing."""
+        """NVMe: make one swap region per NVMe unit and kind (``master`` and the optimizer's ``state`` kinds), write
+        the initial values to them and release the tensors' storage. Other tiers: nothing."""
         if not self.nvme:
             return
-        self._tensors = [{"master": unit.master, **{k: v[u] for k, v in state.items()}} for u, unit in enumerate(units)]
+        self._tensors = [{"master": unit.master, **{k: v[u] for k, v in state.items()}}
+                         if self.tiers[u] == "nvme" else {} for u, unit in enumerate(units)]
         regions = {_key(u, kind): t.numel() * t.element_size()
                    for u, tensors in enumerate(self._tensors) for kind, t in tensors.items() if t.numel()}
         if not regions:
@@ -117,8 +133,8 @@ class OptimizerOffload:
                             intra_op_parallelism=self.aio.intra_op_parallelism),
             buffer_count=self.config.buffer_count, pin_memory=self.pin)
         weakref.finalize(self, self.swap.close)  # the files go when the engine does, or at exit, without destroy()
-        self._resident = set(range(len(units)))
-        for u in range(len(units)):
+        self._resident = {u for u in range(len(units)) if self._tensors[u]}
+        for u in sorted(self._resident):
             self._finish_write(u, self._write(u))
         self.counters = dict.fromkeys(self.counters, 0)
         self.peak_resident = 0
@@ -135,8 +151,9 @@ class OptimizerOffload:
         """Yield the index of each of ``units`` in order, its optimizer side in memory while the caller holds it;
         with ``write`` each is written back after the caller moves on (NVMe; other tiers yield at once). Reads
         ahead with ``pipeline_read``, leaves writes in flight with ``pipeline_write``, never more than
-        ``buffer_count`` units in memory. Every transfer has finished when the generator is exhausted or closed; closed
-        early (the caller raised), the unit it held is released without being written."""
+        ``buffer_count`` units in memory (units on other tiers come at once, uncounted). Every transfer has finished
+        when the generator is exhausted or closed; closed early (the caller raised), the unit it held is released
+        without being written."""
         if not self.nvme or self.swap is None:
             yield from range(len(units))
             return
@@ -148,7 +165,7 @@ class OptimizerOffload:
         try:
             for u in range(len(units)):
                 for v in range(u, min(len(units), u + ahead + 1)):
-                    if v in reads or v in self._resident:
+                    if self.tiers[v] != "nvme" or v in reads or v in self._resident:
                         continue
                     while len(self._resident) >= limit and writes:
                         self._finish_write(*writes.popleft())
@@ -160,6 +177,8 @@ class OptimizerOffload:
                 held = u
                 yield u
                 held = None
+                if self.tiers[u] != "nvme":
+                    continue
                 if write:
                     writes.append((u, self._write(u)))
                     if not self.config.pipeline_write:
@@ -173,7 +192,7 @@ class OptimizerOffload:
             for u, transfers in list(reads.items()) + list(writes):
                 transfers.wait_quietly()
                 self._release(u)
-            if held is not None:
+            if held is not None and self.tiers[held] == "nvme":
                 self._release(held)
 
     @contextlib.contextmanager
@@ -185,7 +204,8 @@ class OptimizerOffload:
         if not self.nvme or self.swap is None:
             yield
             return
-        chosen = [u for u in (range(len(units)) if indices is None else indices) if u not in self._resident]
+        chosen = [u for u in (range(len(units)) if indices is None else indices)
+                  if self.tiers[u] == "nvme" and u not in self._resident]
         try:
             for u in chosen:
                 self._wait(self._read(u), "read_wait_s")
@@ -201,7 +221,8 @@ class OptimizerOffload:
     def swapped(self, unit: int) -> bool:
         """Whether unit ``unit``'s master and state are out of memory now (NVMe, not held by ``stream`` or
         ``resident``): their tensors have no storage, read them with ``read_range``."""
-        return self.swap is not None and unit not in self._resident and bool(self._tensors[unit]["master"].numel())
+        master = self._tensors[unit].get("master") if self._tensors else None
+        return self.swap is not None and unit not in self._resident and master is not None and bool(master.numel())
 
     def read_range(self, unit: int, kind: str, start: int, numel: int) -> torch.Tensor:
         """Elements ``[start, start + numel)`` of unit ``unit``'s ``kind`` (``"master"`` or a state kind) as a new
@@ -222,6 +243,40 @@ class OptimizerOffload:
             return [list(range(count))]
         size = max(1, self.config.buffer_count)
         return [list(range(at, min(at + size, count))) for at in range(0, count, size)]
+
+    def migrate(self, units: Sequence[Unit], state: dict[str, list[torch.Tensor]], tiers: Sequence[str]) -> None:
+        """Move unit ``u``'s optimizer side (``master``, ``grad_shard``, its ``state`` kinds) to ``tiers[u]`` for
+        every unit whose tier changes, each value copied exactly; the tensors in ``units`` and ``state`` are replaced
+        where their memory changes. Only towards the device (``zeropp.engine.placement`` starts every unit in its
+        farthest tier): a unit leaving NVMe is read back and its swap regions deleted. Raises ``SwapError`` when a
+        read fails (the unit stays on NVMe)."""
+        for u, (old, new) in enumerate(zip(self.tiers, tiers, strict=True)):
+            if new == old:
+                continue
+            if _TIERS.index(new) > _TIERS.index(old):
+                raise ValueError(f"unit {u}: a move from {old!r} to {new!r} is away from the device; the states only "
+                                 "move towards it")
+            if old == "nvme" and self.swap is not None and self._tensors[u]:
+                if u not in self._resident:
+                    self._wait(self._read(u), "read_wait_s")
+                for kind, t in self._tensors[u].items():
+                    if t.numel():
+                        self.swap.remove(_key(u, kind))
+                self._tensors[u] = {}
+                self._resident.discard(u)
+            self.tiers[u] = new
+            unit = units[u]
+            unit.master = self._rehome(u, unit.master, "master")
+            unit.grad_shard = self._rehome(u, unit.grad_shard, "grad_shard")
+            for kind, tensors in state.items():
+                tensors[u] = self._rehome(u, tensors[u], kind)
+
+    def _rehome(self, u: int, t: torch.Tensor, kind: str) -> torch.Tensor:
+        """``t`` itself when it is where unit ``u``'s ``kind`` belongs now, else an exact copy there."""
+        want = self.empty(u, 0, kind)
+        if t.device == want.device and t.is_pinned() == want.is_pinned():
+            return t
+        return self.empty(u, t.numel(), kind).copy_(t)
 
     def _read(self, u: int) -> _Transfers:
         assert self.swap is not None
@@ -301,6 +356,9 @@ class _Transfers:
         for handle in self.handles:
             with contextlib.suppress(BaseException):
                 handle.wait()
+
+
+_TIERS = ("device", "cpu", "nvme")
 
 
 def _key(unit: int, kind: str) -> str:

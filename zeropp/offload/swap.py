@@ -50,6 +50,10 @@ from .aio import (ALIGNMENT, AioSettings, AsyncFileIO, SwapError, aligned_buffer
                   pread_full, pwrite_full, round_up, warn_buffered)
 
 
+BUFFER_SIZE = 64 << 20
+"""Bytes: ``SwapSpace``'s default host buffer size (each buffer is cut to the largest region)."""
+
+
 @dataclass(frozen=True)
 class _Piece:
     index: int  # position in the region's checksum list
@@ -209,7 +213,7 @@ class SwapSpace:
 
     def __init__(self, nvme_path: str | os.PathLike, regions: Mapping[str, int], *, rank: int = 0,
                  run_id: str | None = None, config_key: str = "nvme_path", aio: AioSettings = AioSettings(),
-                 buffer_count: int = 4, buffer_size: int = 64 << 20, pin_memory: bool = False,
+                 buffer_count: int = 4, buffer_size: int = BUFFER_SIZE, pin_memory: bool = False,
                  direct: bool | None = None) -> None:
         if not regions:
             raise ValueError("regions is empty: give {key: bytes} for every tensor to swap")
@@ -320,6 +324,19 @@ class SwapSpace:
                     wanted[a - start:b - start].copy_(staging[a - piece.offset:b - piece.offset])
         finally:
             os.close(fd)
+
+    def remove(self, key: str) -> None:
+        """Delete region ``key`` and its file, after its last transfer has ended (a failure of that transfer is not
+        raised here); later reads and writes of ``key`` raise ``KeyError``."""
+        region = self._region(key)
+        if region.last is not None:
+            try:
+                region.last.wait()
+            except SwapError:
+                pass
+        del self._regions[key]
+        if os.path.exists(region.path):
+            os.unlink(region.path)
 
     def close(self) -> None:
         """Wait for every transfer, stop the threads, and delete the region files and the directory. Idempotent;
