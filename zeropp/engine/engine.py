@@ -216,7 +216,8 @@ from .hooks import GradientReadiness, install_entry_hooks, install_stage3_hooks
 from .loss_scaler import LossScaler
 from .monitor import Monitor
 from .materialize import Materializer, MetaInit
-from .offload import OffloadError, OptimizerOffload, ParamOffload
+from .offload import OffloadError, OptimizerOffload
+from .param_offload import ParamOffload
 from .optimizer import PartitionedOptimizer
 from .policy import UnitPolicy, plan_units
 from .prefetch import Prefetcher
@@ -285,9 +286,11 @@ class ZeroEngine:
         self.offload = OptimizerOffload(zero.offload_optimizer, config.aio, device=self._device,
                                         numels=[sum(p.numel() for _, p in plan.params) for plan in built],
                                         rank=topology.global_rank)
-        self.param_offload = ParamOffload(zero.offload_param, device=self._device)
+        self.param_offload = ParamOffload(zero.offload_param, config.aio, device=self._device,
+                                          rank=topology.global_rank)
         if self.param_offload.enabled and self.comm.world_size == 1 and self._device.type != "cpu":
-            raise ConfigError(f"zero_optimization.offload_param.device=\"cpu\" at one rank on {self._device}: this "
+            raise ConfigError(f"zero_optimization.offload_param.device={zero.offload_param.device!r} at one rank on "
+                              f"{self._device}: this "
                               "build keeps the whole weights of a single rank on the device (there are no shards to "
                               "move); set it to \"none\" (offload_optimizer moves the optimizer's states), or train "
                               "on more ranks")
@@ -320,6 +323,7 @@ class ZeroEngine:
             )
             for unit in self.persistent:
                 unit.persistent = True
+        self.param_offload.attach(self.units)
         if sharded:
             self._hooks.append(module.register_forward_pre_hook(lambda *_: self._begin_forward()))
             for unit in self.units:
@@ -330,7 +334,9 @@ class ZeroEngine:
                 self._hooks += install_entry_hooks(unit, _holders(module, unit, modules[unit.name]),
                                                    prefetcher=self.prefetcher)
             if self.comm.world_size > 1:
-                self.state_dict_gathering = StateDictGathering(module, self.units, self.entry_check)
+                self.state_dict_gathering = StateDictGathering(
+                    module, self.units, self.entry_check,
+                    after=lambda: self.param_offload.check(self.comm, "model.state_dict()"))
         self.overlap_comm = zero.overlap_comm
         self.reduce_bucket_size = zero.reduce_bucket_size
         self._reductions: collections.deque[GradientReduction] = collections.deque()  # in flight, oldest first
@@ -374,6 +380,8 @@ class ZeroEngine:
         self.monitor.end("forward")
         if torch.is_grad_enabled():
             self._forward_pending = True
+        elif self.stage == 3:  # no step will follow to agree on a failed swap read (zeropp.engine.param_offload)
+            self.param_offload.check(self.comm, "forward()")
         return out
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
@@ -435,7 +443,10 @@ class ZeroEngine:
         self.monitor.begin("step")
         stats = self._gradient_stats()
         values = stats.tolist()  # the step's one host read: skip the step or not
-        bad = [unit for unit, count in zip(self.units, values[1:]) if count > 0]
+        n = len(self.units)
+        if self.param_offload.shards:  # a parameter shard's swap read failed on some rank: nothing is stepped
+            self.param_offload.raise_failed(self.comm, values[1 + n:], f"step {self.global_steps + 1}")
+        bad = [unit for unit, count in zip(self.units, values[1 : 1 + n]) if count > 0]
         self.overflow = bool(bad)
         if self.loss_scaler is not None:
             old = self.loss_scaler.scale
@@ -758,6 +769,8 @@ class ZeroEngine:
             failure = e
         finally:
             stream.close()
+            self.param_offload.drain()  # the new shards' writes (NVMe offload_param)
+        self.param_offload.check(self.comm, f"the optimizer step {self.global_steps + 1}")
         if self.offload.nvme:
             flags = torch.zeros(self.comm.world_size, device=self.device)
             flags[self.comm.rank] = failure is not None
@@ -773,13 +786,15 @@ class ZeroEngine:
             unit.publish_gather()
 
     def _check_usable(self) -> None:
-        if self._failure is not None:
-            raise OffloadError(f"this engine cannot go on: {self._failure}")
+        failure = self._failure or self.param_offload.agreed
+        if failure is not None:
+            raise OffloadError(f"this engine cannot go on: {failure}")
 
     def destroy(self) -> None:
-        """Release what the engine holds outside the process's memory: the NVMe offload's swap files (DeepSpeed's
+        """Release what the engine holds outside the process's memory: the NVMe offloads' swap files (DeepSpeed's
         ``engine.destroy()``). Also done when the process exits."""
         self.offload.close()
+        self.param_offload.close()
 
     def _gradient_stats(self) -> torch.Tensor:
         """At the boundary, before clipping and the optimizer: under fp16 divide every ``grad_shard`` by the loss
@@ -809,8 +824,10 @@ class ZeroEngine:
                 flags.append(torch.isfinite(sq).logical_not())
             else:
                 flags.append(moved(torch.isfinite(unit.grad_shard).all().logical_not(), self.device))
-        stats = torch.cat([total.view(1), torch.stack(flags).to(torch.float64)])
-        return self.comm.all_reduce_sum(stats)
+        stats = [total.view(1), torch.stack(flags).to(torch.float64)]
+        if self.param_offload.shards:
+            stats.append(self.param_offload.flags(self.comm))
+        return self.comm.all_reduce_sum(torch.cat(stats))
 
     def _nonfinite_message(self, units: list[Unit]) -> str:
         """What the warning (``skip``) or the error (``raise``) says about a boundary whose gradients held an
@@ -853,6 +870,8 @@ class ZeroEngine:
                     by_id[id(p)] = p.detach().clone()
                 if not was:
                     unit.free()
+            if gathers:
+                self.param_offload.check(self.comm, "engine.full_parameters()")
         for name, p in self.module.named_parameters():
             out[name] = by_id[id(p)] if id(p) in by_id else p.detach().clone()
         return out
@@ -871,7 +890,7 @@ class ZeroEngine:
             raise EngineUsageError("gathered_parameters() between a forward and its step(): use it before the forward "
                                    "or after engine.step()")
         return gathered.gathered_parameters(self.units, self.module, modules, modifier_rank, self.comm,
-                                            self.entry_check, self.offload)
+                                            self.entry_check, self.offload, self.param_offload)
 
     def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
                         client_state: dict[str, Any] | None = None) -> Path:
@@ -934,7 +953,10 @@ class ZeroEngine:
         on entry, ``zeropp.engine.entry_check``; one exact all-gather per unit); with ``rank0_only`` the other ranks
         get ``{}``. Offline, from a checkpoint: ``zeropp.engine.checkpoint.consolidate``."""
         with self.entry_check.entered("engine.consolidated_state_dict()"):
-            return checkpoint.consolidated_state_dict(self, rank0_only=rank0_only)
+            out = checkpoint.consolidated_state_dict(self, rank0_only=rank0_only)
+            if self.stage == 3:
+                self.param_offload.check(self.comm, "engine.consolidated_state_dict()")
+            return out
 
     def __repr__(self) -> str:
         return (f"ZeroEngine(stage={self.stage}, units={len(self.units)}, world_size={self.comm.world_size}, "
@@ -950,16 +972,10 @@ class LoadResult(NamedTuple):
 
 def _refuse_unsupported_offload(config: Config) -> None:
     """Raise a ``ConfigError`` when ``config`` asks for what the config parses but the engine does not run yet:
-    ``offload_param`` on NVMe and ``zero_optimization.zeropp.memory_budget``."""
-    zero = config.zero_optimization
-    param = zero.offload_param
-    asked = [f"zero_optimization.offload_param.device={param.device!r}"] if param.nvme else []
-    if zero.zeropp.memory_budget is not None:
-        asked.append("zero_optimization.zeropp.memory_budget")
-    if asked:
-        raise ConfigError(f"{', '.join(asked)}: parsed, but this build of zeropp does not run it yet; "
-                          "set offload_param.device to \"none\" or \"cpu\" and remove memory_budget; offload_optimizer "
-                          "(cpu or nvme) runs")
+    ``zero_optimization.zeropp.memory_budget``."""
+    if config.zero_optimization.zeropp.memory_budget is not None:
+        raise ConfigError("zero_optimization.zeropp.memory_budget: parsed, but this build of zeropp does not run it "
+                          "yet; remove memory_budget (offload_optimizer and offload_param, cpu or nvme, run)")
 
 
 def _device_of(plans: list[Any], meta_init: MetaInit | None) -> torch.device:
