@@ -1,5 +1,6 @@
 """Workers for test_offload.py: the same training with the optimizer's side on the device, on the CPU and on NVMe
-swap files (``zeropp.engine.offload``), and the faults of the swap files."""
+swap files (``zeropp.engine.offload``), with the compute shards in host memory or NVMe swap files
+(``zeropp.engine.param_offload``), and the faults of the swap files."""
 
 from __future__ import annotations
 
@@ -33,21 +34,38 @@ def _train(engine, rank: int, world: int, steps: int, accumulation: int, seed: i
     return losses
 
 
+def _swapped_shards(engine) -> list[torch.Tensor]:
+    """The compute shards (trainable and frozen) the parameter tier keeps in swap files."""
+    flats = [f for unit in engine.units for f in (unit, unit.frozen) if f is not None]
+    return [f.shard for f in flats if f.shard_swap is not None]
+
+
+def _count_resident(engine, model) -> list[int]:
+    """Forward pre-hooks on every module recording how many swapped shards hold storage (a list, appended to)."""
+    counts: list[int] = []
+    for module in model.modules():
+        module.register_forward_pre_hook(lambda *_: counts.append(
+            sum(t.untyped_storage().nbytes() > 0 for t in _swapped_shards(engine))))
+    return counts
+
+
 def tiers(rank: int, world: int, cases: dict[str, dict], runs: dict[str, dict], nvme: str,
           steps: int = 3) -> dict[str, dict[str, dict]]:
-    """For each case (``zero`` keys, ``dtype``, ``accumulation``, ``clipping``, ``frozen``) and each run (the
-    offload keys merged into ``zero_optimization``; ``{nvme}`` in a path becomes ``nvme``): train ``steps`` steps;
-    return the losses, the whole fp32 masters (``consolidated_state_dict``) and, for NVMe runs, what the swap
-    space held."""
+    """For each case (``zero`` keys, ``dtype``, ``accumulation``, ``clipping``, ``frozen``, ``only``: the runs to
+    make, default all) and each run (its keys merged into ``zero_optimization``; ``{nvme}`` in a path becomes
+    ``nvme``): train ``steps`` steps; return the losses, the whole fp32 masters (``consolidated_state_dict``) and,
+    for NVMe runs, what the swap spaces held."""
     out: dict[str, dict[str, dict]] = {}
     for case_name, case in cases.items():
         out[case_name] = {}
         for run_name, tier in runs.items():
+            if run_name not in case.get("only", runs):
+                continue
             stage3_only = "offload_param" in tier or tier.get("offload_optimizer", {}).get("ratio", 1) < 1
             if stage3_only and case["zero"]["stage"] != 3:
                 continue  # parameter offload and partial optimizer offload are stage-3 tiers
             tier = {k: {kk: (vv.format(nvme=nvme) if isinstance(vv, str) else vv) for kk, vv in v.items()}
-                    for k, v in tier.items()}
+                    if isinstance(v, dict) else v for k, v in tier.items()}
             config = _config(case["zero"], tier, dtype=case.get("dtype", "fp32"),
                              accumulation=case.get("accumulation", 1), clipping=case.get("clipping", 0.0))
             model = GPT(MODEL, seed=0)
@@ -55,35 +73,56 @@ def tiers(rank: int, world: int, cases: dict[str, dict], runs: dict[str, dict], 
                 model.blocks[0].requires_grad_(False)
             engine, _, _, _ = zeropp.initialize(
                 model=model, config=config, model_parameters=[p for p in model.parameters() if p.requires_grad])
-            swap = engine.offload.swap
+            swap, param_swap = engine.offload.swap, engine.param_offload.swap
             files = sorted(os.listdir(swap.directory)) if swap is not None else []
+            param_files = sorted(os.listdir(param_swap.directory)) if param_swap is not None else []
             stepped = [u for u, unit in enumerate(engine.units) if unit.master.numel()]
             released = (engine.offload.nvme
                         and all(u.master.untyped_storage().nbytes() == 0 for u in engine.units if u.master.numel()))
+            resident = _count_resident(engine, model)
             losses = _train(engine, rank, world, steps, case.get("accumulation", 1), seed=7)
+            param_released = all(t.untyped_storage().nbytes() == 0 for t in _swapped_shards(engine))
             masters = engine.consolidated_state_dict()
-            directory = swap.directory if swap is not None else None
+            directories = [s.directory for s in (swap, param_swap) if s is not None]
             engine.destroy()
             out[case_name][run_name] = {
                 "losses": losses, "masters": masters, "files": files, "released": released, "stepped": stepped,
-                "left": os.path.exists(directory) if directory else False,
-                "skipped": engine.skipped_steps,
+                "left": any(os.path.exists(d) for d in directories), "skipped": engine.skipped_steps,
+                "param_files": param_files, "param_released": param_released, "most_resident": max(resident),
+                "param_read": engine.param_offload.counters["bytes_read"],
+                "reads_ahead": engine.param_offload.counters["reads_ahead"],
+                "shards": [(u, kind, f.shard_numel) for u, unit in enumerate(engine.units)
+                           for kind, f in (("shard", unit), ("frozen", unit.frozen))
+                           if f is not None and not unit.persistent],
             }
     return out
 
 
+def _frozen_gpt(seed: int) -> GPT:
+    model = GPT(MODEL, seed=seed)
+    model.blocks[0].requires_grad_(False)
+    return model
+
+
 def checkpoint_across_tiers(rank: int, world: int, nvme: str, save_dir: str, phase: str) -> dict:
-    """``phase`` "save": train 3 steps with NVMe offload (stage 3, bf16, qwZ/qgZ/hpZ on), save, train 2 more; return
-    the losses of the 2 and the masters after. "load": at this world size, for each tier (none, cpu, nvme), load the
-    checkpoint, return the masters right after the load and the losses of 2 more steps and the masters after."""
+    """``phase`` "save": train 3 steps with the optimizer's side and the compute shards on NVMe (stage 3, bf16,
+    qwZ/qgZ/hpZ on, a frozen block), save tag "t", train 2 more; return the losses of the 2 and the masters after.
+    "load": at this world size, for each tier (none, cpu, nvme: the optimizer's side), load "t" (saved with the
+    shards on NVMe), return the masters right after the load and the losses of 2 more steps and the masters after;
+    the tier "none" also saves tag "plain" right after its load (no parameter offload), and the tier "param_nvme"
+    (the shards on NVMe only) loads "plain"."""
     zero = {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
             "zero_hpz_partition_size": 2 if world == 4 else 1}
+    param_tier = {"offload_param": {"device": "nvme", "nvme_path": nvme, "max_in_cpu": 0, "pin_memory": False},
+                  "stage3_param_persistence_threshold": 0}
     nvme_tier = {"offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pipeline_read": True,
                                        "pipeline_write": True, "pin_memory": False}}
-    tiers_ = {"none": {}, "cpu": {"offload_optimizer": {"device": "cpu", "pin_memory": False}}, "nvme": nvme_tier}
+    tiers_ = {"none": {}, "cpu": {"offload_optimizer": {"device": "cpu", "pin_memory": False}}, "nvme": nvme_tier,
+              "param_nvme": param_tier}
     if phase == "save":
-        engine, _, _, _ = zeropp.initialize(model=GPT(MODEL, seed=0), config=_config(
-            zero, nvme_tier, dtype="bf16", accumulation=1, clipping=1.0))
+        engine, _, _, _ = zeropp.initialize(model=_frozen_gpt(0), config=_config(
+            zero, {**nvme_tier, **param_tier}, dtype="bf16", accumulation=1, clipping=1.0))
+        assert engine.param_offload.shards, "nothing swapped: the save would not read shards through the swap"
         _train(engine, rank, world, 3, 1, seed=11)
         saved = engine.consolidated_state_dict()
         engine.save_checkpoint(save_dir, tag="t")
@@ -93,9 +132,11 @@ def checkpoint_across_tiers(rank: int, world: int, nvme: str, save_dir: str, pha
         return out
     out = {}
     for name, tier in tiers_.items():
-        engine, _, _, _ = zeropp.initialize(model=GPT(MODEL, seed=5), config=_config(
+        engine, _, _, _ = zeropp.initialize(model=_frozen_gpt(5), config=_config(
             zero, tier, dtype="bf16", accumulation=1, clipping=1.0))
-        engine.load_checkpoint(save_dir, tag="t")
+        engine.load_checkpoint(save_dir, tag="plain" if name == "param_nvme" else "t")
+        if name == "none":
+            engine.save_checkpoint(save_dir, tag="plain")
         loaded = engine.consolidated_state_dict()
         losses = _train(engine, rank, world, 2, 1, seed=12)
         out[name] = {"loaded": loaded, "losses": losses, "masters": engine.consolidated_state_dict()}
@@ -103,16 +144,21 @@ def checkpoint_across_tiers(rank: int, world: int, nvme: str, save_dir: str, pha
     return out
 
 
-def swap_faults(rank: int, world: int, nvme: str, fault: str, victim: int) -> dict:
-    """Train with NVMe offload; after 2 steps damage one swap file of rank ``victim`` (``fault``: "corrupt" flips a
-    byte, "truncate" halves the file, "delete" removes it); return what the next step raised on this rank and what
-    a later forward raised."""
-    tier = {"offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": False}}
+def swap_faults(rank: int, world: int, nvme: str, fault: str, victim: int, tier: str = "optimizer",
+                eval_forward: bool = False) -> dict:
+    """Train with NVMe offload (``tier`` "optimizer": the optimizer's side; "param": the compute shards); after 2
+    steps damage one swap file of rank ``victim`` (``fault``: "corrupt" flips a byte, "truncate" halves the file,
+    "delete" removes it); return what the next step (``eval_forward``: a forward under ``torch.no_grad()``) raised
+    on this rank and what a later forward raised."""
+    offload = ({"offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pin_memory": False}} if tier == "optimizer"
+               else {"offload_param": {"device": "nvme", "nvme_path": nvme, "max_in_cpu": 0, "pin_memory": False},
+                     "stage3_param_persistence_threshold": 0})
     engine, _, _, _ = zeropp.initialize(model=GPT(MODEL, seed=0), config=_config(
-        {"stage": 3}, tier, dtype="fp32", accumulation=1, clipping=0.0))
+        {"stage": 3, **offload}, {}, dtype="fp32", accumulation=1, clipping=0.0))
     _train(engine, rank, world, 2, 1, seed=3)
     if rank == victim:
-        path = Path(engine.offload.swap.path("unit1.exp_avg"))
+        swap = engine.offload.swap if tier == "optimizer" else engine.param_offload.swap
+        path = Path(swap.path("unit1.exp_avg" if tier == "optimizer" else "unit1.shard"))
         if fault == "corrupt":
             with open(path, "r+b") as f:
                 f.seek(100)
@@ -125,7 +171,12 @@ def swap_faults(rank: int, world: int, nvme: str, fault: str, victim: int) -> di
             path.unlink()
     out = {}
     try:
-        _train(engine, rank, world, 1, 1, seed=4)
+        if eval_forward:
+            with torch.no_grad():
+                x, y = text_batches(1, 2 * world, seed=4)[0]
+                engine(x[2 * rank : 2 * rank + 2], y[2 * rank : 2 * rank + 2])
+        else:
+            _train(engine, rank, world, 1, 1, seed=4)
         out["step"] = None
     except OffloadError as e:
         out["step"] = str(e)

@@ -1,23 +1,30 @@
-"""The optimizer offload tiers (``zeropp.engine.offload``, DeepSpeed's ``offload_optimizer``) change where the fp32
-masters, gradient shards and Adam states live, never a value.
+"""The offload tiers (``zeropp.engine.offload``, DeepSpeed's ``offload_optimizer``; ``zeropp.engine.param_offload``,
+``offload_param``) change where the fp32 masters, gradient shards, Adam states and compute shards live, never a
+value.
 
 On 4 gloo ranks as 2 emulated nodes of 2, the tiny GPT trains 3 steps per case with the optimizer's side on the
 device (``none``, the reference), on the CPU (``cpu``: on this CPU-only machine the same memory as ``none``; the
 host-device copies run in the CUDA tests), and on NVMe swap files under pytest's tmp dir (``nvme``: pipelined reads
 and writes with 4 buffers; ``nvme_sync``: neither pipelined, one buffer, so every unit is read and written alone;
-at stage 3, ``cpu_ratio``: ``ratio`` 0.5, half the units' optimizer side on the host, and ``nvme_param_cpu``: with
-``offload_param: cpu`` too, the compute shards in host memory).
+at stage 3, ``cpu_ratio``: ``ratio`` 0.5, half the units' optimizer side on the host, ``nvme_param_cpu``: with
+``offload_param: cpu`` too, the compute shards in host memory, ``param_nvme``: every compute shard (trainable and
+frozen) in NVMe swap files, 4 buffers, read ahead by the prefetcher, and ``nvme_param_nvme``: the optimizer's side
+and the shards past ``max_in_cpu`` on NVMe, one buffer of fewer elements than a shard (chunked), no read-ahead).
 Cases: stages 1, 2 and 3; fp32, bf16 and fp16 (loss scaling); gradient accumulation 2; clipping; a frozen block;
 full ZeRO++ (qwZ, qgZ, hpZ). Every run's losses and final fp32 masters are bit-identical to ``none``'s; NVMe runs
-hold one swap file per unit and state kind, release the masters' memory between steps, and delete the files at
+hold one swap file per unit and state kind (per swapped shard), release the masters' (shards') memory between
+steps (uses: at most ``buffer_count`` shards hold memory at any module's forward), and delete the files at
 ``destroy()``.
 
-Checkpoints: a 4-rank NVMe run saves, then every tier loads it at 4 and at 2 ranks and continues: the loaded masters
-equal the saved ones, and at 4 ranks the continued losses and masters equal the NVMe run's own continuation.
+Checkpoints: a 4-rank run with the optimizer's side and the compute shards on NVMe saves, then every tier loads it at
+4 and at 2 ranks and continues: the loaded masters equal the saved ones, and at 4 ranks the continued losses and
+masters equal the saving run's own continuation; a checkpoint saved without parameter offload right after such a
+load loads into a run with the shards on NVMe the same way.
 
 Faults: a swap file of one rank corrupted, truncated or deleted between steps: the next step raises
 ``OffloadError`` on every rank (naming the failing rank; that rank's message names the file), and any later use of
-the engine raises too.
+the engine raises too; a corrupted parameter-shard swap file: the same from the next step, or from the next forward
+under ``torch.no_grad()``.
 """
 
 from __future__ import annotations
@@ -40,12 +47,22 @@ RUNS = {
     "cpu_ratio": {"offload_optimizer": {"device": "cpu", "ratio": 0.5, "pin_memory": False}},
     "nvme_param_cpu": {"offload_optimizer": {"device": "nvme", "nvme_path": "{nvme}", "pin_memory": False},
                        "offload_param": {"device": "cpu", "pin_memory": False}},
+    "param_nvme": {"offload_param": {"device": "nvme", "nvme_path": "{nvme}", "max_in_cpu": 0, "buffer_count": 4,
+                                     "pin_memory": False},
+                   "stage3_param_persistence_threshold": 0},
+    "nvme_param_nvme": {"offload_optimizer": {"device": "nvme", "nvme_path": "{nvme}", "pin_memory": False},
+                        "offload_param": {"device": "nvme", "nvme_path": "{nvme}", "max_in_cpu": 20_000,
+                                          "buffer_count": 1, "buffer_size": 1000, "pin_memory": False},
+                        "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0},
 }
+PARAM_NVME = ("param_nvme", "nvme_param_nvme")
 CASES = {
     "stage1_fp32": {"zero": {"stage": 1}},
     "stage2_bf16_clip": {"zero": {"stage": 2}, "dtype": "bf16", "clipping": 0.5},
-    "stage3_fp16_accum": {"zero": {"stage": 3}, "dtype": "fp16", "accumulation": 2},
+    "stage3_fp16_accum": {"zero": {"stage": 3}, "dtype": "fp16", "accumulation": 2,
+                          "only": [r for r in RUNS if r not in PARAM_NVME]},
     "stage3_zeropp_frozen": {"zero": {"stage": 3, **FULL}, "dtype": "bf16", "frozen": True, "clipping": 1.0},
+    "stage3_fp32_param_nvme": {"zero": {"stage": 3}, "only": ["none", *PARAM_NVME]},
 }
 
 
@@ -61,7 +78,9 @@ def test_every_tier_trains_bit_identically(tmp_path) -> None:
     for rank, res in enumerate(results):
         for case, runs in res.items():
             stage3 = CASES[case]["zero"]["stage"] == 3
-            assert ("nvme_param_cpu" in runs) == ("cpu_ratio" in runs) == stage3, (case, list(runs))
+            stage3_runs = {"cpu_ratio", "nvme_param_cpu", *PARAM_NVME}
+            want = [r for r in CASES[case].get("only", RUNS) if stage3 or r not in stage3_runs]
+            assert list(runs) == want, (case, list(runs))
             ref = runs["none"]
             assert len(ref["losses"]) == 3 * CASES[case].get("accumulation", 1)
             for name, run in runs.items():
@@ -73,10 +92,31 @@ def test_every_tier_trains_bit_identically(tmp_path) -> None:
                                        for kind in ("master", "exp_avg", "exp_avg_sq")}, run["files"]
                     assert run["released"], (case, name)
                     assert not run["left"], "destroy() left the swap directory"
+                if name in PARAM_NVME:
+                    _check_param_swap(RUNS[name]["offload_param"], run, case, name)
     # the masters moved: the comparison is not of untouched weights
     first = results[0]["stage1_fp32"]["none"]
     assert first["losses"][-1] < first["losses"][0]
     assert not list((nvme / "zeropp-swap").glob("*-rank*")), "swap directories left behind"
+
+
+def _check_param_swap(keys: dict, run: dict, case: str, name: str) -> None:
+    """The shards past ``max_in_cpu`` (the first ones, in unit order, up to that many elements stay) have a swap
+    file each, hold no memory after the steps and at most ``buffer_count`` at any forward; reads were made (ahead
+    of the gathers when the buffers allow)."""
+    kept, swapped = 0, set()
+    for u, kind, numel in run["shards"]:
+        if numel and (swapped or kept + numel > keys["max_in_cpu"]):
+            swapped.add(f"unit{u}.{kind}")
+        else:
+            kept += numel
+    assert swapped and (kept > 0) == (keys["max_in_cpu"] > 0), (case, name, run["shards"])  # both kinds of home
+    assert {f.split("-", 1)[1].rsplit(".", 1)[0] for f in run["param_files"]} == swapped, run["param_files"]
+    assert run["param_released"], (case, name)
+    assert run["most_resident"] <= keys["buffer_count"], (case, name, run["most_resident"])
+    assert run["param_read"] > 0, (case, name)
+    assert (run["reads_ahead"] > 0) == (keys["buffer_count"] > 2), (case, name, run["reads_ahead"])
+    assert not run["left"], "destroy() left the parameter swap directory"
 
 
 def test_checkpoints_load_across_tiers_and_world_sizes(tmp_path) -> None:
@@ -96,22 +136,30 @@ def test_checkpoints_load_across_tiers_and_world_sizes(tmp_path) -> None:
     for res in loaded2:
         for name, run in res.items():
             assert _same(run["loaded"], saved[0]["saved"]), name
-        assert res["none"]["losses"] == res["nvme"]["losses"] == res["cpu"]["losses"]
+        assert res["none"]["losses"] == res["nvme"]["losses"] == res["cpu"]["losses"] == res["param_nvme"]["losses"]
         assert _same(res["none"]["masters"], res["nvme"]["masters"])
+        assert _same(res["none"]["masters"], res["param_nvme"]["masters"])
 
 
-@pytest.mark.parametrize("fault", ["corrupt", "truncate", "delete"])
-def test_a_damaged_swap_file_stops_every_rank(tmp_path, fault) -> None:
+@pytest.mark.parametrize("tier, fault, eval_forward", [("optimizer", "corrupt", False), ("optimizer", "truncate", False),
+                                                       ("optimizer", "delete", False), ("param", "corrupt", False),
+                                                       ("param", "corrupt", True)])
+def test_a_damaged_swap_file_stops_every_rank(tmp_path, tier, fault, eval_forward) -> None:
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    results = launch("offload_workers:swap_faults", 2, tmp_path, timeout=300, nvme=str(nvme), fault=fault, victim=1)
+    results = launch("offload_workers:swap_faults", 2, tmp_path, timeout=300, nvme=str(nvme), fault=fault, victim=1,
+                     tier=tier, eval_forward=eval_forward)
+    said = ("failed reading or writing the NVMe offload's swap files on rank(s) [1]" if tier == "optimizer"
+            else "reading or writing the NVMe parameter offload's swap files failed on rank(s) [1]")
     for rank, res in enumerate(results):
         assert res["step"] is not None, (rank, "the step after the damage went on")
-        assert "failed reading or writing the NVMe offload's swap files on rank(s) [1]" in res["step"], res["step"]
+        assert said in res["step"], res["step"]
         assert "load the last checkpoint" in res["step"]
         assert res["later"] is not None and res["later"].startswith("this engine cannot go on"), res["later"]
     victim = results[1]["step"]
-    assert "unit1.exp_avg" in victim, victim
+    assert ("unit1.exp_avg" if tier == "optimizer" else "unit1.shard") in victim, victim
+    if tier == "param":
+        assert res["step"].startswith("forward()" if eval_forward else "step 3"), res["step"]
 
 
 def test_hugging_face_trainer_templates_run_unchanged(tmp_path) -> None:
