@@ -141,9 +141,9 @@ def test_checkpoints_load_across_tiers_and_world_sizes(tmp_path) -> None:
         assert _same(res["none"]["masters"], res["param_nvme"]["masters"])
 
 
-@pytest.mark.parametrize("tier, fault, eval_forward", [("optimizer", "corrupt", False), ("optimizer", "truncate", False),
-                                                       ("optimizer", "delete", False), ("param", "corrupt", False),
-                                                       ("param", "corrupt", True)])
+@pytest.mark.parametrize("tier, fault, eval_forward", [
+    ("optimizer", "corrupt", False), ("optimizer", "truncate", False), ("optimizer", "delete", False),
+    ("param", "corrupt", False), ("param", "corrupt", True)])
 def test_a_damaged_swap_file_stops_every_rank(tmp_path, tier, fault, eval_forward) -> None:
     nvme = tmp_path / "nvme"
     nvme.mkdir()

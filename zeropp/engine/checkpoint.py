@@ -439,7 +439,7 @@ def save(engine: ZeroEngine, save_dir: str | os.PathLike[str], tag: str | None =
         except Exception as e:  # noqa: BLE001 - raised on every rank by _agree
             error = e
     staging = _agree(engine, error, staging, context, first_alone=True)[0]
-    held = contextlib.ExitStack()  # an NVMe offload tier's masters and states (and frozen shards), in memory until written
+    held = contextlib.ExitStack()  # the NVMe tiers' masters, states and frozen shards, in memory until written
     try:
         error, state = None, {}
         try:

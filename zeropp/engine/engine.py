@@ -123,7 +123,8 @@ step returns the C heap's free pages to the OS (``host_memory``). At one rank ``
 copy of the weights, never freed) and gradients go straight into ``grad_shard``. Offload
 (``zeropp.engine.offload``) moves ``grad_shard``, ``master`` and the optimizer state to host memory
 (``offload_optimizer: cpu``; ``ratio``: part of the units) or the last two to NVMe swap files (``nvme``: at most
-``buffer_count`` units' in memory, during the step), and stage 3's ``shard`` to host memory (``offload_param: cpu``).
+``buffer_count`` units' in memory, during the step), and stage 3's ``shard`` to host memory (``offload_param: cpu``)
+or, past ``max_in_cpu``, to NVMe swap files read ahead of each gather (``nvme``; ``zeropp.engine.param_offload``).
 
 fp16 loss scaling (``zeropp.engine.loss_scaler``, DeepSpeed's rules): ``backward`` differentiates ``loss.float() /
 gradient_accumulation_steps * scale``. At the boundary ``step`` divides every ``grad_shard`` by the scale and checks

@@ -40,13 +40,14 @@ Failures (NVMe). A read or write that fails (``zeropp.offload.SwapError``: a dam
 a disk error) is never raised where it happens: one rank raising while the others enter the all-gather would hang
 them. The failing rank records it (``failure``), gathers zeros in place of the lost shard, and goes on; the ranks
 agree at the next point where they already exchange a flag or can afford one: the step's gradient-statistics
-all-reduce (one more float64 element, no extra collective: the step raises ``OffloadError`` on every rank before
-any master changes), the end of a forward without grad (eval: one all-reduce of a flag, so no wrong output is
-returned), and the end of ``full_parameters``, ``state_dict``, ``consolidated_state_dict`` and the entry of a
-``gathered_parameters`` block (one all-reduce each); checkpoint saves fail on every rank with ``CheckpointError``.
-The cost of the alternative, an agreement before every gather, is measured in ``bench/RESULTS.md`` ("param NVMe
-agreement"). A training forward after a failed read returns a loss computed from zeros in the lost shard's place;
-its ``step()`` raises.
+all-reduce (one more float64 per rank, no extra collective: the step raises ``OffloadError`` on every rank before
+any master changes), the end of the step (a failed write: one all-reduce), the end of a forward without grad (eval:
+one all-reduce, so no wrong output is returned), the end of ``full_parameters``, ``model.state_dict()``,
+``consolidated_state_dict`` (and so ``state_dict``) and the entry of a ``gathered_parameters`` block (one all-reduce
+each); checkpoint saves fail on every rank with ``CheckpointError``.
+The alternative, an agreement all-reduce before every gather, would cost one blocking all-reduce and host read per
+gather (measured: ``bench/RESULTS.md``, "Parameter NVMe offload"). A training forward after a failed read returns a
+loss computed from zeros in the lost shard's place; its ``step()`` raises.
 """
 
 from __future__ import annotations
