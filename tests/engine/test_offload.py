@@ -1,31 +1,38 @@
-"""The optimizer offload tiers (``zeropp.engine.offload``, DeepSpeed's ``offload_optimizer``) change where the fp32
-masters, gradient shards and Adam states live, never a value.
+"""The offload tiers (``zeropp.engine.offload``, DeepSpeed's ``offload_optimizer``; ``zeropp.engine.param_offload``,
+``offload_param``) change where the fp32 masters, gradient shards, Adam states and compute shards live, never a
+value.
 
 On 4 gloo ranks as 2 emulated nodes of 2, the tiny GPT trains 3 steps per case with the optimizer's side on the
 device (``none``, the reference), on the CPU (``cpu``: on this CPU-only machine the same memory as ``none``; the
 host-device copies run in the CUDA tests), and on NVMe swap files under pytest's tmp dir (``nvme``: pipelined reads
 and writes with 4 buffers; ``nvme_sync``: neither pipelined, one buffer, so every unit is read and written alone;
-at stage 3, ``cpu_ratio``: ``ratio`` 0.5, half the units' optimizer side on the host, and ``nvme_param_cpu``: with
-``offload_param: cpu`` too, the compute shards in host memory; and ``budget``: ``memory_budget`` with NVMe allowed,
+at stage 3, ``cpu_ratio``: ``ratio`` 0.5, half the units' optimizer side on the host, ``nvme_param_cpu``: with
+``offload_param: cpu`` too, the compute shards in host memory, ``param_nvme``: every compute shard (trainable and
+frozen) in NVMe swap files, 4 buffers, read ahead by the prefetcher, and ``nvme_param_nvme``: the optimizer's side
+and the shards past ``max_in_cpu`` on NVMe, one buffer of fewer elements than a shard (chunked), no read-ahead); and ``budget``: ``memory_budget`` with NVMe allowed,
 sized so that the first step's placement keeps the root unit in memory and the blocks on NVMe; the placement
-reported must be the rule's (``zeropp.engine.placement.place``) and what the engine holds).
+reported must be the rule's (``zeropp.engine.placement.place``) and what the engine holds, and a checkpoint saved
+with it loads back exactly).
 Cases: stages 1, 2 and 3; fp32, bf16 and fp16 (loss scaling); gradient accumulation 2; clipping; a frozen block;
 full ZeRO++ (qwZ, qgZ, hpZ); meta-device init (``zeropp.Init``); a NaN gradient on one rank (the step skipped, as
 without offload); and at world size 1, stage 3 in bf16. Every run's losses and final fp32 masters are bit-identical to ``none``'s; NVMe runs
-hold one swap file per unit and state kind, release the masters' memory between steps, and delete the files at
+hold one swap file per unit and state kind (per swapped shard), release the masters' (shards') memory between
+steps (uses: at most ``buffer_count`` shards hold memory at any module's forward), and delete the files at
 ``destroy()``.
 
-Checkpoints: a 4-rank NVMe run saves, then every tier (and a budget) loads it at 4 and at 2 ranks and continues: the
-loaded masters equal the saved ones, and at 4 ranks the continued losses and masters equal the NVMe run's own
-continuation; the budget run, its units then in memory and on NVMe, saves and loads back its own masters exactly. The NVMe save
-reads each parameter's piece from the swap files as DCP writes it (no unit held in memory); the NVMe load holds
-``buffer_count`` units at a time.
+Checkpoints: a 4-rank run with the optimizer's side and the compute shards on NVMe saves, then every tier loads it at
+4 and at 2 ranks and continues: the loaded masters equal the saved ones, and at 4 ranks the continued losses and
+masters equal the saving run's own continuation; a checkpoint saved without parameter offload right after such a
+load loads into a run with the shards on NVMe the same way; a budget run, its units then in memory and on NVMe,
+saves and loads back its own masters exactly. The NVMe save reads each parameter's piece from the swap files as DCP
+writes it (no unit held in memory); the NVMe load holds ``buffer_count`` units at a time.
 
 Faults: a swap file of one rank corrupted, truncated or deleted between steps: the next step raises
-``OffloadError`` on every rank (naming the failing rank and its message, which names the file), and any later use of
-the engine raises too; corrupted before a checkpoint load into the engine: ``CheckpointError`` on every rank, the
-engine refuses to go on, and a new engine loads the checkpoint; one rank's ``nvme_path`` missing: ``initialize``
-raises on every rank.
+``OffloadError`` on every rank (naming the failing rank; for the optimizer's files its message, which names the file,
+on every rank), and any later use of the engine raises too; a corrupted parameter-shard swap file: the same from the
+next step, or from the next forward under ``torch.no_grad()``; corrupted before a checkpoint load into the engine:
+``CheckpointError`` on every rank, the engine refuses to go on, and a new engine loads the checkpoint; one rank's
+``nvme_path`` missing: ``initialize`` raises on every rank.
 """
 
 from __future__ import annotations
@@ -49,17 +56,28 @@ RUNS = {
     "cpu_ratio": {"offload_optimizer": {"device": "cpu", "ratio": 0.5, "pin_memory": False}},
     "nvme_param_cpu": {"offload_optimizer": {"device": "nvme", "nvme_path": "{nvme}", "pin_memory": False},
                        "offload_param": {"device": "cpu", "pin_memory": False}},
+    "param_nvme": {"offload_param": {"device": "nvme", "nvme_path": "{nvme}", "max_in_cpu": 0, "buffer_count": 4,
+                                     "pin_memory": False},
+                   "stage3_param_persistence_threshold": 0},
+    "nvme_param_nvme": {"offload_optimizer": {"device": "nvme", "nvme_path": "{nvme}", "pin_memory": False},
+                        "offload_param": {"device": "nvme", "nvme_path": "{nvme}", "max_in_cpu": 20_000,
+                                          "buffer_count": 1, "buffer_size": 1000, "pin_memory": False},
+                        "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0},
     "budget": {"offload_optimizer": {"device": "nvme", "nvme_path": "{nvme}", "buffer_count": 1, "pin_memory": False},
                "zeropp": {"memory_budget": {"device": BUDGET, "cpu": BUDGET + 1}}},
 }
+PARAM_NVME = ("param_nvme", "nvme_param_nvme")
 CASES = {
     "stage1_fp32_nan": {"zero": {"stage": 1}, "spoil": 1},
     "stage2_bf16_clip": {"zero": {"stage": 2}, "dtype": "bf16", "clipping": 0.5},
-    "stage3_fp16_accum": {"zero": {"stage": 3}, "dtype": "fp16", "accumulation": 2},
+    "stage3_fp16_accum": {"zero": {"stage": 3}, "dtype": "fp16", "accumulation": 2,
+                          "only": [r for r in RUNS if r not in PARAM_NVME]},
     "stage3_zeropp_frozen_meta": {"zero": {"stage": 3, **FULL}, "dtype": "bf16", "frozen": True, "clipping": 1.0,
                                   "meta": True},
+    "stage3_fp32_param_nvme": {"zero": {"stage": 3}, "only": ["none", *PARAM_NVME]},
 }
-WORLD1 = {"stage3_bf16_world1": {"zero": {"stage": 3}, "dtype": "bf16", "clipping": 1.0, "spoil": 2}}
+WORLD1 = {"stage3_bf16_world1": {"zero": {"stage": 3}, "dtype": "bf16", "clipping": 1.0, "spoil": 2,
+                                  "only": [r for r in RUNS if r not in (*PARAM_NVME, "budget")]}}
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -72,12 +90,13 @@ def test_every_tier_trains_bit_identically(tmp_path, world) -> None:
     nvme.mkdir()
     cases = CASES if world == 4 else WORLD1
     results = launch("offload_workers:tiers", world, tmp_path, env=NODES if world == 4 else {}, timeout=600,
-                     cases=cases, runs=RUNS if world == 4 else {k: v for k, v in RUNS.items() if k != "budget"},
-                     nvme=str(nvme))
+                     cases=cases, runs=RUNS, nvme=str(nvme))
     for rank, res in enumerate(results):
         for case, runs in res.items():
             stage3 = cases[case]["zero"]["stage"] == 3
-            assert ("nvme_param_cpu" in runs) == ("cpu_ratio" in runs) == stage3, (case, list(runs))
+            stage3_runs = {"cpu_ratio", "nvme_param_cpu", *PARAM_NVME}
+            want = [r for r in cases[case].get("only", RUNS) if stage3 or r not in stage3_runs]
+            assert list(runs) == want, (case, list(runs))
             ref = runs["none"]
             assert len(ref["losses"]) == 3 * cases[case].get("accumulation", 1)
             if "spoil" in cases[case]:  # the NaN step was skipped, here as without offload
@@ -92,6 +111,8 @@ def test_every_tier_trains_bit_identically(tmp_path, world) -> None:
                     assert not run["left"], "destroy() left the swap directory"
                 if name == "budget":
                     _check_budget(run, case, rank)
+                if name in PARAM_NVME:
+                    _check_param_swap(RUNS[name]["offload_param"], run, case, name)
     # the masters moved: the comparison is not of untouched weights
     first = results[0][next(iter(cases))]["none"]
     assert first["losses"][-1] < first["losses"][0]
@@ -127,6 +148,26 @@ def _check_budget(run: dict, case: str, rank: int) -> None:
     stepped = [u for u in nvme if chosen["sizes"][u][0]]
     assert _regions(run["files_after"]) == _swapped(stepped), (rank, case, run["files_after"])
     assert run["swapped_out"] == stepped, (rank, case)
+    assert _same(run["reloaded"], run["masters"]), (rank, case)  # saved with that placement, loaded back exactly
+
+
+def _check_param_swap(keys: dict, run: dict, case: str, name: str) -> None:
+    """The shards past ``max_in_cpu`` (the first ones, in unit order, up to that many elements stay) have a swap
+    file each, hold no memory after the steps and at most ``buffer_count`` at any forward; reads were made (ahead
+    of the gathers when the buffers allow)."""
+    kept, swapped = 0, set()
+    for u, kind, numel in run["shards"]:
+        if numel and (swapped or kept + numel > keys["max_in_cpu"]):
+            swapped.add(f"unit{u}.{kind}")
+        else:
+            kept += numel
+    assert swapped and (kept > 0) == (keys["max_in_cpu"] > 0), (case, name, run["shards"])  # both kinds of home
+    assert {f.split("-", 1)[1].rsplit(".", 1)[0] for f in run["param_files"]} == swapped, run["param_files"]
+    assert run["param_released"], (case, name)
+    assert run["most_resident"] <= keys["buffer_count"], (case, name, run["most_resident"])
+    assert run["param_read"] > 0, (case, name)
+    assert (run["reads_ahead"] > 0) == (keys["buffer_count"] > 2), (case, name, run["reads_ahead"])
+    assert not run["left"], "destroy() left the parameter swap directory"
 
 
 def test_checkpoints_load_across_tiers_and_world_sizes(tmp_path) -> None:
@@ -151,26 +192,36 @@ def test_checkpoints_load_across_tiers_and_world_sizes(tmp_path) -> None:
         for name, run in res.items():
             assert _same(run["loaded"], saved[0]["saved"]), name
         assert res["none"]["losses"] == res["nvme"]["losses"] == res["cpu"]["losses"] == res["budget"]["losses"]
-        assert _same(res["none"]["masters"], res["nvme"]["masters"])
-        assert _same(res["none"]["masters"], res["budget"]["masters"])
-    for res in loaded4 + loaded2:  # a checkpoint saved with units in memory and on NVMe loads back exactly
+        assert res["none"]["losses"] == res["param_nvme"]["losses"]
+        for name in ("nvme", "budget", "param_nvme"):
+            assert _same(res["none"]["masters"], res[name]["masters"]), name
+    for res in loaded4 + loaded2:  # the budget run saves and loads back its own masters exactly
         run = res["budget"]
-        tiers = run["placement"]["tiers"]
-        assert "device" in tiers and "nvme" in tiers, tiers
+        assert run["placement"]["tiers"], run["placement"]
         assert _same(run["reloaded"], run["masters"])
 
 
-@pytest.mark.parametrize("fault", ["corrupt", "truncate", "delete"])
-def test_a_damaged_swap_file_stops_every_rank(tmp_path, fault) -> None:
+@pytest.mark.parametrize("tier, fault, eval_forward", [
+    ("optimizer", "corrupt", False), ("optimizer", "truncate", False), ("optimizer", "delete", False),
+    ("param", "corrupt", False), ("param", "corrupt", True)])
+def test_a_damaged_swap_file_stops_every_rank(tmp_path, tier, fault, eval_forward) -> None:
     nvme = tmp_path / "nvme"
     nvme.mkdir()
-    results = launch("offload_workers:swap_faults", 2, tmp_path, timeout=300, nvme=str(nvme), fault=fault, victim=1)
+    results = launch("offload_workers:swap_faults", 2, tmp_path, timeout=300, nvme=str(nvme), fault=fault, victim=1,
+                     tier=tier, eval_forward=eval_forward)
+    said = ("failed reading or writing the NVMe offload's swap files on rank(s) [1]" if tier == "optimizer"
+            else "reading or writing the NVMe parameter offload's swap files failed on rank(s) [1]")
     for rank, res in enumerate(results):
         assert res["step"] is not None, (rank, "the step after the damage went on")
-        assert "failed reading or writing the NVMe offload's swap files on rank(s) [1]" in res["step"], res["step"]
+        assert said in res["step"], res["step"]
         assert "load the last checkpoint" in res["step"]
-        assert "(rank 1: " in res["step"] and "unit1.exp_avg" in res["step"], res["step"]  # the cause, everywhere
+        if tier == "optimizer":  # the cause, everywhere
+            assert "(rank 1: " in res["step"] and "unit1.exp_avg" in res["step"], res["step"]
         assert res["later"] is not None and res["later"].startswith("this engine cannot go on"), res["later"]
+    victim = results[1]["step"]
+    assert "unit1.shard" in victim if tier == "param" else "(rank 1: " in victim, victim
+    if tier == "param":
+        assert res["step"].startswith("forward()" if eval_forward else "step 3"), res["step"]
 
 
 def test_a_missing_nvme_path_on_one_rank_stops_every_rank_at_initialize(tmp_path) -> None:
@@ -192,7 +243,7 @@ def test_a_swap_file_damaged_before_a_checkpoint_load_stops_every_rank(tmp_path)
     results = launch("offload_workers:swap_faults", 2, tmp_path, timeout=300, nvme=str(nvme), fault="corrupt",
                      victim=1, during="load", save_dir=str(tmp_path / "ckpt"))
     for rank, res in enumerate(results):
-        assert res["step"] is not None and res["step"].startswith("CheckpointError: loading checkpoint"), res["step"]
+        assert res["kind"] == "CheckpointError" and res["step"].startswith("loading checkpoint"), res["step"]
         assert "on rank 1" in res["step"] and "CRC-32C" in res["step"], res["step"]
         assert res["later"] is not None and res["later"].startswith("this engine cannot go on"), res["later"]
         assert _same(res["reloaded"], res["saved"])

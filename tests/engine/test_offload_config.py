@@ -449,7 +449,7 @@ dist.destroy_process_group()
 """
 
 
-def test_initialize_runs_optimizer_offload_and_refuses_what_it_does_not_run(tmp_path):
+def test_initialize_runs_every_offload_tier_and_the_memory_budget(tmp_path):
     cases = {
         "no offload": {"stage": 3, "offload_optimizer": {"device": "none", "pin_memory": False}},
         "optimizer cpu": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
@@ -463,8 +463,5 @@ def test_initialize_runs_optimizer_offload_and_refuses_what_it_does_not_run(tmp_
                           env={**os.environ, "ZEROPP_QUANT_BACKEND": "torch"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = dict(json.loads(line) for line in proc.stdout.splitlines() if line.startswith("["))
-    for name in ("no offload", "optimizer cpu", "optimizer nvme", "param cpu", "budget"):
+    for name in cases:
         assert got[name] == "initialized", (name, got[name])
-    tail = "parsed, but this build of zeropp does not run it yet"
-    assert got["param nvme"].startswith("zero_optimization.offload_param.device='nvme': " + tail)
-    assert 'set offload_param.device to "none" or "cpu"' in got["param nvme"]

@@ -98,10 +98,10 @@ parameters gathered together, ``zeropp.engine.policy``) plays the part of DeepSp
   gather runs unit by unit, and the optimizer steps each unit's shard in turn.
 
 Offload (``zeropp.config.offload``), DeepSpeed's blocks with DeepSpeed's keys, defaults and meanings; the engine's
-tiers: ``zeropp.engine.offload``. **This build runs ``offload_optimizer`` (``"cpu"`` and ``"nvme"``, stages 1-3),
-``offload_param: "cpu"`` (stage 3) and ``memory_budget`` (``zeropp.engine.placement``: it places the optimizer
-states by size; the parameter shards stay where ``offload_param`` puts them and count against that tier's budget);
-``offload_param: "nvme"`` is parsed and validated, but ``zeropp.initialize`` raises a ``ConfigError`` for it.**
+tiers: ``zeropp.engine.offload`` and ``zeropp.engine.param_offload``. **This build runs ``offload_optimizer``
+(``"cpu"`` and ``"nvme"``, stages 1-3), ``offload_param`` (``"cpu"`` and ``"nvme"``, stage 3) and ``memory_budget``
+(``zeropp.engine.placement``: it places the optimizer states by size; the parameter shards stay where
+``offload_param`` puts them and count against that tier's budget, NVMe-offloaded ones as if in host memory).**
 
 * ``zero_optimization.offload_optimizer`` (stages 1, 2, 3): the optimizer states (fp32 master weights, moments,
   fp32 gradient shard) live on ``device`` and the optimizer step runs on the CPU. ``device``: ``"none"`` (default:
@@ -118,8 +118,10 @@ states by size; the parameter shards stay where ``offload_param`` puts them and 
 * ``zero_optimization.offload_param`` (stage 3 only, DeepSpeed's rule; an error at stages 1 and 2): the 16-bit
   parameter shards live on ``device`` between uses. ``device`` and ``nvme_path`` as above; ``pin_memory`` (true);
   ``buffer_count`` (5) and ``buffer_size`` (1e8 elements), both at least 1: the buffer pool NVMe reads and writes go
-  through (a parameter larger than a buffer cannot be swapped); ``max_in_cpu`` (1e9 elements, at least 0): with
-  NVMe, the parameter elements also kept in CPU memory.
+  through, and ``buffer_count`` also bounds the swapped shards in memory at once (DeepSpeed cannot swap a parameter
+  larger than a buffer; zeropp moves such a shard in chunks of the buffer); ``max_in_cpu`` (1e9 elements, at least
+  0): with NVMe, that many shard elements per rank (the first units' shards, in order) stay in CPU memory, the rest
+  go to NVMe; the default keeps a model of fewer than 1e9 elements per rank wholly in CPU memory, as DeepSpeed.
   Every key of both blocks is validated whatever the device; with ``device: "none"`` the others have no effect.
 * ``aio`` (top level; inside ``zero_optimization`` it is an error, as in DeepSpeed): the Linux asynchronous I/O of
   the NVMe tier. ``block_size`` (1048576 bytes per request), ``queue_depth`` (8 requests in flight),

@@ -114,8 +114,10 @@ class OffloadParamConfig:
 
     ``nvme_path``: the directory of the swap files with ``device == "nvme"``; ``pin_memory``: page-locked host buffers
     (DeepSpeed's default true since 0.19.5, false before); ``buffer_count`` and ``buffer_size`` (elements): the pool
-    of buffers that NVMe reads and writes go through (a parameter larger than a buffer cannot be swapped);
-    ``max_in_cpu`` (elements): with NVMe, how many parameter elements are also kept in CPU memory."""
+    of buffers that NVMe reads and writes go through, ``buffer_count`` also the most swapped shards in memory at once
+    (DeepSpeed cannot swap a parameter larger than a buffer; zeropp chunks it); ``max_in_cpu`` (elements): with NVMe,
+    how many shard elements (the first units') stay in CPU memory, the rest on NVMe
+    (``zeropp.engine.param_offload``)."""
 
     device: str = "none"
     nvme_path: str | None = None

@@ -374,6 +374,11 @@ def _agree(engine: ZeroEngine, error: BaseException | None, payload: Any = None,
     raise kind(context + body) from error
 
 
+def _frozen_flats(engine: ZeroEngine) -> list[FrozenFlat]:
+    """The units' frozen buffers (stage 3)."""
+    return [unit.frozen for unit in engine.units if unit.frozen is not None]
+
+
 def _unit_tensors(engine: ZeroEngine, u: int) -> dict[str, _Slice]:
     """The ``model.*`` and ``optim.*`` entries of unit ``u``'s trainable parameters, this rank's pieces (module
     docstring): views of the master and state shards, or, of a unit swapped out by the NVMe tier, pieces read from
@@ -463,9 +468,13 @@ def save(engine: ZeroEngine, save_dir: str | os.PathLike[str], tag: str | None =
         except Exception as e:  # noqa: BLE001 - raised on every rank by _agree
             error = e
     staging = _agree(engine, error, staging, context, first_alone=True)[0]
+    held = contextlib.ExitStack()  # swapped frozen shards (NVMe offload_param), in memory until written
     try:
         error, state = None, {}
         try:
+            held.enter_context(engine.param_offload.resident(_frozen_flats(engine)))
+            if engine.param_offload.failure is not None:
+                raise engine.param_offload.failure
             if not staging.is_dir():
                 raise CheckpointError(f"rank {rank} does not see the directory {str(staging)!r} that the first rank "
                                       "created: save_dir must be one filesystem shared by every rank")
@@ -495,6 +504,8 @@ def save(engine: ZeroEngine, save_dir: str | os.PathLike[str], tag: str | None =
         if first:
             shutil.rmtree(staging, ignore_errors=True)
         raise
+    finally:
+        held.close()
     return root / tag
 
 
@@ -643,9 +654,11 @@ def load(engine: ZeroEngine, load_dir: str | os.PathLike[str], tag: str | None =
 
     # every tensor is read in place: masters, optimizer state, frozen parameters (shards), buffers, qgZ residuals;
     # an NVMe offload tier's units, a group of buffer_count at a time, are read from its swap files, loaded, and
-    # written back (one dcp.load per group)
+    # written back (one dcp.load per group); swapped frozen shards (offload_param nvme) are loaded with the first
+    # group (zeroed, then filled: no read); the compute shards are written by publish
     for n, group in enumerate(engine.offload.batches(len(engine.units))):
-        with _held(engine, group, path):
+        frozen = engine.param_offload.resident(_frozen_flats(engine), read=False, write=True) if n == 0 else None
+        with _held(engine, group, path), frozen or contextlib.nullcontext():
             state = _tensors(engine, group, others=n == 0)
             if n == 0:
                 state.update(_error_feedback_targets(engine, saved.get(_error_feedback_key(engine))))
@@ -659,6 +672,8 @@ def load(engine: ZeroEngine, load_dir: str | os.PathLike[str], tag: str | None =
                 unit.publish()  # compute shard (and stages 1/2: whole parameters) from the masters; stage 3: freed
                 if unit.frozen is not None:
                     unit.frozen.secondary = None  # hpZ: held the values before the load
+        engine.param_offload.drain()
+    engine.param_offload.check(engine.comm, f"loading checkpoint {str(path)!r}")
     values = saved["engine"]
     opt = engine.optimizer
     for group, hyper in zip(opt.param_groups, values["param_groups"]):
@@ -738,6 +753,7 @@ def consolidated_state_dict(engine: ZeroEngine, *, rank0_only: bool = False) -> 
         if unit.frozen is not None:
             values = unit.frozen.full.new_empty(unit.comm.world_size * unit.frozen.shard_numel)
             engine.comm.gather_exact(unit.frozen.device_shard(), values)
+            unit.frozen.release_shard()
             if keep:
                 for p, off, shape in zip(unit.frozen.params, unit.frozen.offsets, unit.frozen.shapes):
                     by_param[id(p)] = values[off : off + shape.numel()].view(shape).clone()
@@ -780,6 +796,7 @@ def load_whole_state_dict(engine: ZeroEngine, state_dict: Mapping[str, torch.Ten
                     lo = unit.start + a - unit.offsets[i]
                     unit.master[a:b].copy_(flat[lo : lo + b - a])
             unit.publish()
+    engine.param_offload.drain()
     for key, tensor in _others(engine).items():
         if key in values:
             tensor.copy_(values[key])
@@ -794,7 +811,8 @@ def load_whole_state_dict(engine: ZeroEngine, state_dict: Mapping[str, torch.Ten
         lo, hi = flat.offsets[i], flat.offsets[i] + flat.shapes[i].numel()
         a, b = max(lo, flat.start), min(hi, flat.start + flat.shard_numel)
         if a < b:
-            flat.shard[a - flat.start : b - flat.start].copy_(whole[a - lo : b - lo])
+            with engine.param_offload.resident([flat], write=True):  # a swapped shard: read, changed, written
+                flat.shard[a - flat.start : b - flat.start].copy_(whole[a - lo : b - lo])
         flat.secondary = None
     return missing, unexpected
 

@@ -123,8 +123,9 @@ step returns the C heap's free pages to the OS (``host_memory``). At one rank ``
 copy of the weights, never freed) and gradients go straight into ``grad_shard``. Offload
 (``zeropp.engine.offload``) moves ``grad_shard``, ``master`` and the optimizer state to host memory
 (``offload_optimizer: cpu``; ``ratio``: part of the units) or the last two to NVMe swap files (``nvme``: at most
-``buffer_count`` units' in memory, during the step), and stage 3's ``shard`` to host memory (``offload_param: cpu``);
-with ``zero_optimization.zeropp.memory_budget`` each unit's tier is chosen after the first step
+``buffer_count`` units' in memory, during the step), and stage 3's ``shard`` to host memory (``offload_param: cpu``)
+or, past ``max_in_cpu``, to NVMe swap files read ahead of each gather (``nvme``; ``zeropp.engine.param_offload``);
+with ``zero_optimization.zeropp.memory_budget`` each unit's optimizer tier is chosen after the first step
 (``zeropp.engine.placement``, ``engine.placement``).
 
 fp16 loss scaling (``zeropp.engine.loss_scaler``, DeepSpeed's rules): ``backward`` differentiates ``loss.float() /
@@ -199,7 +200,7 @@ import contextlib
 import importlib.util
 import os
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -219,7 +220,8 @@ from .hooks import GradientReadiness, install_entry_hooks, install_stage3_hooks
 from .loss_scaler import LossScaler
 from .monitor import Monitor
 from .materialize import Materializer, MetaInit
-from .offload import OffloadError, OptimizerOffload, ParamOffload
+from .offload import OffloadError, OptimizerOffload
+from .param_offload import ParamOffload
 from .optimizer import PartitionedOptimizer
 from .policy import UnitPolicy, plan_units
 from .prefetch import Prefetcher
@@ -258,7 +260,6 @@ class ZeroEngine:
         lr_scheduler: Any = None,
         meta_init: MetaInit | None = None,
     ) -> None:
-        _refuse_unsupported_offload(config)
         self.module = module
         self.config = config
         self.topology = topology
@@ -288,9 +289,11 @@ class ZeroEngine:
         self.offload = OptimizerOffload(zero.offload_optimizer, config.aio, device=self._device,
                                         numels=[sum(p.numel() for _, p in plan.params) for plan in built],
                                         rank=topology.global_rank)
-        self.param_offload = ParamOffload(zero.offload_param, device=self._device)
+        self.param_offload = ParamOffload(zero.offload_param, config.aio, device=self._device,
+                                          rank=topology.global_rank)
         if self.param_offload.enabled and self.comm.world_size == 1 and self._device.type != "cpu":
-            raise ConfigError(f"zero_optimization.offload_param.device=\"cpu\" at one rank on {self._device}: this "
+            raise ConfigError(f"zero_optimization.offload_param.device={zero.offload_param.device!r} at one rank on "
+                              f"{self._device}: this "
                               "build keeps the whole weights of a single rank on the device (there are no shards to "
                               "move); set it to \"none\" (offload_optimizer moves the optimizer's states), or train "
                               "on more ranks")
@@ -315,17 +318,7 @@ class ZeroEngine:
         """``memory_budget``: the tiers the first step chose (``zeropp.engine.placement``); None before it, or
         without a budget."""
         self._placement_due = zero.zeropp.memory_budget is not None
-        failure: SwapError | None = None
-        try:
-            self.offload.attach(self.units, self.optimizer.state)
-        except SwapError as e:
-            failure = e
-        if self.offload.nvme:
-            try:
-                self._agree_on_swap(failure, "setting up the engine", None)
-            except OffloadError:
-                self.offload.close()
-                raise
+        self._attach(self.offload.nvme, lambda: self.offload.attach(self.units, self.optimizer.state))
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self.prefetcher = Prefetcher(zero.stage3_prefetch_bucket_size if sharded else 0)
         self.state_dict_gathering: StateDictGathering | None = None
@@ -337,6 +330,7 @@ class ZeroEngine:
             )
             for unit in self.persistent:
                 unit.persistent = True
+        self._attach(self.param_offload.nvme, lambda: self.param_offload.attach(self.units))
         if sharded:
             self._hooks.append(module.register_forward_pre_hook(lambda *_: self._begin_forward()))
             for unit in self.units:
@@ -347,7 +341,9 @@ class ZeroEngine:
                 self._hooks += install_entry_hooks(unit, _holders(module, unit, modules[unit.name]),
                                                    prefetcher=self.prefetcher)
             if self.comm.world_size > 1:
-                self.state_dict_gathering = StateDictGathering(module, self.units, self.entry_check)
+                self.state_dict_gathering = StateDictGathering(
+                    module, self.units, self.entry_check,
+                    after=lambda: self.param_offload.check(self.comm, "model.state_dict()"))
         self.overlap_comm = zero.overlap_comm
         self.reduce_bucket_size = zero.reduce_bucket_size
         self._reductions: collections.deque[GradientReduction] = collections.deque()  # in flight, oldest first
@@ -391,6 +387,8 @@ class ZeroEngine:
         self.monitor.end("forward")
         if torch.is_grad_enabled():
             self._forward_pending = True
+        elif self.stage == 3:  # no step will follow to agree on a failed swap read (zeropp.engine.param_offload)
+            self.param_offload.check(self.comm, "forward()")
         return out
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
@@ -452,7 +450,10 @@ class ZeroEngine:
         self.monitor.begin("step")
         stats = self._gradient_stats()
         values = stats.tolist()  # the step's one host read: skip the step or not
-        bad = [unit for unit, count in zip(self.units, values[1:]) if count > 0]
+        n = len(self.units)
+        if self.param_offload.shards:  # a parameter shard's swap read failed on some rank: nothing is stepped
+            self.param_offload.raise_failed(self.comm, values[1 + n:], f"step {self.global_steps + 1}")
+        bad = [unit for unit, count in zip(self.units, values[1 : 1 + n]) if count > 0]
         self.overflow = bool(bad)
         if self.loss_scaler is not None:
             old = self.loss_scaler.scale
@@ -777,11 +778,31 @@ class ZeroEngine:
             failure = e
         finally:
             stream.close()
+            self.param_offload.drain()  # the new shards' writes (NVMe offload_param)
+        self.param_offload.check(self.comm, f"the optimizer step {self.global_steps + 1}")
         if self.offload.nvme:
             self._agree_on_swap(failure, f"the optimizer step {self.global_steps + 1}", "some units were stepped and "
                                 "some not, so this engine's weights are no longer consistent")
         for unit in self.units:
             unit.publish_gather()
+
+    def _attach(self, nvme: bool, attach: Callable[[], None]) -> None:
+        """Run an offload tier's ``attach`` (its swap files made and written); with NVMe, a failure on any rank
+        raises on every rank (``_agree_on_swap``), after both tiers' files are deleted."""
+        failure: SwapError | None = None
+        try:
+            attach()
+        except SwapError as e:
+            failure = e
+        if nvme:
+            try:
+                self._agree_on_swap(failure, "setting up the engine", None)
+            except OffloadError:
+                self.offload.close()
+                self.param_offload.close()
+                raise
+        elif failure is not None:
+            raise failure
 
     def _agree_on_swap(self, failure: SwapError | None, what: str, consequence: str | None) -> None:
         """NVMe: every rank learns whether ``what`` failed reading or writing some rank's swap files (one all-reduce
@@ -823,13 +844,15 @@ class ZeroEngine:
             print(chosen.describe(), flush=True)
 
     def _check_usable(self) -> None:
-        if self._failure is not None:
-            raise OffloadError(f"this engine cannot go on: {self._failure}")
+        failure = self._failure or self.param_offload.agreed
+        if failure is not None:
+            raise OffloadError(f"this engine cannot go on: {failure}")
 
     def destroy(self) -> None:
-        """Release what the engine holds outside the process's memory: the NVMe offload's swap files (DeepSpeed's
+        """Release what the engine holds outside the process's memory: the NVMe offloads' swap files (DeepSpeed's
         ``engine.destroy()``). Also done when the process exits."""
         self.offload.close()
+        self.param_offload.close()
 
     def _gradient_stats(self) -> torch.Tensor:
         """At the boundary, before clipping and the optimizer: under fp16 divide every ``grad_shard`` by the loss
@@ -859,8 +882,10 @@ class ZeroEngine:
                 flags.append(torch.isfinite(sq).logical_not())
             else:
                 flags.append(moved(torch.isfinite(unit.grad_shard).all().logical_not(), self.device))
-        stats = torch.cat([total.view(1), torch.stack(flags).to(torch.float64)])
-        return self.comm.all_reduce_sum(stats)
+        stats = [total.view(1), torch.stack(flags).to(torch.float64)]
+        if self.param_offload.shards:
+            stats.append(self.param_offload.flags(self.comm))
+        return self.comm.all_reduce_sum(torch.cat(stats))
 
     def _nonfinite_message(self, units: list[Unit]) -> str:
         """What the warning (``skip``) or the error (``raise``) says about a boundary whose gradients held an
@@ -903,6 +928,8 @@ class ZeroEngine:
                     by_id[id(p)] = p.detach().clone()
                 if not was:
                     unit.free()
+            if gathers:
+                self.param_offload.check(self.comm, "engine.full_parameters()")
         for name, p in self.module.named_parameters():
             out[name] = by_id[id(p)] if id(p) in by_id else p.detach().clone()
         return out
@@ -921,7 +948,7 @@ class ZeroEngine:
             raise EngineUsageError("gathered_parameters() between a forward and its step(): use it before the forward "
                                    "or after engine.step()")
         return gathered.gathered_parameters(self.units, self.module, modules, modifier_rank, self.comm,
-                                            self.entry_check, self.offload)
+                                            self.entry_check, self.offload, self.param_offload)
 
     def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
                         client_state: dict[str, Any] | None = None) -> Path:
@@ -984,7 +1011,10 @@ class ZeroEngine:
         on entry, ``zeropp.engine.entry_check``; one exact all-gather per unit); with ``rank0_only`` the other ranks
         get ``{}``. Offline, from a checkpoint: ``zeropp.engine.checkpoint.consolidate``."""
         with self.entry_check.entered("engine.consolidated_state_dict()"):
-            return checkpoint.consolidated_state_dict(self, rank0_only=rank0_only)
+            out = checkpoint.consolidated_state_dict(self, rank0_only=rank0_only)
+            if self.stage == 3:
+                self.param_offload.check(self.comm, "engine.consolidated_state_dict()")
+            return out
 
     def __repr__(self) -> str:
         return (f"ZeroEngine(stage={self.stage}, units={len(self.units)}, world_size={self.comm.world_size}, "
@@ -996,16 +1026,6 @@ class LoadResult(NamedTuple):
 
     missing_keys: list[str]
     unexpected_keys: list[str]
-
-
-def _refuse_unsupported_offload(config: Config) -> None:
-    """Raise a ``ConfigError`` when ``config`` asks for what the config parses but the engine does not run yet:
-    ``offload_param`` on NVMe."""
-    param = config.zero_optimization.offload_param
-    if param.nvme:
-        raise ConfigError(f"zero_optimization.offload_param.device={param.device!r}: parsed, but this build of zeropp "
-                          "does not run it yet; set offload_param.device to \"none\" or \"cpu\"; offload_optimizer "
-                          "(cpu or nvme) runs, also under zero_optimization.zeropp.memory_budget")
 
 
 def _device_of(plans: list[Any], meta_init: MetaInit | None) -> torch.device:

@@ -39,7 +39,7 @@ The ways to see the weights whole:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -49,6 +49,7 @@ from torch.utils.hooks import RemovableHandle
 from .collectives import Collectives
 from .entry_check import EntryCheck
 from .offload import OptimizerOffload
+from .param_offload import ParamOffload
 from .unit import Unit
 
 
@@ -62,9 +63,10 @@ def _param_owners(units: list[Unit]) -> dict[int, Unit]:
 @contextlib.contextmanager
 def gathered_parameters(units: list[Unit], module: nn.Module, modules: nn.Module | Iterable[nn.Module] | None,
                         modifier_rank: int | None, comm: Collectives, entry_check: EntryCheck,
-                        offload: OptimizerOffload) -> Iterator[None]:
+                        offload: OptimizerOffload, param_offload: ParamOffload) -> Iterator[None]:
     """The context of ``ZeroEngine.gathered_parameters`` (see the module docstring); ``units``, ``module``, ``comm``,
-    ``entry_check`` and ``offload`` (where the masters live) are the engine's."""
+    ``entry_check``, ``offload`` (where the masters live) and ``param_offload`` (the compute shards) are the
+    engine's."""
     ranks = list(comm.topology.ranks)
     if modifier_rank is not None and modifier_rank not in ranks:
         raise ValueError(f"modifier_rank={modifier_rank} is not a global rank of the data-parallel group {ranks}")
@@ -86,6 +88,8 @@ def gathered_parameters(units: list[Unit], module: nn.Module, modules: nn.Module
         unit.pinned += 1
     failed = False
     try:
+        if picked and picked[0].sharded:
+            param_offload.check(comm, "engine.gathered_parameters()")  # NVMe: a shard read failed on some rank
         yield
     except BaseException:
         failed = True  # no write-back (the other ranks would wait in it); just release
@@ -96,6 +100,7 @@ def gathered_parameters(units: list[Unit], module: nn.Module, modules: nn.Module
                 for unit in picked:
                     with offload.resident(units, [units.index(unit)], write=True):
                         unit.write_back(modifier_rank)
+                param_offload.drain()
                 for p in loose:
                     comm.broadcast(p.data, modifier_rank)
         for unit in picked:
@@ -109,12 +114,15 @@ class StateDictGathering:
     A pre-hook counts the ``state_dict`` calls in progress; each module's post-hook replaces the entries of its own
     parameters held by ``units`` with whole values (``Unit.exact_values``, read or gathered once per unit per
     outermost call; before the call's first gather, ``entry_check`` checks that every rank made it); when the
-    outermost call ends the cache is dropped.
+    outermost call ends the cache is dropped and, when it read some unit, ``after()`` runs (the engine's agreement
+    on a failed NVMe shard read, ``ParamOffload.check``).
     """
 
-    def __init__(self, model: nn.Module, units: list[Unit], entry_check: EntryCheck) -> None:
+    def __init__(self, model: nn.Module, units: list[Unit], entry_check: EntryCheck,
+                 after: Callable[[], None] | None = None) -> None:
         self.owners = _param_owners(units)
         self.entry_check = entry_check
+        self.after = after
         self._checked = False  # the outermost call in progress has had its arrival check
         self._depth = 0
         self._cache: dict[int, dict[int, torch.Tensor]] = {}  # id(unit) -> its whole values by id(param)
@@ -145,6 +153,7 @@ class StateDictGathering:
 
     def _post(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, _local_metadata: Any) -> None:
         self._depth -= 1
+        read = False
         try:
             if not self._suspended:
                 self._replace(module, state_dict, prefix)
@@ -153,8 +162,11 @@ class StateDictGathering:
             raise
         finally:
             if self._depth == 0:
+                read = bool(self._cache)
                 self._cache.clear()
                 self._checked = False
+        if read and self.after is not None:
+            self.after()
 
     def _replace(self, module: nn.Module, state_dict: dict[str, Any], prefix: str) -> None:
         for name, p in module.named_parameters(recurse=False):

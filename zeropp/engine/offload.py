@@ -1,6 +1,5 @@
 """Where the optimizer side of each unit lives: DeepSpeed's ``zero_optimization.offload_optimizer`` (ZeRO-Offload and
-ZeRO-Infinity's optimizer tier); and ``offload_param: cpu``, the stage-3 compute shards in host memory
-(``ParamOffload``).
+ZeRO-Infinity's optimizer tier). The parameter tier, ``offload_param``, is ``zeropp.engine.param_offload``.
 
 The optimizer side of a unit is its fp32 ``master`` shard, its fp32 ``grad_shard`` and the optimizer's state kinds
 (``exp_avg``/``exp_avg_sq`` or ``momentum_buffer``), ``S`` elements each (``Unit``). Tiers (``device``):
@@ -45,7 +44,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-from ..config import AioConfig, OffloadOptimizerConfig, OffloadParamConfig
+from ..config import AioConfig, OffloadOptimizerConfig
 from ..offload import AioSettings, SwapSpace
 from .unit import Unit
 
@@ -311,28 +310,6 @@ class OptimizerOffload:
         for t in self._tensors[u].values():
             t.untyped_storage().resize_(0)
         self._resident.discard(u)
-
-
-class ParamOffload:
-    """DeepSpeed's ``offload_param`` with ``device: "cpu"`` (stage 3): the compute-dtype parameter shards (trainable
-    and frozen) live in host memory between uses, page-locked when the compute device is CUDA and ``pin_memory`` is
-    set; each gather copies a unit's shard to the device just before its all-gather (``Unit.device_shard``; the
-    stage-3 prefetcher starts it ahead of the unit's use), and the step writes the new shard from the master into
-    host memory. On a CPU-only machine host and device coincide: the shards stay where they were."""
-
-    def __init__(self, config: OffloadParamConfig, *, device: torch.device) -> None:
-        self.config = config
-        self.device = torch.device(device)
-        self.pin = config.enabled and config.pin_memory and self.device.type == "cuda"
-
-    @property
-    def enabled(self) -> bool:
-        return self.config.enabled
-
-    def home(self, local: torch.Tensor) -> torch.Tensor:
-        """A host copy of the shard ``local`` (page-locked if asked)."""
-        out = torch.empty(local.shape, dtype=local.dtype, pin_memory=self.pin)
-        return out.copy_(local)
 
 
 class _Transfers:

@@ -140,8 +140,9 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             self.steps[g] += 1
         for u in range(len(self.units)) if order is None else order:
             unit = self.units[u]
-            copied = self._native_unit(u) if self.type != "SGD" and self._native_usable(unit) else False
-            if not copied:
+            native = self.type != "SGD" and self._native_usable(unit)
+            copied = self._native_unit(u) if native else False
+            if not native:
                 self._torch_unit(u)
             if after is not None:
                 after(unit, copied)
@@ -169,7 +170,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         whole parameters. When the compute shard is a CPU tensor of a dtype the kernel writes, the new values go
         into it in the same pass (returns True: the engine need not copy them)."""
         unit = self.units[u]
-        out_ok = unit.shard.device.type == "cpu" and unit.shard.dtype in (torch.float32, torch.bfloat16, torch.float16)
+        out_ok = (unit.shard.device.type == "cpu" and unit.shard.dtype in (torch.float32, torch.bfloat16, torch.float16)
+                  and unit.shard_swap is None)  # a swapped shard has no storage now: publish_shard writes it
         m, v = self.state["exp_avg"][u], self.state["exp_avg_sq"][u]
         for i, a, b in unit.param_ranges():
             g = self._group_of_param[u][i]

@@ -72,12 +72,16 @@ waits for it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from .. import comm as _comm
 from .collectives import Collectives
+
+if TYPE_CHECKING:
+    from .param_offload import SwappedShard
 
 
 def flat_layout(numels: list[int], align: int, world: int) -> tuple[list[int], int, int]:
@@ -113,6 +117,10 @@ class Unit:
         shard_home: stage 3, ``offload_param``: moves a compute-dtype shard (this unit's and its frozen one) to where
             it lives between uses (``ParamOffload.home``); every gather copies it to the device first
             (``device_shard``). By default the shards stay on the parameters' device.
+
+    ``shard_swap`` (set by ``ParamOffload.attach``, NVMe): the ``SwappedShard`` whose region holds ``shard`` between
+    uses; ``gather(wait=False)`` then first starts its read, and every use of ``shard`` makes it resident and
+    releases it after (``zeropp.engine.param_offload``).
 
     Attributes:
         pinned: while positive, ``free()`` leaves the unit whole (``ZeroEngine.gathered_parameters``).
@@ -183,6 +191,8 @@ class Unit:
         self.error_feedback = _comm.ErrorFeedback() if comm.error_feedback else None
         self.frozen = (FrozenFlat(frozen_floating, comm, hpz=self.hpz, broadcast=broadcast, shard_home=shard_home)
                        if frozen_floating else None)
+        self.shard_swap: SwappedShard | None = None
+        self._shard_in_gather = False  # the gather in flight reads shard (not the hpZ secondary)
         self.pinned = 0
         self.pending_input_grads = 0
         self.gathered = True
@@ -204,8 +214,27 @@ class Unit:
             p.data = self.full[off : off + shape.numel()].view(shape)
 
     def device_shard(self) -> torch.Tensor:
-        """The compute shard on the parameters' device, for a collective (``_on_device``)."""
+        """The compute shard on the parameters' device, for a collective (``_on_device``); a swapped shard is made
+        resident first (``release_shard`` gives it back)."""
+        if self.shard_swap is not None:
+            self.shard_swap.fetch()
         return _on_device(self.shard, self.full)
+
+    def release_shard(self) -> None:
+        """NVMe ``offload_param``: the collective that read the shard is done; its storage may go."""
+        if self.shard_swap is not None:
+            self.shard_swap.release()
+
+    def swapped_flats(self) -> list[Unit | FrozenFlat]:
+        """This unit and its frozen buffer where their shard is swapped (``shard_swap``)."""
+        flats = (self, self.frozen) if self.frozen is not None else (self,)
+        return [f for f in flats if f.shard_swap is not None]
+
+    def _read_ahead(self) -> bool:
+        """NVMe ``offload_param``, a prefetch: whether every shard this gather reads was already resident or being
+        read; if not, the reads are started (``ParamOffload.read_ahead``) and the gather waits for the next call."""
+        slots = [f.shard_swap for f in self.swapped_flats() if f.secondary is None]
+        return not slots or slots[0].owner.read_ahead(slots)
 
     def secondary_range(self) -> tuple[int, int]:
         """hpZ: elements ``[start, stop)`` of ``full`` this rank keeps as its secondary shard (its position
@@ -220,7 +249,10 @@ class Unit:
         hpZ partition (exact, node-local). ``wait=False`` (prefetch) only starts the all-gather: the values are in
         once a later ``gather()`` (or ``free()``) has waited for it. No communication if already gathered."""
         if not self.gathered:
+            if not wait and not self._read_ahead():
+                return
             self.full.untyped_storage().resize_(self._full_nbytes)
+            self._shard_in_gather = self.secondary is None
             if self.secondary is not None:
                 self._gathering = self.comm.gather_secondary(self.secondary, self.full)
             else:
@@ -238,6 +270,9 @@ class Unit:
         if work is None:
             return
         work.wait()
+        if self._shard_in_gather:
+            self._shard_in_gather = False
+            self.release_shard()
         if self.hpz > 1 and self.secondary is None and not self.persistent:  # the data-parallel gather: keep the
             # secondary (a persistent unit is never gathered again before the next step)
             a, b = self.secondary_range()
@@ -264,6 +299,7 @@ class Unit:
         self._release()  # a persistent unit too: it may hold qwZ-dequantized values
         self.full.untyped_storage().resize_(self._full_nbytes)
         self.comm.gather_exact(self.device_shard(), self.full)
+        self.release_shard()
         if self.frozen is not None:
             self.frozen.gather_exact()
         self.gathered = True
@@ -287,6 +323,9 @@ class Unit:
             self._release()
 
     def _release(self) -> None:
+        for flat in self.swapped_flats():  # shards read ahead for a gather that did not come
+            if flat.shard_swap.reading:
+                flat.shard_swap.release()
         if not self.sharded or not self.gathered:
             return
         self._finish_gather()  # a prefetched gather may still be writing into full
@@ -310,7 +349,7 @@ class Unit:
         changed = here != self.master.to(new.dtype)
         torch.where(changed, here.to(torch.float32), self.master, out=self.master)
         if not self.single:
-            self.shard.copy_(new)
+            _overwrite_shard(self, new)
         self.secondary = None
         if self.frozen is not None:
             self.frozen.write_back(src)
@@ -329,6 +368,7 @@ class Unit:
             else:
                 whole = flat.full.new_empty(flat.comm.world_size * flat.shard_numel)
                 flat.comm.gather_exact(flat.device_shard(), whole)
+                flat.release_shard()
             for p, off, shape in zip(flat.params, flat.offsets, flat.shapes):
                 out[id(p)] = whole[off : off + shape.numel()].view(shape).clone()
         return out
@@ -345,7 +385,9 @@ class Unit:
         if self.sharded:
             self._release()
         self.secondary = None
-        if not copied:
+        if self.shard_swap is not None:  # NVMe offload_param: fresh storage, written behind
+            _overwrite_shard(self, self.master)
+        elif not copied:
             self.shard.copy_(self.master)
 
     def publish_gather(self) -> None:
@@ -457,6 +499,8 @@ class FrozenFlat:
         self._full_nbytes = self.full.untyped_storage().nbytes()
         self.hpz = hpz
         self.secondary: torch.Tensor | None = None  # hpZ: made at the first gather, kept (the values never change)
+        self.shard_swap: SwappedShard | None = None  # NVMe offload_param (see Unit)
+        self._shard_in_gather = False
         self._gathering: _comm.CollectiveWork | None = None
         self._bind()
 
@@ -468,19 +512,29 @@ class FrozenFlat:
         """Start the all-gather into ``full`` (qwZ over the data-parallel group, or the secondaries' exact one inside
         the hpZ partition); ``finish_gather`` waits for it."""
         self.full.untyped_storage().resize_(self._full_nbytes)
+        self._shard_in_gather = self.secondary is None
         if self.secondary is not None:
             self._gathering = self.comm.gather_secondary(self.secondary, self.full)
         else:
             self._gathering = self.comm.gather_params(self.device_shard(), self.full)
 
     def device_shard(self) -> torch.Tensor:
+        if self.shard_swap is not None:
+            self.shard_swap.fetch()
         return _on_device(self.shard, self.full)
+
+    def release_shard(self) -> None:
+        if self.shard_swap is not None:
+            self.shard_swap.release()
 
     def finish_gather(self) -> None:
         work, self._gathering = self._gathering, None
         if work is None:
             return
         work.wait()
+        if self._shard_in_gather:
+            self._shard_in_gather = False
+            self.release_shard()
         if self.hpz > 1 and self.secondary is None:
             length = self.full.numel() // self.hpz
             i = self.comm.partition_rank
@@ -495,6 +549,7 @@ class FrozenFlat:
     def gather_exact(self) -> None:
         self.full.untyped_storage().resize_(self._full_nbytes)
         self.comm.gather_exact(self.device_shard(), self.full)
+        self.release_shard()
         self._bind()
 
     def free(self) -> None:
@@ -509,7 +564,7 @@ class FrozenFlat:
         """Broadcast ``full`` from global rank ``src`` and keep this rank's slice; drop the hpZ secondary."""
         self.comm.broadcast(self.full, src)
         if not self.single:
-            self.shard.copy_(self.full[self.start : self.start + self.shard_numel])
+            _overwrite_shard(self, self.full[self.start : self.start + self.shard_numel])
         self.secondary = None
 
 
@@ -517,6 +572,18 @@ def moved(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``tensor`` on ``device``: itself when it is there (no call that could wait for a device), else a copy (an
     offload tier's host tensors meeting the device's)."""
     return tensor if tensor.device == device else tensor.to(device)
+
+
+def _overwrite_shard(flat: Unit | FrozenFlat, values: torch.Tensor) -> None:
+    """Copy ``values`` (every element of the shard) into ``flat.shard``; a swapped shard (NVMe ``offload_param``)
+    gets fresh storage (no read) and is written behind, its storage going once written."""
+    if flat.shard_swap is None:
+        flat.shard.copy_(values)
+        return
+    flat.shard_swap.overwrite()
+    flat.shard.copy_(values)
+    flat.shard_swap.store()
+    flat.shard_swap.release()
 
 
 def _on_device(shard: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
