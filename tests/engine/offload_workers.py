@@ -323,3 +323,51 @@ def swap_setup_fault(rank: int, world: int, nvme: str, victim: int) -> str | Non
     except OffloadError as e:
         return str(e)
     return None
+
+
+def killed_during_write(rank: int, world: int, nvme: str, save_dir: str, victim: int) -> dict:
+    """Train 2 steps with NVMe offload (writes pipelined), save a checkpoint, then in step 3 rank ``victim`` is
+    killed (SIGKILL) while the write-behind of its second unit is in flight. The victim first writes its launcher
+    result file itself (the launcher's child writes it after the worker returns, which a killed process never
+    does). The others return what the step raised (type and message) and the checkpoint's masters."""
+    import signal
+    import sys
+
+    import zeropp.engine.offload as offload_module
+
+    tier = {"offload_optimizer": {"device": "nvme", "nvme_path": nvme, "pipeline_read": True, "pipeline_write": True,
+                                  "pin_memory": False}}
+    engine, _, _, _ = zeropp.initialize(model=GPT(MODEL, seed=0), config=_config(
+        {"stage": 3}, tier, dtype="fp32", accumulation=1, clipping=0.0))
+    _train(engine, rank, world, 2, 1, seed=3)
+    saved = engine.consolidated_state_dict()
+    engine.save_checkpoint(save_dir, tag="t")
+    if rank == victim:
+        import pickle
+
+        write = offload_module.OptimizerOffload._write
+
+        def dying(self, u):
+            transfers = write(self, u)
+            if u == 1:
+                with open(os.path.join(sys.argv[3], f"result{rank}.pkl"), "wb") as f:
+                    pickle.dump(("ok", {"killed": True}), f)
+                os.kill(os.getpid(), signal.SIGKILL)
+            return transfers
+
+        offload_module.OptimizerOffload._write = dying
+    try:
+        _train(engine, rank, world, 1, 1, seed=4)
+        raised = None
+    except Exception as e:  # noqa: BLE001 - the test reads what it was
+        raised = (type(e).__name__, str(e))
+    engine.destroy()
+    return {"raised": raised, "saved": saved}
+
+
+def load_masters(rank: int, world: int, save_dir: str) -> dict:
+    """A new engine without offload loads tag "t" of ``save_dir``: its whole masters."""
+    engine, _, _, _ = zeropp.initialize(model=GPT(MODEL, seed=5), config=_config(
+        {"stage": 3}, {}, dtype="fp32", accumulation=1, clipping=0.0))
+    engine.load_checkpoint(save_dir, tag="t")
+    return engine.consolidated_state_dict()

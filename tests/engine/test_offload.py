@@ -325,3 +325,27 @@ def test_the_stream_holds_at_most_buffer_count_units_and_keeps_every_value(tmp_p
                 assert torch.equal(t, r), u
     off.close()
     assert not list((tmp_path / "zeropp-swap").glob("*")), "close() left swap files"
+
+
+def test_a_rank_killed_during_a_write_behind(tmp_path) -> None:
+    """Rank 1 is killed (SIGKILL) while its step's NVMe writes are in flight: rank 0's step raises an
+    ``OffloadError`` that says the ranks could not agree and what to do (no hang, no step returned as if done), the
+    checkpoint saved before loads in a new 2-rank job with the saved masters exactly, and the next swap space made
+    on that disk warns about the dead rank's files."""
+    nvme, ckpt = tmp_path / "nvme", tmp_path / "ckpt"
+    nvme.mkdir()
+    survivor, victim = launch("offload_workers:killed_during_write", 2, tmp_path, timeout=300, nvme=str(nvme),
+                              save_dir=str(ckpt), victim=1)
+    assert victim == {"killed": True}
+    kind, message = survivor["raised"]
+    assert kind == "OffloadError", (kind, message)
+    assert "could not agree" in message and "load the last checkpoint" in message, message
+    reloaded = launch("offload_workers:load_masters", 2, tmp_path, timeout=300, save_dir=str(ckpt))
+    for masters in reloaded:
+        assert _same(masters, survivor["saved"])
+    from zeropp.offload import SwapSpace
+
+    left = sorted(p.name for p in (nvme / "zeropp-swap").iterdir())  # the killed rank's files stay; the next swap
+    assert len(left) == 1 and left[0].endswith("-rank1"), left  # space on that disk says so
+    with pytest.warns(RuntimeWarning, match=r"1 swap directory of processes that no longer run .*-rank1"):
+        SwapSpace(nvme, {"x": 4096}).close()

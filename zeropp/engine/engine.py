@@ -811,7 +811,17 @@ class ZeroEngine:
         failure), and, with a ``consequence``, the engine is unusable from then on."""
         flags = torch.zeros(self.comm.world_size, device=self.device)
         flags[self.comm.rank] = failure is not None
-        failed = [r for r, bad in enumerate(self.comm.all_reduce_sum(flags).tolist()) if bad]
+        try:
+            summed = self.comm.all_reduce_sum(flags).tolist()
+        except RuntimeError as error:  # a rank died (gloo: the connection closed) or the group timed out
+            text = (f"{what}: the ranks could not agree whether every rank's NVMe offload swap files were read and "
+                    f"written ({type(error).__name__}: {str(error)[:300]}); a rank probably died mid-way")
+            if failure is not None:
+                text += f"; this rank's swap failed too: {failure}"
+            self._failure = (f"{text}: this process group cannot go on; restart every rank and load the last "
+                             "checkpoint (engine.load_checkpoint)")
+            raise OffloadError(self._failure) from error
+        failed = [r for r, bad in enumerate(summed) if bad]
         if not failed:
             return
         messages: list[str | None] = [None] * self.comm.world_size

@@ -40,6 +40,7 @@ import tempfile
 import threading
 import time
 import uuid
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -189,6 +190,38 @@ def _preflight(nvme_path: str, config_key: str, needed: int) -> None:
                         f"or offload less to NVMe (device 'cpu' for some of it)")
 
 
+_STALE = re.compile(r"^\d{8}T\d{6}Z-(\d+)-[0-9a-f]{8}-rank\d+$")
+
+
+def _warn_stale(root: str) -> None:
+    """Warn about swap directories under ``root`` left by processes of this machine that no longer run (a killed
+    rank cannot delete its files): their names hold the maker's pid (the default ``run_id``)."""
+    stale, nbytes = [], 0
+    for name in sorted(os.listdir(root)):
+        match = _STALE.match(name)
+        if match is None or _running(int(match.group(1))):
+            continue
+        path = os.path.join(root, name)
+        stale.append(path)
+        with os.scandir(path) as entries:
+            nbytes += sum(entry.stat().st_size for entry in entries if entry.is_file())
+    if stale:
+        warnings.warn(f"zeropp offload: {len(stale)} swap director{'y' if len(stale) == 1 else 'ies'} of processes "
+                      f"that no longer run ({nbytes / 2**30:.2f} GiB): {stale[:4]}{' ...' if len(stale) > 4 else ''};"
+                      f" a killed run leaves its swap files behind: delete them if no run on another machine shares "
+                      f"this directory", RuntimeWarning, stacklevel=3)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 class SwapSpace:
     """Fixed-size named regions on a local disk, one file each, written and read asynchronously (module docstring:
     layout, transfers, ownership, integrity).
@@ -233,6 +266,7 @@ class SwapSpace:
         self._root = os.path.join(nvme_path, "zeropp-swap")
         self.directory = os.path.join(self._root, f"{run_id}-rank{rank}")
         os.makedirs(self._root, exist_ok=True)
+        _warn_stale(self._root)
         try:
             os.mkdir(self.directory, 0o700)
         except FileExistsError:
