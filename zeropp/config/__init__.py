@@ -110,8 +110,9 @@ tiers: ``zeropp.engine.offload`` and ``zeropp.engine.param_offload``. **This bui
   page-locked host buffers for full-bandwidth asynchronous copies; DeepSpeed's default since 0.19.5, false before);
   ``buffer_count`` (4, at least 1): NVMe: how many units' states are in memory at once (and the swap's host
   buffers); ``pipeline_read`` / ``pipeline_write`` (false): overlap the NVMe read of the next units / write of the
-  previous ones with the step of the current one (false: each waited for at once); ``fast_init`` (false): with the
-  parameters on NVMe too, write the initial NVMe master weights in batches; ``ratio`` (1, a fraction above 0 and at
+  previous ones with the step of the current one (false: each waited for at once); ``fast_init`` (false): DeepSpeed's
+  switch between writing the initial NVMe master weights in batches or one by one; zeropp always writes them unit
+  by unit as each unit is built, so it is checked and has no effect; ``ratio`` (1, a fraction above 0 and at
   most 1): the part of the optimizer states (and step) on the CPU, the rest staying on the accelerator (below 1:
   stage 3 and ``"cpu"`` only). ``super_offload`` is accepted as false only; ``cpuadam_cores_perc`` (a fraction in [0, 1]) sizes
   SuperOffload's CPU Adam and is checked and has no effect.
