@@ -38,7 +38,8 @@ def tiers(rank: int, world: int, cases: dict[str, dict], runs: dict[str, dict], 
     """For each case (``zero`` keys, ``dtype``, ``accumulation``, ``clipping``, ``frozen``) and each run (the
     offload keys merged into ``zero_optimization``; ``{nvme}`` in a path becomes ``nvme``): train ``steps`` steps;
     return the losses, the whole fp32 masters (``consolidated_state_dict``) and, for NVMe runs, what the swap
-    space held."""
+    space held, whether the masters and states held no memory after ``initialize`` and the most units whose
+    optimizer side was in memory at once (from ``initialize`` to the end) with ``buffer_count``."""
     out: dict[str, dict[str, dict]] = {}
     for case_name, case in cases.items():
         out[case_name] = {}
@@ -59,14 +60,17 @@ def tiers(rank: int, world: int, cases: dict[str, dict], runs: dict[str, dict], 
             files = sorted(os.listdir(swap.directory)) if swap is not None else []
             stepped = [u for u, unit in enumerate(engine.units) if unit.master.numel()]
             released = (engine.offload.nvme
-                        and all(u.master.untyped_storage().nbytes() == 0 for u in engine.units if u.master.numel()))
+                        and all(t.untyped_storage().nbytes() == 0 for u, unit in enumerate(engine.units)
+                                for t in [unit.master, *(v[u] for v in engine.optimizer.state.values())]
+                                if t.numel()))
             losses = _train(engine, rank, world, steps, case.get("accumulation", 1), seed=7)
+            peak = (engine.offload.peak_resident, engine.offload.config.buffer_count)
             masters = engine.consolidated_state_dict()
             directory = swap.directory if swap is not None else None
             engine.destroy()
             out[case_name][run_name] = {
                 "losses": losses, "masters": masters, "files": files, "released": released, "stepped": stepped,
-                "left": os.path.exists(directory) if directory else False,
+                "left": os.path.exists(directory) if directory else False, "peak": peak,
                 "skipped": engine.skipped_steps,
             }
     return out

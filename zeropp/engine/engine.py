@@ -217,11 +217,11 @@ from .loss_scaler import LossScaler
 from .monitor import Monitor
 from .materialize import Materializer, MetaInit
 from .offload import OffloadError, OptimizerOffload, ParamOffload
-from .optimizer import PartitionedOptimizer
+from .optimizer import PartitionedOptimizer, state_kinds
 from .policy import UnitPolicy, plan_units
 from .prefetch import Prefetcher
 from .scheduler import build_scheduler
-from .unit import GradientReduction, ReduceBuffers, Unit, gather_bucketed, moved, reduce_bucketed
+from .unit import GradientReduction, ReduceBuffers, Unit, flat_layout, gather_bucketed, moved, reduce_bucketed
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -291,6 +291,10 @@ class ZeroEngine:
                               "build keeps the whole weights of a single rank on the device (there are no shards to "
                               "move); set it to \"none\" (offload_optimizer moves the optimizer's states), or train "
                               "on more ranks")
+        assert config.optimizer is not None
+        # NVMe: the swap space exists before the units, so each unit's master is swapped out as soon as it is built
+        self.offload.open([flat_layout([p.numel() for _, p in plan.params], self.comm.alignment,
+                                       self.comm.world_size)[2] for plan in built], state_kinds(config.optimizer.type))
         self.units = []
         modules = {}
         for plan in plans:
@@ -304,9 +308,11 @@ class ZeroEngine:
                                        optimizer_side=None if not self.offload.config.enabled
                                        else lambda n, kind, u=u: self.offload.empty(u, n, kind),
                                        shard_home=self.param_offload.home if self.param_offload.enabled else None))
+                self.offload.admit(u, self.units[u].master)
                 modules[plan.name] = plan.module
-        assert config.optimizer is not None
-        self.optimizer = PartitionedOptimizer(config.optimizer, self.units, model_parameters)
+        self.optimizer = PartitionedOptimizer(
+            config.optimizer, self.units, model_parameters,
+            make_state=lambda u, kind: self.offload.zeros(u, self.units[u].master, kind))
         self.offload.attach(self.units, self.optimizer.state)
         self._failure: str | None = None  # why the engine cannot go on (an offload read or write failed)
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
