@@ -796,7 +796,8 @@ class ZeroEngine:
           units added in order): the squared global norm (0 with clipping off);
         * ``[1 + i]``: how many ranks' shards of unit ``i`` hold an Inf or NaN. With clipping that is read off the
           unit's float64 sum of squares (squares of finite fp32 values cannot overflow float64, so it is non-finite
-          exactly when the shard holds an Inf or NaN: no second pass); without, one ``isfinite().all()`` pass.
+          exactly when the shard holds an Inf or NaN: no second pass); without, one ``aminmax`` pass (the smallest
+          and largest element are finite exactly when all are; no temporary of the shard's size).
 
         Read: every element of this rank's fp32 ``grad_shard`` of every unit, after the reduce-scatter (exact: an
         Inf/NaN anywhere in a unit's gradient on any rank lands in the owning rank's shard; qgZ: a block holding one
@@ -813,8 +814,12 @@ class ZeroEngine:
                 sq = moved(unit.grad_shard.double().pow(2).sum(), self.device)
                 total += sq
                 flags.append(torch.isfinite(sq).logical_not())
+            elif unit.grad_shard.numel():  # min and max: finite exactly when every element is (NaN propagates),
+                # read in one pass with no temporary of the shard's size (isfinite's would be one byte per element)
+                extremes = torch.stack(torch.aminmax(unit.grad_shard))
+                flags.append(moved(torch.isfinite(extremes).all().logical_not(), self.device))
             else:
-                flags.append(moved(torch.isfinite(unit.grad_shard).all().logical_not(), self.device))
+                flags.append(torch.zeros((), dtype=torch.bool, device=self.device))
         stats = torch.cat([total.view(1), torch.stack(flags).to(torch.float64)])
         return self.comm.all_reduce_sum(stats)
 
