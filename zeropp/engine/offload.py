@@ -17,7 +17,10 @@ The optimizer side of a unit is its fp32 ``master`` shard, its fp32 ``grad_shard
   before the current unit is stepped, with ``pipeline_write`` a stepped unit's write-behind is left in flight while
   the next units step (without them each read and write is waited for at once, DeepSpeed's meaning). At most
   ``buffer_count`` units' states are in memory at once, so per-rank host memory is the gradient shards, the swap
-  buffers and ``buffer_count`` units' ``3 S`` (Adam) fp32 elements.
+  buffers and ``buffer_count`` units' ``3 S`` (Adam) fp32 elements. That holds from construction on: the swap space
+  is made before the units (``open``), each unit's master is written out as soon as the unit is built (``admit``),
+  and the optimizer's zero state is made without memory (``zeros``: its region is first written when the unit is
+  first stepped, its first read fills zeros), so the whole model's masters and moments never exist in memory.
 
 On a machine without an accelerator the compute device is the CPU, so ``"cpu"`` keeps exactly what ``"none"`` keeps
 (only ``"nvme"`` moves anything): the host-device copies are exercised by the CUDA tests.
