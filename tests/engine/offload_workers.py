@@ -66,8 +66,9 @@ def tiers(rank: int, world: int, cases: dict[str, dict], runs: dict[str, dict], 
     on the meta device under ``zeropp.Init``, ``spoil``: a NaN gradient in that micro-step, ``only``: the runs to
     make, default all) and each run (its keys merged into ``zero_optimization``; ``{nvme}`` in a path becomes
     ``nvme``): train ``steps`` steps; return the losses, the whole fp32 masters (``consolidated_state_dict``), for
-    NVMe runs what the swap spaces held at the start and at the end, and with ``memory_budget`` the placement the
-    first step chose."""
+    NVMe runs what the swap spaces held at the start and at the end, whether the masters and states held no memory
+    after ``initialize`` and the most units whose optimizer side was in memory at once (from ``initialize`` to the
+    end) with ``buffer_count``, and with ``memory_budget`` the placement the first step chose."""
     out: dict[str, dict[str, dict]] = {}
     for case_name, case in cases.items():
         out[case_name] = {}
@@ -96,9 +97,12 @@ def tiers(rank: int, world: int, cases: dict[str, dict], runs: dict[str, dict], 
             param_files = sorted(os.listdir(param_swap.directory)) if param_swap is not None else []
             stepped = [u for u, unit in enumerate(engine.units) if unit.master.numel()]
             released = (engine.offload.nvme
-                        and all(u.master.untyped_storage().nbytes() == 0 for u in engine.units if u.master.numel()))
+                        and all(t.untyped_storage().nbytes() == 0 for u, unit in enumerate(engine.units)
+                                for t in [unit.master, *(v[u] for v in engine.optimizer.state.values())]
+                                if t.numel()))
             resident = _count_resident(engine, model)
             losses = _train(engine, rank, world, steps, case.get("accumulation", 1), seed=7, spoil=case.get("spoil"))
+            peak = (engine.offload.peak_resident, engine.offload.config.buffer_count)
             param_released = all(t.untyped_storage().nbytes() == 0 for t in _swapped_shards(engine))
             masters = engine.consolidated_state_dict()
             directory = swap.directory if swap is not None else None
@@ -115,7 +119,7 @@ def tiers(rank: int, world: int, cases: dict[str, dict], runs: dict[str, dict], 
             engine.destroy()
             out[case_name][run_name] = {
                 "losses": losses, "masters": masters, "files": files, "released": released, "stepped": stepped,
-                "left": any(os.path.exists(d) for d in directories), "skipped": engine.skipped_steps,
+                "left": any(os.path.exists(d) for d in directories), "skipped": engine.skipped_steps, "peak": peak,
                 "files_after": files_after, "swapped_out": swapped_out, "placement": _placement(engine),
                 "reloaded": reloaded,
                 "param_files": param_files, "param_released": param_released, "most_resident": max(resident),

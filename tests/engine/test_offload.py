@@ -15,10 +15,11 @@ reported must be the rule's (``zeropp.engine.placement.place``) and what the eng
 with it loads back exactly).
 Cases: stages 1, 2 and 3; fp32, bf16 and fp16 (loss scaling); gradient accumulation 2; clipping; a frozen block;
 full ZeRO++ (qwZ, qgZ, hpZ); meta-device init (``zeropp.Init``); a NaN gradient on one rank (the step skipped, as
-without offload); and at world size 1, stage 3 in bf16. Every run's losses and final fp32 masters are bit-identical to ``none``'s; NVMe runs
-hold one swap file per unit and state kind (per swapped shard), release the masters' (shards') memory between
-steps (uses: at most ``buffer_count`` shards hold memory at any module's forward), and delete the files at
-``destroy()``.
+without offload); and at world size 1, stage 3 in bf16. Every run's losses and final fp32 masters are bit-identical
+to ``none``'s; NVMe runs hold one swap file per unit and state kind (per swapped shard), release the masters',
+states' (shards') memory between steps (from the end of ``initialize``: never more than ``buffer_count`` units' in
+memory at once, construction included; uses: at most ``buffer_count`` shards hold memory at any module's forward),
+and delete the files at ``destroy()``.
 
 Checkpoints: a 4-rank run with the optimizer's side and the compute shards on NVMe saves, then every tier loads it at
 4 and at 2 ranks and continues: the loaded masters equal the saved ones, and at 4 ranks the continued losses and
@@ -108,6 +109,7 @@ def test_every_tier_trains_bit_identically(tmp_path, world) -> None:
                 if name.startswith("nvme") or name == "budget":  # files "<index>-unit<u>.<kind>.swap"
                     assert _regions(run["files"]) == _swapped(run["stepped"]), run["files"]
                     assert run["released"], (case, name)
+                    assert 0 < run["peak"][0] <= run["peak"][1], (case, name, run["peak"])
                     assert not run["left"], "destroy() left the swap directory"
                 if name == "budget":
                     _check_budget(run, case, rank)
@@ -293,20 +295,32 @@ class _FakeUnit:
 @pytest.mark.parametrize("pipelined", [False, True])
 @pytest.mark.parametrize("buffers", [1, 2, 3])
 def test_the_stream_holds_at_most_buffer_count_units_and_keeps_every_value(tmp_path, pipelined, buffers) -> None:
-    """Units of random sizes streamed through an NVMe tier: at every yield at most ``buffer_count`` units hold
-    memory and the yielded one does; what the consumer wrote comes back from the swap files exactly (a reference
-    of the same updates applied to copies in memory). A consumer that stops early leaves nothing held, and the
-    unit it held keeps its last written values."""
+    """Units of random sizes through an NVMe tier, set up as the engine does: each master swapped out as soon as it
+    exists (``admit``), ``exp_avg`` made by ``zeros`` (no memory, no write until first stepped), ``exp_avg_sq``
+    handed over in memory (``attach``). At most ``buffer_count`` units ever hold memory at once, during set-up and
+    at every yield, and the yielded one does; what the consumer wrote comes back from the swap files exactly (a
+    reference of the same updates applied to copies in memory; the zero state read as zeros without a read). A
+    consumer that stops early leaves nothing held, and the unit it held keeps its last written values."""
     gen = torch.Generator().manual_seed(torch.seed() % 2**31)
     sizes = [int(n) for n in torch.randint(1, 5000, (7,), generator=gen)]
     masters = [torch.randn(n, generator=gen) for n in sizes]
-    state = {k: [torch.randn(n, generator=gen) for n in sizes] for k in ("exp_avg", "exp_avg_sq")}
-    ref = [[m.clone(), *(state[k][u].clone() for k in state)] for u, m in enumerate(masters)]
     units = [_FakeUnit(m) for m in masters]
     off = _offload(tmp_path, sizes, device="nvme", nvme_path=str(tmp_path), buffer_count=buffers,
                    pipeline_read=pipelined, pipeline_write=pipelined)
+    off.open(sizes, ("exp_avg", "exp_avg_sq"))
+    ref = []
+    for u, m in enumerate(masters):
+        ref.append([m.clone(), torch.zeros(sizes[u])])
+        off.admit(u, m)
+        assert sum(1 for v in masters[:u + 1] if v.untyped_storage().nbytes()) <= buffers
+    state = {"exp_avg": [off.zeros(u, m, "exp_avg") for u, m in enumerate(masters)],
+             "exp_avg_sq": [torch.randn(n, generator=gen) for n in sizes]}
+    for u in range(len(units)):
+        ref[u].append(state["exp_avg_sq"][u].clone())
+    assert all(t.untyped_storage().nbytes() == 0 for t in state["exp_avg"])
     off.attach(units, state)
-    assert all(m.untyped_storage().nbytes() == 0 for m in masters)
+    assert all(t.untyped_storage().nbytes() == 0 for t in [*masters, *state["exp_avg"], *state["exp_avg_sq"]])
+    assert off.peak_resident <= buffers
     for step in range(3):
         for u in off.stream(units, write=True):
             held = [v for v in range(len(units)) if masters[v].untyped_storage().nbytes()]
@@ -318,6 +332,9 @@ def test_the_stream_holds_at_most_buffer_count_units_and_keeps_every_value(tmp_p
                 break  # a consumer that stops early (an error): every transfer ends, unit 3's update is dropped
             for r in ref[u]:
                 r.add_(delta)
+        if step == 0:  # the first pass read the masters and exp_avg_sq only: exp_avg was zero-filled
+            assert off.counters["bytes_read"] == 4 * 2 * sum(sizes)
+    assert off.peak_resident <= buffers
     assert all(m.untyped_storage().nbytes() == 0 for m in masters)
     with off.resident(units, write=False):
         for u in range(len(units)):

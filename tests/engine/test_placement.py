@@ -122,6 +122,7 @@ def test_migrate_from_nvme_keeps_every_value_and_deletes_the_regions(tmp_path) -
             for i, u in enumerate(units)]
     config = OffloadOptimizerConfig(device="nvme", nvme_path=str(tmp_path), pin_memory=False, buffer_count=2)
     off = OptimizerOffload(config, AioConfig(), device=torch.device("cpu"), numels=sizes, rank=0)
+    off.open(sizes, list(state))
     off.attach(units, state)
     off.migrate(units, state, ["device", "nvme", "cpu", "nvme"])
     assert off.tiers == ["device", "nvme", "cpu", "nvme"]

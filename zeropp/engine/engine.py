@@ -221,12 +221,12 @@ from .loss_scaler import LossScaler
 from .monitor import Monitor
 from .materialize import Materializer, MetaInit
 from .offload import OffloadError, OptimizerOffload
+from .optimizer import PartitionedOptimizer, state_kinds
 from .param_offload import ParamOffload
-from .optimizer import PartitionedOptimizer
 from .policy import UnitPolicy, plan_units
 from .prefetch import Prefetcher
 from .scheduler import build_scheduler
-from .unit import GradientReduction, ReduceBuffers, Unit, gather_bucketed, moved, reduce_bucketed
+from .unit import GradientReduction, ReduceBuffers, Unit, flat_layout, gather_bucketed, moved, reduce_bucketed
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -297,6 +297,12 @@ class ZeroEngine:
                               "build keeps the whole weights of a single rank on the device (there are no shards to "
                               "move); set it to \"none\" (offload_optimizer moves the optimizer's states), or train "
                               "on more ranks")
+        assert config.optimizer is not None
+        # NVMe: the swap space exists before the units, so each unit's master is swapped out as soon as it is built
+        # (a failed write there is raised by attach, after the units' collectives)
+        self._attach(self.offload.nvme, lambda: self.offload.open(
+            [flat_layout([p.numel() for _, p in plan.params], self.comm.alignment, self.comm.world_size)[2]
+             for plan in built], state_kinds(config.optimizer.type)))
         self.units = []
         modules = {}
         for plan in plans:
@@ -310,9 +316,11 @@ class ZeroEngine:
                                        optimizer_side=None if not self.offload.config.enabled
                                        else lambda n, kind, u=u: self.offload.empty(u, n, kind),
                                        shard_home=self.param_offload.home if self.param_offload.enabled else None))
+                self.offload.admit(u, self.units[u].master)
                 modules[plan.name] = plan.module
-        assert config.optimizer is not None
-        self.optimizer = PartitionedOptimizer(config.optimizer, self.units, model_parameters)
+        self.optimizer = PartitionedOptimizer(
+            config.optimizer, self.units, model_parameters,
+            make_state=lambda u, kind: self.offload.zeros(u, self.units[u].master, kind))
         self._failure: str | None = None  # why the engine cannot go on (an offload read or write failed)
         self.placement: placement.Placement | None = None
         """``memory_budget``: the tiers the first step chose (``zeropp.engine.placement``); None before it, or
@@ -873,7 +881,8 @@ class ZeroEngine:
           units added in order): the squared global norm (0 with clipping off);
         * ``[1 + i]``: how many ranks' shards of unit ``i`` hold an Inf or NaN. With clipping that is read off the
           unit's float64 sum of squares (squares of finite fp32 values cannot overflow float64, so it is non-finite
-          exactly when the shard holds an Inf or NaN: no second pass); without, one ``isfinite().all()`` pass.
+          exactly when the shard holds an Inf or NaN: no second pass); without, one ``aminmax`` pass (the smallest
+          and largest element are finite exactly when all are; no temporary of the shard's size).
 
         Read: every element of this rank's fp32 ``grad_shard`` of every unit, after the reduce-scatter (exact: an
         Inf/NaN anywhere in a unit's gradient on any rank lands in the owning rank's shard; qgZ: a block holding one
@@ -890,8 +899,12 @@ class ZeroEngine:
                 sq = moved(unit.grad_shard.double().pow(2).sum(), self.device)
                 total += sq
                 flags.append(torch.isfinite(sq).logical_not())
+            elif unit.grad_shard.numel():  # min and max: finite exactly when every element is (NaN propagates),
+                # read in one pass with no temporary of the shard's size (isfinite's would be one byte per element)
+                extremes = torch.stack(torch.aminmax(unit.grad_shard))
+                flags.append(moved(torch.isfinite(extremes).all().logical_not(), self.device))
             else:
-                flags.append(moved(torch.isfinite(unit.grad_shard).all().logical_not(), self.device))
+                flags.append(torch.zeros((), dtype=torch.bool, device=self.device))
         stats = [total.view(1), torch.stack(flags).to(torch.float64)]
         if self.param_offload.shards:
             stats.append(self.param_offload.flags(self.comm))

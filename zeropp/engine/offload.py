@@ -16,7 +16,10 @@ The optimizer side of a unit is its fp32 ``master`` shard, its fp32 ``grad_shard
   before the current unit is stepped, with ``pipeline_write`` a stepped unit's write-behind is left in flight while
   the next units step (without them each read and write is waited for at once, DeepSpeed's meaning). At most
   ``buffer_count`` units' states are in memory at once, so per-rank host memory is the gradient shards, the swap
-  buffers and ``buffer_count`` units' ``3 S`` (Adam) fp32 elements.
+  buffers and ``buffer_count`` units' ``3 S`` (Adam) fp32 elements. That holds from construction on: the swap space
+  is made before the units (``open``), each unit's master is written out as soon as the unit is built (``admit``),
+  and the optimizer's zero state is made without memory (``zeros``: its region is first written when the unit is
+  first stepped, its first read fills zeros), so the whole model's masters and moments never exist in memory.
 
 Each unit has its own tier (``OptimizerOffload.tiers``: ``"device"``, ``"cpu"`` or ``"nvme"``; without a budget
 all units take the block's ``device``, or with ``ratio`` the first ones ``"cpu"``). With
@@ -45,7 +48,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 
 from ..config import AioConfig, OffloadOptimizerConfig
-from ..offload import AioSettings, SwapSpace
+from ..offload import AioSettings, SwapError, SwapSpace
 from .unit import Unit
 
 
@@ -88,11 +91,14 @@ class OptimizerOffload:
         self.swap: SwapSpace | None = None
         self._tensors: list[dict[str, torch.Tensor]] = []  # nvme: per unit, the swapped tensors by kind
         self._resident: set[int] = set()
+        self._unwritten: set[tuple[int, str]] = set()  # (unit, kind) of zero state not yet written (``zeros``)
+        self._writes: collections.deque[tuple[int, _Transfers]] = collections.deque()  # ``admit``'s in flight
+        self._admit_failure: SwapError | None = None  # the first failed write of ``admit``, raised by ``attach``
+        self.peak_resident = 0
+        """NVMe: the most units whose optimizer side was in memory at once (at most ``buffer_count``)."""
         self.counters = {"bytes_read": 0, "bytes_written": 0, "read_wait_s": 0.0, "write_wait_s": 0.0}
         """NVMe: bytes read from and written to the swap files since ``attach``, and the seconds the engine waited
         for reads and for writes (time a pipelined transfer ran under the step is not counted)."""
-        self.peak_resident = 0
-        """NVMe: the most units whose optimizer side was in memory at once since ``attach`` (a caller may reset it)."""
 
     @property
     def nvme(self) -> bool:
@@ -114,15 +120,16 @@ class OptimizerOffload:
             return torch.empty(numel, dtype=torch.float32, pin_memory=True)
         return torch.empty(numel, dtype=torch.float32, device=home)
 
-    def attach(self, units: Sequence[Unit], state: dict[str, list[torch.Tensor]]) -> None:
-        """NVMe: make one swap region per NVMe unit and kind (``master`` and the optimizer's ``state`` kinds), write
-        the initial values to them and release the tensors' storage. Other tiers: nothing."""
+    def open(self, shard_numels: Sequence[int], kinds: Sequence[str]) -> None:
+        """NVMe: make the swap space, one region per unit (``shard_numels[u]`` fp32 elements, none for an empty
+        shard, none for a unit whose tier is not ``"nvme"``) and kind (``"master"`` and the optimizer's state
+        ``kinds``), before any unit is built, so that each
+        unit's side can be swapped out as soon as it exists (``admit``, ``zeros``). Other tiers: nothing."""
         if not self.nvme:
             return
-        self._tensors = [{"master": unit.master, **{k: v[u] for k, v in state.items()}}
-                         if self.tiers[u] == "nvme" else {} for u, unit in enumerate(units)]
-        regions = {_key(u, kind): t.numel() * t.element_size()
-                   for u, tensors in enumerate(self._tensors) for kind, t in tensors.items() if t.numel()}
+        self._tensors = [{} for _ in shard_numels]
+        regions = {_key(u, kind): n * 4 for u, n in enumerate(shard_numels) for kind in ("master", *kinds)
+                   if n and self.tiers[u] == "nvme"}
         if not regions:
             return
         self.swap = SwapSpace(
@@ -132,11 +139,73 @@ class OptimizerOffload:
                             intra_op_parallelism=self.aio.intra_op_parallelism),
             buffer_count=self.config.buffer_count, pin_memory=self.pin)
         weakref.finalize(self, self.swap.close)  # the files go when the engine does, or at exit, without destroy()
-        self._resident = {u for u in range(len(units)) if self._tensors[u]}
-        for u in sorted(self._resident):
-            self._finish_write(u, self._write(u))
+
+    def admit(self, u: int, master: torch.Tensor) -> None:
+        """NVMe: unit ``u``'s ``master`` (just built, holding its initial values) is written to its swap region and
+        its storage released, the write left in flight until ``buffer_count`` units' are (so that building the
+        next units overlaps it and at most ``buffer_count`` masters are in memory at once). Other tiers: nothing."""
+        if self.swap is None or self.tiers[u] != "nvme" or not master.numel():
+            return
+        self._tensors[u]["master"] = master
+        self._hold(u)
+        self._writes.append((u, self._write(u)))
+        while len(self._resident) >= max(1, self.config.buffer_count) and self._writes:
+            self._settle(*self._writes.popleft())
+
+    def _settle(self, u: int, transfers: _Transfers) -> None:
+        """``admit``'s writes end without raising (the units are still being built, with collectives between them):
+        a failure is kept for ``attach`` to raise."""
+        try:
+            self._finish_write(u, transfers)
+        except SwapError as error:
+            self._release(u)
+            self._admit_failure = self._admit_failure or error
+
+    def zeros(self, u: int, master: torch.Tensor, kind: str) -> torch.Tensor:
+        """Unit ``u``'s optimizer state ``kind``, zero-filled, shaped as its ``master`` and where it lives. NVMe: a
+        tensor without storage whose region is not written until the unit is first stepped (its first read fills
+        it with zeros instead of reading), so that the zero state of the whole model never exists in memory (call
+        ``admit`` for the master first). Other tiers: ``torch.zeros_like(master)``."""
+        if self.swap is None or self.tiers[u] != "nvme" or not master.numel():
+            return torch.zeros_like(master)
+        if self._tensors[u].get("master") is not master:
+            raise ValueError(f"zeros: unit {u}'s master was not given to admit; admit it first")
+        t = torch.empty(master.shape, dtype=torch.float32)
+        t.untyped_storage().resize_(0)
+        self._tensors[u][kind] = t
+        self._unwritten.add((u, kind))
+        return t
+
+    def attach(self, units: Sequence[Unit], state: dict[str, list[torch.Tensor]]) -> None:
+        """NVMe: take charge of every NVMe unit's ``master`` and ``state`` tensors (by kind, one per unit): those still
+        holding memory (not passed to ``admit`` or made by ``zeros``) are written to their swap regions and
+        released one unit at a time, at most ``buffer_count`` units in memory; every write has finished on return.
+        Other tiers: nothing."""
+        if self.swap is None:
+            return
+        while self._writes:
+            self._settle(*self._writes.popleft())
+        if self._admit_failure is not None:
+            raise self._admit_failure
+        limit = max(1, self.config.buffer_count)
+        for u, unit in enumerate(units):
+            if self.tiers[u] != "nvme":
+                continue
+            tensors = {"master": unit.master, **{k: v[u] for k, v in state.items()}}
+            tensors = {kind: t for kind, t in tensors.items() if t.numel()}
+            known = self._tensors[u]
+            if any(known.get(kind, t) is not t for kind, t in tensors.items()):
+                raise ValueError(f"attach: unit {u}'s tensors are not those given to admit/zeros")
+            self._tensors[u] = tensors
+            held = [kind for kind, t in tensors.items() if t.untyped_storage().nbytes()]
+            if held:
+                self._hold(u)
+                self._writes.append((u, self._write(u, held)))
+                while len(self._resident) >= limit and self._writes:
+                    self._finish_write(*self._writes.popleft())
+        while self._writes:
+            self._finish_write(*self._writes.popleft())
         self.counters = dict.fromkeys(self.counters, 0)
-        self.peak_resident = 0
 
     def close(self) -> None:
         """Delete the swap files (NVMe)."""
@@ -230,6 +299,8 @@ class OptimizerOffload:
         if not self.swapped(unit):
             raise ValueError(f"read_range: unit {unit}'s optimizer side is in memory; read its tensors directly")
         assert self.swap is not None
+        if (unit, kind) in self._unwritten:  # zero state not written yet (``zeros``)
+            return torch.zeros(numel, dtype=torch.float32)
         out = torch.empty(numel, dtype=torch.float32)
         self.swap.read_range(_key(unit, kind), start * out.element_size(), out)
         self.counters["bytes_read"] += numel * out.element_size()
@@ -261,6 +332,7 @@ class OptimizerOffload:
                 for kind, t in self._tensors[u].items():
                     if t.numel():
                         self.swap.remove(_key(u, kind))
+                    self._unwritten.discard((u, kind))
                 self._tensors[u] = {}
                 self._resident.discard(u)
             self.tiers[u] = new
@@ -277,22 +349,29 @@ class OptimizerOffload:
             return t
         return self.empty(u, t.numel(), kind).copy_(t)
 
+    def _hold(self, u: int) -> None:
+        self._resident.add(u)
+        self.peak_resident = max(self.peak_resident, len(self._resident))
+
     def _read(self, u: int) -> _Transfers:
         assert self.swap is not None
         handles = []
         for kind, t in self._tensors[u].items():
-            if t.numel():
-                t.untyped_storage().resize_(t.numel() * t.element_size())
+            t.untyped_storage().resize_(t.numel() * t.element_size())
+            if (u, kind) in self._unwritten:
+                t.zero_()
+            else:
                 handles.append(self.swap.read(_key(u, kind), t))
                 self.counters["bytes_read"] += t.numel() * t.element_size()
-        self._resident.add(u)
-        self.peak_resident = max(self.peak_resident, len(self._resident))
+        self._hold(u)
         return _Transfers(handles)
 
-    def _write(self, u: int) -> _Transfers:
+    def _write(self, u: int, kinds: Iterable[str] | None = None) -> _Transfers:
+        """Write unit ``u``'s tensors of ``kinds`` (all by default)."""
         assert self.swap is not None
-        tensors = [(kind, t) for kind, t in self._tensors[u].items() if t.numel()]
+        tensors = [(kind, self._tensors[u][kind]) for kind in (self._tensors[u] if kinds is None else kinds)]
         self.counters["bytes_written"] += sum(t.numel() * t.element_size() for _, t in tensors)
+        self._unwritten.difference_update((u, kind) for kind, _ in tensors)
         return _Transfers([self.swap.write(_key(u, kind), t) for kind, t in tensors])
 
     def _finish_write(self, u: int, transfers: _Transfers) -> None:

@@ -55,6 +55,12 @@ _HYPER = {
 }
 
 
+def state_kinds(optimizer_type: str) -> tuple[str, ...]:
+    """The optimizer state kinds of ``optimizer_type``, one fp32 shard per unit each: Adam/AdamW's ``exp_avg`` and
+    ``exp_avg_sq``, SGD's ``momentum_buffer``."""
+    return ("exp_avg", "exp_avg_sq") if optimizer_type != "SGD" else ("momentum_buffer",)
+
+
 @dataclass
 class _Segment:
     """Elements ``[start, stop)`` of one unit's shard, all in parameter group ``group``."""
@@ -75,11 +81,15 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         param_groups: ``model_parameters`` as given to ``initialize``: an iterable of parameters, or of dicts with
             ``params`` and per-group hyperparameter overrides. Every parameter that requires grad in the units
             must appear exactly once.
+        make_state: ``(unit index, kind) ->`` that unit's zero-filled fp32 state of ``kind``, shaped as its master
+            (``OptimizerOffload.zeros``: an NVMe tier's holds no memory until the unit is stepped); by default
+            ``torch.zeros_like(master)``.
     """
 
     # torch.optim.Optimizer.__init__ is not called: it would build torch's per-parameter state for the whole
     # (empty, at stage 3) parameters; the members schedulers read are set here.
-    def __init__(self, config: OptimizerConfig, units: list[Unit], param_groups: Iterable[Any]) -> None:
+    def __init__(self, config: OptimizerConfig, units: list[Unit], param_groups: Iterable[Any],
+                 make_state: Callable[[int, str], torch.Tensor] | None = None) -> None:
         self.type = config.type
         self.defaults: dict[str, Any] = dict(config.params)
         self.units = units
@@ -115,9 +125,9 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                 else:
                     self.segments.append(_Segment(unit, g, a, b))
         # optimizer state, one fp32 shard per unit and kind
-        kinds = ("exp_avg", "exp_avg_sq") if self.type != "SGD" else ("momentum_buffer",)
+        make = make_state or (lambda u, kind: torch.zeros_like(units[u].master))
         self.state: dict[str, list[torch.Tensor]] = {  # on each master's device (an offload tier's home)
-            k: [torch.zeros_like(u.master) for u in units] for k in kinds
+            k: [make(u, k) for u in range(len(units))] for k in state_kinds(self.type)
         }
         self._unit_index = {id(u): i for i, u in enumerate(units)}
         # per unit, its segments by parameter group: one fused call steps a unit's segments of one group

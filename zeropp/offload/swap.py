@@ -197,14 +197,21 @@ def _warn_stale(root: str) -> None:
     """Warn about swap directories under ``root`` left by processes of this machine that no longer run (a killed
     rank cannot delete its files): their names hold the maker's pid (the default ``run_id``)."""
     stale, nbytes = [], 0
-    for name in sorted(os.listdir(root)):
+    try:
+        names = sorted(os.listdir(root))
+    except FileNotFoundError:
+        return
+    for name in names:
         match = _STALE.match(name)
         if match is None or _running(int(match.group(1))):
             continue
         path = os.path.join(root, name)
+        try:
+            with os.scandir(path) as entries:
+                nbytes += sum(entry.stat().st_size for entry in entries if entry.is_file())
+        except FileNotFoundError:  # removed meanwhile
+            continue
         stale.append(path)
-        with os.scandir(path) as entries:
-            nbytes += sum(entry.stat().st_size for entry in entries if entry.is_file())
     if stale:
         warnings.warn(f"zeropp offload: {len(stale)} swap director{'y' if len(stale) == 1 else 'ies'} of processes "
                       f"that no longer run ({nbytes / 2**30:.2f} GiB): {stale[:4]}{' ...' if len(stale) > 4 else ''};"
@@ -265,13 +272,19 @@ class SwapSpace:
         run_id = run_id or f"{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._root = os.path.join(nvme_path, "zeropp-swap")
         self.directory = os.path.join(self._root, f"{run_id}-rank{rank}")
-        os.makedirs(self._root, exist_ok=True)
         _warn_stale(self._root)
-        try:
-            os.mkdir(self.directory, 0o700)
-        except FileExistsError:
-            raise ValueError(f"swap directory {self.directory!r} exists: another swap space (or a crashed run) uses "
-                             f"run_id={run_id!r}, rank={rank}; pass another run_id, or delete it if no run uses it")
+        for attempt in range(3):  # another swap space's close() removes an empty zeropp-swap: make it again
+            os.makedirs(self._root, exist_ok=True)
+            try:
+                os.mkdir(self.directory, 0o700)
+                break
+            except FileExistsError:
+                raise ValueError(f"swap directory {self.directory!r} exists: another swap space (or a crashed run) "
+                                 f"uses run_id={run_id!r}, rank={rank}; pass another run_id, or delete it if no run "
+                                 "uses it")
+            except FileNotFoundError:
+                if attempt == 2:
+                    raise
         self._regions: dict[str, _Region] = {}
         try:
             if direct is False:
