@@ -14,9 +14,10 @@ DeepSpeed's engine API is there too: ``train_batch_size()``, ``train_micro_batch
 ``gradient_accumulation_steps()``, ``local_rank``, ``global_rank``, ``world_size``, ``device``, ``get_lr()``,
 ``get_mom()``, ``was_step_applied()``, ``zero_grad()``, ``no_sync()`` (stage 1 only, as DeepSpeed),
 ``global_samples``, ``lr_scheduler``, ``parameters()``/``named_parameters()`` (the module's),
-``state_dict()``/``load_state_dict()`` (whole weights in the compute dtype; at stage 3 a collective gather) and
-``save_16bit_model(dir, filename)``. ``steps_per_print``/``wall_clock_breakdown`` print one progress line on the
-first rank (``zeropp.engine.monitor``).
+``state_dict()``/``load_state_dict()`` (whole weights in the compute dtype; at stage 3 a collective gather),
+``save_16bit_model(dir, filename)`` (``save_fp16_model``), ``zero_optimization_stage()``, ``gradient_clipping()``,
+``fp16_enabled()``, ``bf16_enabled()``/``bfloat16_enabled()``, ``dp_world_size`` and ``destroy()``.
+``steps_per_print``/``wall_clock_breakdown`` print one progress line on the first rank (``zeropp.engine.monitor``).
 
 What each stage keeps on a rank, for a unit of ``N`` parameters over ``P`` ranks (``Unit`` has the layout):
 
@@ -1035,7 +1036,7 @@ class ZeroEngine:
         return self._gathered_params([p for m in modules for p in m.parameters()], modifier_rank=modifier_rank)
 
     def _gathered_params(self, params: Iterable[torch.Tensor], *,
-                      modifier_rank: int | None = None) -> contextlib.AbstractContextManager[None]:
+                         modifier_rank: int | None = None) -> contextlib.AbstractContextManager[None]:
         """``gathered_parameters`` over the units owning any of ``params`` (parameters of the module): what
         ``zeropp.zero.GatheredParameters`` enters."""
         self._check_alive("gathered_parameters()")

@@ -1,5 +1,6 @@
 """Whole parameters outside the engine's forward and backward: ``gathered_parameters`` (DeepSpeed's
-``GatheredParameters``) and ``model.state_dict()`` at stage 3.
+``GatheredParameters``; ``GatheredParameters`` below takes the parameters instead, as DeepSpeed's, and finds their
+engine) and ``model.state_dict()`` at stage 3.
 
 At stage 3 on more than one rank a unit's parameters are empty tensors except while the engine's hooks hold it
 gathered. Saving them from one rank (a PEFT adapter, a Hugging Face model) is done this way, on every rank::
