@@ -81,6 +81,20 @@ def main() -> None:
         engine(batches[0])
     except Exception as e:  # EngineUsageError
         out["after_destroy"] = f"{type(e).__name__}: {e}"
+
+    # stage 2 on an eagerly built model: after destroy() it is a plain model (whole weights, no engine hooks)
+    eager = Net()
+    stage2, *_ = deepspeed.initialize(model=eager, config={
+        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 2}})
+    out["stage2"] = (stage2.zero_optimization_stage(), stage2.gradient_clipping(), stage2.bf16_enabled(),
+                     stage2.fp16_enabled())
+    with torch.no_grad():
+        engine_loss = stage2(batches[0]).item()
+    stage2.destroy()
+    loss = eager(batches[0])
+    loss.backward()  # the engine's gradient hooks would have taken .grad away for its reduce-scatter
+    out["stage2_after_destroy"] = (loss.item() == engine_loss, all(p.grad is not None for p in eager.parameters()))
     with open(os.path.join(args.out, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(out, f)
 

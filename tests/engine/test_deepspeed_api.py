@@ -79,6 +79,7 @@ def test_deepspeed_script_under_torchrun(tmp_path):
         assert (r["consolidated"]["head.weight"] == 0.25).all()
         assert r["loss"] == plain_loss
         assert r["after_destroy"].startswith("EngineUsageError: forward() after engine.destroy()")
+        assert r["stage2"] == (2, 0.0, False, False) and r["stage2_after_destroy"] == (True, True)
     # parameters of no engine: the block is a no-op, each rank keeps its own change
     assert [float(r["plain_weight"][0, 0]) for r in results] == [0.0, 1.0]
 
