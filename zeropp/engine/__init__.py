@@ -15,7 +15,8 @@ One file per responsibility:
 * ``monitor.py``: ``steps_per_print`` and ``wall_clock_breakdown``, the progress line;
 * ``host_memory.py``: returning the freed heap to the OS after each CPU step;
 * ``materialize.py``: ``Init`` and the unit-by-unit materialisation of a model built on the meta device;
-* ``gathered.py``: whole parameters on demand (``gathered_parameters``, ``model.state_dict()`` at stage 3);
+* ``gathered.py``: whole parameters on demand (``gathered_parameters``, ``zero.GatheredParameters``,
+  ``model.state_dict()`` at stage 3);
 * ``entry_check.py``: ``EntryCheck``, a collective call (a save, ``state_dict`` at stage 3) made by fewer ranks
   raises ``EngineUsageError`` within ``zeropp.entry_check_timeout`` instead of hanging;
 * ``checkpoint.py``: sharded save/load with torch.distributed.checkpoint (any world size), the consolidated state dict;

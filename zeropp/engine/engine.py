@@ -14,9 +14,10 @@ DeepSpeed's engine API is there too: ``train_batch_size()``, ``train_micro_batch
 ``gradient_accumulation_steps()``, ``local_rank``, ``global_rank``, ``world_size``, ``device``, ``get_lr()``,
 ``get_mom()``, ``was_step_applied()``, ``zero_grad()``, ``no_sync()`` (stage 1 only, as DeepSpeed),
 ``global_samples``, ``lr_scheduler``, ``parameters()``/``named_parameters()`` (the module's),
-``state_dict()``/``load_state_dict()`` (whole weights in the compute dtype; at stage 3 a collective gather) and
-``save_16bit_model(dir, filename)``. ``steps_per_print``/``wall_clock_breakdown`` print one progress line on the
-first rank (``zeropp.engine.monitor``).
+``state_dict()``/``load_state_dict()`` (whole weights in the compute dtype; at stage 3 a collective gather),
+``save_16bit_model(dir, filename)`` (``save_fp16_model``), ``zero_optimization_stage()``, ``gradient_clipping()``,
+``fp16_enabled()``, ``bf16_enabled()``/``bfloat16_enabled()``, ``dp_world_size`` and ``destroy()``.
+``steps_per_print``/``wall_clock_breakdown`` print one progress line on the first rank (``zeropp.engine.monitor``).
 
 What each stage keeps on a rank, for a unit of ``N`` parameters over ``P`` ranks (``Unit`` has the layout):
 
@@ -376,6 +377,9 @@ class ZeroEngine:
         self.global_samples = 0  # samples of every finished accumulation window (train_batch_size each)
         self.lr_scheduler = self._build_scheduler(lr_scheduler)
         self.monitor = Monitor(config.steps_per_print, config.wall_clock_breakdown, topology.rank == 0, self.device)
+        self._params_by_id = {id(p): p for p in module.parameters()}
+        self._destroyed = False
+        gathered.register(self)  # zeropp.zero.GatheredParameters finds the engine from its parameters
 
     # ---- the DeepSpeed protocol -------------------------------------------------------------------------------
 
@@ -384,6 +388,7 @@ class ZeroEngine:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the model. With grad enabled, the result's loss must go to ``backward`` before the next ``step``."""
+        self._check_alive("forward()")
         self._check_usable()
         if self._backward_pending and torch.is_grad_enabled():
             raise EngineUsageError(
@@ -403,6 +408,7 @@ class ZeroEngine:
         """Backward of ``loss / gradient_accumulation_steps`` (in fp32; times the loss scale under fp16); gradients
         end up in the units' fp32 shards (in stage 1 at the last micro-batch of the accumulation window). Returns
         ``loss``, as DeepSpeed does."""
+        self._check_alive("backward()")
         if self._backward_pending:
             raise EngineUsageError(
                 "backward() called twice without step(): call engine.step() after every engine.backward()"
@@ -442,6 +448,7 @@ class ZeroEngine:
             NonFiniteGradientError: fp32/bf16 with ``zero_optimization.zeropp.nonfinite_gradients: "raise"``, on
                 every rank, after skipping the step, when some rank's gradients held an Inf/NaN (the units named).
         """
+        self._check_alive("step()")
         if self._no_sync:
             raise EngineUsageError("step() inside no_sync(): leave the no_sync block first; its backward passes only "
                                    "accumulate gradients, the first backward after it reduces them all")
@@ -561,6 +568,32 @@ class ZeroEngine:
         return self.topology.world_size
 
     @property
+    def dp_world_size(self) -> int:
+        """DeepSpeed's ``dp_world_size``: ranks of the data-parallel group (``world_size``: zeropp has no model
+        parallelism)."""
+        return self.topology.world_size
+
+    def zero_optimization_stage(self) -> int:
+        """The ZeRO stage, ``zero_optimization.stage`` (1, 2 or 3)."""
+        return self.stage
+
+    def gradient_clipping(self) -> float:
+        """The global gradient-norm bound, ``gradient_clipping`` (0.0: no clipping)."""
+        return self.config.gradient_clipping
+
+    def fp16_enabled(self) -> bool:
+        """Whether ``fp16.enabled``: float16 compute with dynamic loss scaling."""
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        """Whether ``bf16.enabled`` (or ``bfloat16.enabled``): bfloat16 compute (DeepSpeed's name for it)."""
+        return self.config.bf16.enabled
+
+    def bf16_enabled(self) -> bool:
+        """``bfloat16_enabled()``."""
+        return self.bfloat16_enabled()
+
+    @property
     def device(self) -> torch.device:
         """The device of the model's parameters and of the compute shards (an offload tier keeps the optimizer's
         side elsewhere: ``zeropp.engine.offload``)."""
@@ -620,6 +653,7 @@ class ZeroEngine:
         one exact all-gather per unit) returning new tensors: the fp32 master weights rounded to the compute dtype
         (under qwZ: the exact weights, not the dequantized copy the forward uses); buffers and frozen parameters as
         the module holds them."""
+        self._check_alive("state_dict()")
         if self.stage != 3 or self.world_size == 1:
             return {prefix + k: v for k, v in self.module.state_dict(keep_vars=False).items()}
         dtype = self.compute_dtype
@@ -639,20 +673,24 @@ class ZeroEngine:
         ``zeropp.engine.entry_check``). With ``strict``, missing or unexpected keys raise
         ``KeyError`` naming them (nothing is loaded then); else they are returned, as ``nn.Module.load_state_dict``
         does."""
+        self._check_alive("load_state_dict()")
         if self._backward_pending or self._forward_pending:
             raise EngineUsageError("load_state_dict() between a forward/backward and its step(); call it at an "
                                    "accumulation boundary")
         with self.entry_check.entered("engine.load_state_dict()", save_hint=False):
             return LoadResult(*checkpoint.load_whole_state_dict(self, state_dict, strict))
 
-    def save_16bit_model(self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin") -> bool:
-        """Write the whole model's state dict in the compute dtype (``state_dict``) to ``save_dir/save_filename``
-        from the data-parallel group's first rank: ``torch.save``, or safetensors when the name ends in
+    def save_16bit_model(self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Write the whole model's state dict in the compute dtype (``state_dict``; without the frozen parameters'
+        entries with ``exclude_frozen_parameters``) to ``save_dir/save_filename`` from the data-parallel group's
+        first rank: ``torch.save``, or safetensors when the name ends in
         ``.safetensors`` (needs the ``safetensors`` package). A collective: every rank calls it (checked on entry,
         ``zeropp.engine.entry_check``). At stage 3 it
         gathers only with ``zero_optimization.stage3_gather_16bit_weights_on_model_save`` (as DeepSpeed: without
         it nothing is written, a warning says so, and it returns ``False``). Returns whether the file was written
         (on every rank). Tied parameters are written once per key (safetensors: as separate copies)."""
+        self._check_alive("save_16bit_model()")
         if self.stage == 3 and self.world_size > 1 and \
                 not self.config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
             warnings.warn("save_16bit_model() wrote nothing: at stage 3 it needs zero_optimization."
@@ -664,6 +702,9 @@ class ZeroEngine:
                               "installed: pip install safetensors, or use a .bin name for torch.save")
         with self.entry_check.entered("engine.save_16bit_model()"):
             state = self.state_dict()
+            if exclude_frozen_parameters:
+                frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+                state = {k: v for k, v in state.items() if k not in frozen}
             if self.topology.rank == 0:
                 path = Path(save_dir) / save_filename
                 path.parent.mkdir(parents=True, exist_ok=True)
@@ -676,6 +717,11 @@ class ZeroEngine:
                     torch.save(state, path)
             self.comm.all_reduce_sum(torch.zeros(1, device=self.device))  # the file exists for every rank on return
         return True
+
+    def save_fp16_model(self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin",
+                        exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's older name of ``save_16bit_model`` (the same arguments and result)."""
+        return self.save_16bit_model(save_dir, save_filename, exclude_frozen_parameters)
 
     def _begin_forward(self) -> None:
         """Stage 3, before the model's forward: gather the persistent units that need it in one collective, learn
@@ -867,10 +913,37 @@ class ZeroEngine:
             raise OffloadError(f"this engine cannot go on: {failure}")
 
     def destroy(self) -> None:
-        """Release what the engine holds outside the process's memory: the NVMe offloads' swap files (DeepSpeed's
-        ``engine.destroy()``). Also done when the process exits."""
+        """DeepSpeed's ``engine.destroy()``: release what the engine holds beyond its tensors — the NVMe offloads'
+        swap files (also deleted when the engine is collected or the process exits), its hooks on the module (stage
+        3's gather/free, entry and state-dict hooks; stages 2 and 3's gradient hooks) and its claim on the module's
+        parameters (``zeropp.zero.GatheredParameters`` takes them for plain parameters from then on). On this rank
+        only (not a collective); a second call does nothing. Afterwards every use of the engine (forward, backward,
+        step, a save or load, a state dict, ``gathered_parameters``) raises ``EngineUsageError``. The module keeps
+        what it holds: at stages 1 and 2 (and at one rank) the whole current weights, a plain model again; at stage 3
+        on several ranks empty parameters (take the weights out first: ``save_16bit_model``,
+        ``consolidated_state_dict``)."""
+        if self._destroyed:
+            return
+        self._destroyed = True
+        gathered.unregister(self)
         self.offload.close()
         self.param_offload.close()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        if self.state_dict_gathering is not None:
+            self.state_dict_gathering.remove()
+        if self._readiness is not None:
+            self._readiness.remove()
+
+    def owns(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is a parameter of this engine's module (and the engine is not destroyed)."""
+        return not self._destroyed and self._params_by_id.get(id(param)) is param
+
+    def _check_alive(self, what: str) -> None:
+        if self._destroyed:
+            raise EngineUsageError(f"{what} after engine.destroy(): the engine has released its hooks and swap files; "
+                                   "build a new one with zeropp.initialize (and load_checkpoint to go on)")
 
     def _gradient_stats(self) -> torch.Tensor:
         """At the boundary, before clipping and the optimizer: under fp16 divide every ``grad_shard`` by the loss
@@ -940,6 +1013,7 @@ class ZeroEngine:
         """Every parameter of the model, whole, as new tensors, by name (tied ones once). In stage 3 a collective
         (every rank calls it): each unit not already whole is gathered and freed in turn. These are the weights the
         model computes with: under qwZ, the dequantized copy of the fp32 master shards the optimizer keeps."""
+        self._check_alive("full_parameters()")
         out: dict[str, torch.Tensor] = {}
         by_id: dict[int, torch.Tensor] = {}
         gathers = any(not unit.gathered for unit in self.units)  # else no communication (stages 1/2, all held)
@@ -966,12 +1040,24 @@ class ZeroEngine:
         compute-dtype value changed). A collective (checked on entry, ``zeropp.engine.entry_check``); not between a
         forward and its ``step()``. Inside, ``model.state_dict()`` reads the units the block holds without
         communicating, so one rank may save: ``with engine.gathered_parameters(): if rank == 0:
-        model.save_pretrained(d)``. Details: ``zeropp.engine.gathered``."""
+        model.save_pretrained(d)``. Details: ``zeropp.engine.gathered``; ``zeropp.zero.GatheredParameters`` takes
+        the parameters instead of the modules."""
+        if modules is None:
+            modules = [self.module]
+        elif isinstance(modules, nn.Module):
+            modules = [modules]
+        return self._gathered_params([p for m in modules for p in m.parameters()], modifier_rank=modifier_rank)
+
+    def _gathered_params(self, params: Iterable[torch.Tensor], *,
+                         modifier_rank: int | None = None) -> contextlib.AbstractContextManager[None]:
+        """``gathered_parameters`` over the units owning any of ``params`` (parameters of the module): what
+        ``zeropp.zero.GatheredParameters`` enters."""
+        self._check_alive("gathered_parameters()")
         if self._forward_pending or self._backward_pending:
             raise EngineUsageError("gathered_parameters() between a forward and its step(): use it before the forward "
                                    "or after engine.step()")
-        return gathered.gathered_parameters(self.units, self.module, modules, modifier_rank, self.comm,
-                                            self.entry_check, self.offload, self.param_offload)
+        return gathered.gathered_parameters(self.units, params, modifier_rank, self.comm, self.entry_check,
+                                            self.offload, self.param_offload)
 
     def save_checkpoint(self, save_dir: str | os.PathLike[str], tag: str | None = None,
                         client_state: dict[str, Any] | None = None) -> Path:
@@ -999,6 +1085,7 @@ class ZeroEngine:
                 f"{', backward() without step()' if self._backward_pending else ''}): the accumulated gradients are "
                 "not saved; call it after the step() that ends the window"
             )
+        self._check_alive("save_checkpoint()")
         self._check_usable()
         with self.entry_check.entered("engine.save_checkpoint()", save_hint=False):
             return checkpoint.save(self, save_dir, tag, client_state)
@@ -1025,6 +1112,7 @@ class ZeroEngine:
                 "load_checkpoint() in the middle of an accumulation window would mix its gradients into the loaded "
                 "state; call it before the first micro-batch or after a step() that ends a window"
             )
+        self._check_alive("load_checkpoint()")
         with self.entry_check.entered("engine.load_checkpoint()", save_hint=False):
             return checkpoint.load(self, load_dir, tag)
 
@@ -1033,6 +1121,7 @@ class ZeroEngine:
         (buffers and frozen parameters as the module holds them), for ``model.load_state_dict``. A collective (checked
         on entry, ``zeropp.engine.entry_check``; one exact all-gather per unit); with ``rank0_only`` the other ranks
         get ``{}``. Offline, from a checkpoint: ``zeropp.engine.checkpoint.consolidate``."""
+        self._check_alive("consolidated_state_dict()")
         with self.entry_check.entered("engine.consolidated_state_dict()"):
             out = checkpoint.consolidated_state_dict(self, rank0_only=rank0_only)
             if self.stage == 3:

@@ -1,5 +1,6 @@
 """Whole parameters outside the engine's forward and backward: ``gathered_parameters`` (DeepSpeed's
-``GatheredParameters``) and ``model.state_dict()`` at stage 3.
+``GatheredParameters``; ``GatheredParameters`` below takes the parameters instead, as DeepSpeed's, and finds their
+engine) and ``model.state_dict()`` at stage 3.
 
 At stage 3 on more than one rank a unit's parameters are empty tensors except while the engine's hooks hold it
 gathered. Saving them from one rank (a PEFT adapter, a Hugging Face model) is done this way, on every rank::
@@ -39,6 +40,7 @@ The ways to see the weights whole:
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -53,6 +55,87 @@ from .param_offload import ParamOffload
 from .unit import Unit
 
 
+_ENGINES: weakref.WeakSet[Any] = weakref.WeakSet()  # the live ZeroEngines (registered by their __init__)
+
+
+def register(engine: Any) -> None:
+    """Make ``engine`` (a ``ZeroEngine``) findable from its module's parameters by ``GatheredParameters``."""
+    _ENGINES.add(engine)
+
+
+def unregister(engine: Any) -> None:
+    """``engine.destroy()``: its parameters are plain parameters for ``GatheredParameters`` from now on."""
+    _ENGINES.discard(engine)
+
+
+def engine_of(params: Iterable[torch.Tensor]) -> Any:
+    """The live ``ZeroEngine`` whose module holds some of ``params``, or ``None`` when none does. Raises
+    ``ValueError`` when they belong to two engines."""
+    found = {id(e): e for p in params for e in list(_ENGINES) if e.owns(p)}
+    if len(found) > 1:
+        raise ValueError(f"GatheredParameters got parameters of {len(found)} different engines; gather each "
+                         "engine's parameters in a block of its own")
+    return next(iter(found.values()), None)
+
+
+class GatheredParameters:
+    """DeepSpeed's ``deepspeed.zero.GatheredParameters`` (also ``zeropp.zero.GatheredParameters``), for scripts that
+    pass parameters rather than the engine: ``engine.gathered_parameters`` over the units owning any of ``params``
+    (every stage; see the module docstring), the engine found from the parameters (the live engine whose module
+    holds them). Parameters of no engine (a plain model, an engine after ``destroy()``) are already whole: then, or
+    with ``enabled=False``, the block is a no-op, as DeepSpeed's for parameters that ``zero.Init`` did not
+    partition.
+
+    Args:
+        params: one parameter, or an iterable of them (a generator is fine), of one engine's module.
+        modifier_rank: the rank in the engine's data-parallel group (the global rank when it is the world, as
+            DeepSpeed) whose in-place changes inside the block are broadcast on exit and become the weights.
+        fwd_module: DeepSpeed's external-parameter registration for use inside a forward; not supported (a
+            ``ValueError``): the engine gathers a unit when one of its modules is called.
+        enabled: ``False``: a no-op.
+
+    A collective, like ``engine.gathered_parameters``: every rank enters it with the same parameters. Raises
+    ``ValueError`` for parameters still on the meta device (a model built under ``zeropp.Init`` before
+    ``zeropp.initialize`` materialised it: there are no values to gather or change yet).
+    """
+
+    def __init__(self, params: torch.Tensor | Iterable[torch.Tensor], modifier_rank: int | None = None,
+                 fwd_module: nn.Module | None = None, enabled: bool = True) -> None:
+        self._engine: Any = None
+        self._context: contextlib.AbstractContextManager[None] | None = None
+        if not enabled:
+            return
+        if fwd_module is not None:
+            raise ValueError("GatheredParameters(fwd_module=...) (another module's parameters used inside a forward) "
+                             "is not supported: the engine gathers a unit when one of its modules is called, so call "
+                             "the module that owns the parameter")
+        self._params = [params] if isinstance(params, torch.Tensor) else list(params)
+        meta = [tuple(p.shape) for p in self._params if p.is_meta]
+        if meta:
+            raise ValueError(f"GatheredParameters got {len(meta)} parameter(s) on the meta device (shapes {meta[:3]}): "
+                             "a model built under zeropp.Init has no values until zeropp.initialize materialises it; "
+                             "set initial values with initialize(param_init_fn=...), or change them after initialize "
+                             "inside GatheredParameters(params, modifier_rank=0)")
+        self._engine = engine_of(self._params)
+        if self._engine is None:
+            return
+        ranks = list(self._engine.topology.ranks)
+        if modifier_rank is not None and not 0 <= modifier_rank < len(ranks):
+            raise ValueError(f"modifier_rank={modifier_rank} is not a rank of the engine's data-parallel group of "
+                             f"{len(ranks)} ranks")
+        self._modifier = None if modifier_rank is None else ranks[modifier_rank]
+
+    def __enter__(self) -> None:
+        if self._engine is not None:
+            self._context = self._engine._gathered_params(self._params, modifier_rank=self._modifier)
+            self._context.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._context is not None:
+            context, self._context = self._context, None
+            context.__exit__(*exc)
+
+
 def _param_owners(units: list[Unit]) -> dict[int, Unit]:
     """``id`` of every parameter held by a unit (trainable and frozen) -> its unit."""
     owners = {id(p): unit for unit in units for p in unit.params}
@@ -61,22 +144,16 @@ def _param_owners(units: list[Unit]) -> dict[int, Unit]:
 
 
 @contextlib.contextmanager
-def gathered_parameters(units: list[Unit], module: nn.Module, modules: nn.Module | Iterable[nn.Module] | None,
-                        modifier_rank: int | None, comm: Collectives, entry_check: EntryCheck,
-                        offload: OptimizerOffload, param_offload: ParamOffload) -> Iterator[None]:
-    """The context of ``ZeroEngine.gathered_parameters`` (see the module docstring); ``units``, ``module``, ``comm``,
-    ``entry_check``, ``offload`` (where the masters live) and ``param_offload`` (the compute shards) are the
-    engine's."""
+def gathered_parameters(units: list[Unit], chosen: Iterable[torch.Tensor], modifier_rank: int | None,
+                        comm: Collectives, entry_check: EntryCheck, offload: OptimizerOffload,
+                        param_offload: ParamOffload) -> Iterator[None]:
+    """The context of ``ZeroEngine.gathered_parameters`` (see the module docstring) over the parameters ``chosen``
+    (the engine's module's); ``units``, ``comm``, ``entry_check``, ``offload`` (where the masters live) and
+    ``param_offload`` (the compute shards) are the engine's."""
     ranks = list(comm.topology.ranks)
     if modifier_rank is not None and modifier_rank not in ranks:
         raise ValueError(f"modifier_rank={modifier_rank} is not a global rank of the data-parallel group {ranks}")
-    if modules is None:
-        chosen = [module]
-    elif isinstance(modules, nn.Module):
-        chosen = [modules]
-    else:
-        chosen = list(modules)
-    params = {id(p): p for m in chosen for p in m.parameters()}
+    params = {id(p): p for p in chosen}
     owners = _param_owners(units)
     needed = {id(owners[key]) for key in params if key in owners}
     picked = [u for u in units if id(u) in needed]  # the engine's order: the same collectives on every rank

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterable, Mapping
 from datetime import timedelta
 from typing import Any
@@ -12,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
+from ..comm.process_group import init_distributed
 from ..config import Config, ConfigError, load_config
 from .engine import ZeroEngine, compute_dtype
 from .materialize import MetaInit, ParamInitFn, meta_state
@@ -25,7 +27,7 @@ def initialize(
     model_parameters: Iterable[Any] | None = None,
     training_data: Any = None,
     lr_scheduler: Any = None,
-    distributed_port: int | None = None,
+    distributed_port: int = 29500,
     mpu: Any = None,
     dist_init_required: bool | None = None,
     collate_fn: Any = None,
@@ -50,8 +52,9 @@ def initialize(
     (``zeropp.engine.materialize``).
 
     Args:
-        args: an argparse namespace; only its ``deepspeed_config`` (a JSON path) is read, when ``config`` is not
-            given (as DeepSpeed).
+        args: an argparse namespace (``zeropp.add_config_arguments``); only its ``deepspeed_config`` (a JSON path)
+            is read, or the deprecated ``deepscale_config`` (with a ``DeprecationWarning``), as DeepSpeed; giving it
+            and ``config`` too is a ``ConfigError``.
         model: the model, on its device (or the meta device), every trainable parameter float32 or the config's
             compute dtype (bfloat16 with ``bf16.enabled``, float16 with ``fp16.enabled``); with bf16/fp16 it is
             cast in place to the compute dtype (``model.to``; a meta model's tensors after their initialisation),
@@ -67,8 +70,9 @@ def initialize(
         config: a dict, the path of a JSON file, or a ``Config`` (see ``zeropp.config``). It must have an
             ``optimizer`` block. ``config_params`` is DeepSpeed's older name for it.
         optimizer, training_data, mpu, collate_fn, mesh_param: DeepSpeed's client objects; not supported (must be
-            None). ``distributed_port`` and ``dist_init_required`` are accepted and unused: the process group must
-            already be initialized.
+            None).
+        distributed_port, dist_init_required: passed to ``zeropp.init_distributed``, which initializes the default
+            process group from torchrun's environment unless it already is (as DeepSpeed).
         topology: the data-parallel group and node layout (default: the world, ``comm.get_default_topology()``).
         unit_policy: which modules become units (default: each child of each outermost ``nn.ModuleList``;
             see ``zeropp.engine.policy``).
@@ -88,8 +92,17 @@ def initialize(
     if config is not None and config_params is not None:
         raise ConfigError("initialize got both config= and config_params= (its older name); pass one")
     config = config if config is not None else config_params
-    if config is None and getattr(args, "deepspeed_config", None) is not None:
-        config = args.deepspeed_config
+    from_args = getattr(args, "deepspeed_config", None)
+    if getattr(args, "deepscale_config", None) is not None:
+        if from_args is not None:
+            raise ConfigError("args has both deepscale_config and deepspeed_config; pass --deepspeed_config only")
+        warnings.warn("--deepscale_config is deprecated, use --deepspeed_config", DeprecationWarning, stacklevel=2)
+        from_args = args.deepscale_config
+    if from_args is not None:
+        if config is not None:
+            raise ConfigError(f"initialize got a config both in args.deepspeed_config ({from_args!r}) and as config=; "
+                              "pass one (as DeepSpeed)")
+        config = from_args
     if config is None:
         raise ConfigError("initialize needs config=: a dict or the path of a JSON file (see zeropp.config)")
     for name, value, hint in (
@@ -105,11 +118,7 @@ def initialize(
         raise TypeError("initialize needs model=: the nn.Module to train")
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "zeropp.initialize needs torch.distributed: call torch.distributed.init_process_group(...) first "
-            "(under torchrun, or with world_size=1 for a single process)"
-        )
+    init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required)
     if topology is not None and timeout is not None:
         raise ValueError("initialize got topology= and timeout=; pass the timeout to comm.Topology(timeout=...)")
     topo = topology if topology is not None else comm.get_default_topology(timeout)
