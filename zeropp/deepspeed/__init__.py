@@ -36,10 +36,10 @@ Two ways in, preferred in this order:
      gather, so backward sees exactly the (dequantized) weights forward used; DeepSpeed quantizes it a second
      time. The secondary shards and their groups stay DeepSpeed's (``_partition_param_sec``,
      ``groups._create_zero_param_parallel_group``).
-   * qgZ — ``stage3.all_to_all_quant_reduce(tensors, groups)`` (and the same name in
-     ``runtime.comm.coalesced_collectives``) is the next entry point: ``zeropp.comm.reduce_scatter(bits=4,
-     op=AVG)`` over one flat bucket of the tensors' slices, each padded to a block, returning rank r's slice of
-     the mean in ``reduce_scatter_coalesced``'s layout. Not installed yet.
+   * qgZ — ``stage3.all_to_all_quant_reduce(tensors, groups)`` (stage 3's binding, and the same name in
+     ``runtime.comm.coalesced_collectives``) -> ``reduce_scatter.all_to_all_quant_reduce``: ONE
+     ``zeropp.comm.reduce_scatter(bits=4, op=AVG)`` over a flat bucket of the tensors' slices, each padded to a
+     block, returning rank r's slice of the mean in ``reduce_scatter_coalesced``'s layout.
 
 2. **Kernel module** (``quantizer.py``): where DeepSpeed itself calls its quantizer op (``CUDAQuantizer`` and
    ``op_builder.QuantizerBuilder().load()``: ``quantize``, ``dequantize``, ``swizzle_quant``,
@@ -69,14 +69,31 @@ Fixed with ``install()`` (qwZ, hpZ):
 * codes and scales move in two collectives, dequantized into a temporary then concatenated: one collective;
 * hpZ's in-node backward gather is quantized a second time: exact.
 
+Fixed with ``install()`` (qgZ): the mean, not sum / nodes (``ranks per node`` times the mean, by our reading of
+DeepSpeed's kernels); bf16 and fp32 natively (no fp16 cast); 1-D tensors and sizes not divisible by
+``2 * world`` quantized too (DeepSpeed falls back to an exact reduce-scatter); one collective per bucket, blocks
+per tensor, instead of a Python loop of four all-to-alls per tensor.
+
 Remaining (DeepSpeed's code around the entry points, unchanged): hpZ groups assume node-contiguous global ranks
-and ignore the data-parallel group; qgZ (until installed) returns sum / nodes instead of the mean, casts bf16
-to fp16, falls back to an exact reduce-scatter for 1-D tensors and sizes not divisible by 2 * world; qgZ is off
-on one node (``num_nodes = world // accelerator.device_count()`` in ``stage3``, ``LOCAL_SIZE`` on the CPU
-accelerator) whatever zeropp installs.
+and ignore the data-parallel group; qgZ is off on one node (``num_nodes = world // accelerator.device_count()``
+in ``stage3``; ``LOCAL_SIZE`` on the CPU accelerator) and reduces over the world (refused, not wrong, when
+DeepSpeed's data-parallel group is smaller); ``zero_quantized_nontrainable_weights`` is refused.
+
+Status and next steps
+---------------------
+Tested (tests/deepspeed, 4 gloo ranks as 2 emulated nodes, DeepSpeed's CPU accelerator, fp32 and bf16, vocab
+251): DeepSpeed's ZeRO-3 with all three flags trains on zeropp; qwZ's gathered weights are within the block
+bound of the exact ones; losses within 1% of DeepSpeed's exact ZeRO-3 over a few steps; zeropp's counted
+cross-node bytes equal the formulas; install is idempotent and uninstall restores DeepSpeed's attributes;
+missing and unsupported DeepSpeed raise named errors. Next: 100+ steps on real text, vocab 50257, bytes counted
+independently of zeropp's accounting (on the wire), hpZ with checkpoint save and load, the kernel-module path
+(DeepSpeed's quantizer wire format, tested against a reference from its spec and, on a GPU, its CUDA kernels),
+replacing ``stage3.__avg_scatter_grads``'s one-node condition, CUDA streams checked on a GPU, the
+``deepspeed-zeropp`` benchmark row.
 
 Files: ``versions.py`` (supported versions, the checks), ``patches.py`` (the patch table, ``install`` /
-``uninstall``), ``all_gather.py`` (qwZ), ``quantizer.py`` (the kernel-module stand-in), ``topology.py``.
+``uninstall``), ``all_gather.py`` (qwZ), ``reduce_scatter.py`` (qgZ), ``quantizer.py`` (the kernel-module
+stand-in), ``topology.py``.
 """
 
 from .patches import install, installed, uninstall
