@@ -1,0 +1,14 @@
+"""``launch`` from tests/comm/comm_launch.py, for worker modules in tests/deepspeed (added to the workers' path)."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "comm"))
+
+from comm_launch import launch as _launch
+
+launch = functools.partial(_launch, worker_dirs=[HERE])

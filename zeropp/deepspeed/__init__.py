@@ -1,0 +1,102 @@
+"""DeepSpeed's own ZeRO-3 engine running zeropp's ZeRO++ (qwZ, hpZ, qgZ): one line, no op to build.
+
+    import zeropp.deepspeed
+    zeropp.deepspeed.install()          # before deepspeed.initialize / deepspeed.zero.Init, on every rank
+    engine, *_ = deepspeed.initialize(model=model, config={..., "zero_optimization": {"stage": 3,
+        "zero_quantized_weights": True, "zero_hpz_partition_size": 8, "zero_quantized_gradients": True}})
+
+``install()`` is idempotent; ``uninstall()`` puts DeepSpeed's functions back. Both act on engines (and
+``zero.Init`` contexts) created afterwards: a parameter converted while installed keeps zeropp's gather, one
+converted before keeps DeepSpeed's. Missing DeepSpeed raises ``ImportError``, a version not in
+``SUPPORTED_VERSIONS`` raises ``UnsupportedDeepSpeedVersion`` naming the supported ones (checked from the
+installed package's metadata, before DeepSpeed is imported).
+
+Design (DeepSpeed 0.19.8; every name below is read from its source and pinned by version)
+========================================================================================
+
+Two ways in, preferred in this order:
+
+1. **Collective entry points** (``patches.py``): where DeepSpeed calls a function that does a whole quantized
+   collective, that function is replaced by one built on ``zeropp.comm``; the wire format is then zeropp's
+   (``zeropp.quant.format``: one packed buffer per rank, blocks of ``DEFAULT_BLOCK_SIZE`` with a float32 scale,
+   every float dtype natively), and DeepSpeed's quantizer op is never loaded.
+
+   * qwZ — ``Init._convert_to_deepspeed_param`` is wrapped: after DeepSpeed's conversion, the parameter's
+     ``all_gather_coalesced(params, safe_mode, quantize)`` closure is replaced by ``all_gather.ParamGather``.
+     With ``quantize=True`` on a primary shard (the coordinator passes ``quantize=zero_quantized_weights``) it
+     does DeepSpeed's bookkeeping (NVMe swap-in, ``INFLIGHT``, ``ds_id`` order, ``safe_mode`` checks) and then
+     ONE ``zeropp.comm.all_gather(bits=8)`` per shard dtype: each parameter's shard starts at a block boundary of
+     the rank's pack (zero padding to the block), so no block straddles two parameters, any size works
+     (a vocab of 50257), bf16 and fp32 are dequantized straight into their own dtype, and codes and scales
+     travel in one collective. Its handle (``all_gather.QuantizedGatherHandle``) sets ``param.data`` and
+     ``AVAILABLE`` like DeepSpeed's ``AllGatherCoalescedHandle``. Everything else (``quantize=False``, one rank,
+     weights stored quantized by ``zero_quantized_nontrainable_weights``) goes to DeepSpeed's own closure.
+   * hpZ — the backward gather of the secondary shard (``ds_secondary_tensor``, in DeepSpeed's
+     ``zero_param_process_group``) goes to DeepSpeed's closure with ``quantize=False``: an exact in-node
+     gather, so backward sees exactly the (dequantized) weights forward used; DeepSpeed quantizes it a second
+     time. The secondary shards and their groups stay DeepSpeed's (``_partition_param_sec``,
+     ``groups._create_zero_param_parallel_group``).
+   * qgZ — ``stage3.all_to_all_quant_reduce(tensors, groups)`` (stage 3's binding, and the same name in
+     ``runtime.comm.coalesced_collectives``) -> ``reduce_scatter.all_to_all_quant_reduce``: ONE
+     ``zeropp.comm.reduce_scatter(bits=4, op=AVG)`` over a flat bucket of the tensors' slices, each padded to a
+     block, returning rank r's slice of the mean in ``reduce_scatter_coalesced``'s layout.
+
+2. **Kernel module** (``quantizer.py``): where DeepSpeed itself calls its quantizer op (``CUDAQuantizer`` and
+   ``op_builder.QuantizerBuilder().load()``: ``quantize``, ``dequantize``, ``swizzle_quant``,
+   ``quantized_reduction``), a module with DeepSpeed's function names and wire format (its group-wise symmetric
+   int8/int4 codes and scales) written from DeepSpeed's source and tested against a reference
+   written from that spec. Only ``zero_quantized_nontrainable_weights`` (weights stored quantized, gathered by
+   DeepSpeed's own code) needs it in ZeRO-3. Today ``partition_parameters.CUDAQuantizer`` is replaced by
+   ``quantizer.UnsupportedQuantizer``, so ``Init`` builds no op; quantizing with it raises, naming that flag.
+
+The node layout (byte accounting, qgZ's two hops) is a ``zeropp.comm.Topology`` of DeepSpeed's partition group
+(``topology.py``), made once per group while DeepSpeed converts the parameters (every rank converts the same
+parameters in the same order: a collective point); its ranks per node come from ``$ZEROPP_RANKS_PER_NODE``, else
+``$LOCAL_WORLD_SIZE``, else the host names.
+
+DeepSpeed defects (see /work/shared/DESIGN.md §2 and its issues #3992 #4852 #7775 #3864 #4309 #4386 #5054 #6795
+#8626)
+----------------------------------------------------------------------------------------------------------------
+Fixed with ``install()`` (qwZ, hpZ):
+
+* the quantizer op must be JIT-built with nvcc (fails on CPU, ROCm, NPU): nothing is built; CUDA runs Triton,
+  CPU the native library, anything else the torch reference (``zeropp.quant``);
+* bf16 weights go through fp16 in DeepSpeed's quantizer (range clipped at 65504): quantized and dequantized in
+  their own dtype here;
+* sizes must be multiples of 8 (``CUDAQuantizer.quantize`` asserts ``numel % (8 * groups) == 0``): any size;
+* blocks straddle parameters (a bucket is quantized as one vector, a LayerNorm bias shares a scale with a large
+  weight), and awkward sizes degrade to tiny groups: blocks are per parameter, of a fixed size;
+* codes and scales move in two collectives, dequantized into a temporary then concatenated: one collective;
+* hpZ's in-node backward gather is quantized a second time: exact.
+
+Fixed with ``install()`` (qgZ): the mean, not sum / nodes (``ranks per node`` times the mean, by our reading of
+DeepSpeed's kernels); bf16 and fp32 natively (no fp16 cast); 1-D tensors and sizes not divisible by
+``2 * world`` quantized too (DeepSpeed falls back to an exact reduce-scatter); one collective per bucket, blocks
+per tensor, instead of a Python loop of four all-to-alls per tensor.
+
+Remaining (DeepSpeed's code around the entry points, unchanged): hpZ groups assume node-contiguous global ranks
+and ignore the data-parallel group; qgZ is off on one node (``num_nodes = world // accelerator.device_count()``
+in ``stage3``; ``LOCAL_SIZE`` on the CPU accelerator) and reduces over the world (refused, not wrong, when
+DeepSpeed's data-parallel group is smaller); ``zero_quantized_nontrainable_weights`` is refused.
+
+Status and next steps
+---------------------
+Tested (tests/deepspeed, 4 gloo ranks as 2 emulated nodes, DeepSpeed's CPU accelerator, fp32 and bf16, vocab
+251): DeepSpeed's ZeRO-3 with all three flags trains on zeropp; qwZ's gathered weights are within the block
+bound of the exact ones; losses within 1% of DeepSpeed's exact ZeRO-3 over a few steps; zeropp's counted
+cross-node bytes equal the formulas; install is idempotent and uninstall restores DeepSpeed's attributes;
+missing and unsupported DeepSpeed raise named errors. Next: 100+ steps on real text, vocab 50257, bytes counted
+independently of zeropp's accounting (on the wire), hpZ with checkpoint save and load, the kernel-module path
+(DeepSpeed's quantizer wire format, tested against a reference from its spec and, on a GPU, its CUDA kernels),
+replacing ``stage3.__avg_scatter_grads``'s one-node condition, CUDA streams checked on a GPU, the
+``deepspeed-zeropp`` benchmark row.
+
+Files: ``versions.py`` (supported versions, the checks), ``patches.py`` (the patch table, ``install`` /
+``uninstall``), ``all_gather.py`` (qwZ), ``reduce_scatter.py`` (qgZ), ``quantizer.py`` (the kernel-module
+stand-in), ``topology.py``.
+"""
+
+from .patches import install, installed, uninstall
+from .versions import SUPPORTED_VERSIONS, UnsupportedDeepSpeedVersion
+
+__all__ = ["SUPPORTED_VERSIONS", "UnsupportedDeepSpeedVersion", "install", "installed", "uninstall"]

@@ -1,0 +1,85 @@
+"""``install()`` / ``uninstall()``: the table of DeepSpeed attributes zeropp replaces, and putting them back.
+
+Each entry is (owner, attribute name, replacement); ``install`` saves the owner's current value and sets the
+replacement, ``uninstall`` restores the saved values in reverse order. The owners are DeepSpeed's modules and
+classes as of the versions in ``versions.SUPPORTED_VERSIONS``:
+
+* ``deepspeed.runtime.zero.partition_parameters.CUDAQuantizer`` -> ``quantizer.UnsupportedQuantizer``
+  (``zero.Init`` builds no quantizer op);
+* ``deepspeed.runtime.zero.partition_parameters.Init._convert_to_deepspeed_param`` -> a wrapper that runs
+  DeepSpeed's, makes the parameter group's ``Topology`` (``topology.topology_for``; the first parameter of each group) and, when the ``Init`` has
+  ``zero_quantized_weights`` on, replaces ``param.all_gather_coalesced`` by ``all_gather.ParamGather``;
+* ``deepspeed.runtime.zero.stage3.all_to_all_quant_reduce`` (stage 3's binding, the one it calls) and
+  ``deepspeed.runtime.comm.coalesced_collectives.all_to_all_quant_reduce`` (where it is defined) ->
+  ``reduce_scatter.all_to_all_quant_reduce``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .versions import check_version, installed_version
+
+_saved: list[tuple[Any, str, Any]] = []
+
+
+def installed() -> bool:
+    """Whether ``install()`` is in effect."""
+    return bool(_saved)
+
+
+def install() -> None:
+    """Make DeepSpeed's ZeRO-3 engines and ``zero.Init`` contexts created from now on run zeropp's ZeRO++.
+
+    Call it on every rank before ``deepspeed.initialize`` (or ``deepspeed.zero.Init``); a second call does
+    nothing. DeepSpeed picks its accelerator when first imported: set ``DS_ACCELERATOR`` (``cpu`` for CPU
+    training) before importing it, or let this import it with its own choice.
+
+    Raises:
+        ImportError: DeepSpeed is not installed.
+        UnsupportedDeepSpeedVersion: the installed DeepSpeed is not one of ``SUPPORTED_VERSIONS``.
+    """
+    if _saved:
+        return
+    check_version(installed_version())
+    from deepspeed.runtime.comm import coalesced_collectives
+    from deepspeed.runtime.zero import partition_parameters, stage3
+
+    from .quantizer import UnsupportedQuantizer
+    from .reduce_scatter import all_to_all_quant_reduce
+
+    for owner, name, replacement in (
+        (partition_parameters, "CUDAQuantizer", UnsupportedQuantizer),
+        (partition_parameters.Init, "_convert_to_deepspeed_param",
+         _convert_wrapper(partition_parameters.Init._convert_to_deepspeed_param)),
+        (stage3, "all_to_all_quant_reduce", all_to_all_quant_reduce),
+        (coalesced_collectives, "all_to_all_quant_reduce", all_to_all_quant_reduce),
+    ):
+        _saved.append((owner, name, owner.__dict__[name]))
+        setattr(owner, name, replacement)
+
+
+def uninstall() -> None:
+    """Put back every DeepSpeed attribute ``install()`` replaced (engines created afterwards run DeepSpeed's own
+    ZeRO++); forget the topologies made while installed. Does nothing when not installed."""
+    from .topology import forget
+
+    while _saved:
+        owner, name, original = _saved.pop()
+        setattr(owner, name, original)
+    forget()
+
+
+def _convert_wrapper(original: Any) -> Any:
+    from .all_gather import ParamGather
+    from .topology import topology_for
+
+    def _convert_to_deepspeed_param(self: Any, param: Any) -> None:
+        original(self, param)
+        topology_for(param.ds_process_group)  # a collective point: qwZ and qgZ need the layout later
+        if self.quantized_weights:
+            param.all_gather_coalesced = ParamGather(self, param.all_gather_coalesced)
+
+    _convert_to_deepspeed_param.__wrapped__ = original  # type: ignore[attr-defined]
+    return _convert_to_deepspeed_param
+
