@@ -74,7 +74,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -92,6 +92,8 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from ..offload import SwapError
+from . import host_memory
 from .checkpoint_files import (
     METADATA,
     CheckpointError,
@@ -106,7 +108,6 @@ from .checkpoint_files import (
     verify,
     write_manifest,
 )
-from ..offload import SwapError
 from .unit import FrozenFlat, Unit
 
 if TYPE_CHECKING:
@@ -171,6 +172,12 @@ class _SavePlanner(DefaultSavePlanner):
     def __init__(self, slices: Mapping[str, _Slice]) -> None:
         super().__init__()
         self._slices = dict(slices)
+        self._read: torch.Tensor | None = None  # the last piece read from swap files (``_Slice.read``)
+
+    @property
+    def lazy(self) -> bool:
+        """Whether some piece is read from swap files when written (then ``save`` makes DCP write serially)."""
+        return any(piece.read is not None for piece in self._slices.values())
 
     def create_local_plan(self) -> SavePlan:
         plan = super().create_local_plan()
@@ -189,7 +196,17 @@ class _SavePlanner(DefaultSavePlanner):
         piece = self._slices.get(write_item.index.fqn)
         if piece is None:
             return super().resolve_data(write_item)
-        return piece.values if piece.read is None else piece.read()
+        if piece.read is None:
+            return piece.values
+        # DCP's file writer keeps every tensor it wrote referenced until the file is closed (for its safetensors
+        # option), which would bring every swapped piece into memory by the end of the save. Serially (``save``
+        # turns DCP's copy-ahead off for lazy pieces) the previous piece has been written when the next is asked
+        # for: its memory can go, back to the OS (glibc keeps freed blocks of these sizes in its heap: host_memory)
+        if self._read is not None:
+            self._read.untyped_storage().resize_(0)
+            host_memory.release_free_heap()
+        self._read = piece.read()
+        return self._read
 
 
 class _LoadPlanner(DefaultLoadPlanner):
@@ -485,7 +502,10 @@ def save(engine: ZeroEngine, save_dir: str | os.PathLike[str], tag: str | None =
         digests: dict[str, Any] = {}
         try:
             plain, slices = _split(state)
-            dcp.save(plain, checkpoint_id=staging, process_group=engine.topology.group, planner=_SavePlanner(slices))
+            planner = _SavePlanner(slices)
+            writer = FileSystemWriter(staging, per_thread_copy_ahead=0) if planner.lazy else None
+            dcp.save(plain, checkpoint_id=staging, storage_writer=writer, process_group=engine.topology.group,
+                     planner=planner)
             crash_point("written", rank)
             names = [p.name for p in staging.iterdir()]
             digests = {name: digest(staging / name, sync=True) for name in share(names, engine.comm.rank, world)}
