@@ -7,7 +7,7 @@ One file per responsibility:
 * ``collectives.py``: ``Collectives``, the only place the engine communicates (through ``zeropp.comm``);
 * ``hooks.py``: the stage-3 gather/free state machine and the "unit's gradients are complete" trigger;
 * ``loss_scaler.py``: ``LossScaler``, fp16 dynamic loss scaling (DeepSpeed's rules);
-* ``optimizer.py``: ``PartitionedOptimizer``, AdamW/Adam/SGD on the shards, torch.optim's arithmetic;
+* ``optimizer.py``: ``PartitionedOptimizer``, AdamW/Adam/SGD on the shards (torch's fused arithmetic; native on CPU);
 * ``engine.py``: ``ZeroEngine``, the forward/backward/step protocol;
 * ``reuse.py``: which stage-3 units stay whole (persistence threshold, reuse distance: DeepSpeed's ``stage3_*``);
 * ``prefetch.py``: ``Prefetcher``, the stage-3 look-ahead gathers;
@@ -21,7 +21,10 @@ One file per responsibility:
   raises ``EngineUsageError`` within ``zeropp.entry_check_timeout`` instead of hanging;
 * ``checkpoint.py``: sharded save/load with torch.distributed.checkpoint (any world size), the consolidated state dict;
 * ``checkpoint_files.py``: a checkpoint's files: atomic commit of a save, the sha256 manifest, validation, ``latest``;
-* ``initialize.py``: ``initialize``, the entry point (also ``zeropp.initialize``).
+* ``initialize.py``: ``initialize``, the entry point (also ``zeropp.initialize``);
+* ``offload.py``: ``OptimizerOffload``, where each unit's optimizer side lives (device, CPU, NVMe swap files);
+* ``param_offload.py``: ``ParamOffload``, stage 3's compute shards in host memory or NVMe swap files;
+* ``placement.py``: ``memory_budget``, each unit's optimizer tier chosen from what the first step measured.
 """
 
 from .checkpoint import CheckpointError, consolidate
