@@ -16,6 +16,11 @@ import math
 import os
 from typing import Any
 
+from wire import WireCounter
+
+WIRE = WireCounter(lambda: int(os.environ["LOCAL_SIZE"]))
+"""What every rank hands torch.distributed (DeepSpeed's collectives and zeropp's), installed by ``run``."""
+
 CONFIGS: dict[str, dict[str, Any]] = {
     "exact": {},
     "qwz": {"zero_quantized_weights": True},
@@ -106,9 +111,9 @@ def _destroy(engine: Any) -> None:
 def compare(rank: int, world: int, *, configs: dict[str, int], vocab: int, dtype: str,
             ranks_per_node: int) -> dict[str, Any]:
     """Train each config (a key of ``CONFIGS``; ``exact`` runs DeepSpeed alone) its number of steps from the same
-    model on the same text. Per config: the losses, the global gradient norms (after the reduce-scatter, before clipping),
-    zeropp's byte counters over the steps, and how the weights forward used at step 0 compare with the model's
-    (the worst error / qwZ-bound ratio, how many elements differ, how many parameters are equal)."""
+    model on the same text. Per config: the losses, the global gradient norms (after the reduce-scatter, before
+    clipping), zeropp's byte counters over the steps, and how the weights forward used at step 0 compare with the
+    model's (the worst error / qwZ-bound ratio, how many elements differ, how many parameters are equal)."""
     import torch
 
     from zeropp import comm
@@ -132,12 +137,13 @@ def compare(rank: int, world: int, *, configs: dict[str, int], vocab: int, dtype
 
         hooks = [m.register_forward_pre_hook(capture) for m in engine.module.modules()]
         comm.reset_stats()
+        WIRE.reset()
         losses, norms = _train(engine, batches[:1])
         for h in hooks:
             h.remove()
         more_losses, more_norms = _train(engine, batches[1:steps])
         record: dict[str, Any] = {"losses": losses + more_losses, "norms": norms + more_norms,
-                                  "stats": comm.stats()}
+                                  "stats": comm.stats(), "wire": WIRE.snapshot()}
         ratios, differ, equal = [], 0, 0
         for pname, used in seen.items():
             ref = initial[pname]
@@ -147,6 +153,7 @@ def compare(rank: int, world: int, *, configs: dict[str, int], vocab: int, dtype
             equal += int(torch.equal(used, ref))
         record.update(worst_ratio=max(ratios), differ=differ, params_equal=equal, params_seen=len(seen),
                       dtypes=sorted({str(t.dtype) for t in seen.values()}),
+                      shard_elems=sum(shard_sizes),
                       padded_shard_elems=sum(math.ceil(s / BLOCK) * BLOCK for s in shard_sizes))
         out[name] = record
         _destroy(engine)
@@ -245,8 +252,10 @@ def run(rank: int, world: int, *, jobs: list[tuple[str, str, dict[str, Any]]], r
     """Run each ``(label, function, kwargs)`` job of this module in order on one gloo world, with
     ``ranks_per_node`` ranks per emulated node unless the job's kwargs name its own (DeepSpeed reads
     ``LOCAL_SIZE``, zeropp ``ZEROPP_RANKS_PER_NODE``, both at each engine's creation). Returns each job's record
-    by label, and whether ``uninstall()`` restored DeepSpeed's attributes at the end."""
+    by label, and whether ``uninstall()`` restored DeepSpeed's attributes at the end. ``WIRE`` counts every
+    collective's bytes from the start."""
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    WIRE.install()  # before DeepSpeed's communication backend and zeropp.comm bind torch.distributed's functions
     import deepspeed.ops
     from deepspeed.runtime.zero import partition_parameters, stage3
 

@@ -84,7 +84,7 @@ def test_uninstall_restores_deepspeed(results: list[dict]) -> None:
 def test_qwz_hpz_qgz_within_the_quantization_bounds(results: list[dict], job: str) -> None:
     """Step 0, where the bounds are known: qwZ's gathered weights within half their block's scale of the exact
     ones; hpZ's forward exact; qgZ's gradient norm within 3% of the exact one (int4 noise adds energy: measured
-    ~1%; DeepSpeed's sum / nodes would be 2x). Loss: within 1% per step over the short runs."""
+    0.2-1.3%; DeepSpeed's sum / nodes would be 2x). Loss: within 1% per step over the short runs."""
     dtype = "torch.float32" if job == "fp32" else "torch.bfloat16"
     for r in results:
         runs = r[job]
@@ -107,11 +107,11 @@ def test_loss_over_100_steps_of_text_follows_exact_zero3(results: list[dict]) ->
     """fp32, 100 steps on the stdlib text: qwZ + hpZ + qgZ against DeepSpeed's exact ZeRO-3.
 
     No bound carries the per-collective error bounds (checked at step 0 above) through 100 Adam steps: the two
-    trajectories separate, and single-batch losses (2 x 32 tokens per rank) then differ by up to ~12% at a step
-    from batch noise alone. So the losses are compared as means over windows of 10 steps: every window within 6%
-    (measured: at most 3.4%), the last within 6% (measured: 3.2%, zeropp lower), and both runs learn (the last
-    window under 75% of the first). Adam is nearly invariant to the gradients' scale, so this cannot see a
-    gradient d times too large; the gradient-norm checks do."""
+    trajectories separate, and the loss of one small batch (2 x 32 tokens per rank) then moves with the trajectory
+    more than the trend does. So the losses are compared as means over windows of 10 steps: every window within 6%
+    (about twice the largest gap measured: 3.2% over the 4 ranks' windows, the last within 0.9%), and both runs
+    learn (the last window under 75% of the first). Adam is nearly invariant to the gradients' scale, so this cannot
+    see a gradient d times too large; the gradient-norm checks do."""
     for r in results:
         exact, full = r["fp32"]["exact"]["losses"], r["fp32"]["zeropp"]["losses"]
         assert len(exact) == len(full) == LONG
@@ -174,3 +174,40 @@ def test_hpz_checkpoint_resumes_bit_for_bit(results: list[dict]) -> None:
         c = r["checkpoint"]
         assert c["loaded"] and c["hpz"] == RANKS_PER_NODE
         assert c["straight"] == c["resumed"] and c["master_equal"], c
+
+
+def test_bytes_on_the_wire(results: list[dict]) -> None:
+    """Every byte handed to torch.distributed during the steps, DeepSpeed's collectives and zeropp's, by destination
+    node (``wire.py``, the direct point-to-point model of the formulas).
+
+    DeepSpeed's exact ZeRO-3: its reduce-scatter sends each rank's padded partition (``S = sum ceil(n / P)``
+    elements) to each rank of the other node once per step, exactly; its all-gathers send at least one full gather
+    per step (forward gathers every parameter) and at most two per module that uses a parameter (backward re-gathers
+    those DeepSpeed released, by its reuse distance; the tied embedding serves two modules; measured 1.4-1.6x a full
+    gather over a few steps with vocab 251, 2.5x with 50257). With zeropp installed: zeropp's bytes on the wire
+    equal ``zeropp.comm.stats()`` (an independent check of its accounting), DeepSpeed's own gathers (hpZ's backward,
+    in the node) send nothing across nodes, and over the 100 fp32 steps everything crossing nodes is under 0.2x of
+    DeepSpeed's exact ZeRO-3 (its small all-reduces, broadcasts and zeropp's agreement checks included; measured
+    0.175x)."""
+    far = WORLD - RANKS_PER_NODE
+    for r in results:
+        for job, size, vocab in (("fp32", 4, 251), ("bf16", 2, 251), ("gpt2_vocab", 2, 50257)):
+            exact = r[job]["exact"]
+            ds, steps, shard = exact["wire"]["deepspeed"], len(exact["losses"]), exact["shard_elems"]
+            full_gather = steps * far * size * shard
+            tied = steps * far * size * math.ceil(vocab * deepspeed_workers.N_EMBD / WORLD)
+            assert ds["reduce_scatter"]["inter"] == full_gather and ds["reduce_scatter"]["calls"] == steps
+            assert full_gather <= ds["all_gather"]["inter"] <= 2 * (full_gather + tied), (ds["all_gather"], full_gather)
+            assert all(c["calls"] == 0 for c in exact["wire"]["zeropp"].values())
+        for job in ("fp32", "bf16", "gpt2_vocab", "one_node"):
+            for name, run in r[job].items():
+                wire, stats = run["wire"]["zeropp"], run["stats"]
+                for kind, counted in (("all_gather", "all_gather"), ("all_to_all", "reduce_scatter")):
+                    for where in ("inter", "intra"):
+                        assert wire[kind][where] == stats[counted][f"sent_{where}"], (job, name, kind, where)
+                if name == "zeropp":
+                    assert run["wire"]["deepspeed"]["all_gather"]["inter"] == 0, (job, run["wire"]["deepspeed"])
+                    assert run["wire"]["deepspeed"]["reduce_scatter"]["calls"] == 0
+        inter = {name: sum(c["inter"] for kinds in r["fp32"][name]["wire"].values() for c in kinds.values())
+                 for name in ("exact", "zeropp")}
+        assert inter["zeropp"] < 0.2 * inter["exact"], inter

@@ -123,6 +123,7 @@ EXTERNAL = ("fsdp2", "hsdp", "deepspeed")  # not zeropp engines, torch's collect
 FSDP_ZEROPP = ("fsdp2-zeropp", "fsdp2-qwz", "fsdp2-hpz", "fsdp2-qgz")  # FSDP2 with zeropp.fsdp comms (counted)
 DEEPSPEED_ZEROPP = "deepspeed-zeropp"  # DeepSpeed's engine on zeropp.deepspeed (its quantized collectives counted)
 DEEPSPEEDS = ("deepspeed", DEEPSPEED_ZEROPP)
+ALL_CONFIGS = (*CONFIGS, *EXTERNAL, DEEPSPEED_ZEROPP, *FSDP_ZEROPP)
 DEFAULT_CONFIGS = ("zero3", "qwz", "hpz", "qgz", "zeropp", "zeropp-w4", "fsdp2", "hsdp")
 DTYPES = ("fp32", "bf16")
 LABELS = {
@@ -192,7 +193,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=32, help="sequence length (default 32)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step (default 1)")
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
-                   help=f"comma-separated, from {','.join((*CONFIGS, *EXTERNAL, DEEPSPEED_ZEROPP, *FSDP_ZEROPP))} (default: "
+                   help=f"comma-separated, from {','.join(ALL_CONFIGS)} (default: "
                    f"{','.join(DEFAULT_CONFIGS)}); NAME@off or NAME@on sets overlap_comm for that config only; "
                    "NAME:bf16 its dtype")
     p.add_argument("--dtypes", default="fp32",
@@ -231,12 +232,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if len(args.dtypes) > 1:
         specs = [f"{c}:{d}" for d in args.dtypes for c in specs if not parse_spec(c)[2]]
     args.configs = specs
-    known = set(CONFIGS) | set(EXTERNAL) | set(FSDP_ZEROPP) | {DEEPSPEED_ZEROPP}
+    known = set(ALL_CONFIGS)
     unknown = [c for c in args.configs if parse_spec(c)[0] not in known or parse_spec(c)[1] not in ("", "on", "off")
                or parse_spec(c)[2] not in ("", *DTYPES)]
     if unknown:
-        p.error(f"unknown config(s) {unknown}; choose from {[*CONFIGS, *EXTERNAL, DEEPSPEED_ZEROPP, *FSDP_ZEROPP]} (NAME@on/off, "
-                f"NAME:fp32/bf16)")
+        p.error(f"unknown config(s) {unknown}; choose from {list(ALL_CONFIGS)} (NAME@on/off, NAME:fp32/bf16)")
     if any(parse_spec(c)[0] in DEEPSPEEDS for c in args.configs):
         try:
             import_deepspeed()

@@ -1,12 +1,12 @@
 """qgZ on one node: stage 3's gradient average-and-scatter without DeepSpeed's "more than one node" condition.
 
-DeepSpeed 0.19.8's ``DeepSpeedZeroOptimizer_Stage3.__avg_scatter_grads`` runs ``all_to_all_quant_reduce`` only
-when ``world // accelerator.device_count() > 1``; on one node (``LOCAL_SIZE`` = world on the CPU accelerator, all
-GPUs of one host) a config with ``zero_quantized_gradients`` silently gets an exact reduce-scatter. ``avg_scatter_grads``
-is that method with the condition reduced to "qgZ is on" (``all2all_process_group``, set by the engine exactly
-when ``zero_quantized_gradients`` is): zeropp's ``reduce_scatter(bits=4)`` then does one quantized hop inside the
-node (``zeropp.comm.reduce_scatter``: one node skips the inter-node hop). Everything else is DeepSpeed's code,
-line for line (Apache-2.0, DeepSpeed 0.19.8 ``runtime/zero/stage3.py``): the cast to ``communication_data_type``,
+DeepSpeed 0.19.8's ``DeepSpeedZeroOptimizer_Stage3.__avg_scatter_grads`` runs ``all_to_all_quant_reduce`` only when
+``world // accelerator.device_count() > 1``; on one node (``LOCAL_SIZE`` = world on the CPU accelerator, all GPUs of
+one host) a config with ``zero_quantized_gradients`` silently gets an exact reduce-scatter. ``avg_scatter_grads`` is
+that method with the condition reduced to "qgZ is on" (``all2all_process_group``, set by the engine exactly when
+``zero_quantized_gradients`` is): zeropp's ``reduce_scatter(bits=4)`` then does one quantized hop inside the node
+(``zeropp.comm.reduce_scatter``: one node skips the inter-node hop). Everything else is DeepSpeed's code, line for
+line (Apache-2.0, DeepSpeed 0.19.8 ``runtime/zero/stage3.py``): the cast to ``communication_data_type``,
 ``gradient_predivide_factor``, the AutoEP averaging scale, the cast to ``gradient_accumulation_dtype``.
 ``patches.install`` sets it as the name-mangled attribute ``_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads``.
 """
