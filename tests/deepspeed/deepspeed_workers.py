@@ -1,5 +1,14 @@
 """Workers for tests/deepspeed: DeepSpeed's ZeRO-3 engine on its CPU accelerator over gloo, with and without
-``zeropp.deepspeed.install()``, training the byte-level GPT (``zeropp.models.gpt``) from one seed."""
+``zeropp.deepspeed.install()``, training the GPT of ``zeropp.models.gpt`` on real text (``zeropp.data``).
+
+``run`` is the one launch the tests share (each launch costs ~10 s of imports per rank: torch._dynamo through
+DeepSpeed's optimizer check): it runs a list of jobs (``compare``, ``checkpoint``, ``qgz_mean``) and returns
+each job's record by name.
+
+The model: 2 layers, ``n_embd`` 63 with 3 heads (head size 21, MLP 252, QKV 189), context 61, a vocabulary of
+251 or 50257: no parameter's size is a multiple of 8. Text: the Python stdlib sources as bytes (``stdlib_corpus``);
+UTF-8 never holds the bytes 0xF8..0xFF, so every token is below 251.
+"""
 
 from __future__ import annotations
 
@@ -7,33 +16,36 @@ import math
 import os
 from typing import Any
 
+from wire import WireCounter
+
+WIRE = WireCounter(lambda: int(os.environ["LOCAL_SIZE"]))
+"""What every rank hands torch.distributed (DeepSpeed's collectives and zeropp's), installed by ``run``."""
+
 CONFIGS: dict[str, dict[str, Any]] = {
     "exact": {},
     "qwz": {"zero_quantized_weights": True},
+    "qgz": {"zero_quantized_gradients": True},
     "zeropp": {"zero_quantized_weights": True, "zero_hpz_partition_size": "rpn", "zero_quantized_gradients": True},
 }
 BLOCK = 128  # zeropp.quant.DEFAULT_BLOCK_SIZE, the block both collectives use
-SCALE_BYTES = 4
+N_EMBD, N_HEAD, CONTEXT, SEQ, MICRO = 63, 3, 61, 32, 2
 
 
-def _model(vocab: int, dtype: str) -> Any:
-    import torch
-
+def _model(vocab: int, seed: int = 0) -> Any:
     from zeropp.models.gpt import GPT, GPTConfig
 
-    model = GPT(GPTConfig.preset("tiny", vocab_size=vocab), seed=0)
-    return model.to(torch.bfloat16) if dtype == "bf16" else model
+    return GPT(GPTConfig.preset("tiny", vocab_size=vocab, n_embd=N_EMBD, n_head=N_HEAD, block_size=CONTEXT), seed=seed)
 
 
-def _engine(name: str, vocab: int, dtype: str, ranks_per_node: int) -> Any:
+def _engine(name: str, vocab: int, dtype: str, ranks_per_node: int, seed: int = 0) -> Any:
     import deepspeed
     import torch
 
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0}  # every parameter partitioned and gathered
     zero.update({k: ranks_per_node if v == "rpn" else v for k, v in CONFIGS[name].items()})
-    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": zero, "steps_per_print": 10**9,
+    config = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": zero, "steps_per_print": 10**9,
               "bf16": {"enabled": dtype == "bf16"}}
-    model = _model(vocab, "fp32")
+    model = _model(vocab, seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine
@@ -58,71 +70,211 @@ def _shard_bound(full: Any, world: int, bf16: bool) -> Any:
     return bound.view_as(full)
 
 
-def train(rank: int, world: int, *, cases: list[str], steps: int, vocab: int, dtype: str,
-          ranks_per_node: int) -> dict[str, Any]:
-    """Train each case (a key of ``CONFIGS``, run after ``install()`` unless ``exact``) for ``steps`` steps from
-    the same model and data. Returns per case the losses, zeropp's byte counters over the steps, and for qwZ
-    cases how the weights forward used at step 0 compare with the exact ones (the worst error / bound ratio and
-    how many differ); also the install/uninstall checks."""
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_SIZE=str(ranks_per_node))
-    import deepspeed
-    import deepspeed.ops
-    import torch
-    from deepspeed.runtime.zero import partition_parameters, stage3
+def _batches(rank: int, world: int, steps: int) -> list[Any]:
+    from zeropp.data import TextBatches, stdlib_corpus
 
+    data = TextBatches(stdlib_corpus(1 << 16), seq_len=SEQ, global_batch=MICRO * world, seed=0)
+    return [data.micro_batch(s, rank=rank, world_size=world) for s in range(steps)]
+
+
+def _use(name: str) -> None:
     import zeropp.deepspeed
+
+    if name == "exact":
+        zeropp.deepspeed.uninstall()
+    else:
+        zeropp.deepspeed.install()
+        zeropp.deepspeed.install()  # a second call is a no-op
+
+
+def _train(engine: Any, batches: list[Any]) -> tuple[list[float], list[float]]:
+    losses, norms = [], []
+    for x, y in batches:
+        _, loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        norms.append(float(engine.get_global_grad_norm()))
+    return losses, norms
+
+
+def _destroy(engine: Any) -> None:
+    """``engine.destroy()``, then forget DeepSpeed's hpZ group: DeepSpeed 0.19.8 keeps it in a module global
+    (``groups._ZERO_PARAM_INTRA_PARALLEL_GROUP``) after ``destroy()``, and every later stage-3 engine of the
+    process picks it up (hpZ on whatever its config says)."""
+    from deepspeed.utils import groups
+
+    engine.destroy()
+    groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
+
+
+def compare(rank: int, world: int, *, configs: dict[str, int], vocab: int, dtype: str,
+            ranks_per_node: int) -> dict[str, Any]:
+    """Train each config (a key of ``CONFIGS``; ``exact`` runs DeepSpeed alone) its number of steps from the same
+    model on the same text. Per config: the losses, the global gradient norms (after the reduce-scatter, before
+    clipping), zeropp's byte counters over the steps, and how the weights forward used at step 0 compare with the
+    model's (the worst error / qwZ-bound ratio, how many elements differ, how many parameters are equal)."""
+    import torch
+
     from zeropp import comm
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    originals = (partition_parameters.CUDAQuantizer, partition_parameters.Init._convert_to_deepspeed_param,
-                 stage3.all_to_all_quant_reduce)
-    reference = _model(vocab, dtype)
-    exact_weights = {n: p.detach().clone() for n, p in reference.named_parameters(remove_duplicate=False)}
+    reference = _model(vocab)
+    initial = {n: p.detach().to(torch.bfloat16 if dtype == "bf16" else torch.float32)
+               for n, p in reference.named_parameters(remove_duplicate=False)}
     shard_sizes = [math.ceil(p.numel() / world) for p in reference.parameters()]  # the tied weight once
-    g = torch.Generator().manual_seed(1234 + rank)
-    batches = [torch.randint(0, vocab, (2, 32), generator=g) for _ in range(steps)]
+    batches = _batches(rank, world, max(configs.values()))
     out: dict[str, Any] = {}
-    for name in cases:
-        if name == "exact":
-            zeropp.deepspeed.uninstall()
-        else:
-            zeropp.deepspeed.install()
-            zeropp.deepspeed.install()  # a second call is a no-op
+    for name, steps in configs.items():
+        _use(name)
         engine = _engine(name, vocab, dtype, ranks_per_node)
         seen: dict[str, Any] = {}
+        names = {m: n for n, m in engine.module.named_modules()}
 
         def capture(module: Any, _inputs: Any) -> None:
             for pname, p in module.named_parameters(recurse=False):
                 full = f"{names[module]}.{pname}" if names[module] else pname
                 seen.setdefault(full, p.data.detach().clone())
 
-        names = {m: n for n, m in engine.module.named_modules()}
         hooks = [m.register_forward_pre_hook(capture) for m in engine.module.modules()]
         comm.reset_stats()
-        losses = []
-        for step, x in enumerate(batches):
-            _, loss = engine(x, x)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
-            if step == 0:
-                for h in hooks:
-                    h.remove()
-        record: dict[str, Any] = {"losses": losses, "stats": comm.stats()}
+        WIRE.reset()
+        losses, norms = _train(engine, batches[:1])
+        for h in hooks:
+            h.remove()
+        more_losses, more_norms = _train(engine, batches[1:steps])
+        record: dict[str, Any] = {"losses": losses + more_losses, "norms": norms + more_norms,
+                                  "stats": comm.stats(), "wire": WIRE.snapshot()}
         ratios, differ, equal = [], 0, 0
         for pname, used in seen.items():
-            ref = exact_weights[pname]
+            ref = initial[pname]
             err = (used.float() - ref.float()).abs()
             ratios.append(float((err / _shard_bound(ref, world, dtype == "bf16").clamp_min(1e-30)).max()))
             differ += int((err > 0).sum())
             equal += int(torch.equal(used, ref))
         record.update(worst_ratio=max(ratios), differ=differ, params_equal=equal, params_seen=len(seen),
-                      dtypes=sorted({str(t.dtype) for t in seen.values()}))
-        record["padded_shard_elems"] = sum(math.ceil(s / BLOCK) * BLOCK for s in shard_sizes)
+                      dtypes=sorted({str(t.dtype) for t in seen.values()}),
+                      shard_elems=sum(shard_sizes),
+                      padded_shard_elems=sum(math.ceil(s / BLOCK) * BLOCK for s in shard_sizes))
         out[name] = record
-        engine.destroy()
+        _destroy(engine)
+    return out
+
+
+def _masters(engine: Any, rank: int) -> list[Any]:
+    """This rank's fp32 master values of each parameter (its part of ``fp32_partitioned_groups_flat``), without
+    the padding that ends the last ranks' partitions (no parameter's value: one run's 0 may be another's garbage)."""
+    out = []
+    for flat, params in zip(engine.optimizer.fp32_partitioned_groups_flat, engine.optimizer.fp16_groups):
+        offset = 0
+        for p in params:
+            size = p.ds_tensor.ds_numel
+            out.append(flat.narrow(0, offset, max(0, min(size, p.ds_numel - rank * size))).detach().clone())
+            offset += size
+        assert offset == flat.numel(), (offset, flat.numel())
+    return out
+
+
+def checkpoint(rank: int, world: int, *, save_dir: str, steps: int, save_at: int, vocab: int, dtype: str,
+               ranks_per_node: int) -> dict[str, Any]:
+    """qwZ + hpZ + qgZ through DeepSpeed's own ``save_checkpoint`` / ``load_checkpoint``: one engine trains
+    ``steps`` steps, saving after ``save_at``; a fresh engine (same config, the model re-initialised with another
+    seed so nothing is inherited) loads that checkpoint and trains the remaining steps. Returns both runs' losses
+    after the save and whether every rank's fp32 master partitions end equal."""
+    import torch
+
+    _use("zeropp")
+    batches = _batches(rank, world, steps)
+    engine = _engine("zeropp", vocab, dtype, ranks_per_node)
+    _train(engine, batches[:save_at])
+    engine.save_checkpoint(save_dir, tag="mid")
+    straight, _ = _train(engine, batches[save_at:])
+    final = _masters(engine, rank)
+    _destroy(engine)
+
+    resumed_engine = _engine("zeropp", vocab, dtype, ranks_per_node, seed=7)
+    path, _ = resumed_engine.load_checkpoint(save_dir, tag="mid")
+    resumed, _ = _train(resumed_engine, batches[save_at:])
+    resumed_final = _masters(resumed_engine, rank)
+    record = {"straight": straight, "resumed": resumed, "loaded": path is not None,
+              "hpz": resumed_engine.zero_hpz_partition_size(),
+              "master_equal": len(final) == len(resumed_final) and all(
+                  torch.equal(a, b) for a, b in zip(final, resumed_final))}
+    _destroy(resumed_engine)
+    return record
+
+
+def qgz_mean(rank: int, world: int, *, sizes: list[int]) -> dict[str, Any]:
+    """zeropp's ``all_to_all_quant_reduce`` (the qgZ entry DeepSpeed's stage 3 calls) on gradients of ``sizes``
+    elements, fp32 and bf16, each rank's a shared component plus its own noise; against the exact mean
+    (``all_reduce(SUM) / world``, float64). Per dtype: the worst error over its int4 bound, and the least-squares
+    slope of the result on the exact mean (1 for a mean, ``ranks per node`` for DeepSpeed's sum / nodes)."""
+    import torch
+    import torch.distributed as dist
+
+    from zeropp.deepspeed.reduce_scatter import all_to_all_quant_reduce
+
+    _use("zeropp")
+    out: dict[str, Any] = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        shared = torch.Generator().manual_seed(99)
+        own = torch.Generator().manual_seed(100 + rank)
+        grads = [(torch.randn(n, generator=shared) + 0.5 * torch.randn(n, generator=own)).to(dtype) for n in sizes]
+        got = all_to_all_quant_reduce(grads, None)
+        worst, num, den = 0.0, 0.0, 0.0
+        for g, mine in zip(grads, got):
+            every = [torch.empty_like(g) for _ in range(world)]
+            dist.all_gather(every, g)
+            stacked = torch.stack(every).double()
+            s = math.ceil(g.numel() / world)
+            lo, hi = min(rank * s, g.numel()), min((rank + 1) * s, g.numel())
+            mean = stacked.sum(0)[lo:hi] / world
+            # int4 bound, per element: each rank's hop-1 error (half its block's scale: absmax / 14), and the
+            # requantized node partial sums' (each at most the sum of its ranks' absmaxes, plus their hop-1 errors,
+            # over 14): sum_r absmax_r / 14 * (1 + 15 / 14), over the world; then bf16's output rounding. Every
+            # block lies in this rank's slice of one tensor, so the slice's absmax bounds its blocks'.
+            absmax = stacked[:, lo:hi].abs().amax(dim=1) if hi > lo else torch.zeros(world, dtype=torch.float64)
+            bound = absmax.sum() / 14 * (29 / 14) / world * (1 + 1e-6)
+            if dtype == torch.bfloat16:
+                bound = bound + (mean.abs() + bound) * 2**-8
+            err = (mine.double() - mean).abs()
+            if hi > lo:
+                worst = max(worst, float((err / bound).max()))
+            num += float((mine.double() * mean).sum())
+            den += float((mean * mean).sum())
+        out[str(dtype)] = {"worst_ratio": worst, "slope": num / den,
+                           "shapes_ok": [m.numel() for m in got] == [
+                               max(0, min(math.ceil(n / world) * (rank + 1), n) - min(math.ceil(n / world) * rank, n))
+                               for n in sizes]}
+    return out
+
+
+def run(rank: int, world: int, *, jobs: list[tuple[str, str, dict[str, Any]]], ranks_per_node: int) -> dict[str, Any]:
+    """Run each ``(label, function, kwargs)`` job of this module in order on one gloo world, with
+    ``ranks_per_node`` ranks per emulated node unless the job's kwargs name its own (DeepSpeed reads
+    ``LOCAL_SIZE``, zeropp ``ZEROPP_RANKS_PER_NODE``, both at each engine's creation). Returns each job's record
+    by label, and whether ``uninstall()`` restored DeepSpeed's attributes at the end. ``WIRE`` counts every
+    collective's bytes from the start."""
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
+    WIRE.install()  # before DeepSpeed's communication backend and zeropp.comm bind torch.distributed's functions
+    import deepspeed.ops
+    from deepspeed.runtime.zero import partition_parameters, stage3
+
+    import zeropp.deepspeed
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    mangled = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
+
+    def attributes() -> tuple[Any, ...]:
+        return (partition_parameters.CUDAQuantizer, partition_parameters.Init._convert_to_deepspeed_param,
+                stage3.all_to_all_quant_reduce, stage3.DeepSpeedZeroOptimizer_Stage3.__dict__[mangled])
+
+    originals = attributes()
+    out: dict[str, Any] = {}
+    for label, function, kwargs in jobs:
+        rpn = kwargs.get("ranks_per_node", ranks_per_node)
+        os.environ.update(LOCAL_SIZE=str(rpn), ZEROPP_RANKS_PER_NODE=str(rpn))
+        zeropp.deepspeed.uninstall()  # forget the topologies: a job may change the node layout
+        out[label] = globals()[function](rank, world, **kwargs)
     zeropp.deepspeed.uninstall()
-    out["restored"] = originals == (partition_parameters.CUDAQuantizer,
-                                    partition_parameters.Init._convert_to_deepspeed_param,
-                                    stage3.all_to_all_quant_reduce)
+    out["restored"] = originals == attributes()
     return out

@@ -7,6 +7,7 @@ its own network namespace, nodes joined by links shaped to ``--rate``) and every
     python -m zeropp.bench.training --nodes 2 --ranks-per-node 2 --rate 1gbit --quick
     python -m zeropp.bench.training --configs zero3,zeropp,fsdp2,hsdp --dtypes fp32,bf16   # side by side
     python -m zeropp.bench.training --configs zero3,deepspeed,zeropp --dtypes fp32,bf16   # needs pip install deepspeed
+    python -m zeropp.bench.training --configs zero3,deepspeed,deepspeed-zeropp,zeropp --dtypes fp32,bf16
 
 Without ``zeropp.cluster`` (or with ``--launcher torchrun``) it runs one unshaped torchrun with all ranks and
 ``ZEROPP_RANKS_PER_NODE`` (nodes emulated over loopback: the counters are right, the times are not those of a
@@ -41,16 +42,22 @@ config            ``zero_optimization``
 ``fsdp2-hpz``     FSDP2 + hpZ only (``reshard_after_forward`` = ranks per node; zeropp's exact comms)
 ``fsdp2-qgz``     FSDP2 + qgZ only (int4 two-hop reduce-scatter; exact all-gathers)
 ``deepspeed``     DeepSpeed's ZeRO-3 on the same config dict (``pip install deepspeed``; not in the default list)
+``deepspeed-``    DeepSpeed's ZeRO-3 with qwZ + hpZ + qgZ (``zeropp``'s keys) on zeropp's collectives:
+``zeropp``        ``zeropp.deepspeed.install()`` before its engine (DeepSpeed alone cannot run these on a CPU)
 ================  ===================================================================================
 
 DeepSpeed is an optional peer, never a dependency: ``--configs deepspeed`` without it stops with ``pip install
 deepspeed``. Its row runs on DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu`` unless set otherwise; gloo, the
 process group the worker started) with ``torch.optim.AdamW`` from the config's optimizer block (the other rows'
-arithmetic) and compiles nothing (``deepspeed_engine``).
+arithmetic) and compiles nothing (``deepspeed_engine``). ``deepspeed-zeropp`` installs ``zeropp.deepspeed`` for the
+rest of the job (it changes nothing for an engine without ZeRO++ flags, so a ``deepspeed`` row is DeepSpeed's own
+either way); ``--block-size`` does not apply to it (zeropp.deepspeed's blocks are the library's default).
 
 FSDP2, HSDP and DeepSpeed move their bytes with torch's collectives, which ``zeropp.comm.stats()`` does not see:
 their rows have the NIC counters (shaped runs) and no counted MB. The ``fsdp2-*`` rows move every byte through
-``zeropp.comm`` (``zeropp.fsdp``'s hooks), so they have counted MB too.
+``zeropp.comm`` (``zeropp.fsdp``'s hooks), so they have counted MB too. ``deepspeed-zeropp`` counts what zeropp
+moves (qwZ's forward gathers, qgZ: every cross-node byte of the step but DeepSpeed's small all-reduces of the
+gradient norm); its hpZ backward gathers, in the node, are DeepSpeed's (not in ``intra_MB``).
 
 Per config, over the steps after ``--warmup`` (step time = the slowest rank's, per step):
 
@@ -114,6 +121,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 EXTERNAL = ("fsdp2", "hsdp", "deepspeed")  # not zeropp engines, torch's collectives: zeropp.bench.fsdp, DeepSpeed
 FSDP_ZEROPP = ("fsdp2-zeropp", "fsdp2-qwz", "fsdp2-hpz", "fsdp2-qgz")  # FSDP2 with zeropp.fsdp comms (counted)
+DEEPSPEED_ZEROPP = "deepspeed-zeropp"  # DeepSpeed's engine on zeropp.deepspeed (its quantized collectives counted)
+DEEPSPEEDS = ("deepspeed", DEEPSPEED_ZEROPP)
+ALL_CONFIGS = (*CONFIGS, *EXTERNAL, DEEPSPEED_ZEROPP, *FSDP_ZEROPP)
 DEFAULT_CONFIGS = ("zero3", "qwz", "hpz", "qgz", "zeropp", "zeropp-w4", "fsdp2", "hsdp")
 DTYPES = ("fp32", "bf16")
 LABELS = {
@@ -128,6 +138,7 @@ LABELS = {
     "fsdp2": "FSDP2 (torch fully_shard)",
     "hsdp": "HSDP (FSDP2, replicated across nodes)",
     "deepspeed": "DeepSpeed ZeRO-3",
+    DEEPSPEED_ZEROPP: "DeepSpeed ZeRO++ on zeropp.deepspeed",
     "fsdp2-zeropp": "FSDP2 + ZeRO++ (zeropp.fsdp)",
     "fsdp2-qwz": "FSDP2 + qwZ (int8 weights)",
     "fsdp2-hpz": "FSDP2 + hpZ (reshard to node)",
@@ -182,7 +193,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=32, help="sequence length (default 32)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step (default 1)")
     p.add_argument("--configs", default=",".join(DEFAULT_CONFIGS),
-                   help=f"comma-separated, from {','.join((*CONFIGS, *EXTERNAL, *FSDP_ZEROPP))} (default: "
+                   help=f"comma-separated, from {','.join(ALL_CONFIGS)} (default: "
                    f"{','.join(DEFAULT_CONFIGS)}); NAME@off or NAME@on sets overlap_comm for that config only; "
                    "NAME:bf16 its dtype")
     p.add_argument("--dtypes", default="fp32",
@@ -221,17 +232,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if len(args.dtypes) > 1:
         specs = [f"{c}:{d}" for d in args.dtypes for c in specs if not parse_spec(c)[2]]
     args.configs = specs
-    known = set(CONFIGS) | set(EXTERNAL) | set(FSDP_ZEROPP)
+    known = set(ALL_CONFIGS)
     unknown = [c for c in args.configs if parse_spec(c)[0] not in known or parse_spec(c)[1] not in ("", "on", "off")
                or parse_spec(c)[2] not in ("", *DTYPES)]
     if unknown:
-        p.error(f"unknown config(s) {unknown}; choose from {[*CONFIGS, *EXTERNAL, *FSDP_ZEROPP]} (NAME@on/off, "
-                f"NAME:fp32/bf16)")
-    if any(parse_spec(c)[0] == "deepspeed" for c in args.configs):
+        p.error(f"unknown config(s) {unknown}; choose from {list(ALL_CONFIGS)} (NAME@on/off, NAME:fp32/bf16)")
+    if any(parse_spec(c)[0] in DEEPSPEEDS for c in args.configs):
         try:
             import_deepspeed()
         except ImportError as e:
-            p.error(f"config deepspeed: DeepSpeed is not installed ({e}): pip install deepspeed, or leave it out")
+            p.error(f"configs {','.join(DEEPSPEEDS)}: DeepSpeed is not installed ({e}): pip install deepspeed, or "
+                    "leave them out")
     if not 0 <= args.warmup < args.steps:
         p.error(f"need 0 <= --warmup < --steps, got {args.warmup} and {args.steps}")
     args.rate_bps = parse_rate(args.rate)
@@ -289,9 +300,9 @@ def zero_config(name: str, args: argparse.Namespace, ranks_per_node: int) -> dic
     """The DeepSpeed-style config dict of a zeropp (or DeepSpeed) config spec."""
     base, overlap, _ = parse_spec(name)
     zero: dict[str, Any] = {"stage": 3, "overlap_comm": (overlap or args.overlap_comm) == "on"}
-    for key, value in CONFIGS.get(base, {}).items():
+    for key, value in CONFIGS.get("zeropp" if base == DEEPSPEED_ZEROPP else base, {}).items():
         zero[key] = ranks_per_node if value == "rpn" else (dict(value) if isinstance(value, dict) else value)
-    if args.block_size is not None and any(k.startswith("zero_quantized") for k in zero):
+    if args.block_size is not None and base != DEEPSPEED_ZEROPP and any(k.startswith("zero_quantized") for k in zero):
         zero.setdefault("zeropp", {})["block_size"] = args.block_size
     return {
         "train_micro_batch_size_per_gpu": args.micro_batch,
@@ -313,19 +324,31 @@ def import_deepspeed() -> Any:
     return deepspeed
 
 
-def deepspeed_engine(model: Any, config: dict[str, Any]) -> Any:
-    """DeepSpeed's engine for ``model`` on the config dict, nothing compiled.
+def deepspeed_engine(model: Any, config: dict[str, Any], install_zeropp: bool = False) -> Any:
+    """DeepSpeed's engine for ``model`` on the config dict, nothing compiled; with ``install_zeropp``, after
+    ``zeropp.deepspeed.install()`` (its ZeRO++ flags on zeropp's collectives).
 
     The optimizer is a ``torch.optim.AdamW`` with the config's optimizer block (from the block DeepSpeed would build
     its FusedAdam, a C++ op it compiles on first use; torch's AdamW is the arithmetic the other rows step with).
     DeepSpeed joins the process group the worker already started (gloo: its CPU accelerator's backend without
     oneCCL). Its shared-memory all-reduce op (``deepspeed_shm_comm``, which its torch backend compiles with ninja
     and a C++ compiler when it starts) is marked not buildable: only tensor-parallel inference calls it, ZeRO-3
-    moves its bytes with ``torch.distributed``'s all-gather and reduce-scatter."""
+    moves its bytes with ``torch.distributed``'s all-gather and reduce-scatter.
+
+    DeepSpeed 0.19.8 keeps the hpZ group of an engine in a module global that later engines of the process pick up
+    (hpZ on whatever their config says); it is cleared first, so each engine gets its own config's hpZ (an engine
+    already made keeps the group it holds)."""
     import torch
 
     deepspeed = import_deepspeed()
+    from deepspeed.utils import groups
+
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if install_zeropp:
+        import zeropp.deepspeed
+
+        zeropp.deepspeed.install()
+    groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
     config = dict(config)
     params = dict(config.pop("optimizer")["params"])
     optimizer = torch.optim.AdamW(model.parameters(), **params)
@@ -350,8 +373,8 @@ class ConfigRun:
             self.engine: Any = FSDPTrainer(model, base, ranks_per_node=topo.ranks_per_node,
                                            dtype=dtype_of(name, args), lr=args.lr, weight_decay=0.01, clip=args.clip,
                                            block_size=args.block_size)
-        elif base == "deepspeed":
-            self.engine = deepspeed_engine(model, config)
+        elif base in DEEPSPEEDS:
+            self.engine = deepspeed_engine(model, config, install_zeropp=base == DEEPSPEED_ZEROPP)
         else:
             self.engine, _, _, _ = zeropp.initialize(model=model, config=config, topology=topo)
         self.engine.train()

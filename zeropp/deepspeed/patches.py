@@ -11,7 +11,9 @@ classes as of the versions in ``versions.SUPPORTED_VERSIONS``:
   ``zero_quantized_weights`` on, replaces ``param.all_gather_coalesced`` by ``all_gather.ParamGather``;
 * ``deepspeed.runtime.zero.stage3.all_to_all_quant_reduce`` (stage 3's binding, the one it calls) and
   ``deepspeed.runtime.comm.coalesced_collectives.all_to_all_quant_reduce`` (where it is defined) ->
-  ``reduce_scatter.all_to_all_quant_reduce``.
+  ``reduce_scatter.all_to_all_quant_reduce``;
+* ``deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3.__avg_scatter_grads`` (name-mangled) ->
+  ``avg_scatter.avg_scatter_grads`` (qgZ on one node too).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def install() -> None:
     from deepspeed.runtime.comm import coalesced_collectives
     from deepspeed.runtime.zero import partition_parameters, stage3
 
+    from .avg_scatter import MANGLED_NAME, avg_scatter_grads
     from .quantizer import UnsupportedQuantizer
     from .reduce_scatter import all_to_all_quant_reduce
 
@@ -54,6 +57,7 @@ def install() -> None:
          _convert_wrapper(partition_parameters.Init._convert_to_deepspeed_param)),
         (stage3, "all_to_all_quant_reduce", all_to_all_quant_reduce),
         (coalesced_collectives, "all_to_all_quant_reduce", all_to_all_quant_reduce),
+        (stage3.DeepSpeedZeroOptimizer_Stage3, MANGLED_NAME, avg_scatter_grads),
     ):
         _saved.append((owner, name, owner.__dict__[name]))
         setattr(owner, name, replacement)
