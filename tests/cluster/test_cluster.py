@@ -204,6 +204,19 @@ def _namespaces_of(pid: int) -> list[str]:
     return list_namespaces(f"zeropp-{pid}-")
 
 
+def _running_ranks(command: str) -> int:
+    """How many processes run ``sh -c <command>`` (the ranks a test's launcher started)."""
+    count = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:  # the process ended meanwhile
+            continue
+        count += argv[:3] == [b"sh", b"-c", command.encode()]
+    return count
+
+
 def _wait_for(predicate, timeout: float = 20.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -287,7 +300,7 @@ def test_interrupted_launcher_removes_everything(sig):
     launcher = subprocess.Popen(LAUNCHER + ["--nodes", "2", "--ranks-per-node", "1", "--", "sh", "-c", "sleep 60"],
                                 env=_launcher_env(), stderr=subprocess.PIPE, text=True)
     assert _wait_for(lambda: len(_namespaces_of(launcher.pid)) == 3)
-    time.sleep(1.0)  # let the torchruns start their ranks
+    assert _wait_for(lambda: _running_ranks("sleep 60") == 2, timeout=60)  # both torchruns started their rank
     launcher.send_signal(sig)
     _, err = launcher.communicate(timeout=30)
     assert launcher.returncode == 128 + sig, err
