@@ -204,17 +204,26 @@ def _namespaces_of(pid: int) -> list[str]:
     return list_namespaces(f"zeropp-{pid}-")
 
 
-def _running_ranks(command: str) -> int:
-    """How many processes run ``sh -c <command>`` (the ranks a test's launcher started)."""
-    count = 0
+def _running_ranks(launcher: int, command: str) -> int:
+    """How many descendants of process ``launcher`` run ``sh -c <command>`` (the ranks it started)."""
+    parents, argvs = {}, {}
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
+            with open(f"/proc/{pid}/stat") as f:
+                parents[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:  # the process ended meanwhile
+                argvs[int(pid)] = f.read().split(b"\0")
+        except (OSError, IndexError, ValueError):  # the process ended meanwhile
             continue
-        count += argv[:3] == [b"sh", b"-c", command.encode()]
-    return count
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            pid = parents.get(pid, 0)
+            if pid == launcher:
+                return True
+        return False
+
+    return sum(argv[:3] == [b"sh", b"-c", command.encode()] and descends(pid) for pid, argv in argvs.items())
 
 
 def _wait_for(predicate, timeout: float = 20.0) -> bool:
@@ -300,7 +309,7 @@ def test_interrupted_launcher_removes_everything(sig):
     launcher = subprocess.Popen(LAUNCHER + ["--nodes", "2", "--ranks-per-node", "1", "--", "sh", "-c", "sleep 60"],
                                 env=_launcher_env(), stderr=subprocess.PIPE, text=True)
     assert _wait_for(lambda: len(_namespaces_of(launcher.pid)) == 3)
-    assert _wait_for(lambda: _running_ranks("sleep 60") == 2, timeout=60)  # both torchruns started their rank
+    assert _wait_for(lambda: _running_ranks(launcher.pid, "sleep 60") == 2, timeout=60)  # both ranks started
     launcher.send_signal(sig)
     _, err = launcher.communicate(timeout=30)
     assert launcher.returncode == 128 + sig, err

@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
                            latency=args.latency)
     except ValueError as e:
         _parser().error(str(e))
+    # a launcher started in the background of a non-interactive shell inherits SIGINT ignored: it must still stop
+    # and clean up when sent one
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         return run(spec, command, timeout=args.timeout, quiet=args.quiet)
     except ClusterUnavailable as e:
