@@ -1,9 +1,10 @@
 """The documentation site (mkdocs.yml, docs/): it builds with ``mkdocs build --strict`` (a broken link or anchor, a
 page left out of the nav, or an API reference to a name that no longer exists fails it), and the configuration page
-names every key the config parser accepts."""
+names every key the config parser accepts and the troubleshooting page every exception class zeropp defines."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import os
 import re
@@ -62,3 +63,30 @@ def test_configuration_page_names_every_key(monkeypatch: pytest.MonkeyPatch) -> 
     assert len(keys) > 100, sorted(keys)
     missing = sorted(keys - documented)
     assert not missing, f"docs/configuration.md does not name these config keys: {missing}"
+
+
+def exception_classes() -> set[str]:
+    """The public exception classes defined anywhere in zeropp (found in the source: a class whose base is an
+    exception class, by name)."""
+    bases: dict[str, set[str]] = {}
+    for path in (ROOT / "zeropp").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                names = {b.id if isinstance(b, ast.Name) else b.attr for b in node.bases
+                         if isinstance(b, (ast.Name, ast.Attribute))}
+                bases.setdefault(node.name, set()).update(names)
+    found = {n for n, b in bases.items() if any(x.endswith(("Error", "Exception")) or x == "KeyboardInterrupt"
+                                                for x in b)}
+    while True:
+        more = {n for n, b in bases.items() if b & found} - found
+        if not more:
+            return {n for n in found if not n.startswith("_")}
+        found |= more
+
+
+def test_troubleshooting_page_names_every_exception() -> None:
+    page = (ROOT / "docs" / "troubleshooting.md").read_text()
+    classes = exception_classes()
+    assert {"ConfigError", "CollectiveError", "OffloadError", "PlacementError"} <= classes, sorted(classes)
+    missing = sorted(c for c in classes if f"`{c}`" not in page)
+    assert not missing, f"docs/troubleshooting.md does not name these exception classes: {missing}"
