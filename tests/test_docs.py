@@ -95,8 +95,8 @@ def test_troubleshooting_page_names_every_exception() -> None:
 def test_readme_commands_are_what_ci_runs() -> None:
     """The README's first lines are the two commands (demo, tests), and .ci/run runs the test command as written."""
     readme = (ROOT / "README.md").read_text().splitlines()
-    assert readme[1] == "```bash", readme[:4]
-    demo, tests = (line.split("#")[0].strip() for line in readme[2:4])
+    assert readme[2] == "```bash", readme[:5]
+    demo, tests = (line.split("#")[0].strip() for line in readme[3:5])
     assert demo == "./setup.sh && .venv/bin/python -m zeropp.bench.training --quick"
     assert tests == "./setup.sh && .venv/bin/python -m pytest -q"
     assert tests in (ROOT / ".ci" / "run").read_text().splitlines()
