@@ -27,8 +27,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m zeropp.cluster",
         description="Run a torchrun command on K emulated nodes (network namespaces with rate-limited links).",
         epilog="Everything after `--` is the per-rank command: `python -m module args`, `python script.py args`, "
-               "`script.py args` or a program. Needs root and iproute2 for namespaces; see README "
-               "'Emulated cluster'.",
+               "`script.py args` or a program. Needs root and iproute2 for namespaces; see docs/cluster.md.",
     )
     p.add_argument("--nodes", type=int, default=2, help="number of nodes K (default 2)")
     p.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node R (default 2)")

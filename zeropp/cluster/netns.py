@@ -10,7 +10,7 @@ Layout of a run with id ``<id>`` (``<owner pid>-<owner start time>-<serial>``, s
 Both ends of node ``i``'s veth pair carry a root ``tbf`` qdisc at the spec's rate, so everything node ``i`` sends
 to or receives from other nodes is limited to the rate. Traffic between ranks of one node never leaves the
 namespace: to the node's own address (or 127.0.0.1) the kernel delivers it through ``lo``, unshaped, even when
-gloo binds its sockets to ``eth0``'s address (measured: see the README's "Emulated cluster" section).
+gloo binds its sockets to ``eth0``'s address (measured: see docs/cluster.md).
 
 Every command here is ``ip``/``tc`` run on namespaces this module creates; the host's namespace is only read
 (``ip netns list``). Tearing down kills the processes left in the namespaces, then deletes them; deleting a

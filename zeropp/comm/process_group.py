@@ -39,8 +39,9 @@ def init_distributed(dist_backend: str | None = None, auto_mpi_discovery: bool =
         init_method: torch's (default ``"env://"``: ``$MASTER_ADDR``, ``$MASTER_PORT``, and ``$RANK``/``$WORLD_SIZE``
             unless ``rank``/``world_size`` are given, non-negative).
         dist_init_required: ``False`` asserts that the group already exists (a ``RuntimeError`` if not).
-        auto_mpi_discovery, distributed_port: DeepSpeed reads the rank and world size from MPI (``mpi4py``) when the
-            environment lacks them; zeropp does not: a missing variable raises a ``RuntimeError`` naming it.
+        auto_mpi_discovery: DeepSpeed reads the rank and world size from MPI (``mpi4py``) when the environment
+            lacks them; zeropp does not: a missing variable raises a ``RuntimeError`` naming it.
+        distributed_port: the port DeepSpeed's MPI discovery sets; accepted and unused.
         verbose: log the backend and ranks (``logging``, this module's logger) on rank 0.
         config: DeepSpeed's comms-logging config; accepted and unused.
     """

@@ -69,10 +69,14 @@ def initialize(
             partitioned optimizer is a ``torch.optim.Optimizer`` for them), as do ``zeropp.engine.scheduler``'s.
         config: a dict, the path of a JSON file, or a ``Config`` (see ``zeropp.config``). It must have an
             ``optimizer`` block. ``config_params`` is DeepSpeed's older name for it.
-        optimizer, training_data, mpu, collate_fn, mesh_param: DeepSpeed's client objects; not supported (must be
-            None).
-        distributed_port, dist_init_required: passed to ``zeropp.init_distributed``, which initializes the default
-            process group from torchrun's environment unless it already is (as DeepSpeed).
+        optimizer: DeepSpeed's client optimizer; not supported (must be None).
+        training_data: DeepSpeed's client data; not supported (must be None).
+        mpu: DeepSpeed's model-parallel unit; not supported (must be None).
+        collate_fn: DeepSpeed's client collate function; not supported (must be None).
+        mesh_param: DeepSpeed's device-mesh shape; not supported (must be None).
+        distributed_port: passed to ``zeropp.init_distributed``, which initializes the default process group from
+            torchrun's environment unless it already is (as DeepSpeed).
+        dist_init_required: passed to ``zeropp.init_distributed`` as ``distributed_port`` is.
         topology: the data-parallel group and node layout (default: the world, ``comm.get_default_topology()``).
         unit_policy: which modules become units (default: each child of each outermost ``nn.ModuleList``;
             see ``zeropp.engine.policy``).
