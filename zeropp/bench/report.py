@@ -1,12 +1,14 @@
-"""Output and argument helpers shared by the benchmarks."""
+"""Output and argument helpers shared by the benchmarks: CSV and Markdown tables, progress lines and bars."""
 
 from __future__ import annotations
 
 import csv
+import io
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Union
+from types import TracebackType
+from typing import Any, TextIO, Union
 
 
 def write_csv(rows: Sequence[Mapping[str, Any]], path: str) -> None:
@@ -79,3 +81,132 @@ def parse_size(text: str) -> int:
 def progress(message: str) -> None:
     """A progress line on standard error (kept apart from the tables on standard output), flushed at once."""
     print(message, file=sys.stderr, flush=True)
+
+
+class ProgressBar:
+    """A progress bar on standard error, one line rewritten in place, with what is printed meanwhile kept above it.
+
+    ``with ProgressBar() as bar:`` replaces ``sys.stdout`` and ``sys.stderr`` until the block ends by writers that
+    hand every whole line to ``bar.write``: while a bar is drawn, the line goes above it (the bar is cleared, the
+    line written, the bar drawn again: what tqdm's ``write`` does), else straight to the real stream it was
+    written to. So the lines of code that knows nothing of the bar (the engine's ``steps_per_print`` line, any
+    ``print``, a warning) never land inside it.
+
+    The lines printed while a bar is drawn go to the bar's stream, not to standard output, because two streams
+    have no order between them: on the emulated cluster (``zeropp.cluster``) a rank's standard output goes
+    straight to the terminal while its standard error passes through the launcher (a pipe and a copying thread),
+    so a line written to standard output after the bar was cleared could still reach the terminal first, in the
+    middle of the bar. On one stream each ``write`` is one ``write(2)`` of at most a few hundred bytes: whole
+    through a pipe (POSIX keeps writes up to ``PIPE_BUF``, 4096 bytes on Linux, in one piece).
+
+    Only Python-level writes to ``sys.stdout`` and ``sys.stderr`` are redirected: a logging handler made before the
+    block with the stream object itself (DeepSpeed's logger), or C code writing to file descriptors 1 and 2, still
+    writes to the real streams.
+
+    Args:
+        enabled: ``False``: draw nothing and redirect nothing (other ranks, ``--no-progress``).
+        stream: where the bar goes (default: ``sys.stderr`` when the block starts).
+        width: characters of the bar itself.
+    """
+
+    def __init__(self, enabled: bool = True, stream: TextIO | None = None, width: int = 24) -> None:
+        self.enabled = enabled
+        self.stream = stream
+        self.width = width
+        self.shown = ""  # the bar's text as drawn now; "" when no bar is drawn
+        self._real: tuple[TextIO, TextIO] | None = None  # sys.stdout and sys.stderr before the block
+
+    def __enter__(self) -> ProgressBar:
+        if self.enabled:
+            self._real = (sys.stdout, sys.stderr)
+            if self.stream is None:
+                self.stream = sys.stderr
+            sys.stdout, sys.stderr = _LinesAbove(self, sys.stdout), _LinesAbove(self, sys.stderr)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        if self._real is not None:
+            redirects = (sys.stdout, sys.stderr)
+            sys.stdout, sys.stderr = self._real
+            for redirect in redirects:
+                if isinstance(redirect, _LinesAbove):
+                    redirect.drain()
+            self._real = None
+        self.finish()
+
+    def update(self, label: str, done: int, total: int, status: str = "") -> None:
+        """Draw ``label [####....] done/total  status`` over the current bar."""
+        if not self.enabled:
+            return
+        filled = int(self.width * done / max(total, 1))
+        text = f"{label:<10} [{'#' * filled}{'.' * (self.width - filled)}] {done}/{total}  {status}".rstrip()
+        assert self.stream is not None
+        self.stream.write("\r" + text + " " * max(0, len(self.shown) - len(text)))
+        self.stream.flush()
+        self.shown = text
+
+    def finish(self) -> None:
+        """End the bar drawn (it stays on its line as it was last drawn); the next ``update`` starts a new one."""
+        if self.enabled and self.shown:
+            assert self.stream is not None
+            self.stream.write("\n")
+            self.stream.flush()
+            self.shown = ""
+
+    def write(self, line: str, file: TextIO | None = None) -> None:
+        """Print ``line`` (no newline of its own) above the bar drawn, in one write to the bar's stream; with no
+        bar drawn, to ``file`` (default: standard output)."""
+        if self.enabled and self.shown:
+            assert self.stream is not None
+            self.stream.write("\r" + " " * len(self.shown) + "\r" + line + "\n" + self.shown)
+            self.stream.flush()
+        else:
+            out = file or (self._real[0] if self._real else sys.stdout)
+            out.write(line + "\n")
+            out.flush()
+
+
+class _LinesAbove(io.TextIOBase):
+    """``sys.stdout`` or ``sys.stderr`` while a ``ProgressBar`` block runs: whole lines to ``bar.write`` (to
+    ``real``, the stream it stands for, when no bar is drawn); a line's first part waits for its end (``print``
+    writes the text, then the newline) and is written on ``flush`` when no bar is drawn. Left open after the
+    block: whoever kept it (a logging handler) still writes through it to ``real``."""
+
+    def __init__(self, bar: ProgressBar, real: TextIO) -> None:
+        super().__init__()
+        self.bar = bar
+        self.real = real
+        self.pending = ""
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self.pending += text
+        *lines, self.pending = self.pending.split("\n")
+        for line in lines:
+            self.bar.write(line, self.real)
+        return len(text)
+
+    def flush(self) -> None:
+        if self.pending and not self.bar.shown:
+            self.real.write(self.pending)
+            self.pending = ""
+        self.real.flush()
+
+    def drain(self) -> None:
+        """Write the unfinished line left, as a line."""
+        if self.pending:
+            self.bar.write(self.pending, self.real)
+            self.pending = ""
+
+    def isatty(self) -> bool:
+        return self.real.isatty()
+
+    def fileno(self) -> int:
+        return self.real.fileno()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return self.real.encoding
