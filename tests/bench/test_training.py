@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import csv
 import io
+import logging
 import os
 import re
 import subprocess
@@ -207,19 +208,26 @@ def test_progress_bar_keeps_printed_lines_whole(capsys):
     restored after the block."""
     stream = io.StringIO()
     stdout, stderr = sys.stdout, sys.stderr
-    with ProgressBar(stream=stream, width=4) as bar:
-        print("before")
-        bar.update("cfg", 1, 2, "s1")
-        print("step", end="")
-        print(" one")
-        print("a warning", file=sys.stderr)
-        bar.update("cfg", 2, 2)
-        bar.finish()
-        print("after")
-        print("late warning", file=sys.stderr)
-    assert (sys.stdout, sys.stderr) == (stdout, stderr)
+    log = logging.getLogger("test_progress_bar")  # a handler made before the bar, on stdout (DeepSpeed's)
+    handler = logging.StreamHandler(sys.stdout)
+    log.addHandler(handler)
+    try:
+        with ProgressBar(stream=stream, width=4) as bar:
+            print("before")
+            bar.update("cfg", 1, 2, "s1")
+            print("step", end="")
+            print(" one")
+            print("a warning", file=sys.stderr)
+            log.warning("a record")
+            bar.update("cfg", 2, 2)
+            bar.finish()
+            print("after")
+            print("late warning", file=sys.stderr)
+        assert (sys.stdout, sys.stderr, handler.stream) == (stdout, stderr, stdout)
+    finally:
+        log.removeHandler(handler)
     assert capsys.readouterr() == ("before\nafter\n", "late warning\n")
-    assert screen(stream.getvalue()) == ["step one", "a warning", "cfg        [####] 2/2", ""]
+    assert screen(stream.getvalue()) == ["step one", "a warning", "a record", "cfg        [####] 2/2", ""]
     with ProgressBar(enabled=False, stream=stream) as bar:
         bar.update("cfg", 1, 2)
         assert (sys.stdout, sys.stderr) == (stdout, stderr)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import io
+import logging
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -87,20 +88,21 @@ class ProgressBar:
     """A progress bar on standard error, one line rewritten in place, with what is printed meanwhile kept above it.
 
     ``with ProgressBar() as bar:`` replaces ``sys.stdout`` and ``sys.stderr`` until the block ends by writers that
-    hand every whole line to ``bar.write``: while a bar is drawn, the line goes above it (the bar is cleared, the
-    line written, the bar drawn again: what tqdm's ``write`` does), else straight to the real stream it was
-    written to. So the lines of code that knows nothing of the bar (the engine's ``steps_per_print`` line, any
-    ``print``, a warning) never land inside it.
+    hand every whole line to ``bar.write``, and points the logging handlers that write to them (DeepSpeed's logger)
+    at those writers: while a bar is drawn, the line goes above it (the bar is cleared, the line written, the bar
+    drawn again: what tqdm's ``write`` does), else straight to the real stream it was written to. So the lines of
+    code that knows nothing of the bar (the engine's ``steps_per_print`` line, any ``print``, a warning, a log
+    record) never land inside it.
 
     The lines printed while a bar is drawn go to the bar's stream, not to standard output, because two streams
     have no order between them: on the emulated cluster (``zeropp.cluster``) a rank's standard output goes
     straight to the terminal while its standard error passes through the launcher (a pipe and a copying thread),
     so a line written to standard output after the bar was cleared could still reach the terminal first, in the
-    middle of the bar. On one stream each ``write`` is one ``write(2)`` of at most a few hundred bytes: whole
-    through a pipe (POSIX keeps writes up to ``PIPE_BUF``, 4096 bytes on Linux, in one piece).
+    middle of the bar. On one stream a line above the bar (the bar cleared, the line, the bar again) is one
+    ``write(2)``, which a pipe keeps in one piece up to ``PIPE_BUF`` bytes (4096 on Linux; a step line and a bar
+    are a few hundred).
 
-    Only Python-level writes to ``sys.stdout`` and ``sys.stderr`` are redirected: a logging handler made before the
-    block with the stream object itself (DeepSpeed's logger), or C code writing to file descriptors 1 and 2, still
+    Only Python's writes are redirected: C code writing to file descriptors 1 and 2 (torch's C++ warnings) still
     writes to the real streams.
 
     Args:
@@ -115,13 +117,18 @@ class ProgressBar:
         self.width = width
         self.shown = ""  # the bar's text as drawn now; "" when no bar is drawn
         self._real: tuple[TextIO, TextIO] | None = None  # sys.stdout and sys.stderr before the block
+        self._handlers: list[tuple[logging.StreamHandler, TextIO]] = []  # redirected, with their own streams
 
     def __enter__(self) -> ProgressBar:
         if self.enabled:
-            self._real = (sys.stdout, sys.stderr)
+            out, err = self._real = (sys.stdout, sys.stderr)
             if self.stream is None:
-                self.stream = sys.stderr
-            sys.stdout, sys.stderr = _LinesAbove(self, sys.stdout), _LinesAbove(self, sys.stderr)
+                self.stream = err
+            sys.stdout, sys.stderr = _LinesAbove(self, out), _LinesAbove(self, err)
+            for handler in _stream_handlers():
+                if handler.stream is out or handler.stream is err:
+                    self._handlers.append((handler, handler.stream))
+                    handler.setStream(sys.stdout if handler.stream is out else sys.stderr)
         return self
 
     def __exit__(self, kind: type[BaseException] | None, value: BaseException | None,
@@ -129,6 +136,9 @@ class ProgressBar:
         if self._real is not None:
             redirects = (sys.stdout, sys.stderr)
             sys.stdout, sys.stderr = self._real
+            for handler, stream in self._handlers:
+                handler.setStream(stream)
+            self._handlers = []
             for redirect in redirects:
                 if isinstance(redirect, _LinesAbove):
                     redirect.drain()
@@ -167,11 +177,18 @@ class ProgressBar:
             out.flush()
 
 
+def _stream_handlers() -> list[logging.StreamHandler]:
+    """The stream handlers of the root logger and of every logger made so far."""
+    loggers = [logging.getLogger(), *(lg for lg in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(lg, logging.Logger))]
+    return [h for lg in loggers for h in lg.handlers if isinstance(h, logging.StreamHandler)]
+
+
 class _LinesAbove(io.TextIOBase):
     """``sys.stdout`` or ``sys.stderr`` while a ``ProgressBar`` block runs: whole lines to ``bar.write`` (to
     ``real``, the stream it stands for, when no bar is drawn); a line's first part waits for its end (``print``
     writes the text, then the newline) and is written on ``flush`` when no bar is drawn. Left open after the
-    block: whoever kept it (a logging handler) still writes through it to ``real``."""
+    block: whoever kept it (a logging handler made in the block) still writes through it to ``real``."""
 
     def __init__(self, bar: ProgressBar, real: TextIO) -> None:
         super().__init__()
