@@ -60,13 +60,18 @@ def run(tmp_path_factory):
 
 
 def screen(text: str) -> list[str]:
-    """The lines a terminal shows for ``text``: a carriage return goes back to the line's start, and what follows
-    overwrites what was there."""
+    """The lines a terminal shows for ``text``: a carriage return goes back to the line's start, what follows
+    overwrites what was there, ``ESC [K`` clears the line from the cursor on."""
     lines = []
     for raw in text.split("\n"):
-        shown = ""
-        for part in raw.split("\r"):
-            shown = part + shown[len(part):]
+        shown, col = "", 0
+        for part in re.split(r"(\r|\x1b\[K)", raw):
+            if part == "\r":
+                col = 0
+            elif part == "\x1b[K":
+                shown = shown[:col]
+            else:
+                shown, col = shown[:col] + part + shown[col + len(part):], col + len(part)
         lines.append(shown.rstrip())
     return lines
 
@@ -217,7 +222,7 @@ def test_progress_bar_keeps_printed_lines_whole(capsys):
             bar.update("cfg", 1, 2, "s1")
             print("step", end="")
             print(" one")
-            print("a warning", file=sys.stderr)
+            sys.stderr.write("a warning\n  its source line\n")  # as warnings.showwarning writes
             log.warning("a record")
             bar.update("cfg", 2, 2)
             bar.finish()
@@ -227,7 +232,17 @@ def test_progress_bar_keeps_printed_lines_whole(capsys):
     finally:
         log.removeHandler(handler)
     assert capsys.readouterr() == ("before\nafter\n", "late warning\n")
-    assert screen(stream.getvalue()) == ["step one", "a warning", "a record", "cfg        [####] 2/2", ""]
+    assert screen(stream.getvalue()) == ["step one", "a warning", "  its source line", "a record",
+                                         "cfg        [####] 2/2", ""]
+    # another rank on the same terminal: draws nothing; its line replaces the bar instead of joining it
+    drawn = io.StringIO()
+    ProgressBar(stream=drawn, width=4).update("cfg", 1, 2)  # rank 0's
+    with ProgressBar(stream=stream, elsewhere=True) as other:
+        other.update("cfg", 1, 2)
+        print("rank 1 warning", file=sys.stderr)
+    other_rank = capsys.readouterr().err
+    assert other_rank == "\r\x1b[Krank 1 warning\n"
+    assert screen(drawn.getvalue() + other_rank) == ["rank 1 warning", ""]
     with ProgressBar(enabled=False, stream=stream) as bar:
         bar.update("cfg", 1, 2)
         assert (sys.stdout, sys.stderr) == (stdout, stderr)

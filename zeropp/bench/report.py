@@ -102,19 +102,27 @@ class ProgressBar:
     ``write(2)``, which a pipe keeps in one piece up to ``PIPE_BUF`` bytes (4096 on Linux; a step line and a bar
     are a few hundred).
 
+    The other ranks of a job share the terminal but not the bar: with ``elsewhere`` a process draws nothing and each
+    whole line it prints starts by clearing the terminal's line (carriage return, then ``ESC [K``), so a line of
+    theirs (a warning each rank prints, as torch's deprecation warnings under DeepSpeed) replaces the bar drawn by
+    rank 0 instead of joining it; the bar is back at its next update.
+
     Only Python's writes are redirected: C code writing to file descriptors 1 and 2 (torch's C++ warnings) still
     writes to the real streams.
 
     Args:
-        enabled: ``False``: draw nothing and redirect nothing (other ranks, ``--no-progress``).
+        enabled: ``False``: draw nothing and redirect nothing (``--no-progress``).
         stream: where the bar goes (default: ``sys.stderr`` when the block starts).
         width: characters of the bar itself.
+        elsewhere: the bar is another process's (rank 0's): draw none, print each line on a cleared line.
     """
 
-    def __init__(self, enabled: bool = True, stream: TextIO | None = None, width: int = 24) -> None:
+    def __init__(self, enabled: bool = True, stream: TextIO | None = None, width: int = 24,
+                 elsewhere: bool = False) -> None:
         self.enabled = enabled
         self.stream = stream
         self.width = width
+        self.elsewhere = elsewhere
         self.shown = ""  # the bar's text as drawn now; "" when no bar is drawn
         self._real: tuple[TextIO, TextIO] | None = None  # sys.stdout and sys.stderr before the block
         self._handlers: list[tuple[logging.StreamHandler, TextIO]] = []  # redirected, with their own streams
@@ -147,7 +155,7 @@ class ProgressBar:
 
     def update(self, label: str, done: int, total: int, status: str = "") -> None:
         """Draw ``label [####....] done/total  status`` over the current bar."""
-        if not self.enabled:
+        if not self.enabled or self.elsewhere:
             return
         filled = int(self.width * done / max(total, 1))
         text = f"{label:<10} [{'#' * filled}{'.' * (self.width - filled)}] {done}/{total}  {status}".rstrip()
@@ -165,15 +173,16 @@ class ProgressBar:
             self.shown = ""
 
     def write(self, line: str, file: TextIO | None = None) -> None:
-        """Print ``line`` (no newline of its own) above the bar drawn, in one write to the bar's stream; with no
-        bar drawn, to ``file`` (default: standard output)."""
+        """Print ``line`` (no final newline; the lines of one message may come together) above the bar drawn, in one
+        write to the bar's stream; with no bar drawn, to ``file`` (default: standard output), on a cleared line
+        when the bar is ``elsewhere``."""
         if self.enabled and self.shown:
             assert self.stream is not None
             self.stream.write("\r" + " " * len(self.shown) + "\r" + line + "\n" + self.shown)
             self.stream.flush()
         else:
             out = file or (self._real[0] if self._real else sys.stdout)
-            out.write(line + "\n")
+            out.write(("\r\x1b[K" if self.enabled and self.elsewhere else "") + line + "\n")
             out.flush()
 
 
@@ -185,10 +194,11 @@ def _stream_handlers() -> list[logging.StreamHandler]:
 
 
 class _LinesAbove(io.TextIOBase):
-    """``sys.stdout`` or ``sys.stderr`` while a ``ProgressBar`` block runs: whole lines to ``bar.write`` (to
-    ``real``, the stream it stands for, when no bar is drawn); a line's first part waits for its end (``print``
-    writes the text, then the newline) and is written on ``flush`` when no bar is drawn. Left open after the
-    block: whoever kept it (a logging handler made in the block) still writes through it to ``real``."""
+    """``sys.stdout`` or ``sys.stderr`` while a ``ProgressBar`` block runs: the whole lines of each write to
+    ``bar.write`` at once (to ``real``, the stream it stands for, when no bar is drawn); a line's first part waits
+    for its end (``print`` writes the text, then the newline) and is written on ``flush`` when no bar is drawn.
+    Left open after the block: whoever kept it (a logging handler made in the block) still writes through it to
+    ``real``."""
 
     def __init__(self, bar: ProgressBar, real: TextIO) -> None:
         super().__init__()
@@ -202,8 +212,8 @@ class _LinesAbove(io.TextIOBase):
     def write(self, text: str) -> int:
         self.pending += text
         *lines, self.pending = self.pending.split("\n")
-        for line in lines:
-            self.bar.write(line, self.real)
+        if lines:  # together: the lines of one write (a warning and its source line) stay together
+            self.bar.write("\n".join(lines), self.real)
         return len(text)
 
     def flush(self) -> None:

@@ -574,7 +574,8 @@ def worker(args: argparse.Namespace) -> list[dict[str, Any]] | None:
     held_out = TextBatches(corpus, seq_len=args.seq, global_batch=8 * world, seed=args.seed + 10_000)
     eval_batch = held_out.micro_batch(0, rank=rank, world_size=world)
     load0 = os.getloadavg()[0]
-    with ProgressBar(rank == 0 and not args.no_progress) as progress:  # the engine's step lines go above the bar
+    # rank 0 draws the bar, every rank's lines (the engine's step lines, warnings) go above it or replace it
+    with ProgressBar(not args.no_progress, elsewhere=rank != 0) as progress:
         mine = run_configs(args, topo, data, eval_batch, progress)
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
