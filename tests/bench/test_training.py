@@ -208,9 +208,8 @@ def test_step_lines_above_the_bars(run):
 
 
 def test_progress_bar_keeps_printed_lines_whole(capsys):
-    """Lines printed (to standard output or error) while a bar is drawn go above it on the bar's stream; without a
-    bar, to the stream they were printed to; a line printed in parts is written once whole; the streams are
-    restored after the block."""
+    """Lines printed in the block (to standard output or error, or logged) go to the bar's stream, above the bar
+    when one is drawn; a line printed in parts is written once whole; the streams are restored after the block."""
     stream = io.StringIO()
     stdout, stderr = sys.stdout, sys.stderr
     log = logging.getLogger("test_progress_bar")  # a handler made before the bar, on stdout (DeepSpeed's)
@@ -231,9 +230,10 @@ def test_progress_bar_keeps_printed_lines_whole(capsys):
         assert (sys.stdout, sys.stderr, handler.stream) == (stdout, stderr, stdout)
     finally:
         log.removeHandler(handler)
-    assert capsys.readouterr() == ("before\nafter\n", "late warning\n")
-    assert screen(stream.getvalue()) == ["step one", "a warning", "  its source line", "a record",
-                                         "cfg        [####] 2/2", ""]
+    print("outside")
+    assert capsys.readouterr() == ("outside\n", "")
+    assert screen(stream.getvalue()) == ["before", "step one", "a warning", "  its source line", "a record",
+                                         "cfg        [####] 2/2", "after", "late warning", ""]
     # another rank on the same terminal: draws nothing; its line replaces the bar instead of joining it
     drawn = io.StringIO()
     ProgressBar(stream=drawn, width=4).update("cfg", 1, 2)  # rank 0's

@@ -90,17 +90,16 @@ class ProgressBar:
     ``with ProgressBar() as bar:`` replaces ``sys.stdout`` and ``sys.stderr`` until the block ends by writers that
     hand every whole line to ``bar.write``, and points the logging handlers that write to them (DeepSpeed's logger)
     at those writers: while a bar is drawn, the line goes above it (the bar is cleared, the line written, the bar
-    drawn again: what tqdm's ``write`` does), else straight to the real stream it was written to. So the lines of
-    code that knows nothing of the bar (the engine's ``steps_per_print`` line, any ``print``, a warning, a log
-    record) never land inside it.
+    drawn again: what tqdm's ``write`` does). So the lines of code that knows nothing of the bar (the engine's
+    ``steps_per_print`` line, any ``print``, a warning, a log record) never land inside it.
 
-    The lines printed while a bar is drawn go to the bar's stream, not to standard output, because two streams
+    In the block every line goes to the bar's stream, standard output's too, bar drawn or not, because two streams
     have no order between them: on the emulated cluster (``zeropp.cluster``) a rank's standard output goes
     straight to the terminal while its standard error passes through the launcher (a pipe and a copying thread),
-    so a line written to standard output after the bar was cleared could still reach the terminal first, in the
-    middle of the bar. On one stream a line above the bar (the bar cleared, the line, the bar again) is one
-    ``write(2)``, which a pipe keeps in one piece up to ``PIPE_BUF`` bytes (4096 on Linux; a step line and a bar
-    are a few hundred).
+    so a line written to standard output after the bar was cleared (or ended) could still reach the terminal
+    first, in the middle of the bar. On one stream a line above the bar (the bar cleared, the line, the bar again)
+    is one ``write(2)``, which a pipe keeps in one piece up to ``PIPE_BUF`` bytes (4096 on Linux; a step line and a
+    bar are a few hundred).
 
     The other ranks of a job share the terminal but not the bar: with ``elsewhere`` a process draws nothing and each
     whole line it prints starts by clearing the terminal's line (carriage return, then ``ESC [K``), so a line of
@@ -173,12 +172,13 @@ class ProgressBar:
             self.shown = ""
 
     def write(self, line: str, file: TextIO | None = None) -> None:
-        """Print ``line`` (no final newline; the lines of one message may come together) above the bar drawn, in one
-        write to the bar's stream; with no bar drawn, to ``file`` (default: standard output), on a cleared line
-        when the bar is ``elsewhere``."""
-        if self.enabled and self.shown:
+        """Print ``line`` (no final newline; the lines of one message may come together) in one write: in the block,
+        on the bar's stream, above the bar when one is drawn; when the bar is ``elsewhere``, to ``file`` on a
+        cleared line; else to ``file`` (default: standard output)."""
+        if self.enabled and not self.elsewhere and self._real is not None:
             assert self.stream is not None
-            self.stream.write("\r" + " " * len(self.shown) + "\r" + line + "\n" + self.shown)
+            clear = "\r" + " " * len(self.shown) + "\r" if self.shown else ""
+            self.stream.write(clear + line + "\n" + self.shown)
             self.stream.flush()
         else:
             out = file or (self._real[0] if self._real else sys.stdout)
@@ -195,10 +195,10 @@ def _stream_handlers() -> list[logging.StreamHandler]:
 
 class _LinesAbove(io.TextIOBase):
     """``sys.stdout`` or ``sys.stderr`` while a ``ProgressBar`` block runs: the whole lines of each write to
-    ``bar.write`` at once (to ``real``, the stream it stands for, when no bar is drawn); a line's first part waits
-    for its end (``print`` writes the text, then the newline) and is written on ``flush`` when no bar is drawn.
-    Left open after the block: whoever kept it (a logging handler made in the block) still writes through it to
-    ``real``."""
+    ``bar.write`` at once (``real``, the stream it stands for, is where they go from a process whose bar is
+    elsewhere, or after the block); a line's first part waits for its end (``print`` writes the text, then the
+    newline; a part left at the block's end is written as a line). Left open after the block: whoever kept it (a
+    logging handler made in the block) still writes through it, to ``real``."""
 
     def __init__(self, bar: ProgressBar, real: TextIO) -> None:
         super().__init__()
@@ -217,9 +217,6 @@ class _LinesAbove(io.TextIOBase):
         return len(text)
 
     def flush(self) -> None:
-        if self.pending and not self.bar.shown:
-            self.real.write(self.pending)
-            self.pending = ""
         self.real.flush()
 
     def drain(self) -> None:
