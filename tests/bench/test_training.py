@@ -1,18 +1,23 @@
 """The end-to-end training benchmark (zeropp.bench.training) runs, writes its CSVs and PNGs, prints its table, and
 its byte counters show ZeRO++'s cut of the cross-node volume.
 
-One job of 4 ranks as 2 emulated nodes of 2 under a plain, unshaped torchrun (``--launcher torchrun``): the tiny
+One job of 4 ranks as 2 emulated nodes of 2 under the demo's launcher, ``zeropp.cluster``, unshaped (one torchrun
+on loopback; the ranks' standard error passes through the launcher, their standard output does not): the tiny
 preset, ZeRO-3, full ZeRO++, FSDP2 and HSDP (``zeropp.bench.fsdp``), and FSDP2 with zeropp's comms (full ZeRO++
-and each flag alone), 3 steps. FSDP2 and HSDP do the same work as ZeRO-3: the same first-step loss (same weights,
-same data, exact gathers) and, after 3 AdamW steps, the same held-out loss to 1e-4. DeepSpeed's ZeRO-3, where it
-is installed, likewise, beside DeepSpeed's engine on zeropp.deepspeed (a job of their own). The shaped run lives
-in bench/RESULTS.md (too slow for a test).
+and each flag alone), 3 steps, the engine's ``steps_per_print`` line at every step. FSDP2 and HSDP do the same work
+as ZeRO-3: the same first-step loss (same weights, same data, exact gathers) and, after 3 AdamW steps, the same
+held-out loss to 1e-4. The terminal shows the step lines whole, above the progress bars. DeepSpeed's ZeRO-3, where
+it is installed, likewise, beside DeepSpeed's engine on zeropp.deepspeed (a job of their own, under the
+benchmark's own ``--launcher torchrun``). The shaped run lives in bench/RESULTS.md (too slow for a test).
 """
 
 from __future__ import annotations
 
 import csv
+import io
+import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,32 +25,55 @@ from pathlib import Path
 import pytest
 
 from zeropp.bench import training
+from zeropp.bench.report import ProgressBar
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ("zero3", "zeropp", "fsdp2", "hsdp", "fsdp2-zeropp", "fsdp2-qwz", "fsdp2-hpz", "fsdp2-qgz")
 
 
-def bench(out: Path, *options: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """The benchmark on 4 ranks as 2 emulated nodes of 2 (unshaped torchrun), tiny preset, 3 steps."""
+def bench(out: Path, *options: str, timeout: float = 120, cluster: bool = False) -> subprocess.CompletedProcess:
+    """The benchmark on 4 ranks as 2 emulated nodes of 2, tiny preset, 3 steps: under its own unshaped torchrun, or
+    (``cluster``) under ``python -m zeropp.cluster --unshaped``; standard output and error in one pipe, as on a
+    terminal (``proc.stdout``)."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RANK", "WORLD_SIZE",
                                                               "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env["ZEROPP_QUANT_BACKEND"] = "torch"
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    launch = ["-m", "zeropp.cluster", "--nodes", "2", "--ranks-per-node", "2", "--unshaped", "--quiet", "--",
+              "python"] if cluster else []
     proc = subprocess.run(
-        [sys.executable, "-m", "zeropp.bench.training", "--launcher", "torchrun", "--nodes", "2",
+        [sys.executable, *launch, "-m", "zeropp.bench.training", "--launcher", "torchrun", "--nodes", "2",
          "--ranks-per-node", "2", "--preset", "tiny", "--seq", "16", "--micro-batch", "1", "--steps", "3",
          "--warmup", "1", "--out", str(out), *options],
-        env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT, check=False,
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout, cwd=ROOT, check=False,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc.stdout = proc.stdout.decode()  # not text=True: that turns each carriage return into a newline
+    assert proc.returncode == 0, proc.stdout[-6000:]
     return proc
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("training")
-    return out, bench(out, "--configs", ",".join(CONFIGS))
+    return out, bench(out, "--configs", ",".join(CONFIGS), "--steps-per-print", "1", cluster=True)
+
+
+def screen(text: str) -> list[str]:
+    """The lines a terminal shows for ``text``: a carriage return goes back to the line's start, what follows
+    overwrites what was there, ``ESC [K`` clears the line from the cursor on."""
+    lines = []
+    for raw in text.split("\n"):
+        shown, col = "", 0
+        for part in re.split(r"(\r|\x1b\[K)", raw):
+            if part == "\r":
+                col = 0
+            elif part == "\x1b[K":
+                shown = shown[:col]
+            else:
+                shown, col = shown[:col] + part + shown[col + len(part):], col + len(part)
+        lines.append(shown.rstrip())
+    return lines
 
 
 def read_csv(path: Path) -> list[dict[str, str]]:
@@ -161,6 +189,88 @@ def test_plots_and_table(run):
     step = {r["config"]: float(r["step_s"]) for r in read_csv(out / "training.csv")}
     for name, label in (("fsdp2", training.LABELS["fsdp2"]), ("hsdp", training.LABELS["hsdp"])):
         assert f"{step[name] / step['zeropp']:.2f}x as fast as {label}" in proc.stdout, proc.stdout[-1500:]
+
+
+def test_step_lines_above_the_bars(run):
+    """The engine's steps_per_print lines (rank 0, a process under the launcher) come out whole, each on its own
+    line, never inside a progress bar; every config's bar ends on 3/3."""
+    _, proc = run
+    lines = screen(proc.stdout)
+    step = re.compile(r"\[zeropp\] step=(\d+) loss=\S+ lr=\[\S+\] grad_norm=\S+ samples/s=\S+ loss_scale=\S+")
+    bar = re.compile(r"(\S+) +\[[#.]{24}\] (\d)/3  +\d+\.\d\d step/s  loss +\S+")
+    steps = [step.fullmatch(line) for line in lines if "[zeropp]" in line]
+    assert steps and all(steps), [line for line in lines if "[zeropp]" in line]
+    # the zeropp engines print (zero3, zeropp); FSDP2's rows have no steps_per_print
+    assert [int(m.group(1)) for m in steps] == [1, 2, 3] * 2
+    bars = [bar.fullmatch(line) for line in lines if "step/s" in line]
+    assert bars and all(bars), [line for line in lines if "step/s" in line]
+    assert [(m.group(1), m.group(2)) for m in bars] == [(name, "3") for name in CONFIGS]
+
+
+def test_progress_bar_keeps_printed_lines_whole(capsys):
+    """Lines printed in the block (to standard output or error, or logged) go to the bar's stream, above the bar
+    when one is drawn; a line printed in parts is written once whole; the streams are restored after the block."""
+    stream = io.StringIO()
+    stdout, stderr = sys.stdout, sys.stderr
+    log = logging.getLogger("test_progress_bar")  # a handler made before the bar, on stdout (DeepSpeed's)
+    handler = logging.StreamHandler(sys.stdout)
+    log.addHandler(handler)
+    try:
+        with ProgressBar(stream=stream, width=4) as bar:
+            print("before")
+            bar.update("cfg", 1, 2, "s1")
+            print("step", end="")
+            print(" one")
+            sys.stderr.write("a warning\n  its source line\n")  # as warnings.showwarning writes
+            log.warning("a record")
+            bar.update("cfg", 2, 2)
+            bar.finish()
+            print("after")
+            print("late warning", file=sys.stderr)
+        assert (sys.stdout, sys.stderr, handler.stream) == (stdout, stderr, stdout)
+    finally:
+        log.removeHandler(handler)
+    print("outside")
+    assert capsys.readouterr() == ("outside\n", "")
+    assert screen(stream.getvalue()) == ["before", "step one", "a warning", "  its source line", "a record",
+                                         "cfg        [####] 2/2", "after", "late warning", ""]
+    # another rank on the same terminal: draws nothing; its line replaces the bar instead of joining it
+    drawn = io.StringIO()
+    ProgressBar(stream=drawn, width=4).update("cfg", 1, 2)  # rank 0's
+    with ProgressBar(stream=stream, elsewhere=True) as other:
+        other.update("cfg", 1, 2)
+        print("rank 1 warning", file=sys.stderr)
+    other_rank = capsys.readouterr().err
+    assert other_rank == "\r\x1b[Krank 1 warning\n"
+    assert screen(drawn.getvalue() + other_rank) == ["rank 1 warning", ""]
+    with ProgressBar(enabled=False, stream=stream) as bar:
+        bar.update("cfg", 1, 2)
+        assert (sys.stdout, sys.stderr) == (stdout, stderr)
+
+
+def test_traffic_bars_measured_for_every_row():
+    """The traffic plot's data from a shaped run's measurements: a NIC bar (the busiest node's transmit bytes per
+    step) for every row, FSDP2's and HSDP's included; the counted split beside it where zeropp.comm counted."""
+    args = training.parse_args(["--configs", "zero3,fsdp2,hsdp", "--steps", "4", "--warmup", "2"])
+    args.load = (0.0, 0.0)
+    per_step = {"calls": 0, "sent_intra": 0, "recv_intra": 0, "recv_inter": 0}
+
+    def rank(nic_tx: float | None, inter: float | None) -> dict:
+        kinds = None if inter is None else {"all_gather": {**per_step, "sent_inter": inter},
+                                            "reduce_scatter": {**per_step, "sent_inter": inter, "sent_intra": 1e6}}
+        return {"losses": [3.0] * 4, "times": [0.5] * 4, "phases": [(0.1, 0.3, 0.1)] * 4, "per_kind": kinds,
+                "nic": None if nic_tx is None else (nic_tx, nic_tx), "window_s": 1.0, "eval_loss": 3.0}
+
+    measured = {"zero3": (9e6, 2e6), "fsdp2": (12e6, None), "hsdp": (5e6, None)}  # node 0's NIC bytes, counted
+    rows = []
+    for name, (tx, inter) in measured.items():  # each node's first rank reads its NIC; node 1 sent less
+        per_rank = [rank(tx, inter), rank(None, inter), rank(tx / 2, inter), rank(None, inter)]
+        rows.append(training.summarize(name, per_rank, args, 2, 4, 64)[0])
+    bars = training.traffic_bars(rows)
+    assert [b["config"] for b in bars] == ["zero3", "fsdp2", "hsdp"]
+    assert [b["nic_tx_MB"] for b in bars] == [9.0, 12.0, 5.0]
+    assert bars[0]["counted_inter_MB"] == 2 * 2 * 2e6 / 1e6 and bars[0]["counted_intra_MB"] == 2.0
+    assert bars[1]["counted_inter_MB"] is None and bars[2]["counted_intra_MB"] is None
 
 
 def test_helpers():

@@ -76,7 +76,14 @@ Per config, over the steps after ``--warmup`` (step time = the slowest rank's, p
   batch after training; ``loss_vs_zero3``: relative difference of ``eval_loss`` to the baseline's.
 
 Rank 0 writes ``training.csv`` (one row per config), ``training_loss.csv`` (config, step, loss, step time),
-``training_loss.png`` and ``training_throughput.png`` to ``--out`` and prints the table.
+``training_loss.png`` and ``training_throughput.png`` to ``--out`` and prints the table. ``training_throughput.png``
+has the tokens per second and, per config, the traffic per step of the busiest node: the interface's measured
+transmit bytes (every config of a shaped run) beside the bytes ``zeropp.comm.stats()`` counted, across and inside
+nodes (the configs it counts; ``traffic_bars``).
+
+While it trains, rank 0 draws a progress bar on stderr (``zeropp.bench.report.ProgressBar``; none with
+``--no-progress``); the engines' ``steps_per_print`` lines (``--steps-per-print``) and anything else rank 0 prints
+meanwhile appear whole above it.
 """
 
 from __future__ import annotations
@@ -93,6 +100,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from zeropp.bench.report import ProgressBar
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "zero3": {},
@@ -218,7 +227,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help=f"output directory (default {DEFAULT_OUT})")
     p.add_argument("--quick", action="store_true",
                    help=f"short run for a demo: {QUICK['steps']} steps, {QUICK['warmup']} warm-up")
-    p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    p.add_argument("--steps-per-print", type=int, default=10,
+                   help="the zeropp and DeepSpeed engines' steps_per_print: rank 0 prints a step line every N "
+                   "steps, above the progress bar (default 10, DeepSpeed's)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--no-plots", action="store_true", help="skip the PNGs")
     p.add_argument("--timeout", type=float, default=None, help="driver: seconds before the job is killed")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -243,6 +255,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ImportError as e:
             p.error(f"configs {','.join(DEEPSPEEDS)}: DeepSpeed is not installed ({e}): pip install deepspeed, or "
                     "leave them out")
+    if args.steps_per_print < 1:
+        p.error(f"--steps-per-print {args.steps_per_print}: must be at least 1")
     if not 0 <= args.warmup < args.steps:
         p.error(f"need 0 <= --warmup < --steps, got {args.warmup} and {args.steps}")
     args.rate_bps = parse_rate(args.rate)
@@ -252,31 +266,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 # ---- worker ---------------------------------------------------------------------------------------------------
-
-
-class Progress:
-    """One stderr line, rewritten in place: config, step, steps/s, loss."""
-
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self.width = 0
-
-    def update(self, label: str, step: int, total: int, rate: float, loss: float) -> None:
-        if not self.enabled:
-            return
-        n = 24
-        done = int(n * step / total)
-        line = (f"{label:<10} [{'#' * done}{'.' * (n - done)}] {step}/{total}  {rate:5.2f} step/s  "
-                f"loss {loss:6.3f}")
-        sys.stderr.write("\r" + line + " " * max(0, self.width - len(line)))
-        sys.stderr.flush()
-        self.width = len(line)
-
-    def close(self) -> None:
-        if self.enabled and self.width:
-            sys.stderr.write("\n")
-            sys.stderr.flush()
-            self.width = 0
 
 
 def nic_bytes() -> tuple[int, int] | None:
@@ -308,6 +297,7 @@ def zero_config(name: str, args: argparse.Namespace, ranks_per_node: int) -> dic
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": args.clip,
+        "steps_per_print": args.steps_per_print,
         "optimizer": {"type": "AdamW", "params": {"lr": args.lr, "weight_decay": 0.01}},
         "zero_optimization": zero,
         "bf16": {"enabled": dtype_of(name, args) == "bf16"},
@@ -442,8 +432,14 @@ class ConfigRun:
 _FIELDS = ("calls", "sent_intra", "sent_inter", "recv_intra", "recv_inter")
 
 
+def status(step: int, t_start: float, loss: float) -> str:
+    """The progress bar's status after step ``step`` (from 0) of a run started at ``t_start``
+    (``time.perf_counter``): steps per second so far and the last loss."""
+    return f"{(step + 1) / (time.perf_counter() - t_start):5.2f} step/s  loss {loss:6.3f}"
+
+
 def run_configs(args: argparse.Namespace, topo: Any, data: Any, eval_batch: Any,
-                progress: Progress) -> dict[str, dict[str, Any]]:
+                progress: ProgressBar) -> dict[str, dict[str, Any]]:
     """Train every config; return this rank's measurements per config.
 
     ``sequential``: one config after the other (a fresh engine each). ``interleaved``: every config's engine is
@@ -460,9 +456,8 @@ def run_configs(args: argparse.Namespace, topo: Any, data: Any, eval_batch: Any,
             for run in runs:
                 run.step(step, data)
             if rank == 0:
-                progress.update("all", step + 1, args.steps, (step + 1) / (time.perf_counter() - t_start),
-                                runs[0].losses[-1])
-        progress.close()
+                progress.update("all", step + 1, args.steps, status(step, t_start, runs[0].losses[-1]))
+        progress.finish()
         for run in runs:
             results[run.name] = run.finish(eval_batch)
         return results
@@ -472,9 +467,8 @@ def run_configs(args: argparse.Namespace, topo: Any, data: Any, eval_batch: Any,
         for step in range(args.steps):
             run.step(step, data)
             if rank == 0:
-                progress.update(name, step + 1, args.steps, (step + 1) / (time.perf_counter() - t_start),
-                                run.losses[-1])
-        progress.close()
+                progress.update(name, step + 1, args.steps, status(step, t_start, run.losses[-1]))
+        progress.finish()
         results[name] = run.finish(eval_batch)
         # the engine and its hooks form reference cycles: free its memory now, not at some later config's expense
         del run
@@ -579,9 +573,10 @@ def worker(args: argparse.Namespace) -> list[dict[str, Any]] | None:
     data = TextBatches(corpus, seq_len=args.seq, global_batch=args.micro_batch * world, seed=args.seed)
     held_out = TextBatches(corpus, seq_len=args.seq, global_batch=8 * world, seed=args.seed + 10_000)
     eval_batch = held_out.micro_batch(0, rank=rank, world_size=world)
-    progress = Progress(rank == 0 and not args.no_progress)
     load0 = os.getloadavg()[0]
-    mine = run_configs(args, topo, data, eval_batch, progress)
+    # rank 0 draws the bar, every rank's lines (the engine's step lines, warnings) go above it or replace it
+    with ProgressBar(not args.no_progress, elsewhere=rank != 0) as progress:
+        mine = run_configs(args, topo, data, eval_batch, progress)
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, mine)
     gathered = {name: [r[name] for r in everyone] for name in args.configs}
@@ -701,6 +696,16 @@ def report(gathered: dict[str, list[dict[str, Any]]], args: argparse.Namespace, 
     return rows
 
 
+def traffic_bars(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The traffic plot's bars, one entry per row: ``config``; ``nic_tx_MB``, the bytes the node's interface sent
+    per step, measured (MB, the busiest node; every row of a shaped run, whoever moves the bytes; ``None``
+    unshaped); ``counted_inter_MB`` and ``counted_intra_MB``, what ``zeropp.comm.stats()`` counted the node's
+    ranks sending across and inside nodes (``None`` for the rows whose collectives are torch's: fsdp2, hsdp,
+    deepspeed). Only cross-node bytes pass the interface: in-node traffic goes through the namespace's ``lo``."""
+    return [{"config": r["config"], "nic_tx_MB": r["nic_tx_MB_node"], "counted_inter_MB": r["inter_MB_node"],
+             "counted_intra_MB": r["intra_MB_node"]} for r in rows]
+
+
 def plot(rows: list[dict[str, Any]], curves: list[dict[str, Any]], out: Path, args: argparse.Namespace,
          shaped: bool) -> None:
     import matplotlib
@@ -739,14 +744,32 @@ def plot(rows: list[dict[str, Any]], curves: list[dict[str, Any]], out: Path, ar
     a1.set_ylabel("tokens / s")
     a1.set_title(f"Throughput ({where})")
     a1.tick_params(axis="x", rotation=30)
-    inter = [r["inter_MB_node"] or 0.0 for r in rows]  # FSDP2/HSDP/DeepSpeed: not counted
-    a2.bar(names, inter, color="tab:red", label="cross-node (per node)")
-    a2.bar(names, [r["intra_MB_node"] or 0.0 for r in rows], bottom=inter,
-           color="tab:gray", alpha=0.6, label="intra-node (per node)")
-    a2.set_ylabel("MB sent per step")
-    a2.set_title("Traffic per step (zeropp.comm.stats)")
+    traffic = traffic_bars(rows)
+    x = range(len(traffic))
+    half = 0.4
+    measured = [t["nic_tx_MB"] for t in traffic]
+    nic = any(m is not None for m in measured)
+    if nic:
+        a2.bar([i - half / 2 for i in x], [m or 0.0 for m in measured], half, color="tab:purple",
+               label="NIC tx, measured (cross-node)")
+    inter = [t["counted_inter_MB"] for t in traffic]
+    intra = [t["counted_intra_MB"] for t in traffic]
+    right = [i + half / 2 if nic else i for i in x]
+    a2.bar(right, [v or 0.0 for v in inter], half, color="tab:red", label="counted cross-node")
+    a2.bar(right, [v or 0.0 for v in intra], half, bottom=[v or 0.0 for v in inter], color="tab:gray", alpha=0.6,
+           label="counted intra-node")
+    for i, t in zip(right, traffic):
+        if t["counted_inter_MB"] is None:  # torch's collectives
+            a2.annotate("not counted", (i, 0), xytext=(0, 2), textcoords="offset points", ha="center",
+                        va="bottom", rotation=90, fontsize=7, color="tab:gray")
+    a2.set_xticks(list(x), [t["config"] for t in traffic])
+    a2.set_ylim(0, 1.35 * max([1e-9, *(m or 0.0 for m in measured),
+                               *((v or 0.0) + (w or 0.0) for v, w in zip(inter, intra))]))  # legend room
+    a2.set_ylabel("MB sent per step, per node (busiest)")
+    a2.set_title("Traffic per step: NIC counters and zeropp.comm.stats" if shaped else
+                 "Traffic per step: zeropp.comm.stats (unshaped: no NIC measured)", fontsize=10)
     a2.tick_params(axis="x", rotation=30)
-    a2.legend()
+    a2.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(out / "training_throughput.png", dpi=110)
     plt.close(fig)
