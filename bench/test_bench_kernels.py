@@ -10,9 +10,10 @@ bytes (the floor: ``bytes`` read and written once, half each; see ``bench/kernel
 Each row is 2^22 bf16 elements (block size zeropp's default), checked once against the torch reference (the same
 bytes and floats) before it is timed, on ``torch.get_num_threads()`` threads; pytest-benchmark times ``ROUNDS`` calls
 after ``WARMUP`` untimed ones with the host clock (fixed counts: a second or two per row). On a shared machine compare
-the minimum (``--benchmark-compare-fail=min:25%``), which other load disturbs least. Not part of the test suite (pyproject.toml's testpaths is
-``tests``); where the native library is not built the rows are skipped, saying why. ``bench/baselines/`` holds saved
-runs (machine and load in bench/RESULTS.md): compare only on the machine that saved them.
+the minimum (``--benchmark-compare-fail=min:25%``), which other load disturbs least. Not part of the test suite
+(pyproject.toml's testpaths is ``tests``); where the native library is not built the rows are skipped, saying why.
+``bench/baselines/`` holds saved runs (machine and load in bench/RESULTS.md): compare only on the machine that saved
+them.
 """
 
 from __future__ import annotations

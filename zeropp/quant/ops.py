@@ -5,8 +5,8 @@ Backend choice, per call, from the tensor and the environment:
 * CUDA tensors run the Triton kernels; the native CUDA kernels (``zeropp.quant.native_cuda``: ``kernels/cuda``
   built by CMake into a fatbin, launched through CuPy) run them when ``ZEROPP_QUANT_BACKEND=native`` asks for them;
 * CPU tensors run the native CPU library (``zeropp.quant.native``, built from ``kernels/cpu`` by CMake) when it is
-  built, else the torch reference (``zeropp.quant.reference``), with a warning (once) that says why; under Triton's interpreter (``TRITON_INTERPRET=1``,
-  set before ``triton`` is first imported) they run the Triton kernels;
+  built, else the torch reference (``zeropp.quant.reference``), with a warning (once) that says why; under Triton's
+  interpreter (``TRITON_INTERPRET=1``, set before ``triton`` is first imported) they run the Triton kernels;
 * ``ZEROPP_QUANT_BACKEND=native``, ``=triton`` or ``=torch`` forces one backend: ``native`` is the CPU library for
   CPU tensors and the CUDA kernels for CUDA tensors (an error says so, and how to fix it, when the forced one
   cannot run the tensor). Every backend gives the reference's bits.
