@@ -9,7 +9,10 @@
 #   torch==2.13.0 is installed into .venv: on the CPU machines that release is a CPU build lying on disk (an
 #   unpinned `torch` would pull a multi-GB CUDA build). A torch that sees a GPU is kept if it is in the range
 #   pyproject.toml supports (outside it, the zeropp install below asks pip for one that is).
-# * Then zeropp itself, editable, with its test, bench and docs extras (tests/test_docs.py builds the docs).
+# * Then zeropp itself, editable, with its test, bench and docs extras (tests/test_docs.py builds the docs), without
+#   its CMake build (SKBUILD_WHEEL_CMAKE=false: a `pip install .` builds kernels/ into the package's _native/ folder
+#   with scikit-build-core; a checkout builds it here, into build/, where zeropp looks first in a checkout,
+#   incrementally and with the test-only CPU builds).
 # * Then the native kernels with CMake: the CPU library (kernels/cpu -> build/libzeropp_cpu.so) when a C++ compiler
 #   is there (cmake from pip if none is installed; without it the torch reference runs on the CPU, and this says
 #   so; ZEROPP_REQUIRE_NATIVE=1, set by CI, makes that an error), and the CUDA kernels (kernels/cuda ->
@@ -93,7 +96,7 @@ stamp_value="$ROOT $(cksum < pyproject.toml | cut -d' ' -f1) $(cksum < setup.sh 
 if [ -x "$VPY" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$stamp_value" ] \
     && "$VPY" - "$ROOT" 2>/dev/null <<'EOF'
 import os, sys
-import numpy, pytest, hypothesis, pytest_benchmark, torch, matplotlib, mkdocs, mkdocstrings  # noqa: F401
+import numpy, pytest, hypothesis, pytest_benchmark, scikit_build_core, torch, matplotlib, mkdocs, mkdocstrings  # noqa: F401
 import zeropp
 sys.exit(os.path.dirname(os.path.dirname(os.path.realpath(zeropp.__file__))) != sys.argv[1])
 EOF
@@ -129,6 +132,7 @@ elif [ "$torch_cuda" != 1 ] && [ "$torch_version" != "$TORCH_CPU_PIN" ]; then
     pip_install "torch==$TORCH_CPU_PIN"
 fi
 
+export SKBUILD_WHEEL_CMAKE=false  # read by scikit-build-core only: the native build is build_native's
 if [ -n "$TORCH_PIN" ]; then
     pip_install -e ".[test,bench,docs]" "torch==$TORCH_PIN" \
         || die "zeropp's dependencies do not install beside torch==$TORCH_PIN (pip's message above); if it is" \

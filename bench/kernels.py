@@ -44,7 +44,8 @@ about the GPU kernels' targets.
 
 A script rather than pytest-benchmark: the result that matters is the ratio to a copy measured in the same run
 with CUDA events, printed as one table (or CSV); pytest-benchmark times with host clocks around each call and
-reports per-test statistics, which fits neither.
+reports per-test statistics, which fits neither. On the CPU, where host clocks are what there is, the main rows are
+also a pytest-benchmark suite with saved baselines to compare against (``bench/test_bench_kernels.py``).
 """
 
 from __future__ import annotations
@@ -295,6 +296,13 @@ def check_case(case: Case, expected: torch.Tensor | None = None) -> tuple[str, s
         return "ERROR", f"{type(e).__name__}: {str(e)[:300]}"
 
 
+def copy_of(nbytes: int, device: torch.device) -> Callable[[], object]:
+    """A device copy that moves ``nbytes`` bytes: ``nbytes // 2`` read, as many written (a row's floor)."""
+    src = torch.full((nbytes // 2,), 1, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
 class Copies:
     """The time of a device copy of ``nbytes`` bytes (read + written), measured once per size in a run."""
 
@@ -304,9 +312,7 @@ class Copies:
     def __call__(self, nbytes: int) -> float:
         half = nbytes // 2
         if half not in self.times:
-            src = torch.full((half,), 1, dtype=torch.uint8, device=self.device)
-            dst = torch.empty_like(src)
-            self.times[half] = self.timer(lambda: dst.copy_(src))[0]
+            self.times[half] = self.timer(copy_of(nbytes, self.device))[0]
         return self.times[half]
 
 

@@ -26,6 +26,8 @@ the same size and threads (from medians; "vs axpy (min)" from the fastest runs);
 step's median time over the row's. Times (host clock): ``--reps`` rounds after ``--warmup`` untimed ones, each
 round timing every row once in turn, so that load from other jobs on a shared machine falls on all rows alike;
 the median, min and max are shown. The load average before and after is printed: repeat runs and compare.
+The native rows, torch's fused step and the copy are also a pytest-benchmark suite with saved baselines to compare
+against (``bench/test_bench_optimizer.py``).
 """
 
 from __future__ import annotations

@@ -172,7 +172,12 @@ class PartitionedOptimizer(torch.optim.Optimizer):
                 _adam(params, grads, state["exp_avg"], state["exp_avg_sq"], group, self.steps[g], decoupled)
 
     def _native_usable(self, unit: Unit) -> bool:
-        return unit.master.device.type == "cpu" and native_optim.available()
+        if unit.master.device.type != "cpu":
+            return False
+        if native_optim.available():
+            return True
+        native_optim.warn_unavailable("The CPU optimizer step runs torch's fused Adam instead (slower).")
+        return False
 
     def _native_unit(self, u: int) -> bool:
         """Step unit ``u`` with the native fused Adam (``zeropp.optim.native``), one call per piece of a parameter,

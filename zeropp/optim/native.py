@@ -17,7 +17,7 @@ the variant that reproduces it; if none does, it is unavailable and ``unavailabl
 rounds to nearest even (float16 overflows to Inf); a NaN parameter gives a NaN (its payload bits may differ from
 torch's). It runs on ``torch.get_num_threads()`` OpenMP threads; the result does not depend on their number.
 
-The library is the one ``zeropp.quant.native`` loads (``ZEROPP_NATIVE_LIB``, else ``build/libzeropp_cpu.so``);
+The library is the one ``zeropp.quant.native`` loads (``ZEROPP_NATIVE_LIB``, else ``native.DEFAULT_PATH``);
 ``available()`` says whether it loads here with this op, ``unavailable_reason()`` why not.
 """
 
@@ -194,6 +194,7 @@ library_path = _backend.path
 library = _backend.library
 available = _backend.available
 unavailable_reason = _backend.unavailable_reason
+warn_unavailable = _backend.warn_unavailable
 
 
 def adam_step(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,

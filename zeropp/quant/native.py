@@ -4,9 +4,10 @@ The functions take the arguments of ``zeropp.quant.reference`` (validated by ``z
 ``out`` and agree with the reference bit for bit; they run on CPU tensors, on ``torch.get_num_threads()`` OpenMP
 threads. No torch C++ ABI is involved: the library sees raw pointers.
 
-The library is looked for at ``ZEROPP_NATIVE_LIB`` (a path) if that is set, else at ``build/libzeropp_cpu.so`` in
-the source tree, which ``cmake -S . -B build && cmake --build build`` (run by ``setup.sh``) makes. ``available()``
-says whether it loaded; ``unavailable_reason()`` says why not.
+The library is looked for at ``ZEROPP_NATIVE_LIB`` (a path) if that is set, else at ``DEFAULT_PATH``:
+``build/libzeropp_cpu.so`` in a source checkout, which ``cmake -S . -B build && cmake --build build`` (run by
+``setup.sh``) makes, or ``zeropp/_native/libzeropp_cpu.so``, which ``pip install`` puts there where a C++ compiler is
+(``native_loader.build_path``). ``available()`` says whether it loaded; ``unavailable_reason()`` says why not.
 """
 
 from __future__ import annotations
@@ -18,17 +19,20 @@ from pathlib import Path
 import torch
 
 from .format import BlockFormat
-from .native_loader import NativeBackend
+from .native_loader import NativeBackend, build_path
 
 ABI_VERSION = 1
 """The ``zeropp_cpu_abi_version()`` this module is written for (kernels/cpu/quant.cpp)."""
 
 LIBRARY_NAME = "libzeropp_cpu.so"
-DEFAULT_PATH = Path(__file__).resolve().parents[2] / "build" / LIBRARY_NAME
+DEFAULT_PATH = build_path(LIBRARY_NAME)
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
-BUILD_HINT = "build it with `cmake -S . -B build && cmake --build build` in the zeropp checkout (setup.sh does)"
+BUILD_HINT = (
+    "in a zeropp checkout build it with ./setup.sh (or `cmake -S . -B build && cmake --build build`); an installed "
+    "zeropp has it where a C++ compiler was present at `pip install` (`pip install -v` shows its CMake build)"
+)
 
 
 class NativeLibraryError(RuntimeError):
@@ -99,6 +103,7 @@ library_path = _backend.path
 library = _backend.library
 available = _backend.available
 unavailable_reason = _backend.unavailable_reason
+warn_unavailable = _backend.warn_unavailable
 quantize_chunks = _backend.quantize_chunks
 dequantize_chunks = _backend.dequantize_chunks
 reduce_requantize = _backend.reduce_requantize

@@ -6,9 +6,10 @@ tensors' device. No torch C++ ABI is involved: the kernels get raw ``data_ptr()`
 fatbin works with any torch build. CuPy is imported only when a kernel is first needed; without it zeropp still
 imports and CUDA tensors run the Triton kernels.
 
-The fatbin is looked for at ``ZEROPP_NATIVE_CUDA_LIB`` (a path) if that is set, else at
-``build/zeropp_cuda.fatbin`` in the source tree, which ``cmake -S . -B build && cmake --build build`` (run by
-``setup.sh``) makes where nvcc is installed. ``available()`` says whether it loads; ``unavailable_reason()`` says
+The fatbin is looked for at ``ZEROPP_NATIVE_CUDA_LIB`` (a path) if that is set, else at ``DEFAULT_PATH``:
+``build/zeropp_cuda.fatbin`` in a source checkout, which ``cmake -S . -B build && cmake --build build`` (run by
+``setup.sh``) makes where nvcc is installed, or ``zeropp/_native/zeropp_cuda.fatbin``, which ``pip install`` puts
+there where nvcc is (``native_loader.build_path``). ``available()`` says whether it loads; ``unavailable_reason()`` says
 why not.
 
 Launches (see the layout notes at the top of quant.cu): ``threads(block_size) = max(256, block_size / 16)``
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 
 from .format import BlockFormat, exact_reciprocal
-from .native_loader import NativeBackend
+from .native_loader import NativeBackend, build_path
 
 ABI_VERSION = 1
 """The ``zeropp_cuda_abi_version`` this module is written for (kernels/cuda/quant.cu)."""
@@ -36,7 +37,7 @@ ABI_VERSION = 1
 FATBIN_NAME = "zeropp_cuda.fatbin"
 SOURCE_TREE = Path(__file__).resolve().parents[2]
 """The checkout this module lies in (the fatbin's sources and build files are there in a source install)."""
-DEFAULT_PATH = SOURCE_TREE / "build" / FATBIN_NAME
+DEFAULT_PATH = build_path(FATBIN_NAME)
 SOURCE = SOURCE_TREE / "kernels" / "cuda" / "quant.cu"
 """The CUDA C++ source of the kernels."""
 
@@ -69,8 +70,8 @@ KERNEL_NAMES = tuple(
 """Every kernel this module launches (what the fatbin must hold; ``tests/quant/test_cuda_compile.py`` checks)."""
 
 BUILD_HINT = (
-    "build it with `cmake -S . -B build && cmake --build build` in the zeropp checkout (setup.sh does), with nvcc "
-    "on PATH"
+    "with nvcc on PATH, in a zeropp checkout build it with ./setup.sh (or `cmake -S . -B build && cmake --build "
+    "build`), or reinstall zeropp (`pip install`, which builds it where nvcc is)"
 )
 CUPY_HINT = (
     "install CuPy for your CUDA version: `pip install cupy-cuda12x` (CUDA 12) or `pip install cupy-cuda13x` (CUDA 13)"

@@ -3,11 +3,16 @@ library (``native.py``) and the CUDA kernels (``native_cuda.py``).
 
 A backend that cannot load is not an error until it is asked to run: ``available()`` says whether it loads and
 ``unavailable_reason()`` why not (the loader's exception message, which says how to fix it).
+
+``build_path`` says where a build is looked for by default: in a source checkout, ``build/`` (where ``setup.sh``'s
+CMake build puts it); in an installed zeropp, ``zeropp/_native/`` (where ``pip install`` puts it).
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Generic, TypeVar
@@ -18,6 +23,24 @@ from .format import BlockFormat
 
 Loaded = TypeVar("Loaded")
 
+CHECKOUT = Path(__file__).resolve().parents[2]
+"""The folder holding the ``zeropp`` package: a source checkout when ``CMakeLists.txt`` is there."""
+INSTALL_DIR = "_native"
+"""The folder inside the ``zeropp`` package where ``pip install`` puts the builds (CMakeLists.txt's
+``ZEROPP_INSTALL_DIR``)."""
+
+
+def build_path(name: str) -> Path:
+    """Where the build file ``name`` is looked for when no environment variable names one: the first that exists of
+    ``build/<name>`` in a source checkout (``setup.sh`` keeps it current with the sources) and ``<name>`` in the
+    package's ``_native/`` folder, in each folder of ``zeropp.__path__`` (an editable install lists the one its build
+    went to there); when none exists, the first of them, for the message that says how to build it."""
+    package_dirs = [Path(d) for d in sys.modules[__name__.split(".")[0]].__path__]
+    candidates = [d / INSTALL_DIR / name for d in package_dirs]
+    if (CHECKOUT / "CMakeLists.txt").is_file():
+        candidates.insert(0, CHECKOUT / "build" / name)
+    return next((c for c in candidates if c.is_file()), candidates[0])
+
 
 class NativeBackend(Generic[Loaded]):
     """The four ops of a native backend, run by what ``load(path)`` returns; ``load`` raises ``error`` (an exception
@@ -26,6 +49,7 @@ class NativeBackend(Generic[Loaded]):
     def __init__(self, env: str, default: Path, load: Callable[[Path], Loaded], error: type[Exception]) -> None:
         self.env, self.default, self._load, self._error = env, default, load, error
         self._loaded: dict[Path, Loaded | Exception] = {}
+        self._warned = False
 
     def path(self) -> Path:
         """Where the build is looked for: ``$<env>`` if set, else the default path."""
@@ -55,6 +79,13 @@ class NativeBackend(Generic[Loaded]):
         """Why the build at ``path()`` does not load (``None`` when it does)."""
         loaded = self._get()
         return str(loaded) if isinstance(loaded, Exception) else None
+
+    def warn_unavailable(self, instead: str) -> None:
+        """Warn (``RuntimeWarning``, once per process) that the build does not load, why, and what runs ``instead``:
+        a missing build must not go unnoticed where a slower path takes its place."""
+        if not self._warned:
+            self._warned = True
+            warnings.warn(f"{self.unavailable_reason()}. {instead}", RuntimeWarning, stacklevel=3)
 
     def quantize_chunks(self, x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, out: torch.Tensor) -> None:
         """As ``reference.quantize_chunks``."""

@@ -5,8 +5,8 @@ Backend choice, per call, from the tensor and the environment:
 * CUDA tensors run the Triton kernels; the native CUDA kernels (``zeropp.quant.native_cuda``: ``kernels/cuda``
   built by CMake into a fatbin, launched through CuPy) run them when ``ZEROPP_QUANT_BACKEND=native`` asks for them;
 * CPU tensors run the native CPU library (``zeropp.quant.native``, built from ``kernels/cpu`` by CMake) when it is
-  built, else the torch reference (``zeropp.quant.reference``); under Triton's interpreter (``TRITON_INTERPRET=1``,
-  set before ``triton`` is first imported) they run the Triton kernels;
+  built, else the torch reference (``zeropp.quant.reference``), with a warning (once) that says why; under Triton's
+  interpreter (``TRITON_INTERPRET=1``, set before ``triton`` is first imported) they run the Triton kernels;
 * ``ZEROPP_QUANT_BACKEND=native``, ``=triton`` or ``=torch`` forces one backend: ``native`` is the CPU library for
   CPU tensors and the CUDA kernels for CUDA tensors (an error says so, and how to fix it, when the forced one
   cannot run the tensor). Every backend gives the reference's bits.
@@ -36,7 +36,8 @@ BACKENDS = ("auto", "torch", "triton", "native")
 
 
 def backend_name(t: torch.Tensor) -> str:
-    """``"triton"``, ``"native"`` or ``"torch"``: the backend the ops use for tensors like ``t`` right now."""
+    """``"triton"``, ``"native"`` or ``"torch"``: the backend the ops use for tensors like ``t`` right now (a
+    ``RuntimeWarning``, once, when the native CPU library is missing and the torch reference takes its place)."""
     choice = os.environ.get("ZEROPP_QUANT_BACKEND", "auto")
     if choice not in BACKENDS:
         raise ValueError(f"ZEROPP_QUANT_BACKEND={choice!r} is not one of {BACKENDS}")
@@ -62,7 +63,11 @@ def backend_name(t: torch.Tensor) -> str:
             "ZEROPP_QUANT_BACKEND=triton was asked for a CPU tensor, but Triton kernels run on the CPU only "
             "under its interpreter: set TRITON_INTERPRET=1 before importing zeropp, or use a CUDA tensor"
         )
-    return "native" if native.available() else "torch"
+    if native.available():
+        return "native"
+    native.warn_unavailable("CPU tensors run the torch reference instead (slower); ZEROPP_QUANT_BACKEND=torch "
+                            "picks it without this warning")
+    return "torch"
 
 
 def _backend(t: torch.Tensor) -> ModuleType:
