@@ -147,6 +147,7 @@ def compare(rank: int, world: int, *, configs: dict[str, int], vocab: int, dtype
 
     from zeropp import comm
 
+    freeze = tuple(freeze)
     reference = _model(vocab)
     initial = {n: p.detach().to(torch.bfloat16 if dtype == "bf16" else torch.float32)
                for n, p in reference.named_parameters(remove_duplicate=False)}
@@ -305,6 +306,7 @@ def run(rank: int, world: int, *, jobs: list[tuple[str, str, dict[str, Any]]], r
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
     WIRE.install()  # before DeepSpeed's communication backend and zeropp.comm bind torch.distributed's functions
     import deepspeed.ops
+    from deepspeed.runtime.comm import coalesced_collectives
     from deepspeed.runtime.zero import partition_parameters, stage3
 
     import zeropp.deepspeed
@@ -313,8 +315,11 @@ def run(rank: int, world: int, *, jobs: list[tuple[str, str, dict[str, Any]]], r
     mangled = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
 
     def attributes() -> tuple[Any, ...]:
-        return (partition_parameters.CUDAQuantizer, partition_parameters.Init._convert_to_deepspeed_param,
-                stage3.all_to_all_quant_reduce, stage3.DeepSpeedZeroOptimizer_Stage3.__dict__[mangled])
+        init = partition_parameters.Init
+        return (partition_parameters.CUDAQuantizer, stage3.CUDAQuantizer, init._convert_to_deepspeed_param,
+                init._partition_param, init._partition_param_sec, "quantizer_module" in init.__dict__,
+                coalesced_collectives.quantizer_module, stage3.all_to_all_quant_reduce,
+                stage3.DeepSpeedZeroOptimizer_Stage3.__dict__[mangled])
 
     originals = attributes()
     out: dict[str, Any] = {}
