@@ -142,7 +142,9 @@ def compare(rank: int, world: int, *, configs: dict[str, int], vocab: int, dtype
     global gradient norms (after the reduce-scatter, before clipping), zeropp's byte counters over the steps, and
     how the weights forward used at step 0 compare with the model's (the worst error / qwZ-bound ratio, how many
     elements differ, how many parameters are equal); with ``freeze``, the frozen weights forward used at the first
-    and the last step against the bound of weights stored quantized (``stored_ratio``, the worst over both)."""
+    and the last step against the bound of weights stored quantized (``stored_ratio``, the worst over both), and
+    after the steps as ``zero.GatheredParameters`` gathers them (``gathered_ratio``)."""
+    import deepspeed
     import torch
 
     from zeropp import comm
@@ -193,6 +195,13 @@ def compare(rank: int, world: int, *, configs: dict[str, int], vocab: int, dtype
                 for pname, used in stored)
             record["stored_seen"] = len(stored)
             record["stored_dtypes"] = sorted({str(used.dtype) for _, used in stored})
+            # DeepSpeed's synchronous gather (zero.GatheredParameters: its _allgather_params* on the primary shards)
+            frozen = [(pname, p) for pname, p in engine.module.named_parameters() if pname.startswith(freeze)]
+            with deepspeed.zero.GatheredParameters([p for _, p in frozen]):
+                record["gathered_ratio"] = max(
+                    float(((p.data.float() - initial[pname].float()).abs()
+                           / _stored_bound(initial[pname], world, world, dtype == "bf16").clamp_min(1e-30)).max())
+                    for pname, p in frozen)
         ratios, differ, equal = [], 0, 0
         for pname, used in seen.items():
             ref = initial[pname]

@@ -224,16 +224,18 @@ def test_frozen_weights_stored_quantized(results: list[dict]) -> None:
     own storage and gather on the stand-in quantizer (``quantizer.CUDAQuantizer``): the frozen weights forward used
     at the first and last step are within the int8 bound of the exact ones (half a step of their group's
     ``absmax / 128``, a whole one where the code clamps; groups of DeepSpeed's shards, hpZ's secondary shards with
-    ``zero_hpz_partition_size``), fp32 and bf16, and not exact; alone, the loss within 0.2% of DeepSpeed's exact
+    ``zero_hpz_partition_size``), fp32 and bf16, and not exact, and so are they through DeepSpeed's
+    ``zero.GatheredParameters`` after the steps; alone, the loss within 0.2% of DeepSpeed's exact
     ZeRO-3 at every one of 3 steps (measured at most 0.02%), with qwZ + hpZ + qgZ within 1% (measured at most
     0.5%)."""
     for r in results:
         exact = r["stored"]["exact"]
-        assert exact["stored_ratio"] == 0 and exact["stored_seen"] == 26
+        assert exact["stored_ratio"] == exact["gathered_ratio"] == 0 and exact["stored_seen"] == 26
         for job, name, tol in (("stored", "stored", 0.002), ("stored", "stored_zeropp", 0.01),
                                ("stored_bf16", "stored_zeropp", None)):
             run = r[job][name]
             assert 0 < run["stored_ratio"] <= 1.0 and run["stored_seen"] == 26, (job, name, run["stored_ratio"])
+            assert 0 < run["gathered_ratio"] <= 1.0, (job, name, run["gathered_ratio"])
             assert run["stored_dtypes"] == ["torch.float32" if job == "stored" else "torch.bfloat16"]
             if tol is not None:
                 for got, want in zip(run["losses"], exact["losses"], strict=True):

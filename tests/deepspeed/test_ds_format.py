@@ -154,7 +154,7 @@ def test_cuda_quantizer_round_trip_any_size(dtype: torch.dtype, numel: int) -> N
     q = CUDAQuantizer()
     codes, scales = q.quantize(x)
     groups = group_count(numel, CUDAQuantizer.target_group_size)
-    assert codes.shape == x.shape and codes.dtype == torch.int8 and scales.shape == (groups, 1)
+    assert codes.shape == x.shape and codes.dtype == torch.int8 and scales.shape == (groups,)
     assert numel // groups <= CUDAQuantizer.target_group_size or numel // groups >= 8
     back = q.dequantize(codes, scales, dtype=dtype)
     assert back.dtype == dtype and q.dequantize(codes, scales).dtype == torch.float16

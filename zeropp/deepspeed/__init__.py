@@ -52,10 +52,9 @@ Two ways in, preferred in this order:
    float dtype. ``partition_parameters.CUDAQuantizer`` (and stage 3's binding) -> ``quantizer.CUDAQuantizer`` on it
    (DeepSpeed's group search for the sizes it accepts, any size otherwise); ``Init.quantizer_module`` and
    ``coalesced_collectives.quantizer_module`` are set too. So ``zero_quantized_nontrainable_weights`` (frozen
-   weights stored as int8 codes and scales) runs on any accelerator, with two DeepSpeed defects on that path fixed
-   in ``stored_gather.py``: the storage (DeepSpeed quantizes an uninitialised buffer, then casts the float weights
-   into the codes) and the gather (one group size for a bucket of weights with different ones, the result cast to
-   int8; padded sizes cut before dequantizing), in DeepSpeed's coalesced wire format.
+   weights stored as int8 codes and scales) runs on any accelerator; ``stored_gather.py`` wraps DeepSpeed's
+   storage of those weights and replaces its gather of them (DeepSpeed's coalesced wire format kept), both
+   defective in 0.19.8 (below).
 
 The node layout (byte accounting, qgZ's two hops) is a ``zeropp.comm.Topology`` of DeepSpeed's partition group
 (``topology.py``), made once per group while DeepSpeed converts the parameters (every rank converts the same
@@ -83,6 +82,12 @@ reading of DeepSpeed's kernels); bf16 and fp32 natively (no fp16 cast); 1-D tens
 world`` quantized too (DeepSpeed falls back to an exact reduce-scatter); one collective per bucket, blocks per
 tensor, instead of a Python loop of four all-to-alls per tensor.
 
+Fixed with ``install()`` (``zero_quantized_nontrainable_weights``): it runs without the op; frozen weights are
+stored from their values (DeepSpeed stores garbage: the codes of ``torch.empty``, overwritten by the float weights
+cast to int8); a bucket of them is dequantized with each weight's own groups into its own dtype (DeepSpeed: one
+group size for all, the result cast to int8; a padded weight's groups misplaced); any size, bf16 natively; scales
+flat, so DeepSpeed's ``zero.GatheredParameters`` gathers them on gloo too.
+
 Remaining (DeepSpeed's code around the entry points, unchanged): hpZ groups assume node-contiguous global ranks
 and ignore the data-parallel group, and ``engine.destroy()`` keeps the hpZ group in a module global
 (``groups._ZERO_PARAM_INTRA_PARALLEL_GROUP``), so a later stage-3 engine in the same process gets hpZ whatever
@@ -104,8 +109,9 @@ hands torch.distributed, DeepSpeed's exact reduce-scatter sends the formula's by
 crossing nodes is 0.175x exact ZeRO-3's over 100 steps (tests/deepspeed/wire.py counts both libraries' calls);
 install is idempotent and uninstall restores DeepSpeed's attributes; missing and unsupported DeepSpeed raise named
 errors; with ``zero_quantized_nontrainable_weights`` and 13 parameters frozen, the frozen weights DeepSpeed
-gathers (alone and with qwZ + hpZ + qgZ, fp32 and bf16) are within the int8 bound of the exact ones and the loss
-within 0.2% of exact ZeRO-3 over 3 steps (1% with qwZ + hpZ + qgZ). ``ds_format`` matches a float64
+gathers (in training and through ``zero.GatheredParameters``; alone and with qwZ + hpZ + qgZ; fp32 and bf16) are
+within the int8 bound of the exact ones and the loss within 0.2% of exact ZeRO-3 over 3 steps (measured 0.02%;
+1% with qwZ + hpZ + qgZ, measured 0.5%). ``ds_format`` matches a float64
 re-derivation of its spec bit for bit (tests/deepspeed/test_ds_format.py) and its group search DeepSpeed's;
 tests/deepspeed/test_quantizer_cuda.py compares it with DeepSpeed's CUDA op (not yet run: no GPU here). Next: that
 GPU run, CUDA streams checked on a GPU.

@@ -22,6 +22,8 @@ format:
 * dtypes: bf16 and fp32 are quantized from their own values (DeepSpeed casts to fp16 first: bf16 above 65504
   becomes inf) and ``dequantize(..., dtype)`` rounds once into ``dtype`` (DeepSpeed rounds to fp16, then casts);
   without ``dtype`` it returns fp16 as DeepSpeed's does;
+* scales are flat, ``(groups,)`` (the op's are ``(groups, 1)``, the same bytes): DeepSpeed all-gathers them
+  into flat buffers, which gloo refuses for 2-D inputs (``zero.GatheredParameters`` fails on the CPU accelerator);
 * codes stay on the input's device unless DeepSpeed's accelerator device differs, where it moves them as
   DeepSpeed does.
 """
@@ -67,7 +69,8 @@ def group_count(numel: int, target_group_size: int) -> int:
 
 
 class CUDAQuantizer:
-    """``partition_parameters.CUDAQuantizer`` on ``ds_format``: int8 symmetric codes, float32 ``1 / s`` scales."""
+    """``partition_parameters.CUDAQuantizer`` on ``ds_format``: int8 symmetric codes, float32 ``1 / s`` scales
+    (flat)."""
 
     async_flag: ClassVar[bool] = True
     target_group_size: ClassVar[int] = 8000
@@ -75,7 +78,7 @@ class CUDAQuantizer:
     quantizer_cuda_module = ds_format
 
     def quantize(self, param: torch.Tensor, groups: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(codes, scales)`` of ``param``: int8 of its shape, float32 ``(groups, 1)`` holding ``1 / s``."""
+        """``(codes, scales)`` of ``param``: int8 of its shape, float32 ``(groups,)`` holding ``1 / s``."""
         if groups is None:
             groups = self.group_size_cache.get(param.numel())
             if groups is None:
@@ -87,7 +90,7 @@ class CUDAQuantizer:
         if param.device.type != device.type:
             param = param.to(device)
         codes, scales = ds_format.quantize(param, groups, WEIGHT_BITS, ds_format.Symmetric)
-        return codes, scales
+        return codes, scales.view(-1)
 
     def dequantize(self, quantized_param: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype | None = None
                    ) -> torch.Tensor:
