@@ -53,20 +53,18 @@ def partition_wrapper(original: Callable[..., Any], secondary: bool) -> Callable
         attr = "ds_secondary_tensor" if secondary else "ds_tensor"
         fresh = (param.ds_status is ZeroParamStatus.AVAILABLE and getattr(param, attr, None) is None
                  and not param.requires_grad and self.quantized_nontrainable_weights)
-        part = None
-        if fresh:
-            if secondary:
-                size = self._aligned_size(param) // self.num_ranks_in_param_group
-                start = size * self.rank_in_group
-            else:
-                size = self._aligned_size(param) // self._partition_world_size(param)
-                start = size * self._partition_rank(param)
-            flat = param.data.detach().reshape(-1)
-            part = torch.zeros(size, dtype=param.dtype, device=flat.device)
-            valid = max(0, min(size, param.ds_numel - start))
-            part[:valid] = flat[start:start + valid]
-        if part is None:
+        if not fresh:
             return original(self, param, *args, **kwargs)
+        if secondary:
+            size = self._aligned_size(param) // self.num_ranks_in_param_group
+            start = size * self.rank_in_group
+        else:
+            size = self._aligned_size(param) // self._partition_world_size(param)
+            start = size * self._partition_rank(param)
+        flat = param.data.detach().reshape(-1)
+        part = torch.zeros(size, dtype=param.dtype, device=flat.device)  # DeepSpeed's shard, zero padded
+        valid = max(0, min(size, param.ds_numel - start))
+        part[:valid] = flat[start:start + valid]
         quantizer = self.quantizer_module
         codes, scales = quantizer.quantize(part)
         self.quantizer_module = _Quantized(codes, scales)  # what DeepSpeed's call quantizes is torch.empty
@@ -75,7 +73,8 @@ def partition_wrapper(original: Callable[..., Any], secondary: bool) -> Callable
         finally:
             self.quantizer_module = quantizer
         stored = getattr(param, attr)
-        stored.data.copy_(codes.view_as(stored))  # DeepSpeed cast the float weights into the codes
+        if hasattr(stored, "ds_quant_scale"):  # DeepSpeed cast the float weights into the codes
+            stored.data.copy_(codes.view_as(stored))
 
     _partition.__wrapped__ = original  # type: ignore[attr-defined]
     return _partition
