@@ -26,6 +26,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "qwz": {"zero_quantized_weights": True},
     "qgz": {"zero_quantized_gradients": True},
     "zeropp": {"zero_quantized_weights": True, "zero_hpz_partition_size": "rpn", "zero_quantized_gradients": True},
+    "stored": {"zero_quantized_nontrainable_weights": True},
+    "stored_zeropp": {"zero_quantized_weights": True, "zero_hpz_partition_size": "rpn",
+                      "zero_quantized_gradients": True, "zero_quantized_nontrainable_weights": True},
 }
 BLOCK = 128  # zeropp.quant.DEFAULT_BLOCK_SIZE, the block both collectives use
 N_EMBD, N_HEAD, CONTEXT, SEQ, MICRO = 63, 3, 61, 32, 2
@@ -37,7 +40,8 @@ def _model(vocab: int, seed: int = 0) -> Any:
     return GPT(GPTConfig.preset("tiny", vocab_size=vocab, n_embd=N_EMBD, n_head=N_HEAD, block_size=CONTEXT), seed=seed)
 
 
-def _engine(name: str, vocab: int, dtype: str, ranks_per_node: int, seed: int = 0) -> Any:
+def _engine(name: str, vocab: int, dtype: str, ranks_per_node: int, seed: int = 0,
+            freeze: tuple[str, ...] = ()) -> Any:
     import deepspeed
     import torch
 
@@ -46,7 +50,9 @@ def _engine(name: str, vocab: int, dtype: str, ranks_per_node: int, seed: int = 
     config = {"train_micro_batch_size_per_gpu": MICRO, "zero_optimization": zero, "steps_per_print": 10**9,
               "bf16": {"enabled": dtype == "bf16"}}
     model = _model(vocab, seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for pname, p in model.named_parameters():
+        p.requires_grad_(not pname.startswith(freeze))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-3)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
     return engine
 
@@ -68,6 +74,27 @@ def _shard_bound(full: Any, world: int, bf16: bool) -> Any:
     if bf16:
         bound += (flat.abs() + bound) * 2**-8
     return bound.view_as(full)
+
+
+def _stored_bound(full: Any, parts: int, world: int, bf16: bool) -> Any:
+    """Per element of ``full``, the largest error of a weight DeepSpeed stores quantized (``ds_format``): its shard
+    of ``parts`` (DeepSpeed pads ``numel`` to a multiple of ``world``, then cuts ``parts`` shards) split into the
+    stand-in's groups, step ``m / 128`` (``m`` the group's absmax): half a step, a whole one for the values that
+    clamp (``x > 127.5 m / 128``); plus the rounding to the weight's dtype."""
+    import torch
+
+    from zeropp.deepspeed.quantizer import CUDAQuantizer, group_count
+
+    flat = full.detach().float().reshape(-1)
+    n = flat.numel()
+    shard = math.ceil(n / world) * world // parts
+    per_group = shard // group_count(shard, CUDAQuantizer.target_group_size)
+    padded = torch.zeros(shard * parts)
+    padded[:n] = flat
+    m = padded.view(-1, per_group).abs().amax(dim=1, keepdim=True).expand(-1, per_group).reshape(-1)[:n]
+    step = m / 128 * (1 + 2**-20)
+    bound = torch.where(flat > m * (127.5 / 128) * (1 - 2**-20), step, step / 2)
+    return (bound + (flat.abs() + bound) * (2**-8 if bf16 else 2**-23)).view_as(full)
 
 
 def _batches(rank: int, world: int, steps: int) -> list[Any]:
@@ -109,15 +136,20 @@ def _destroy(engine: Any) -> None:
 
 
 def compare(rank: int, world: int, *, configs: dict[str, int], vocab: int, dtype: str,
-            ranks_per_node: int) -> dict[str, Any]:
+            ranks_per_node: int, freeze: tuple[str, ...] = ()) -> dict[str, Any]:
     """Train each config (a key of ``CONFIGS``; ``exact`` runs DeepSpeed alone) its number of steps from the same
-    model on the same text. Per config: the losses, the global gradient norms (after the reduce-scatter, before
-    clipping), zeropp's byte counters over the steps, and how the weights forward used at step 0 compare with the
-    model's (the worst error / qwZ-bound ratio, how many elements differ, how many parameters are equal)."""
+    model on the same text, the parameters whose names start with ``freeze`` frozen. Per config: the losses, the
+    global gradient norms (after the reduce-scatter, before clipping), zeropp's byte counters over the steps, and
+    how the weights forward used at step 0 compare with the model's (the worst error / qwZ-bound ratio, how many
+    elements differ, how many parameters are equal); with ``freeze``, the frozen weights forward used at the first
+    and the last step against the bound of weights stored quantized (``stored_ratio``, the worst over both), and
+    after the steps as ``zero.GatheredParameters`` gathers them (``gathered_ratio``)."""
+    import deepspeed
     import torch
 
     from zeropp import comm
 
+    freeze = tuple(freeze)
     reference = _model(vocab)
     initial = {n: p.detach().to(torch.bfloat16 if dtype == "bf16" else torch.float32)
                for n, p in reference.named_parameters(remove_duplicate=False)}
@@ -126,24 +158,50 @@ def compare(rank: int, world: int, *, configs: dict[str, int], vocab: int, dtype
     out: dict[str, Any] = {}
     for name, steps in configs.items():
         _use(name)
-        engine = _engine(name, vocab, dtype, ranks_per_node)
+        engine = _engine(name, vocab, dtype, ranks_per_node, freeze=freeze)
         seen: dict[str, Any] = {}
+        last: dict[str, Any] = {}
         names = {m: n for n, m in engine.module.named_modules()}
 
-        def capture(module: Any, _inputs: Any) -> None:
-            for pname, p in module.named_parameters(recurse=False):
-                full = f"{names[module]}.{pname}" if names[module] else pname
-                seen.setdefault(full, p.data.detach().clone())
+        def capture(into: dict[str, Any]) -> Any:
+            def hook(module: Any, _inputs: Any) -> None:
+                for pname, p in module.named_parameters(recurse=False):
+                    full = f"{names[module]}.{pname}" if names[module] else pname
+                    into.setdefault(full, p.data.detach().clone())
+            return hook
 
-        hooks = [m.register_forward_pre_hook(capture) for m in engine.module.modules()]
+        hooks = [m.register_forward_pre_hook(capture(seen)) for m in engine.module.modules()]
         comm.reset_stats()
         WIRE.reset()
         losses, norms = _train(engine, batches[:1])
         for h in hooks:
             h.remove()
-        more_losses, more_norms = _train(engine, batches[1:steps])
+        more_losses, more_norms = _train(engine, batches[1:steps - 1] if freeze else batches[1:steps])
+        if freeze and steps > 1:
+            hooks = [m.register_forward_pre_hook(capture(last)) for m in engine.module.modules()]
+            end_losses, end_norms = _train(engine, batches[steps - 1:steps])
+            for h in hooks:
+                h.remove()
+            more_losses, more_norms = more_losses + end_losses, more_norms + end_norms
         record: dict[str, Any] = {"losses": losses + more_losses, "norms": norms + more_norms,
                                   "stats": comm.stats(), "wire": WIRE.snapshot()}
+        if freeze:
+            parts = ranks_per_node if CONFIGS[name].get("zero_hpz_partition_size") else world
+            stored = [(pname, used) for captured in (seen, last) for pname, used in captured.items()
+                      if pname.startswith(freeze)]
+            record["stored_ratio"] = max(
+                float(((used.float() - initial[pname].float()).abs()
+                       / _stored_bound(initial[pname], parts, world, dtype == "bf16").clamp_min(1e-30)).max())
+                for pname, used in stored)
+            record["stored_seen"] = len(stored)
+            record["stored_dtypes"] = sorted({str(used.dtype) for _, used in stored})
+            # DeepSpeed's synchronous gather (zero.GatheredParameters: its _allgather_params* on the primary shards)
+            frozen = [(pname, p) for pname, p in engine.module.named_parameters() if pname.startswith(freeze)]
+            with deepspeed.zero.GatheredParameters([p for _, p in frozen]):
+                record["gathered_ratio"] = max(
+                    float(((p.data.float() - initial[pname].float()).abs()
+                           / _stored_bound(initial[pname], world, world, dtype == "bf16").clamp_min(1e-30)).max())
+                    for pname, p in frozen)
         ratios, differ, equal = [], 0, 0
         for pname, used in seen.items():
             ref = initial[pname]
@@ -257,6 +315,7 @@ def run(rank: int, world: int, *, jobs: list[tuple[str, str, dict[str, Any]]], r
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
     WIRE.install()  # before DeepSpeed's communication backend and zeropp.comm bind torch.distributed's functions
     import deepspeed.ops
+    from deepspeed.runtime.comm import coalesced_collectives
     from deepspeed.runtime.zero import partition_parameters, stage3
 
     import zeropp.deepspeed
@@ -265,8 +324,11 @@ def run(rank: int, world: int, *, jobs: list[tuple[str, str, dict[str, Any]]], r
     mangled = "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads"
 
     def attributes() -> tuple[Any, ...]:
-        return (partition_parameters.CUDAQuantizer, partition_parameters.Init._convert_to_deepspeed_param,
-                stage3.all_to_all_quant_reduce, stage3.DeepSpeedZeroOptimizer_Stage3.__dict__[mangled])
+        init = partition_parameters.Init
+        return (partition_parameters.CUDAQuantizer, stage3.CUDAQuantizer, init._convert_to_deepspeed_param,
+                init._partition_param, init._partition_param_sec, "quantizer_module" in init.__dict__,
+                coalesced_collectives.quantizer_module, stage3.all_to_all_quant_reduce,
+                stage3.DeepSpeedZeroOptimizer_Stage3.__dict__[mangled])
 
     originals = attributes()
     out: dict[str, Any] = {}

@@ -4,11 +4,17 @@ Each entry is (owner, attribute name, replacement); ``install`` saves the owner'
 replacement, ``uninstall`` restores the saved values in reverse order. The owners are DeepSpeed's modules and
 classes as of the versions in ``versions.SUPPORTED_VERSIONS``:
 
-* ``deepspeed.runtime.zero.partition_parameters.CUDAQuantizer`` -> ``quantizer.UnsupportedQuantizer``
-  (``zero.Init`` builds no quantizer op);
+* ``deepspeed.runtime.zero.partition_parameters.CUDAQuantizer`` and stage 3's binding of it ->
+  ``quantizer.CUDAQuantizer`` (DeepSpeed's wire format in torch, ``ds_format``: no op to build); the class
+  attribute ``Init.quantizer_module`` (which DeepSpeed reads, never sets, for one-rank partitions) -> an instance
+  of it; ``deepspeed.runtime.comm.coalesced_collectives.quantizer_module`` (its op, loaded on first use) ->
+  ``ds_format``;
+* ``Init._partition_param`` and ``Init._partition_param_sec`` -> ``stored_gather.partition_wrapper`` (frozen
+  weights stored quantized from their values, not from uninitialised memory);
 * ``deepspeed.runtime.zero.partition_parameters.Init._convert_to_deepspeed_param`` -> a wrapper that runs
   DeepSpeed's, makes the parameter group's ``Topology`` (``topology.topology_for``; the first parameter of each group) and, when the ``Init`` has
-  ``zero_quantized_weights`` on, replaces ``param.all_gather_coalesced`` by ``all_gather.ParamGather``;
+  ``zero_quantized_weights`` on, replaces ``param.all_gather_coalesced`` by ``all_gather.ParamGather``, and,
+  with ``zero_quantized_nontrainable_weights`` on, wraps the result in ``stored_gather.StoredGather``;
 * ``deepspeed.runtime.zero.stage3.all_to_all_quant_reduce`` (stage 3's binding, the one it calls) and
   ``deepspeed.runtime.comm.coalesced_collectives.all_to_all_quant_reduce`` (where it is defined) ->
   ``reduce_scatter.all_to_all_quant_reduce``;
@@ -23,6 +29,7 @@ from typing import Any
 from .versions import check_version, installed_version
 
 _saved: list[tuple[Any, str, Any]] = []
+_MISSING = object()
 
 
 def installed() -> bool:
@@ -48,18 +55,26 @@ def install() -> None:
     from deepspeed.runtime.zero import partition_parameters, stage3
 
     from .avg_scatter import MANGLED_NAME, avg_scatter_grads
-    from .quantizer import UnsupportedQuantizer
+    from . import ds_format
+    from .quantizer import CUDAQuantizer
     from .reduce_scatter import all_to_all_quant_reduce
+    from .stored_gather import partition_wrapper
 
+    init = partition_parameters.Init
     for owner, name, replacement in (
-        (partition_parameters, "CUDAQuantizer", UnsupportedQuantizer),
+        (partition_parameters, "CUDAQuantizer", CUDAQuantizer),
+        (stage3, "CUDAQuantizer", CUDAQuantizer),
+        (init, "quantizer_module", CUDAQuantizer()),
+        (coalesced_collectives, "quantizer_module", ds_format),
+        (init, "_partition_param", partition_wrapper(init._partition_param, secondary=False)),
+        (init, "_partition_param_sec", partition_wrapper(init._partition_param_sec, secondary=True)),
         (partition_parameters.Init, "_convert_to_deepspeed_param",
          _convert_wrapper(partition_parameters.Init._convert_to_deepspeed_param)),
         (stage3, "all_to_all_quant_reduce", all_to_all_quant_reduce),
         (coalesced_collectives, "all_to_all_quant_reduce", all_to_all_quant_reduce),
         (stage3.DeepSpeedZeroOptimizer_Stage3, MANGLED_NAME, avg_scatter_grads),
     ):
-        _saved.append((owner, name, owner.__dict__[name]))
+        _saved.append((owner, name, owner.__dict__.get(name, _MISSING)))
         setattr(owner, name, replacement)
 
 
@@ -70,12 +85,16 @@ def uninstall() -> None:
 
     while _saved:
         owner, name, original = _saved.pop()
-        setattr(owner, name, original)
+        if original is _MISSING:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
     forget()
 
 
 def _convert_wrapper(original: Any) -> Any:
     from .all_gather import ParamGather
+    from .stored_gather import StoredGather
     from .topology import topology_for
 
     def _convert_to_deepspeed_param(self: Any, param: Any) -> None:
@@ -83,6 +102,8 @@ def _convert_wrapper(original: Any) -> Any:
         topology_for(param.ds_process_group)  # a collective point: qwZ and qgZ need the layout later
         if self.quantized_weights:
             param.all_gather_coalesced = ParamGather(self, param.all_gather_coalesced)
+        if self.quantized_nontrainable_weights:
+            param.all_gather_coalesced = StoredGather(self, param.all_gather_coalesced)
 
     _convert_to_deepspeed_param.__wrapped__ = original  # type: ignore[attr-defined]
     return _convert_to_deepspeed_param
