@@ -164,6 +164,6 @@ def _refuse_cuda_graph_capture(module: nn.Module, args: Any) -> None:
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             "zeropp.torchtitan: the forward runs inside a CUDA graph capture, whose replays would skip zeropp's "
-            "per-call state (byte counts, error-feedback residuals); drop --training.disable_cuda_graphs=False / "
-            "--training.no-disable-cuda-graphs from the command line (zeropp.torchtitan.configure disables them)"
+            "per-call state (byte counts, error-feedback residuals); drop --training.no_disable_cuda_graphs from the "
+            "command line (zeropp.torchtitan.configure disables CUDA graphs)"
         )

@@ -2,7 +2,8 @@
 the model spec's ``post_optimizer_build_fn`` hook on real gloo processes (2 ranks as 2 emulated nodes of one rank
 each, so qgZ's cross-node hop runs). One launch trains every run of tests/torchtitan/torchtitan_workers.py from one
 seed on the same data: torchtitan's parallelization alone, with zeropp's exact comms, and with int8 weights /
-int4 gradients; rank 0 also collects the hook's refusals.
+int4 gradients; rank 0 also collects the hook's refusals and parses a config registry function through
+torchtitan's command-line parser.
 
 torchtitan's ``Trainer`` itself cannot run on CPU (see ``zeropp.torchtitan``); bench/torchtitan_gpu.sh runs it on GPUs.
 """
@@ -39,8 +40,8 @@ def _installed(name: str) -> bool:
 def test_torchtitan_llama3_zeropp(tmp_path: Path) -> None:
     """Exact comms give torchtitan's own losses and weights bit for bit (zeropp's comms did run: counted calls),
     int8/int4 trains within 1% of them per step with about half the all-gather bytes (of bf16 weights) and an
-    eighth of the reduce-scatter bytes (of fp32 gradients), and the hook refuses what zeropp.fsdp
-    does not serve."""
+    eighth of the reduce-scatter bytes (of fp32 gradients), the config survives torchtitan's command
+    line, and the hook refuses what zeropp.fsdp does not serve."""
     import torch
 
     results = launch("torchtitan_workers:train", 2, tmp_path, env=ENV, timeout=600, steps=STEPS)
@@ -67,5 +68,9 @@ def test_torchtitan_llama3_zeropp(tmp_path: Path) -> None:
     assert "data_parallel_replicate_degree (HSDP)=2" in refusals["hsdp"]
     assert "tensor_parallel_degree=2" in refusals["tp"]
     assert "needs parallelism.spmd_backend=partial_dtensor" in refusals["spmd_types"]
+    # torchtitan's command line keeps configure's hook and settings, and an override of them is refused
+    assert refusals["command_line"] == ("_post_optimizer_build_fn.<locals>.post_optimizer_build_fn",
+                                        "partial_dtensor", True)
+    assert "needs parallelism.spmd_backend=partial_dtensor" in refusals["command_line_spmd_types"]
     assert refusals["bad_kwarg"].startswith("TypeError: zeropp.torchtitan.configure got ['bits']")
     assert refusals["no_spec"].startswith("ValueError: zeropp.torchtitan.configure needs a torchtitan Trainer.Config")

@@ -119,8 +119,27 @@ def _train(rank: int, world: int, enable_kwargs: dict[str, Any] | None, steps: i
     }
 
 
+def llama3_debugmodel_zeropp() -> Any:
+    """A config registry function as a user writes one (``--module torchtitan_workers --config
+    llama3_debugmodel_zeropp``)."""
+    from torchtitan.models.llama3.config_registry import llama3_debugmodel
+
+    import zeropp.torchtitan
+
+    return zeropp.torchtitan.configure(llama3_debugmodel(), weight_bits=8, gradient_bits=4)
+
+
+def _command_line(*args: str) -> Any:
+    """The config torchtitan's command-line parser (``torchtitan.train``'s) makes from ``llama3_debugmodel_zeropp``
+    and ``args``."""
+    from torchtitan.config import ConfigManager
+
+    return ConfigManager().parse_args(["--module", "torchtitan_workers", "--config", "llama3_debugmodel_zeropp", *args])
+
+
 def _refusals() -> dict[str, str]:
-    """The messages ``zeropp.torchtitan`` raises for what it does not serve (no collective runs)."""
+    """The messages ``zeropp.torchtitan`` raises for what it does not serve (no collective runs), and what
+    torchtitan's command line makes of a config from ``configure``."""
     from torchtitan.distributed import ParallelDims
     from torchtitan.trainer import Trainer
 
@@ -142,6 +161,12 @@ def _refusals() -> dict[str, str]:
                          "spmd_types": {"dp_shard": 2, "spmd_backend": "spmd_types"}}.items()
     }
     out["bad_kwarg"] = message(lambda: _config({"bits": 8}, 1))
+    config = _command_line()
+    out["command_line"] = (config.model_spec.post_optimizer_build_fn.__qualname__, config.parallelism.spmd_backend,
+                           config.training.disable_cuda_graphs)
+    config = _command_line("--parallelism.spmd_backend", "spmd_types")
+    out["command_line_spmd_types"] = message(
+        lambda: config.model_spec.post_optimizer_build_fn(None, [], ParallelDims.from_config(config.parallelism, 2)))
     out["no_spec"] = message(lambda: zeropp.torchtitan.configure(Trainer.Config()))
     return out
 
