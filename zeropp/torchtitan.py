@@ -31,10 +31,11 @@ zeropp.fsdp serves a 1-D shard mesh only), and an ``spmd_backend`` other than ``
 
 What ``configure`` sets in the config it returns, and a command line may undo (the hook then refuses):
 
-* ``parallelism.spmd_backend = "partial_dtensor"``: torchtitan's default, ``spmd_types``, hands ``fully_shard``
-  plain tensors with SPMD annotations and ``dp_mesh_dims``, which only a torch nightly's FSDP2 turns into DTensors
-  (torch 2.13 raises "When dp_mesh_dims is provided, all parameters must be DTensors"); ``partial_dtensor`` is
-  torchtitan's plain ``fully_shard`` over the 1-D ``fsdp`` mesh, the path zeropp.fsdp serves.
+* ``parallelism.spmd_backend = "partial_dtensor"``: with torchtitan's default, ``spmd_types``, and more than one
+  data-parallel rank, torchtitan hands ``fully_shard`` plain tensors with SPMD annotations and ``dp_mesh_dims``,
+  which torch 2.13's FSDP2 refuses ("When dp_mesh_dims is provided, all parameters must be DTensors"; torchtitan
+  0.3 is made for a torch nightly), on any device; ``partial_dtensor`` is torchtitan's plain ``fully_shard`` over
+  the 1-D ``fsdp`` mesh, the path zeropp.fsdp serves.
 * ``training.disable_cuda_graphs = True``: torchtitan captures forward and backward in a CUDA graph by default
   and replays only its kernels; zeropp's comms keep Python-side state (byte counts, error-feedback residuals,
   buffers) per call, which a replay would skip. Eager steps only.
@@ -47,7 +48,8 @@ Running on CPU: torchtitan's Trainer cannot (torchtitan 0.3.0): ``torchtitan.too
 ``"cuda"`` when no accelerator is found, and ``Trainer.__init__`` calls ``torch.cuda.set_device`` (AttributeError
 ``torch._C._cuda_setDevice`` on a CPU build of torch); ``ParallelDims.build_mesh`` likewise builds its meshes for
 ``"cuda"``. tests/torchtitan runs torchtitan's llama3 ``parallelize_fn`` and this hook on a 2-rank gloo CPU mesh
-instead; bench/torchtitan_gpu.sh runs the real Trainer on GPUs.
+instead; bench/torchtitan_gpu.sh runs the real Trainer on GPUs (one GPU: the integration, with FSDP2 running no
+collective; 8 GPUs: zeropp's comms on NCCL too).
 """
 
 from __future__ import annotations
