@@ -3,14 +3,15 @@ without zeropp and with ``zeropp.torchtitan.configure``.
 
     torchrun --nproc_per_node=N -m torchtitan.train --module torchtitan_configs --config llama3_debugmodel_zeropp
 
-(with bench/ and the repository root on ``PYTHONPATH``); ``python bench/torchtitan_configs.py OUTDIR`` summarizes the
-runs' logs (OUTDIR/<config>.log, rank 0's output) and exits non-zero when a check fails. The data are arithmetic token sequences mod the model's
-vocabulary (2048), one document per sequence, drawn per data-parallel rank from a fixed seed, so the runs need no
-dataset or tokenizer files (torchtitan's own debug run reads ``tests/assets`` of a torchtitan checkout, which the
-wheel lacks) and every config trains on the same batches. Every config sets what ``configure`` sets
-(``spmd_backend="partial_dtensor"``, no CUDA graphs), a seed and deterministic algorithms, so the runs differ only
-in zeropp. The zeropp configs print ``zeropp.comm.stats()`` at exit, one line per rank
-(``zeropp.comm.stats rank R: {...}``).
+(with bench/ and the repository root on ``PYTHONPATH``); ``python bench/torchtitan_configs.py OUTDIR`` summarizes
+the runs' logs (OUTDIR/<config>.log, rank 0's output) and exits non-zero when a check fails.
+
+The data are arithmetic token sequences mod the model's vocabulary (2048), one document per sequence, drawn per
+data-parallel rank from a fixed seed, so the runs need no dataset or tokenizer files (torchtitan's own debug run
+reads ``tests/assets`` of a torchtitan checkout, which the wheel lacks) and every config trains on the same
+batches. Every config sets what ``configure`` sets (``spmd_backend="partial_dtensor"``, no CUDA graphs), a seed
+and deterministic algorithms, so the runs differ only in zeropp. Under torchrun the zeropp configs print
+``zeropp.comm.stats()`` at exit, one line per rank (``zeropp.comm.stats rank R: {...}``).
 """
 
 from __future__ import annotations
@@ -105,8 +106,9 @@ def _debugmodel() -> Trainer.Config:
 
 
 def _zeropp(**enable_kwargs: Any) -> Trainer.Config:
-    # at exit, torchtitan has destroyed the process group: the rank comes from torchrun's environment
-    atexit.register(lambda: print(f"zeropp.comm.stats rank {os.environ.get('RANK', '?')}: {comm.stats()}", flush=True))
+    if "RANK" in os.environ:  # under torchrun; at exit torchtitan has destroyed the process group
+        rank = os.environ["RANK"]
+        atexit.register(lambda: print(f"zeropp.comm.stats rank {rank}: {comm.stats()}", flush=True))
     return zeropp.torchtitan.configure(_debugmodel(), **enable_kwargs)
 
 
@@ -170,7 +172,8 @@ def summarize(out_dir: str) -> int:
             "median_tps": statistics.median([v for s, v in tps.items() if s > 5] or [float("nan")]),
             "all_gather_calls": stats.get("all_gather", {}).get("calls", ""),
             "all_gather_bytes": sum(stats.get("all_gather", {}).get(k, 0) for k in ("sent_intra", "sent_inter")),
-            "reduce_scatter_bytes": sum(stats.get("reduce_scatter", {}).get(k, 0) for k in ("sent_intra", "sent_inter")),
+            "reduce_scatter_bytes": sum(stats.get("reduce_scatter", {}).get(k, 0)
+                                        for k in ("sent_intra", "sent_inter")),
         })
     exact, quant = runs["zeropp_exact"], runs["zeropp"]
     if any(abs(exact["losses"].get(s, float("inf")) - base[s]) > 1e-5 for s in base):

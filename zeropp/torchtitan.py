@@ -3,7 +3,7 @@
 torchtitan builds its ``Trainer`` from a ``Trainer.Config`` that a config-registry function returns
 (``--module <package> --config <function>``). ``configure`` returns that config with zeropp's comms on:
 
-    # my_configs.py, run with: torchrun --nproc_per_node=8 -m torchtitan.train --module my_configs --config llama3_8b_zeropp
+    # my_configs.py; run: torchrun --nproc_per_node=8 -m torchtitan.train --module my_configs --config llama3_8b_zeropp
     from torchtitan.models.llama3.config_registry import llama3_8b
     import zeropp.torchtitan
 
@@ -121,7 +121,9 @@ def configure(config: Any, **enable_kwargs: Any) -> Any:
     )
 
 
-def _post_optimizer_build_fn(original: Callable[..., None] | None, enable_kwargs: dict[str, Any]) -> Callable[..., None]:
+def _post_optimizer_build_fn(
+    original: Callable[..., None] | None, enable_kwargs: dict[str, Any]
+) -> Callable[..., None]:
     """The model spec's ``post_optimizer_build_fn(optimizers, model_parts, parallel_dims)`` with zeropp: runs
     ``original`` (if any), then turns zeropp's comms on in every model part."""
 
