@@ -41,8 +41,9 @@ What ``configure`` sets in the config it returns, and a command line may undo (t
   buffers) per call, which a replay would skip. Eager steps only.
 
 hpZ (``hpz=N``) needs modules wrapped with ``fully_shard(..., reshard_after_forward=N)``; torchtitan's
-``fsdp_reshard_after_forward`` policy passes a bool, so ``enable(hpz=N)`` refuses torchtitan's own
-``parallelize_fn``: hpZ needs a ``parallelize_fn`` of your own.
+``fsdp_reshard_after_forward`` policy passes a bool, so with N below the data-parallel size ``enable(hpz=N)``
+refuses torchtitan's own ``parallelize_fn`` at the first forward ("FSDPEmbedding was wrapped with
+fully_shard(..., reshard_after_forward=True ..."): hpZ needs a ``parallelize_fn`` of your own.
 
 Running on CPU: torchtitan's Trainer cannot (torchtitan 0.3.0): ``torchtitan.tools.utils`` takes the device type
 ``"cuda"`` when no accelerator is found, and ``Trainer.__init__`` calls ``torch.cuda.set_device`` (AttributeError
