@@ -7,10 +7,10 @@ implemented here and that FSDP2 calls it).
 
 What FSDP2 passes (torch 2.13, ``_fsdp_collectives.foreach_all_gather``): ``output_tensor`` is a flat buffer of
 ``P * n`` elements that it allocated with ``allocate``; ``input_tensor`` is this rank's ``n`` elements, the
-concatenated padded shards of every parameter of the module's FSDP2 group (the segments,
-``zeropp.fsdp.segments``; a group is one ``fully_shard`` call's modules, several for ``fully_shard([a, b])``), and a VIEW
-of ``output_tensor[rank * n:(rank + 1) * n]`` (an in-place gather). ``group`` is the module's shard group, except
-in backward for a module wrapped with ``reshard_after_forward=N`` (hpZ, see ``zeropp.fsdp.hpz``): then it is the
+concatenated padded shards of every parameter of the module's FSDP2 group (the segments, ``zeropp.fsdp.segments``;
+a group is one ``fully_shard`` call's modules, several for ``fully_shard([a, b])``), and a VIEW of
+``output_tensor[rank * n:(rank + 1) * n]`` (an in-place gather). ``group`` is the module's shard group, except in
+backward for a module wrapped with ``reshard_after_forward=N`` (hpZ, see ``zeropp.fsdp.hpz``): then it is the
 post-forward group of ``N`` ranks and ``input_tensor`` holds this rank's slice of the weights the FORWARD gather
 produced (dequantized, with qwZ). It reads ``output_tensor`` back split by parameter, so every rank's part must
 land at ``[i * n, (i + 1) * n)``.

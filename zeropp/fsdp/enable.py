@@ -107,11 +107,9 @@ def enable(
         # one per group (fully_shard call; setting a comm on one of its modules sets it for the group): the
         # all-gather knows the group's parameter segments (blocks never span two), the reduce-scatter holds the
         # group's gradient buffer's error-feedback residuals
-        first = group[0]
-        segments = shard_numels(first)
-        first.set_custom_all_gather(ZeroppAllGather(topology, weight_bits, block_size, segments))  # type: ignore[attr-defined]
-        first.set_custom_reduce_scatter(  # type: ignore[attr-defined]
-            ZeroppReduceScatter(topology, gradient_bits, block_size, error_feedback))
+        first: FSDPModule = group[0]  # type: ignore[assignment]
+        first.set_custom_all_gather(ZeroppAllGather(topology, weight_bits, block_size, shard_numels(first)))
+        first.set_custom_reduce_scatter(ZeroppReduceScatter(topology, gradient_bits, block_size, error_feedback))
     if hpz is not None:
         install_check(groups, hpz)
     return topology
