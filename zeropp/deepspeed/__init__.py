@@ -34,8 +34,11 @@ Two ways in, preferred in this order:
    * hpZ — the backward gather of the secondary shard (``ds_secondary_tensor``, in DeepSpeed's
      ``zero_param_process_group``) goes to DeepSpeed's closure with ``quantize=False``: an exact in-node
      gather, so backward sees exactly the (dequantized) weights forward used; DeepSpeed quantizes it a second
-     time. The secondary shards and their groups stay DeepSpeed's (``_partition_param_sec``,
-     ``groups._create_zero_param_parallel_group``).
+     time. The secondary shards stay DeepSpeed's (``_partition_param_sec``); their group comes from
+     ``hpz.create_zero_param_parallel_group`` (replacing ``groups._create_zero_param_parallel_group``): the
+     partition of this rank's node in zeropp's ``Topology``, not a run of consecutive global ranks, and a size
+     that does not divide the ranks per node is refused. ``DeepSpeedEngine.destroy`` is wrapped to forget the
+     group (``hpz.destroy_wrapper``), so a later engine in the process gets hpZ only from its own config.
    * qgZ — ``stage3.all_to_all_quant_reduce(tensors, groups)`` (stage 3's binding, and the same name in
      ``runtime.comm.coalesced_collectives``) -> ``reduce_scatter.all_to_all_quant_reduce``: ONE
      ``zeropp.comm.reduce_scatter(bits=4, op=AVG)`` over a flat bucket of the tensors' slices, each padded to a
@@ -69,7 +72,11 @@ Fixed with ``install()`` (qwZ, hpZ):
 * blocks straddle parameters (a bucket is quantized as one vector, a LayerNorm bias shares a scale with a large
   weight), and awkward sizes degrade to tiny groups: blocks are per parameter, of a fixed size;
 * codes and scales move in two collectives, dequantized into a temporary then concatenated: one collective;
-* hpZ's in-node backward gather is quantized a second time: exact.
+* hpZ's in-node backward gather is quantized a second time: exact;
+* hpZ groups are runs of consecutive global ranks (across nodes when a launcher deals ranks round-robin over
+  machines): made from zeropp's node layout;
+* ``engine.destroy()`` keeps the hpZ group in a module global (``groups._ZERO_PARAM_INTRA_PARALLEL_GROUP``), so a
+  later stage-3 engine in the process gets hpZ whatever its config says: forgotten at ``destroy()``.
 
 Fixed with ``install()`` (qgZ): on one node qgZ runs (DeepSpeed silently reduces exactly: ``num_nodes = world //
 accelerator.device_count()`` must exceed 1); the mean, not sum / nodes (``ranks per node`` times the mean, by our
@@ -77,10 +84,10 @@ reading of DeepSpeed's kernels); bf16 and fp32 natively (no fp16 cast); 1-D tens
 world`` quantized too (DeepSpeed falls back to an exact reduce-scatter); one collective per bucket, blocks per
 tensor, instead of a Python loop of four all-to-alls per tensor.
 
-Remaining (DeepSpeed's code around the entry points, unchanged): hpZ groups assume node-contiguous global ranks
-and ignore the data-parallel group, and ``engine.destroy()`` keeps the hpZ group in a module global
-(``groups._ZERO_PARAM_INTRA_PARALLEL_GROUP``), so a later stage-3 engine in the same process gets hpZ whatever
-its config says; qgZ reduces over the world (refused, not wrong, when DeepSpeed's data-parallel group is
+Remaining (DeepSpeed's code around the entry points, unchanged): hpZ groups are cut from the world's nodes, not
+the data-parallel group's (as DeepSpeed's are from the world's ranks); an engine that is never destroyed still
+hands its hpZ group to the next stage-3 engine of the process (destroy it first: ``accelerator.free_memory()``
+does, for the Trainer); qgZ reduces over the world (refused, not wrong, when DeepSpeed's data-parallel group is
 smaller); ``zero_quantized_nontrainable_weights`` is refused.
 
 Status and next steps
@@ -95,11 +102,15 @@ its int4 bound of ``all_reduce / world``, slope 1); hpZ through DeepSpeed's ``sa
 hands torch.distributed, DeepSpeed's exact reduce-scatter sends the formula's bytes and with zeropp everything
 crossing nodes is 0.175x exact ZeRO-3's over 100 steps (tests/deepspeed/wire.py counts both libraries' calls);
 install is idempotent and uninstall restores DeepSpeed's attributes; missing and unsupported DeepSpeed raise named
-errors. Next: the kernel-module path (DeepSpeed's quantizer wire format, tested against a reference from its spec
+errors; hpZ's groups are the nodes also when the nodes hold ranks {0, 2} and {1, 3} (DeepSpeed's own gathers then
+send nothing across nodes), ``destroy()`` clears the group (a following engine without hpZ gets none) and a size
+not dividing the ranks per node is refused. tests/hf runs ``transformers.Trainer`` with qwZ + hpZ + qgZ on 4 ranks
+as 2 nodes (24 steps, resume). Next: the kernel-module path (DeepSpeed's quantizer wire format, tested against a reference from its spec
 and, on a GPU, its CUDA kernels), CUDA streams checked on a GPU.
 
 Files: ``versions.py`` (supported versions, the checks), ``patches.py`` (the patch table, ``install`` /
-``uninstall``), ``all_gather.py`` (qwZ), ``reduce_scatter.py`` (qgZ), ``avg_scatter.py`` (qgZ on one node),
+``uninstall``), ``all_gather.py`` (qwZ), ``hpz.py`` (hpZ's groups), ``reduce_scatter.py`` (qgZ), ``avg_scatter.py``
+(qgZ on one node),
 ``quantizer.py`` (the kernel-module stand-in), ``topology.py``.
 """
 
