@@ -171,11 +171,17 @@ def _padded_shard_numel(rows: int, cols: int, world: int) -> int:
     return per_rank * cols + per_rank
 
 
-def test_fsdp2_calls_the_custom_comms(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    """One 2-rank launch of tests/torch_internals_workers.py's ``custom_comms`` for the FSDP2 pins."""
+    return launch("torch_internals_workers:custom_comms", 2, tmp_path_factory.mktemp("fsdp"), worker_dirs=[HERE])
+
+
+def test_fsdp2_calls_the_custom_comms(fsdp_runs: list[dict]) -> None:
     """A real 2-rank FSDP2 run over gloo (tests/torch_internals_workers.py): Linear(4, 8) and Linear(8, 3), each
     ``fully_shard``-ed, their comms replaced by recording ones that run FSDP2's default collectives."""
     world = 2
-    runs = launch("torch_internals_workers:custom_comms", world, tmp_path, worker_dirs=[HERE])
+    runs = fsdp_runs
     first, second = _padded_shard_numel(8, 4, world), _padded_shard_numel(3, 8, world)
     for rank, r in enumerate(runs):
         assert r["same_as_plain"], (
@@ -208,6 +214,23 @@ def test_fsdp2_calls_the_custom_comms(tmp_path: Path) -> None:
         assert r["force_sum_ops"] == [str(dist.ReduceOp.SUM)] * 2, (
             f"rank {rank}: with set_force_sum_reduction_for_comms(True) FSDP2 passed {r['force_sum_ops']}; "
             f"zeropp.fsdp.reduce_scatter tells users to set it to get SUM. {FSDP_USE}"
+        )
+
+
+def test_fsdp_group_modules_names_one_fully_shard_calls_modules(fsdp_runs: list[dict]) -> None:
+    """``fully_shard([second, first])``: both modules report the group ``(second, first)``, a module wrapped alone
+    reports itself, and FSDP2's one all-gather input for the group holds the second's shards, then the first's."""
+    use = ("zeropp.fsdp.segments lays out a fully_shard group's flat all-gather input (one qwZ block run per "
+           "parameter) from fsdp_group_modules(): FSDPModule._get_fsdp_state()._modules")
+    for rank, r in enumerate(fsdp_runs):
+        g = r["group"]
+        assert g["first"] == g["second"] == g["want"] and g["root"] == g["want_root"], (
+            f"rank {rank}: fsdp_group_modules() no longer gives the modules of the fully_shard call in the order "
+            f"given ({g}). {use}"
+        )
+        assert g["input_order"], (
+            f"rank {rank}: FSDP2's all-gather input for fully_shard([second, first]) is no longer second's "
+            f"parameter shards then first's. {use}"
         )
 
 

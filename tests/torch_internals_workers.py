@@ -1,6 +1,7 @@
 """Worker of tests/test_torch_internals.py: a tiny FSDP2 model over a real gloo group, once with FSDP2's own comms
 and once with custom comms built on ``zeropp._torch_internals``' interface classes, which record how FSDP2 calls
-them (and run the same collectives FSDP2's defaults run, so both runs must agree bit for bit)."""
+them (and run the same collectives FSDP2's defaults run, so both runs must agree bit for bit); and a
+``fully_shard`` over two modules at once, for ``fsdp_group_modules``."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from zeropp._torch_internals import FSDPAllGather, FSDPReduceScatter
+from zeropp._torch_internals import FSDPAllGather, FSDPReduceScatter, fsdp_group_modules
 
 
 class _Recording:
@@ -68,7 +69,8 @@ class CountingReduceScatter(_Recording, FSDPReduceScatter):
 def custom_comms(rank: int, world: int) -> dict[str, Any]:
     """Two ``fully_shard``-ed Linear layers under a ``fully_shard``-ed root (which holds no parameter): one step
     with FSDP2's comms, one with the recording comms installed on both layers, then one more with
-    ``set_force_sum_reduction_for_comms(True)``. Returns the recorded calls and whether the two runs agree."""
+    ``set_force_sum_reduction_for_comms(True)``. Returns the recorded calls and whether the two runs agree, and
+    ``fsdp_group``'s record."""
     mesh = init_device_mesh("cpu", (world,))
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(rank))
 
@@ -108,4 +110,44 @@ def custom_comms(rank: int, world: int) -> dict[str, Any]:
         "reduce_scatter": first[1],
         "force_sum_ops": [c["op"] for c in reduce_scatter.calls[len(first[1]):]],
         "same_as_plain": same,
+        "group": fsdp_group(mesh),
+    }
+
+
+class _InputAllGather(FSDPAllGather):
+    """FSDP2's default all-gather that keeps a copy of each input it is given."""
+
+    def __init__(self) -> None:
+        self.inputs: list[torch.Tensor] = []
+
+    def allocate(self, size: Sequence[int | torch.SymInt], *, dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> dist.Work | None:
+        self.inputs.append(input_tensor.clone())
+        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+
+
+def fsdp_group(mesh: Any) -> dict[str, Any]:
+    """``fully_shard([second, first])`` over two Linear layers of a Sequential (dims even: no padding on 2 ranks),
+    then the root: what ``fsdp_group_modules`` says for each, and whether the group's one all-gather input is the
+    second layer's weight and bias shards, then the first's (the order given to ``fully_shard``)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
+    fully_shard([m[2], m[0]], mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    gather = _InputAllGather()
+    m[0].set_custom_all_gather(gather)
+    with torch.no_grad():
+        m(torch.randn(3, 4))
+    want = torch.cat([p.to_local().reshape(-1) for p in (m[2].weight, m[2].bias, m[0].weight, m[0].bias)])
+    return {
+        "first": [id(x) for x in fsdp_group_modules(m[0])],
+        "second": [id(x) for x in fsdp_group_modules(m[2])],
+        "root": [id(x) for x in fsdp_group_modules(m)],
+        "want": [id(m[2]), id(m[0])],
+        "want_root": [id(m)],
+        "input_order": len(gather.inputs) == 1 and torch.equal(gather.inputs[0], want),
     }

@@ -15,6 +15,10 @@ A leaf: it imports torch only. Each use below has no public equivalent in torch 
   ``torch.distributed.fsdp._fully_shard._fsdp_api`` (not exported by ``torch.distributed.fsdp``). Looked up on
   first access (the module ``__getattr__`` below), not when this module is imported, so that ``zeropp.comm`` and
   ``zeropp.engine`` do not depend on where torch keeps them: a torch that moves them breaks ``zeropp.fsdp`` only.
+* ``fsdp_group_modules``: ``FSDPModule._get_fsdp_state()._modules``. ``fully_shard([a, b])`` gives ``a`` and ``b``
+  one FSDP2 state, one flat all-gather input and one custom all-gather; nothing public says which modules share a
+  state, and ``zeropp.fsdp`` needs the group's modules, in the order given to ``fully_shard``, to lay out the
+  group's parameters (``zeropp.fsdp.segments``).
 * ``group_timeout``: ``ProcessGroup._device_types``, ``ProcessGroup._get_backend`` and the backend options'
   ``_timeout`` (what ``DeviceMesh`` itself reads). Nothing public reads a process group's timeout, and torch's
   ``new_group`` does not inherit the default group's, so ``zeropp.comm.Topology`` reads it to give its groups the
@@ -34,7 +38,7 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as FSDPAllGather
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as FSDPReduceScatter
 
-__all__ = ["FSDPAllGather", "FSDPReduceScatter", "group_timeout", "in_backward", "tree_leaves"]
+__all__ = ["FSDPAllGather", "FSDPReduceScatter", "fsdp_group_modules", "group_timeout", "in_backward", "tree_leaves"]
 
 _FSDP_COMM_INTERFACES = {"FSDPAllGather": "AllGather", "FSDPReduceScatter": "ReduceScatter"}
 
@@ -49,6 +53,13 @@ def tree_leaves(tree: Any) -> list[Any]:
     """The leaves of ``tree`` in torch's pytree order: nested tuples, lists, dicts, namedtuples and every type
     registered with torch's pytree are walked; anything else (a tensor, ``None``) is a leaf."""
     return _pytree.tree_leaves(tree)
+
+
+def fsdp_group_modules(module: Any) -> tuple[torch.nn.Module, ...]:
+    """The modules of the ``fully_shard`` call that made ``module`` (an ``FSDPModule``) an FSDP2 module, in the order
+    FSDP2 walks them (the call's modules less those nested in another of them, in the order given): ``(module,)``
+    for ``fully_shard(module)``, ``(a, b)`` for ``fully_shard([a, b])``, whichever of ``a`` and ``b`` is asked."""
+    return tuple(module._get_fsdp_state()._modules)
 
 
 def group_timeout(group: ProcessGroup) -> timedelta:

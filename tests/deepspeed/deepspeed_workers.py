@@ -2,8 +2,8 @@
 ``zeropp.deepspeed.install()``, training the GPT of ``zeropp.models.gpt`` on real text (``zeropp.data``).
 
 ``run`` is the one launch the tests share (each launch costs ~10 s of imports per rank: torch._dynamo through
-DeepSpeed's optimizer check): it runs a list of jobs (``compare``, ``checkpoint``, ``qgz_mean``) and returns
-each job's record by name.
+DeepSpeed's optimizer check): it runs a list of jobs (``compare``, ``checkpoint``, ``qgz_mean``, ``hpz_groups``)
+and returns each job's record by name.
 
 The model: 2 layers, ``n_embd`` 63 with 3 heads (head size 21, MLP 252, QKV 189), context 61, a vocabulary of
 251 or 50257: no parameter's size is a multiple of 8. Text: the Python stdlib sources as bytes (``stdlib_corpus``);
@@ -18,7 +18,19 @@ from typing import Any
 
 from wire import WireCounter
 
-WIRE = WireCounter(lambda: int(os.environ["LOCAL_SIZE"]))
+INTERLEAVED_NODES = 0
+"""0: nodes are runs of ``$LOCAL_SIZE`` consecutive global ranks; ``k``: rank ``g`` is on node ``g % k`` (set by
+``hpz_groups`` while it emulates such hosts)."""
+
+
+def node_of(global_rank: int) -> int:
+    """The emulated node holding ``global_rank`` (see ``INTERLEAVED_NODES``)."""
+    if INTERLEAVED_NODES:
+        return global_rank % INTERLEAVED_NODES
+    return global_rank // int(os.environ["LOCAL_SIZE"])
+
+
+WIRE = WireCounter(node_of)
 """What every rank hands torch.distributed (DeepSpeed's collectives and zeropp's), installed by ``run``."""
 
 CONFIGS: dict[str, dict[str, Any]] = {
@@ -125,16 +137,6 @@ def _train(engine: Any, batches: list[Any]) -> tuple[list[float], list[float]]:
     return losses, norms
 
 
-def _destroy(engine: Any) -> None:
-    """``engine.destroy()``, then forget DeepSpeed's hpZ group: DeepSpeed 0.19.8 keeps it in a module global
-    (``groups._ZERO_PARAM_INTRA_PARALLEL_GROUP``) after ``destroy()``, and every later stage-3 engine of the
-    process picks it up (hpZ on whatever its config says)."""
-    from deepspeed.utils import groups
-
-    engine.destroy()
-    groups._ZERO_PARAM_INTRA_PARALLEL_GROUP = None
-
-
 def compare(rank: int, world: int, *, configs: dict[str, int], vocab: int, dtype: str,
             ranks_per_node: int, freeze: tuple[str, ...] = ()) -> dict[str, Any]:
     """Train each config (a key of ``CONFIGS``; ``exact`` runs DeepSpeed alone) its number of steps from the same
@@ -214,7 +216,7 @@ def compare(rank: int, world: int, *, configs: dict[str, int], vocab: int, dtype
                       shard_elems=sum(shard_sizes),
                       padded_shard_elems=sum(math.ceil(s / BLOCK) * BLOCK for s in shard_sizes))
         out[name] = record
-        _destroy(engine)
+        engine.destroy()
     return out
 
 
@@ -247,7 +249,7 @@ def checkpoint(rank: int, world: int, *, save_dir: str, steps: int, save_at: int
     engine.save_checkpoint(save_dir, tag="mid")
     straight, _ = _train(engine, batches[save_at:])
     final = _masters(engine, rank)
-    _destroy(engine)
+    engine.destroy()
 
     resumed_engine = _engine("zeropp", vocab, dtype, ranks_per_node, seed=7)
     path, _ = resumed_engine.load_checkpoint(save_dir, tag="mid")
@@ -257,7 +259,7 @@ def checkpoint(rank: int, world: int, *, save_dir: str, steps: int, save_at: int
               "hpz": resumed_engine.zero_hpz_partition_size(),
               "master_equal": len(final) == len(resumed_final) and all(
                   torch.equal(a, b) for a, b in zip(final, resumed_final))}
-    _destroy(resumed_engine)
+    resumed_engine.destroy()
     return record
 
 
@@ -306,6 +308,68 @@ def qgz_mean(rank: int, world: int, *, sizes: list[int]) -> dict[str, Any]:
     return out
 
 
+def _hpz_ranks(engine: Any) -> list[list[int]]:
+    """The distinct hpZ groups (global ranks) of ``engine``'s parameters; ``[[]]`` when none has one."""
+    import torch.distributed as dist
+
+    groups = {tuple(dist.get_process_group_ranks(p.ds_zero_param_process_group))
+              if p.ds_zero_param_process_group is not None else () for p in engine.module.parameters()}
+    return sorted(map(list, groups))
+
+
+def hpz_groups(rank: int, world: int, *, steps: int, vocab: int, dtype: str, ranks_per_node: int) -> dict[str, Any]:
+    """hpZ's groups with ``install()``: which ranks DeepSpeed's engines get, and what they do.
+
+    * Leak: an engine with hpZ, destroyed (``engine.destroy()`` only), then one without hpZ in its config: the
+      second's parameters must have no hpZ group, and the global must be clear after the destroy.
+    * Layout: nodes that do not hold consecutive ranks (hosts ``host{rank % nodes}`` on every rank, as a launcher
+      that deals ranks round-robin over machines makes them): the hpZ partition is this rank's node, and ``steps``
+      qwZ + hpZ + qgZ steps (losses, zeropp's counters and the bytes on the wire with those nodes).
+    * Refused: a partition size that does not divide the ranks per node (its error message).
+    """
+    import socket
+
+    from deepspeed.utils import groups
+
+    import zeropp.deepspeed
+    from zeropp import comm
+
+    global INTERLEAVED_NODES
+    out: dict[str, Any] = {}
+    _use("zeropp")
+    first = _engine("zeropp", vocab, dtype, ranks_per_node)
+    out["first"] = _hpz_ranks(first)
+    first.destroy()
+    out["cleared"] = groups._ZERO_PARAM_INTRA_PARALLEL_GROUP is None
+    second = _engine("qwz", vocab, dtype, ranks_per_node)
+    out["second"] = _hpz_ranks(second)
+    second.destroy()
+
+    nodes = world // ranks_per_node
+    hostname = socket.gethostname
+    socket.gethostname = lambda: f"host{rank % nodes}"
+    INTERLEAVED_NODES = nodes
+    zeropp.deepspeed.uninstall()  # forget the topology of the consecutive layout
+    try:
+        _use("zeropp")
+        engine = _engine("zeropp", vocab, dtype, ranks_per_node)
+        out["interleaved"] = _hpz_ranks(engine)
+        comm.reset_stats()
+        WIRE.reset()
+        out["losses"], _ = _train(engine, _batches(rank, world, steps))
+        out["stats"], out["wire"] = comm.stats(), WIRE.snapshot()
+        engine.destroy()
+        try:
+            groups._create_zero_param_parallel_group(world)
+            out["refused"] = "no error"
+        except Exception as e:  # noqa: BLE001 - what it raises is the record (DeepSpeed alone: an assertion)
+            out["refused"] = f"{type(e).__name__}: {e}"
+    finally:
+        socket.gethostname = hostname
+        INTERLEAVED_NODES = 0
+    return out
+
+
 def run(rank: int, world: int, *, jobs: list[tuple[str, str, dict[str, Any]]], ranks_per_node: int) -> dict[str, Any]:
     """Run each ``(label, function, kwargs)`` job of this module in order on one gloo world, with
     ``ranks_per_node`` ranks per emulated node unless the job's kwargs name its own (DeepSpeed reads
@@ -316,7 +380,9 @@ def run(rank: int, world: int, *, jobs: list[tuple[str, str, dict[str, Any]]], r
     WIRE.install()  # before DeepSpeed's communication backend and zeropp.comm bind torch.distributed's functions
     import deepspeed.ops
     from deepspeed.runtime.comm import coalesced_collectives
+    from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.zero import partition_parameters, stage3
+    from deepspeed.utils import groups
 
     import zeropp.deepspeed
 
@@ -328,7 +394,8 @@ def run(rank: int, world: int, *, jobs: list[tuple[str, str, dict[str, Any]]], r
         return (partition_parameters.CUDAQuantizer, stage3.CUDAQuantizer, init._convert_to_deepspeed_param,
                 init._partition_param, init._partition_param_sec, "quantizer_module" in init.__dict__,
                 coalesced_collectives.quantizer_module, stage3.all_to_all_quant_reduce,
-                stage3.DeepSpeedZeroOptimizer_Stage3.__dict__[mangled])
+                stage3.DeepSpeedZeroOptimizer_Stage3.__dict__[mangled], groups._create_zero_param_parallel_group,
+                DeepSpeedEngine.__dict__["destroy"])
 
     originals = attributes()
     out: dict[str, Any] = {}

@@ -8,8 +8,9 @@ vocabulary of 251 or 50257 (no parameter size a multiple of 8) on real text (the
 ONE launch (``deepspeed_workers.run``, shared by the tests below through a module fixture: each launch costs
 ~10 s of imports per rank) runs every job: fp32 and bf16 comparisons of DeepSpeed's exact ZeRO-3, qwZ alone and
 qwZ + hpZ + qgZ from one seed on the same batches (fp32 for 100 steps), the GPT-2 vocabulary, qgZ on one node,
-hpZ through DeepSpeed's checkpoint save and load, zeropp's qgZ entry against an exact mean, and frozen weights
-stored quantized (``zero_quantized_nontrainable_weights``) against exact ZeRO-3 with the same weights frozen.
+hpZ through DeepSpeed's checkpoint save and load, hpZ's groups (cleared by ``destroy()``, inside nodes that do not
+hold consecutive ranks), zeropp's qgZ entry against an exact mean, and frozen weights stored quantized
+(``zero_quantized_nontrainable_weights``) against exact ZeRO-3 with the same weights frozen.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ JOBS = [
     ("one_node", "compare", {"configs": {"qgz": 2}, "vocab": 251, "dtype": "fp32", "ranks_per_node": WORLD}),
     ("checkpoint", "checkpoint", {"steps": 4, "save_at": 2, "vocab": 251, "dtype": "bf16",
                                   "ranks_per_node": RANKS_PER_NODE}),
+    ("hpz_groups", "hpz_groups", {"steps": 4, "vocab": 251, "dtype": "fp32", "ranks_per_node": RANKS_PER_NODE}),
     ("qgz_mean", "qgz_mean", {"sizes": [1, 5, 63, 251 * 63, 40_000]}),
     ("stored", "compare", {"configs": {"exact": 3, "stored": 3, "stored_zeropp": 3}, "vocab": 251, "dtype": "fp32",
                            "ranks_per_node": RANKS_PER_NODE, "freeze": FROZEN}),
@@ -240,3 +242,35 @@ def test_frozen_weights_stored_quantized(results: list[dict]) -> None:
             if tol is not None:
                 for got, want in zip(run["losses"], exact["losses"], strict=True):
                     assert math.isclose(got, want, rel_tol=tol), (name, run["losses"], exact["losses"])
+
+
+def test_hpz_groups_die_with_the_engine_and_follow_the_nodes(results: list[dict]) -> None:
+    """With install(): an engine's hpZ group is its rank's node; after ``engine.destroy()`` DeepSpeed's global is
+    clear and a stage-3 engine without hpZ in its config gets none (DeepSpeed alone hands it the old group). With
+    nodes that hold ranks {0, 2} and {1, 3} (DeepSpeed alone groups 0 and 1: two nodes) the hpZ group is the node:
+    DeepSpeed's own gathers (hpZ's backward) send nothing across nodes, step 0's loss is exact ZeRO-3's, the next
+    within 1%, zeropp's counted bytes equal the formulas and the wire. A size that does not divide the ranks per
+    node is refused, naming the sizes that do."""
+    nodes = WORLD // RANKS_PER_NODE
+    for rank, r in enumerate(results):
+        h = r["hpz_groups"]
+        start = rank // RANKS_PER_NODE * RANKS_PER_NODE
+        assert h["first"] == [list(range(start, start + RANKS_PER_NODE))]
+        assert h["cleared"] and h["second"] == [[]], h
+        assert h["interleaved"] == [list(range(rank % nodes, WORLD, nodes))]
+        exact = r["fp32"]["exact"]["losses"]
+        assert h["losses"][0] == exact[0]
+        for got, want in zip(h["losses"], exact):
+            assert math.isclose(got, want, rel_tol=0.01), (h["losses"], exact[:4])
+        ds = h["wire"]["deepspeed"]["all_gather"]
+        assert ds["inter"] == 0 and ds["intra"] > 0, ds
+        steps, padded = len(h["losses"]), r["fp32"]["zeropp"]["padded_shard_elems"]
+        assert h["stats"]["all_gather"]["sent_inter"] == (steps - 1) * (WORLD - RANKS_PER_NODE) * (
+            padded + 4 * padded // BLOCK)
+        assert h["stats"]["reduce_scatter"]["sent_inter"] == steps * (nodes - 1) * (padded // 2 + 4 * padded // BLOCK)
+        for kind, counted in (("all_gather", "all_gather"), ("all_to_all", "reduce_scatter")):
+            for where in ("inter", "intra"):
+                assert h["wire"]["zeropp"][kind][where] == h["stats"][counted][f"sent_{where}"], (kind, where)
+        assert h["refused"].startswith(f"ValueError: zero_hpz_partition_size={WORLD} does not divide the ranks per "
+                                       f"node ({RANKS_PER_NODE}"), h["refused"]
+        assert "use one of [2]" in h["refused"], h["refused"]

@@ -14,8 +14,8 @@ formulas use, not what a ring or tree algorithm puts on a link:
   then an all-gather, the bandwidth-optimal volume);
 * ``broadcast``: the tensor from the source to every other member; ``isend`` / ``send``: the tensor to its peer.
 
-Bytes to a rank of this node count as ``intra``, to another node as ``inter``; nodes are runs of ``ranks_per_node``
-consecutive global ranks. Calls are told apart by their caller: ``zeropp_checks`` (``zeropp/comm/checks.py``: the
+Bytes to a rank of this node count as ``intra``, to another node as ``inter``; the worker says which node holds a
+global rank (``node_of``). Calls are told apart by their caller: ``zeropp_checks`` (``zeropp/comm/checks.py``: the
 agreement check, once per distinct call), ``zeropp`` (another file of ``zeropp/comm``: the collectives
 ``zeropp.comm.stats()`` accounts for), ``deepspeed`` (DeepSpeed's files), ``other``. A call made inside another
 counted call (a deprecated name calling its successor) is counted once.
@@ -48,8 +48,8 @@ class WireCounter:
     """Per caller (``ORIGINS``) and kind (``all_gather``, ``reduce_scatter``, ``all_to_all``, ``all_reduce``,
     ``broadcast``, ``p2p``): ``{"calls", "intra", "inter"}``, bytes this rank sent since the last ``reset()``."""
 
-    def __init__(self, ranks_per_node: Callable[[], int]) -> None:
-        self.ranks_per_node = ranks_per_node
+    def __init__(self, node_of: Callable[[int], int]) -> None:
+        self.node_of = node_of
         self.counts: dict[str, dict[str, dict[str, int]]] = {}
         self._depth = threading.local()
         self.reset()
@@ -115,12 +115,11 @@ class WireCounter:
         else:  # isend, send
             dst = a["dst"] if a.get("group_dst") is None else ranks[a["group_dst"]]
             sends = [(dst, _nbytes(a["tensor"]))]
-        rpn = self.ranks_per_node()
         c = self.counts[origin][kind]
         c["calls"] += 1
         for g, n in sends:
             if g != me:
-                c["intra" if g // rpn == me // rpn else "inter"] += n
+                c["intra" if self.node_of(g) == self.node_of(me) else "inter"] += n
 
 
 def _origin(filename: str) -> str:

@@ -19,13 +19,18 @@ from zeropp.models import GPT, GPTConfig
 STEPS, BATCH, SEQ = 10, 2, 32
 
 
-def _model(mesh: Any, dtype: str, model: GPT | None = None) -> GPT:
+def _model(mesh: Any, dtype: str, model: GPT | None = None, tail_group: bool = False) -> GPT:
+    """``fully_shard`` per block, then the root; with ``tail_group``, in between, ONE ``fully_shard`` over the final
+    LayerNorm, the embedding and the head tied to it, as accelerate wraps a model (its group's flat input:
+    ``ln_f.weight``, ``ln_f.bias``, ``wte.weight``; the root keeps ``wpe``)."""
     model = GPT(GPTConfig.preset("tiny"), seed=0) if model is None else model
     mp = MixedPrecisionPolicy()
     if dtype == "bf16":
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     for block in model.blocks:
         fully_shard(block, mesh=mesh, mp_policy=mp)
+    if tail_group:
+        fully_shard([model.ln_f, model.wte, model.lm_head], mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
     return model
 
@@ -62,10 +67,10 @@ def varied_gpt() -> GPT:
     return model
 
 
-def forward_weights(mesh: Any, bits: int) -> dict[str, torch.Tensor]:
-    """Every parameter of ``varied_gpt`` as one qwZ forward (``weight_bits=bits``) computes with: read by a forward
-    pre-hook on its module, after FSDP2's all-gather, by name."""
-    model = _model(mesh, "fp32", varied_gpt())
+def forward_weights(mesh: Any, bits: int, tail_group: bool = False) -> dict[str, Any]:
+    """Every parameter of ``varied_gpt`` (wrapped by ``_model``) as one qwZ forward (``weight_bits=bits``) computes
+    with, read by a forward pre-hook on its module after FSDP2's all-gather, by name; and the warnings raised."""
+    model = _model(mesh, "fp32", varied_gpt(), tail_group)
     zeropp.fsdp.enable(model, weight_bits=bits, gradient_bits=None)
     seen: dict[str, torch.Tensor] = {}
     for prefix, module in model.named_modules():
@@ -74,9 +79,10 @@ def forward_weights(mesh: Any, bits: int) -> dict[str, torch.Tensor]:
                 for pname, p in m.named_parameters(recurse=False):
                     seen[f"{prefix}.{pname}"] = p.detach().clone()
             module.register_forward_pre_hook(grab)
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         model(torch.randint(0, 256, (1, SEQ), generator=torch.Generator().manual_seed(0)))
-    return seen
+    return {"weights": seen, "warnings": [str(w.message) for w in caught]}
 
 
 HOOK_SEGMENTS = (100, 300, 28)
@@ -110,10 +116,11 @@ def hook_calls(rank: int, world: int) -> dict[str, Any]:
 
 def train_runs(rank: int, world: int, dtype: str) -> dict[str, Any]:
     """Plain FSDP2, FSDP2 + zeropp exact comms, FSDP2 + qwZ int8 / qgZ int4: losses, parameters, byte counters;
-    the weights a qwZ int8 / int4 forward computes with (``forward_weights``); the hook called directly
-    (``hook_calls``)."""
+    the weights a qwZ int8 / int4 forward computes with (``forward_weights``), wrapped per block and with the
+    accelerate-like tail group; the hook called directly (``hook_calls``)."""
     mesh = init_device_mesh("cpu", (world,))
-    out: dict[str, Any] = {"forward_weights": {bits: forward_weights(mesh, bits) for bits in (8, 4)},
+    out: dict[str, Any] = {"forward_weights": {(bits, tail): forward_weights(mesh, bits, tail)
+                                               for bits in (8, 4) for tail in (False, True)},
                            "hook": hook_calls(rank, world)}
     out["plain"] = _train(_model(mesh, dtype), rank)
     for name, wbits, gbits in (("exact", None, None), ("quantized", 8, 4)):

@@ -110,17 +110,28 @@ def _gathered(unit: list[tuple[str, torch.Tensor]], fmt: BlockFormat, per_parame
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_qwz_quantizes_every_parameter_shard_alone(runs: list[dict], bits: int) -> None:
+@pytest.mark.parametrize("tail_group", [False, True], ids=["per_module", "tail_group"])
+def test_qwz_quantizes_every_parameter_shard_alone(runs: list[dict], bits: int, tail_group: bool) -> None:
     """Every parameter of the tiny GPT (random biases, LayerNorm gains ~1) as a qwZ forward sees it equals, bit for
-    bit, every rank's shard of it quantized alone by the torch reference and dequantized."""
+    bit, every rank's shard of it quantized alone by the torch reference and dequantized, with no warning.
+    ``tail_group``: the final LayerNorm, the embedding and the tied head ``fully_shard``-ed together as accelerate
+    does, one FSDP2 group whose flat input holds ``ln_f.weight`` and ``ln_f.bias`` (16 elements per rank each,
+    no block multiple) before ``wte.weight``: cutting blocks from that input would put the bias, the gain and the
+    embedding in one block."""
     fmt = BlockFormat(bits, 128)
     want = {k: v for unit in gpt_units(varied_gpt()) for k, v in _gathered(unit, fmt, True).items()}
+    group = [(name, p) for name, p in varied_gpt().named_parameters() if name in ("ln_f.weight", "ln_f.bias",
+                                                                                  "wte.weight")]
+    flat = _gathered(sorted(group, key=lambda item: not item[0].startswith("ln_f")), fmt, False)
+    assert not torch.equal(flat["ln_f.bias"], want["ln_f.bias"])  # the test tells the two layouts apart
     for r in runs:
-        seen = r["forward_weights"][bits]
+        run = r["forward_weights"][bits, tail_group]
+        seen = run["weights"]
         assert want.keys() <= seen.keys()
         for name, value in want.items():
             assert torch.equal(seen[name], value), name
         assert torch.equal(seen["lm_head.weight"], seen["wte.weight"])  # tied: gathered once
+        assert run["warnings"] == []
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -137,7 +148,7 @@ def test_biases_beside_layernorm_gains_keep_their_own_scale(runs: list[dict], bi
     biases = [name for name in full if name.endswith("bias")]
     assert "blocks.0.attn.c_proj.bias" in biases and "blocks.1.ln_1.bias" in biases
     for r in runs:
-        seen = r["forward_weights"][bits]
+        seen = r["forward_weights"][bits, False]["weights"]
         worst_flat = 0.0
         for name in biases:
             w = full[name].detach()

@@ -1,7 +1,7 @@
 """Workers for tests/hf: ``transformers.Trainer`` on a tiny GPT-2 built from a config (no download), over the gloo
 group ``comm_launch`` made, with DeepSpeed ZeRO-3 (its CPU accelerator) or accelerate's FSDP2, with and without
 zeropp. Each run trains ``steps`` steps from one seed on the same data, saving a Trainer checkpoint at ``save_at``;
-a resumed run continues from that checkpoint.
+a resumed run continues from that checkpoint. ``hpz_trainers`` runs hpZ through both paths in one launch.
 
 accelerate (1.x) serves FSDP only on GPU-like devices: on ``use_cpu`` it makes a MULTI_CPU (DDP) state and drops
 the FSDP plugin. ``_fsdp_on_cpu`` makes its ``AcceleratorState`` keep the plugin on MULTI_CPU as it does on
@@ -12,6 +12,7 @@ its wrap policy, its FSDP checkpointing) on CPU.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -58,13 +59,16 @@ def _dataset() -> Any:
     return Sequences()
 
 
-def _args(out: Path, steps: int, save_at: int, **backend: Any) -> Any:
+def _args(out: Path, steps: int, save_at: int | None, **backend: Any) -> Any:
+    """The runs' ``TrainingArguments``: a checkpoint at step ``save_at`` (``None``: no checkpoint), ``backend``'s
+    arguments added."""
     from transformers import TrainingArguments
 
+    saving = {"save_strategy": "no"} if save_at is None else {"save_strategy": "steps", "save_steps": save_at}
     return TrainingArguments(
         output_dir=str(out), per_device_train_batch_size=BATCH, max_steps=steps, learning_rate=3e-3,
-        logging_steps=1, save_strategy="steps", save_steps=save_at, save_only_model=False, report_to="none",
-        disable_tqdm=True, seed=0, data_seed=0, **backend)
+        logging_steps=1, save_only_model=False, report_to="none", disable_tqdm=True, seed=0, data_seed=0,
+        **saving, **backend)
 
 
 def _losses(trainer: Any) -> dict[int, float]:
@@ -92,10 +96,11 @@ def _save_mismatches(trainer: Any, out: Path, whole: dict[str, Any]) -> list[str
     return bad
 
 
-def deepspeed_trainer(rank: int, world: int, *, steps: int, save_at: int, tmp: str) -> dict[str, Any]:
-    """Train DeepSpeed's exact ZeRO-3, then ZeRO-3 with qwZ and qgZ after ``zeropp.deepspeed.install()``, then resume
-    the latter from its checkpoint at ``save_at``. Per run: the losses by step and whether ``save_model`` +
-    ``from_pretrained`` give the whole weights (assembled here from every rank's DeepSpeed partition)."""
+def deepspeed_trainer(rank: int, world: int, *, steps: int, save_at: int, tmp: str, hpz: int = 1) -> dict[str, Any]:
+    """Train DeepSpeed's exact ZeRO-3, then ZeRO-3 with qwZ and qgZ (and ``zero_hpz_partition_size=hpz``) after
+    ``zeropp.deepspeed.install()``, then resume the latter from its checkpoint at ``save_at``. Per run: the losses by
+    step, whether ``save_model`` + ``from_pretrained`` give the whole weights (assembled here from every rank's
+    DeepSpeed partition), and the ranks of the parameters' hpZ groups (``[]`` for none)."""
     _setup_env(rank, world)
     import deepspeed.ops
     import torch
@@ -111,7 +116,7 @@ def deepspeed_trainer(rank: int, world: int, *, steps: int, save_at: int, tmp: s
         zero: dict[str, Any] = {"stage": 3, "stage3_param_persistence_threshold": 0,
                                 "stage3_gather_16bit_weights_on_model_save": True}
         if zeropp_flags:
-            zero.update(zero_quantized_weights=True, zero_quantized_gradients=True)
+            zero.update(zero_quantized_weights=True, zero_quantized_gradients=True, zero_hpz_partition_size=hpz)
         return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
                 "gradient_clipping": "auto", "zero_optimization": zero, "steps_per_print": 10**9,
                 "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto", "torch_adam": True}}}
@@ -139,9 +144,12 @@ def deepspeed_trainer(rank: int, world: int, *, steps: int, save_at: int, tmp: s
         checkpoint = None if resume is None else str(root / resume / f"checkpoint-{save_at}")
         trainer.train(resume_from_checkpoint=checkpoint)
         stats = comm.stats()
+        hpz_groups = {tuple(dist.get_process_group_ranks(p.ds_zero_param_process_group))
+                      if p.ds_zero_param_process_group is not None else () for p in trainer.model_wrapped.parameters()}
         results[name] = {
             "losses": _losses(trainer),
             "zeropp_bytes": sum(s.get("sent_inter", 0) + s.get("sent_intra", 0) for s in stats.values()),
+            "hpz_groups": sorted(hpz_groups),
             "save_mismatches": _save_mismatches(trainer, root / f"{name}_model", whole_weights(trainer.model_wrapped)),
         }
         trainer.model_wrapped.destroy()
@@ -171,8 +179,8 @@ def _fsdp_on_cpu() -> None:
 def fsdp_trainer(rank: int, world: int, *, steps: int, save_at: int, tmp: str) -> dict[str, Any]:
     """Train accelerate's FSDP2 without zeropp, with ``ZeroppCallback`` and exact comms, with int8/int4 comms, then
     resume the int8/int4 run from its checkpoint at ``save_at``. Per run: the losses by step, zeropp's byte
-    counters, whether the FSDP2 modules run zeropp's comms, and whether ``save_model`` + ``from_pretrained`` give
-    the whole weights (``DTensor.full_tensor()`` of the trained shards)."""
+    counters, the FSDP2 modules' names, zeropp's warnings during ``train()``, and whether ``save_model`` +
+    ``from_pretrained`` give the whole weights (``DTensor.full_tensor()`` of the trained shards)."""
     _setup_env(rank, world)
     _fsdp_on_cpu()
     from torch.distributed.fsdp import FSDPModule
@@ -193,14 +201,75 @@ def fsdp_trainer(rank: int, world: int, *, steps: int, save_at: int, tmp: str) -
         trainer = Trainer(model=_model(), args=args, train_dataset=_dataset(), callbacks=callbacks)
         comm.reset_stats()
         checkpoint = None if resume is None else str(root / resume / f"checkpoint-{save_at}")
-        trainer.train(resume_from_checkpoint=checkpoint)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.train(resume_from_checkpoint=checkpoint)
         stats = comm.stats()
-        fsdp_modules = [m for m in trainer.model.modules() if isinstance(m, FSDPModule)]
+        fsdp_modules = [n for n, m in trainer.model.named_modules() if isinstance(m, FSDPModule)]
         whole = {n: p.full_tensor() for n, p in trainer.model.named_parameters()}
         results[name] = {
             "losses": _losses(trainer),
-            "fsdp_modules": len(fsdp_modules),
+            "fsdp_modules": fsdp_modules,
+            "zeropp_warnings": [str(w.message) for w in caught if "zeropp" in str(w.message)],
             "stats": stats,
             "save_mismatches": _save_mismatches(trainer, root / f"{name}_model", whole),
         }
     return results
+
+
+def fsdp_hpz_trainer(rank: int, world: int, *, steps: int, hpz: int, tmp: str) -> dict[str, Any]:
+    """hpZ on the Trainer's FSDP2 path, as ``zeropp.hf`` documents it: the model is sharded before the Trainer is
+    built, each GPT-2 block with ``fully_shard(block, reshard_after_forward=hpz)``, then the root, and the Trainer
+    gets ``fsdp_config={"version": 2, "auto_wrap_policy": "NO_WRAP"}``; accelerate must keep the model as it is. Trains it without zeropp, then with ``ZeroppCallback(weight_bits=8, gradient_bits=4,
+    hpz=hpz)``. Per run: the losses, zeropp's byte counters, whether the Trainer trained the very model given,
+    the FSDP2 modules' names, each block's post-forward mesh shape, and the elements of one block."""
+    _setup_env(rank, world)
+    _fsdp_on_cpu()
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+    from torch.distributed.tensor import DTensor
+    from transformers import Trainer
+
+    import zeropp.hf
+    from zeropp import comm
+
+    mesh = init_device_mesh("cpu", (world,))
+    results: dict[str, Any] = {}
+    for name, callbacks in (("plain", []), ("zeropp", [zeropp.hf.ZeroppCallback(weight_bits=8, gradient_bits=4,
+                                                                                 hpz=hpz)])):
+        model = _model()
+        for block in model.transformer.h:
+            fully_shard(block, mesh=mesh, reshard_after_forward=hpz)
+        fully_shard(model, mesh=mesh)
+        post_forward: list[list[int]] = []
+        model.transformer.h[0].register_forward_hook(
+            lambda m, a, o: post_forward.append(
+                [list(p.device_mesh.shape) if isinstance(p, DTensor) else [] for p in m.parameters()]))
+        # NO_WRAP: with its default (transformer-based) policy accelerate looks the block class up by name before
+        # it sees the model is sharded, and fully_shard renamed it (FSDPGPT2Block): "Could not find GPT2Block"
+        args = _args(Path(tmp) / f"fsdp_hpz_{name}", steps, None, fsdp=True,
+                     fsdp_config={"version": 2, "auto_wrap_policy": "NO_WRAP"}, use_cpu=True, ddp_backend="gloo")
+        trainer = Trainer(model=model, args=args, train_dataset=_dataset(), callbacks=callbacks)
+        comm.reset_stats()
+        trainer.train()
+        results[name] = {
+            "losses": _losses(trainer),
+            "stats": comm.stats(),
+            "same_model": trainer.model is model and trainer.model_wrapped is model,
+            "fsdp_modules": sorted(n for n, m in model.named_modules() if isinstance(m, FSDPModule)),
+            "post_forward_mesh": {tuple(map(tuple, shapes)) for shapes in post_forward},
+            "block_numel": sum(p.numel() for p in model.transformer.h[0].parameters()),
+        }
+    return results
+
+
+def hpz_trainers(rank: int, world: int, *, steps: int, save_at: int, fsdp_steps: int, tmp: str,
+                 hpz: int) -> dict[str, Any]:
+    """One launch for hpZ through the Trainer: ``deepspeed_trainer`` with ``zero_hpz_partition_size=hpz``, then
+    ``fsdp_hpz_trainer``. ``TrainingArguments`` resets accelerate's state between the two, but an ``Accelerator``
+    given a DeepSpeed plugin sets ``$ACCELERATE_USE_DEEPSPEED`` for good, which would give the FSDP2 Trainer a
+    DeepSpeed plugin too: it is dropped in between."""
+    out = {"deepspeed": deepspeed_trainer(rank, world, steps=steps, save_at=save_at, tmp=tmp, hpz=hpz)}
+    os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
+    out["fsdp"] = fsdp_hpz_trainer(rank, world, steps=fsdp_steps, hpz=hpz, tmp=tmp)
+    return out

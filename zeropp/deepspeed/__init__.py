@@ -35,8 +35,11 @@ Two ways in, preferred in this order:
    * hpZ — the backward gather of the secondary shard (``ds_secondary_tensor``, in DeepSpeed's
      ``zero_param_process_group``) goes to DeepSpeed's closure with ``quantize=False``: an exact in-node
      gather, so backward sees exactly the (dequantized) weights forward used; DeepSpeed quantizes it a second
-     time. The secondary shards and their groups stay DeepSpeed's (``_partition_param_sec``,
-     ``groups._create_zero_param_parallel_group``).
+     time. The secondary shards stay DeepSpeed's (``_partition_param_sec``); their group comes from
+     ``hpz.create_zero_param_parallel_group`` (replacing ``groups._create_zero_param_parallel_group``): the
+     partition of this rank's node in zeropp's ``Topology``, not a run of consecutive global ranks, and a size
+     that does not divide the ranks per node is refused. ``DeepSpeedEngine.destroy`` is wrapped to forget the
+     group (``hpz.destroy_wrapper``), so a later engine in the process gets hpZ only from its own config.
    * qgZ — ``stage3.all_to_all_quant_reduce(tensors, groups)`` (stage 3's binding, and the same name in
      ``runtime.comm.coalesced_collectives``) -> ``reduce_scatter.all_to_all_quant_reduce``: ONE
      ``zeropp.comm.reduce_scatter(bits=4, op=AVG)`` over a flat bucket of the tensors' slices, each padded to a
@@ -74,7 +77,11 @@ Fixed with ``install()`` (qwZ, hpZ):
 * blocks straddle parameters (a bucket is quantized as one vector, a LayerNorm bias shares a scale with a large
   weight), and awkward sizes degrade to tiny groups: blocks are per parameter, of a fixed size;
 * codes and scales move in two collectives, dequantized into a temporary then concatenated: one collective;
-* hpZ's in-node backward gather is quantized a second time: exact.
+* hpZ's in-node backward gather is quantized a second time: exact;
+* hpZ groups are runs of consecutive global ranks (across nodes when a launcher deals ranks round-robin over
+  machines): made from zeropp's node layout;
+* ``engine.destroy()`` keeps the hpZ group in a module global (``groups._ZERO_PARAM_INTRA_PARALLEL_GROUP``), so a
+  later stage-3 engine in the process gets hpZ whatever its config says: forgotten at ``destroy()``.
 
 Fixed with ``install()`` (qgZ): on one node qgZ runs (DeepSpeed silently reduces exactly: ``num_nodes = world //
 accelerator.device_count()`` must exceed 1); the mean, not sum / nodes (``ranks per node`` times the mean, by our
@@ -88,10 +95,15 @@ cast to int8); a bucket of them is dequantized with each weight's own groups int
 group size for all, the result cast to int8; a padded weight's groups misplaced); any size, bf16 natively; scales
 flat, so DeepSpeed's ``zero.GatheredParameters`` gathers them on gloo too.
 
-Remaining (DeepSpeed's code around the entry points, unchanged): hpZ groups assume node-contiguous global ranks
-and ignore the data-parallel group, and ``engine.destroy()`` keeps the hpZ group in a module global
-(``groups._ZERO_PARAM_INTRA_PARALLEL_GROUP``), so a later stage-3 engine in the same process gets hpZ whatever
-its config says; qgZ reduces over the world (refused, not wrong, when DeepSpeed's data-parallel group is
+Fixed with ``install()`` (hpZ's groups, ``hpz.py``): each group is a node's ranks in zeropp's node layout, also
+when a launcher numbers ranks round-robin across machines (DeepSpeed: runs of consecutive global ranks); a size
+not dividing the ranks per node is refused; ``engine.destroy()`` clears DeepSpeed's module global
+(``groups._ZERO_PARAM_INTRA_PARALLEL_GROUP``), so a later stage-3 engine without hpZ no longer inherits it.
+
+Remaining (DeepSpeed's code around the entry points, unchanged): hpZ groups are cut from the world's nodes, not
+the data-parallel group's (as DeepSpeed's are from the world's ranks); an engine that is never destroyed still
+hands its hpZ group to the next stage-3 engine of the process (destroy it first: ``accelerator.free_memory()``
+does, for the Trainer); qgZ reduces over the world (refused, not wrong, when DeepSpeed's data-parallel group is
 smaller). Frozen weights stored quantized keep DeepSpeed's format: groups of up to 8000 elements with step
 ``absmax / 128`` (a LayerNorm weight of ones comes back as 127/128), two collectives per bucket; a weight
 frozen after the engine is made needs DeepSpeed's ``quantize_nontrainable_params`` (unchanged: fp16 only).
@@ -108,18 +120,21 @@ its int4 bound of ``all_reduce / world``, slope 1); hpZ through DeepSpeed's ``sa
 hands torch.distributed, DeepSpeed's exact reduce-scatter sends the formula's bytes and with zeropp everything
 crossing nodes is 0.175x exact ZeRO-3's over 100 steps (tests/deepspeed/wire.py counts both libraries' calls);
 install is idempotent and uninstall restores DeepSpeed's attributes; missing and unsupported DeepSpeed raise named
-errors; with ``zero_quantized_nontrainable_weights`` and 13 parameters frozen, the frozen weights DeepSpeed
-gathers (in training and through ``zero.GatheredParameters``; alone and with qwZ + hpZ + qgZ; fp32 and bf16) are
-within the int8 bound of the exact ones and the loss within 0.2% of exact ZeRO-3 over 3 steps (measured 0.02%;
-1% with qwZ + hpZ + qgZ, measured 0.5%). ``ds_format`` matches a float64
-re-derivation of its spec bit for bit (tests/deepspeed/test_ds_format.py) and its group search DeepSpeed's;
+errors; hpZ's groups are the nodes also when the nodes hold ranks {0, 2} and {1, 3} (DeepSpeed's own gathers then
+send nothing across nodes), ``destroy()`` clears the group (a following engine without hpZ gets none) and a size
+not dividing the ranks per node is refused; tests/hf runs ``transformers.Trainer`` with qwZ + hpZ + qgZ on 4 ranks
+as 2 nodes (24 steps, resume); with ``zero_quantized_nontrainable_weights`` and 13 parameters frozen, the frozen
+weights DeepSpeed gathers (in training and through ``zero.GatheredParameters``; alone and with qwZ + hpZ + qgZ;
+fp32 and bf16) are within the int8 bound of the exact ones and the loss within 0.2% of exact ZeRO-3 over 3 steps
+(measured 0.02%; 1% with qwZ + hpZ + qgZ, measured 0.5%). ``ds_format`` matches a float64 re-derivation of its
+spec bit for bit (tests/deepspeed/test_ds_format.py) and its group search DeepSpeed's;
 tests/deepspeed/test_quantizer_cuda.py compares it with DeepSpeed's CUDA op (not yet run: no GPU here). Next: that
 GPU run, CUDA streams checked on a GPU.
 
 Files: ``versions.py`` (supported versions, the checks), ``patches.py`` (the patch table, ``install`` /
-``uninstall``), ``all_gather.py`` (qwZ), ``reduce_scatter.py`` (qgZ), ``avg_scatter.py`` (qgZ on one node),
-``ds_format.py`` (DeepSpeed's quantizer op in torch: the spec), ``quantizer.py`` (the ``CUDAQuantizer``
-stand-in), ``stored_gather.py`` (frozen weights stored quantized), ``topology.py``.
+``uninstall``), ``all_gather.py`` (qwZ), ``hpz.py`` (hpZ's groups), ``reduce_scatter.py`` (qgZ), ``avg_scatter.py``
+(qgZ on one node), ``ds_format.py`` (DeepSpeed's quantizer op in torch: the spec), ``quantizer.py`` (the
+``CUDAQuantizer`` stand-in), ``stored_gather.py`` (frozen weights stored quantized), ``topology.py``.
 """
 
 from .patches import install, installed, uninstall

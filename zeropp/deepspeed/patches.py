@@ -19,7 +19,11 @@ classes as of the versions in ``versions.SUPPORTED_VERSIONS``:
   ``deepspeed.runtime.comm.coalesced_collectives.all_to_all_quant_reduce`` (where it is defined) ->
   ``reduce_scatter.all_to_all_quant_reduce``;
 * ``deepspeed.runtime.zero.stage3.DeepSpeedZeroOptimizer_Stage3.__avg_scatter_grads`` (name-mangled) ->
-  ``avg_scatter.avg_scatter_grads`` (qgZ on one node too).
+  ``avg_scatter.avg_scatter_grads`` (qgZ on one node too);
+* ``deepspeed.utils.groups._create_zero_param_parallel_group`` -> ``hpz.create_zero_param_parallel_group`` (hpZ
+  groups inside zeropp's nodes, whatever the rank numbering);
+* ``deepspeed.runtime.engine.DeepSpeedEngine.destroy`` -> ``hpz.destroy_wrapper`` (DeepSpeed's, then the hpZ
+  group forgotten: a later engine gets hpZ only from its own config).
 """
 
 from __future__ import annotations
@@ -52,10 +56,13 @@ def install() -> None:
         return
     check_version(installed_version())
     from deepspeed.runtime.comm import coalesced_collectives
+    from deepspeed.runtime.engine import DeepSpeedEngine
     from deepspeed.runtime.zero import partition_parameters, stage3
+    from deepspeed.utils import groups
 
-    from .avg_scatter import MANGLED_NAME, avg_scatter_grads
     from . import ds_format
+    from .avg_scatter import MANGLED_NAME, avg_scatter_grads
+    from .hpz import create_zero_param_parallel_group, destroy_wrapper
     from .quantizer import CUDAQuantizer
     from .reduce_scatter import all_to_all_quant_reduce
     from .stored_gather import partition_wrapper
@@ -73,6 +80,8 @@ def install() -> None:
         (stage3, "all_to_all_quant_reduce", all_to_all_quant_reduce),
         (coalesced_collectives, "all_to_all_quant_reduce", all_to_all_quant_reduce),
         (stage3.DeepSpeedZeroOptimizer_Stage3, MANGLED_NAME, avg_scatter_grads),
+        (groups, "_create_zero_param_parallel_group", create_zero_param_parallel_group),
+        (DeepSpeedEngine, "destroy", destroy_wrapper(DeepSpeedEngine.destroy)),
     ):
         _saved.append((owner, name, owner.__dict__.get(name, _MISSING)))
         setattr(owner, name, replacement)

@@ -3,7 +3,8 @@
 DeepSpeed partitions a parameter over ``param.ds_process_group`` (its data-parallel group unless the parameter
 names another). zeropp's collectives need that group's node layout; creating it is a collective over the group,
 so it is made at a point every member reaches in the same order: DeepSpeed converting a parameter of that group
-(``patches._convert_to_deepspeed_param``). ``forget()`` (at ``uninstall``) drops the cache; the groups themselves
+(``patches._convert_to_deepspeed_param``) or, for the world group, DeepSpeed creating its hpZ group
+(``hpz.create_zero_param_parallel_group``), which comes first. ``forget()`` (at ``uninstall``) drops the cache; the groups themselves
 are DeepSpeed's and torch's.
 """
 

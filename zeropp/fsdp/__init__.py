@@ -11,10 +11,11 @@ hpZ: wrap the blocks with ``fully_shard(block, reshard_after_forward=N)`` (N = r
 
 * ``hook.py``: ``FlatBufferHook``, what the two hooks share;
 * ``hpz.py``: how FSDP2's ``reshard_after_forward=<int>`` maps to hpZ, and the checks ``enable(hpz=N)`` makes;
-* ``segments.py``: the parameters FSDP2 manages per module, in its all-gather order, and their shard sizes;
-* ``enable``: installs a ``ZeroppAllGather`` per module (it knows the module's parameter segments: qwZ blocks
-  never span two parameters) and a ``ZeroppReduceScatter`` per module (each holds its gradient buffer's
-  error-feedback state), built on ``zeropp.comm``, on every FSDP2 module; 1-D meshes only (HSDP / 2-D meshes are
+* ``segments.py``: the parameters FSDP2 manages per group (one ``fully_shard`` call, of one module or several:
+  ``fully_shard([a, b])``), in its all-gather order, and their shard sizes;
+* ``enable``: installs a ``ZeroppAllGather`` per group (it knows the group's parameter segments: qwZ blocks
+  never span two parameters) and a ``ZeroppReduceScatter`` per group (each holds its gradient buffer's
+  error-feedback state), built on ``zeropp.comm``, on every FSDP2 group; 1-D meshes only (HSDP / 2-D meshes are
   refused).
 """
 

@@ -7,9 +7,10 @@ implemented here and that FSDP2 calls it).
 
 What FSDP2 passes (torch 2.13, ``_fsdp_collectives.foreach_all_gather``): ``output_tensor`` is a flat buffer of
 ``P * n`` elements that it allocated with ``allocate``; ``input_tensor`` is this rank's ``n`` elements, the
-concatenated padded shards of every parameter of the module (the segments, ``zeropp.fsdp.segments``), and a VIEW
-of ``output_tensor[rank * n:(rank + 1) * n]`` (an in-place gather). ``group`` is the module's shard group, except
-in backward for a module wrapped with ``reshard_after_forward=N`` (hpZ, see ``zeropp.fsdp.hpz``): then it is the
+concatenated padded shards of every parameter of the module's FSDP2 group (the segments, ``zeropp.fsdp.segments``;
+a group is one ``fully_shard`` call's modules, several for ``fully_shard([a, b])``), and a VIEW of
+``output_tensor[rank * n:(rank + 1) * n]`` (an in-place gather). ``group`` is the module's shard group, except in
+backward for a module wrapped with ``reshard_after_forward=N`` (hpZ, see ``zeropp.fsdp.hpz``): then it is the
 post-forward group of ``N`` ranks and ``input_tensor`` holds this rank's slice of the weights the FORWARD gather
 produced (dequantized, with qwZ). It reads ``output_tensor`` back split by parameter, so every rank's part must
 land at ``[i * n, (i + 1) * n)``.
@@ -30,7 +31,7 @@ from .hook import FlatBufferHook
 
 
 class ZeroppAllGather(FlatBufferHook, FSDPAllGather):
-    """All-gather of one FSDP2 module's flat parameter shards through ``zeropp.comm.all_gather``.
+    """All-gather of one FSDP2 group's flat parameter shards through ``zeropp.comm.all_gather``.
 
     Over ``topology.group`` (FSDP2's shard group) with ``bits`` set: qwZ with per-parameter blocks. This rank's
     segments are staged into a buffer where each one starts at a block boundary (the gaps zero: zeros do not change
@@ -42,9 +43,9 @@ class ZeroppAllGather(FlatBufferHook, FSDPAllGather):
     whole number of blocks) is gathered straight into ``output_tensor``. Bytes on the wire per rank: the sum over
     segments of ``BlockFormat.packed_bytes(segment)``.
 
-    If FSDP2's input does not hold exactly ``segments`` (e.g. a tensor subclass whose ``fsdp_pre_all_gather``
-    returns several inputs, or ``fully_shard([a, b])``, whose one input spans both modules), the blocks are cut
-    from the flat input instead, so a block may span two parameters, with a one-time warning saying why.
+    If FSDP2's input does not hold exactly ``segments`` (a tensor subclass whose ``fsdp_pre_all_gather`` returns
+    other inputs than the parameter's shard, such as float8 training), the blocks are cut from the flat input
+    instead, so a block may span two parameters, with a one-time warning saying why.
 
     Over any other group (hpZ's post-forward group) or with ``bits=None``: exact, so a backward gather over the
     post-forward group rebuilds the forward weights bit for bit (quantizing them again would not). A post-forward
@@ -59,7 +60,8 @@ class ZeroppAllGather(FlatBufferHook, FSDPAllGather):
         bits: 8 or 4 for qwZ, ``None`` for exact.
         block_size: elements per quantization block.
         segments: per-rank elements of each parameter's padded shard in the module's flat input, in order
-            (``zeropp.fsdp.segments.shard_numels(module)``); ``enable`` installs one hook per module with its own.
+            (``zeropp.fsdp.segments.shard_numels(module)``: the module's whole group); ``enable`` installs one hook
+            per group with its own.
     """
 
     def __init__(self, topology: comm.Topology, bits: int | None, block_size: int, segments: Sequence[int]) -> None:
@@ -119,7 +121,7 @@ class ZeroppAllGather(FlatBufferHook, FSDPAllGather):
             warnings.warn(
                 f"zeropp.fsdp: FSDP2 all-gathers {numel} elements per rank for this module, but its parameters' "
                 f"padded shards add up to {sum(self.segments)} (segments {list(self.segments)}): a tensor subclass "
-                "whose fsdp_pre_all_gather returns other inputs, or fully_shard over several modules at once. qwZ "
+                "whose fsdp_pre_all_gather returns other inputs than its shard (float8 training, for one). qwZ "
                 "cuts this module's blocks from the flat input, so a block may span two parameters",
                 stacklevel=2,
             )

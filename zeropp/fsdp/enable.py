@@ -15,7 +15,7 @@ from ..quant import DEFAULT_BLOCK_SIZE, BlockFormat
 from .all_gather import ZeroppAllGather
 from .hpz import check_hpz, install_check
 from .reduce_scatter import ZeroppReduceScatter, check_error_feedback
-from .segments import shard_numels
+from .segments import fsdp_group, shard_numels
 
 
 def enable(
@@ -33,7 +33,9 @@ def enable(
 
     Call it on every rank, after ``fully_shard`` and before the first forward: it is a collective over the shard
     group when it creates the topology. ``modules`` may be the root model: every ``fully_shard``-ed module inside it
-    (itself included) gets the comms. Byte counts land in ``zeropp.comm.stats()``.
+    (itself included) gets the comms, one set per FSDP2 group: ``fully_shard([a, b])`` (as accelerate wraps a model's
+    final norm with its tied embedding and head) is one group, gathered as one, with per-parameter qwZ blocks like
+    any other. Byte counts land in ``zeropp.comm.stats()``.
 
     hpZ is FSDP2's own ``reshard_after_forward=<int>``, which only ``fully_shard`` accepts (torch 2.13's
     ``set_reshard_after_forward`` takes a bool): wrap every module but the root with
@@ -100,14 +102,16 @@ def enable(
         order = mesh.mesh.flatten().tolist()
         start = order.index(topology.global_rank) // hpz * hpz
         topology.subgroup(order[start : start + hpz])
-    for m in fsdp_modules:
-        # one per module: the all-gather knows its module's parameter segments (blocks never span two), the
-        # reduce-scatter holds its own gradient buffer's error-feedback residuals
-        segments = shard_numels(m)  # type: ignore[arg-type]
-        m.set_custom_all_gather(ZeroppAllGather(topology, weight_bits, block_size, segments))
-        m.set_custom_reduce_scatter(ZeroppReduceScatter(topology, gradient_bits, block_size, error_feedback))
+    groups = list(dict.fromkeys(fsdp_group(m) for m in fsdp_modules))  # type: ignore[arg-type]
+    for group in groups:
+        # one per group (fully_shard call; setting a comm on one of its modules sets it for the group): the
+        # all-gather knows the group's parameter segments (blocks never span two), the reduce-scatter holds the
+        # group's gradient buffer's error-feedback residuals
+        first: FSDPModule = group[0]  # type: ignore[assignment]
+        first.set_custom_all_gather(ZeroppAllGather(topology, weight_bits, block_size, shard_numels(first)))
+        first.set_custom_reduce_scatter(ZeroppReduceScatter(topology, gradient_bits, block_size, error_feedback))
     if hpz is not None:
-        install_check(fsdp_modules, hpz)
+        install_check(groups, hpz)
     return topology
 
 

@@ -27,7 +27,6 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from .. import comm
@@ -57,34 +56,35 @@ def check_hpz(hpz: int, mesh: DeviceMesh, topology: comm.Topology) -> None:
             )
 
 
-def install_check(fsdp_modules: list[FSDPModule], hpz: int) -> None:
-    """Check, once per module, right after FSDP2's post-forward reshard (a forward hook registered after FSDP2's),
-    that the module resharded to groups of ``hpz`` ranks or not at all; raise at the first forward otherwise.
+def install_check(groups: list[tuple[nn.Module, ...]], hpz: int) -> None:
+    """Check, once per module of each FSDP2 group (``zeropp.fsdp.segments.fsdp_group``), right after FSDP2's
+    post-forward reshard (a forward hook registered after FSDP2's), that the group resharded to groups of ``hpz``
+    ranks or not at all; raise at the first forward otherwise.
 
-    The check reads the parameters FSDP2 sets on the module after resharding (public ``DTensor.device_mesh``): a
-    post-forward DTensor lives on the ``(P / N, N)`` mesh, a fully resharded one on the 1-D mesh of ``P``, an
-    unresharded parameter is a plain tensor. For ``fully_shard([a, b])`` (one FSDP2 state over several modules)
-    the reshard happens after the last of them, so the check may see plain tensors and pass; it never raises
-    wrongly.
+    The check reads the parameters FSDP2 sets on the group's modules after resharding (public
+    ``DTensor.device_mesh``): a post-forward DTensor lives on the ``(P / N, N)`` mesh, a fully resharded one on the
+    1-D mesh of ``P``, an unresharded parameter is a plain tensor. For a group of several modules
+    (``fully_shard([a, b])``) FSDP2 reshards after the last of them has run forward, so the modules that run before
+    see plain tensors and pass, and the last one checks; it never raises wrongly.
     """
-    for module in fsdp_modules:
-        params = [(owner, name) for owner, name, _ in managed_parameters(module)]  # type: ignore[arg-type]
-        handles: list[Any] = []
+    for group in groups:
+        params = [(owner, name) for owner, name, _ in managed_parameters(group[0])]
+        for module in group:
+            handles: list[Any] = []
 
-        def check(mod: nn.Module, args: Any, output: Any, params: list[tuple[nn.Module, str]] = params,
-                  handles: list[Any] = handles) -> None:
-            handles.pop().remove()
-            for owner, name in params:
-                p = getattr(owner, name)
-                if isinstance(p, DTensor) and p.device_mesh.shape[-1] != hpz:
-                    size = p.device_mesh.shape[-1]
-                    wrapped = "True (the whole shard group)" if p.device_mesh.ndim == 1 else str(size)
-                    raise ValueError(
-                        f"zeropp.fsdp.enable(hpz={hpz}): {type(mod).__name__} was wrapped with "
-                        f"fully_shard(..., reshard_after_forward={wrapped}), so its backward all-gathers run over "
-                        f"{size} ranks; pass reshard_after_forward={hpz} to fully_shard for every module but the "
-                        "root (or enable with hpz=None)"
-                    )
+            def check(mod: nn.Module, args: Any, output: Any, params: list[tuple[nn.Module, str]] = params,
+                      handles: list[Any] = handles) -> None:
+                handles.pop().remove()
+                for owner, name in params:
+                    p = getattr(owner, name)
+                    if isinstance(p, DTensor) and p.device_mesh.shape[-1] != hpz:
+                        size = p.device_mesh.shape[-1]
+                        wrapped = "True (the whole shard group)" if p.device_mesh.ndim == 1 else str(size)
+                        raise ValueError(
+                            f"zeropp.fsdp.enable(hpz={hpz}): {type(mod).__name__} was wrapped with "
+                            f"fully_shard(..., reshard_after_forward={wrapped}), so its backward all-gathers run "
+                            f"over {size} ranks; pass reshard_after_forward={hpz} to fully_shard for every module "
+                            "but the root (or enable with hpz=None)"
+                        )
 
-        handles.append(module.register_forward_hook(check))  # type: ignore[attr-defined]
-
+            handles.append(module.register_forward_hook(check))
