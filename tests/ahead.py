@@ -1,12 +1,12 @@
 """Work a fixture needs, started in the background as soon as the session's tests are collected.
 
 The sm_90 compilations of ``tests/quant`` (``test_cost_model``'s ``measured``, ``test_triton_compile``'s
-``compiled``: some 160 CPU-seconds of LLVM, ``ptxas`` and ``nvdisasm``) depend on nothing the session does, and
-their fixtures come late in the suite. Started when collection ends, at nice 19 (they take what CPU the tests before
-them leave idle: single-process tests, launches that wait on a peer or a timeout), they are done or nearly done when
-the fixture asks, instead of costing their whole time on the critical path then. A fixture that asks before its job
-is done waits for it (then nothing else competes for the CPU; where the process may, the job's priority is raised
-back to normal first).
+``compiled``: 140-160 and 40-55 CPU-seconds of LLVM, ``ptxas`` and ``nvdisasm``) depend on nothing the session
+does, and their fixtures come late in the suite. Started when collection ends, at nice 19 (they take what CPU the
+tests before them leave idle: single-process tests, launches that wait on a peer or a timeout), they are done or
+nearly done when the fixture asks, instead of costing their whole time on the critical path then. A fixture that
+asks before its job is done waits for it (then nothing else competes for the CPU; where the process may, the job's
+priority is raised back to normal first).
 
 A test module registers its job at import (``register``: a side-effect-free entry), ``conftest.py`` starts the jobs
 whose fixture some collected test of that module uses (``start_needed``) and stops what still runs at the end of the
