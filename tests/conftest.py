@@ -9,6 +9,9 @@ The native CPU library (``build/libzeropp_cpu.so``, made by ``setup.sh``) is tes
 not, its tests are skipped with the reason, unless ``ZEROPP_REQUIRE_NATIVE=1`` (set by ``.ci/run``) makes that a
 failure. The native CUDA kernels (``build/zeropp_cuda.fatbin``, launched through CuPy) are tested where they can
 run; on a machine with a CUDA device ``ZEROPP_REQUIRE_NATIVE=1`` makes a missing fatbin or CuPy a failure too.
+
+Work that a late fixture needs and that depends on nothing else (the sm_90 compilations of ``tests/quant``) starts in
+the background when collection ends, at low priority (``ahead.py``).
 """
 
 import functools
@@ -21,7 +24,19 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+import ahead  # noqa: E402
 from zeropp.quant import native, native_cuda  # noqa: E402
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the background jobs (``ahead.py``) of the fixtures the collected tests use (none when only collecting)."""
+    if not session.config.option.collectonly:
+        ahead.start_needed(session.items)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Stop the background jobs that still run and remove their folders."""
+    ahead.stop_all()
 
 
 @pytest.fixture(scope="session")

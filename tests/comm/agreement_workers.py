@@ -87,16 +87,22 @@ def steady_state(rank: int, world: int, debug: bool) -> dict:
     return {"per_iteration": counts}
 
 
-def skipped_call(rank: int, world: int, timeout_s: float) -> dict:
+def skipped_call(rank: int, world: int, timeout_s: float, sync_path: str) -> dict:
     """Node 1 (ranks 2, 3) skips a reduce-scatter that node 0 makes: hop 1 (intra-node) completes, hop 2 on the
     inter-node group fails within the topology's timeout (the default group keeps torch's 30 minutes), with an
-    error naming the collective."""
+    error naming the collective. The skipping ranks stay alive, not calling (a hang without the timeout), until
+    both waiting ranks have raised (a file store at ``sync_path``: no process group, no short timeout)."""
+    store = dist.FileStore(sync_path, world)
     topo = comm.Topology(ranks_per_node=2, timeout=timedelta(seconds=timeout_s))
     x = torch.randn(1000)
     comm.reduce_scatter(x, 4, topology=topo)  # agreed once: later calls exchange nothing first
     if rank >= 2:
-        time.sleep(timeout_s * 4)  # alive, but not calling: a hang without the timeout
+        store.wait(["raised0", "raised1"], timedelta(seconds=120))
         return {}
     t0 = time.monotonic()
-    message = _raises(comm.CollectiveError, comm.reduce_scatter, x, 4, topology=topo)
-    return {"elapsed": time.monotonic() - t0, "message": message}
+    try:
+        message = _raises(comm.CollectiveError, comm.reduce_scatter, x, 4, topology=topo)
+    finally:
+        elapsed = time.monotonic() - t0
+        store.set(f"raised{rank}", "1")
+    return {"elapsed": elapsed, "message": message}

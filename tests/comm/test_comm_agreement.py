@@ -36,7 +36,8 @@ def test_steady_state_costs_no_extra_collective(tmp_path, debug):
 
 def test_skipped_call_times_out_naming_the_collective(tmp_path):
     timeout_s = 3.0
-    for waiting in launch("agreement_workers:skipped_call", 4, tmp_path, timeout=60, timeout_s=timeout_s)[:2]:
+    for waiting in launch("agreement_workers:skipped_call", 4, tmp_path, timeout=60, timeout_s=timeout_s,
+                          sync_path=str(tmp_path / "sync"))[:2]:
         assert timeout_s - 0.5 <= waiting["elapsed"] < timeout_s + 2.5, waiting
         assert "reduce_scatter(bits=4, op=avg) of 1000 torch.float32 elements" in waiting["message"]
         assert "Timed out" in waiting["message"] and "did not make this call" in waiting["message"]

@@ -1,7 +1,7 @@
 """Full ZeRO++ under FSDP2 converges like plain FSDP2 and cuts its cross-node bytes (issue 13, test 2).
 
 One launched job on 4 gloo ranks as 2 emulated nodes of 2 (``ZEROPP_RANKS_PER_NODE=2``) trains the tiny GPT
-(``fully_shard`` per block, then the root) 200 AdamW steps (lr 1e-3, weight decay 0.1, clipping 1.0) on random
+(``fully_shard`` per block, then the root) 100 AdamW steps (lr 1e-3, weight decay 0.1, clipping 1.0) on random
 32-byte crops of the stdlib sources (``zeropp.data``, global batch 16), twice from the same weights and data:
 FSDP2 under ``zeropp.fsdp.enable`` with exact comms (bit-identical to plain FSDP2: tests/fsdp/test_fsdp_comms.py,
 and byte-counted, which torch's own collectives are not), then full ZeRO++: qwZ int8, hpZ through
@@ -17,11 +17,17 @@ rank and step:
   span two parameters; the backward gathers stay in the node); qgZ's hop 2 sends one int4 pack of the node-reduced
   slice to the other node, ``packed4(n)``.
 
-Measured (torch 2.13 CPU, 2-core box): eval loss exact 2.4018, ZeRO++ 2.4121 (+0.43%); last-10 training loss
-2.3090 and 2.3213 (+0.54%); bound 2%. Cross-node bytes 0.1204x exact's, the formula's value exactly (0.1153x when
-qwZ's blocks were cut from the flat input: per-parameter blocks pad this model's many 16-element shards); bound
-0.27. Wall time of this file: 44 s (training 16 s + 22 s; AdamW ``fused=True``: the per-parameter DTensor loop of
-the default CPU AdamW cost ~20% more).
+Measured (torch 2.13 CPU, 2-core box at load average ~20): eval loss exact 2.6323, ZeRO++ 2.6392 (+0.26%); last-10
+training loss 2.7130 and 2.7311 (+0.67%), from 5.5 (ln 256); bounds: eval 1%, last-10 1.5%. At 200 steps (the
+file's first version, twice the time, bound 2% on both) the gaps were alike: eval 2.4018 and 2.4121 (+0.43%),
+last-10 2.3090 and 2.3213 (+0.54%). The bounds are tighter than 200 steps' because a quantizer's bias shows less in
+fewer steps: codes rounded down instead of to nearest (``floor_`` in ``reference.quantize_blocks``' code rounding) put
+ZeRO++ +2.2% (eval) and +2.5% (last-10) above exact here at 100 steps (the engine's twin test: +3.8% and +3.6% at
+200 steps, +1.7% and +1.9% at 100).
+
+Cross-node bytes 0.1204x exact's, the formula's value exactly (0.1153x when qwZ's blocks were cut from the flat
+input: per-parameter blocks pad this model's many 16-element shards); bound 0.27. Training 16 s + 27 s at that load
+(AdamW ``fused=True``: the per-parameter DTensor loop of the default CPU AdamW cost ~20% more).
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ from fsdp_launch import launch
 
 from zeropp.quant import BlockFormat
 
-STEPS = 200
+STEPS = 100
+EVAL_BOUND, LAST10_BOUND = 0.01, 0.015  # relative gaps to plain FSDP2, see the docstring
 
 
 def expected_inter_bytes(units: list[list[int]], full: bool) -> dict[str, int]:
@@ -49,7 +56,7 @@ def expected_inter_bytes(units: list[list[int]], full: bool) -> dict[str, int]:
             "reduce_scatter": sum(other_node * 4 * sum(unit) for unit in units)}
 
 
-def test_full_zeropp_within_2_percent_of_fsdp2_and_under_027_of_its_bytes(tmp_path):
+def test_full_zeropp_within_1_percent_of_fsdp2_and_under_027_of_its_bytes(tmp_path):
     start = time.perf_counter()
     results = launch("fsdp_convergence_workers:exact_vs_zeropp", 4, tmp_path, env={"ZEROPP_RANKS_PER_NODE": "2"},
                      timeout=600, steps=STEPS)
@@ -65,8 +72,8 @@ def test_full_zeropp_within_2_percent_of_fsdp2_and_under_027_of_its_bytes(tmp_pa
     summary = (f"eval exact {exact['eval']:.4f} zeropp {zpp['eval']:.4f}; last-10 {last}; training s "
                f"{exact['seconds']:.1f} + {zpp['seconds']:.1f}; launch wall {wall:.1f} s")
     assert exact["eval"] < 0.6 * math.log(256) and last["exact"] < 0.6 * math.log(256), summary  # it learns
-    assert abs(zpp["eval"] - exact["eval"]) <= 0.02 * exact["eval"], summary
-    assert abs(last["zeropp"] - last["exact"]) <= 0.02 * last["exact"], summary
+    assert abs(zpp["eval"] - exact["eval"]) <= EVAL_BOUND * exact["eval"], summary
+    assert abs(last["zeropp"] - last["exact"]) <= LAST10_BOUND * last["exact"], summary
 
     for r in results:
         assert r["exact"]["units"] == results[0]["exact"]["units"] == r["zeropp"]["units"]

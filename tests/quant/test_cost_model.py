@@ -19,6 +19,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
+import ahead
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -233,24 +234,43 @@ def test_budget_problems():
 # The kernels, compiled.
 
 
-@pytest.fixture(scope="session")
-def measured(tmp_path_factory) -> list[dict]:
-    """Every row compiled for sm_90 and counted, once per session (two compile processes where there are two
-    cores)."""
-    pytest.importorskip("triton", reason="triton is not installed (it is a dependency on Linux only)")
+def measure_rows(out_dir: Path) -> dict:
+    """``measured``'s background job (``tests/ahead.py``): every row compiled into ``out_dir`` and counted (two
+    compile processes where there are two cores), ``{"records": [...]}``; ``{"skip": why}`` where the toolchain
+    cannot run, ``{"fail": why}`` if a compile process failed as a whole."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return {"skip": "triton is not installed (it is a dependency on Linux only)"}
     try:
         cm.tool("nvdisasm")
     except FileNotFoundError as e:
-        pytest.skip(f"cannot disassemble cubins here: {e}")
+        return {"skip": f"cannot disassemble cubins here: {e}"}
     from zeropp.quant._triton import aot
 
     try:
-        records = cm.measure(cm.rows(), tmp_path_factory.mktemp("cost_model"), jobs=min(2, os.cpu_count() or 1))
+        records = cm.measure(cm.rows(), out_dir, jobs=min(2, os.cpu_count() or 1))
     except aot.CompileProcessError as e:
+        return {"fail": str(e)}
+    return {"skip": records[0]["skip"]} if "skip" in records[0] else {"records": records}
+
+
+ahead.register(__file__, "measured", "measure_rows")
+
+
+@pytest.fixture(scope="session")
+def measured() -> list[dict]:
+    """Every row compiled for sm_90 and counted, once per session: ``measure_rows``, started in the background when
+    the tests were collected."""
+    try:
+        _, out = ahead.result(__file__, "measured")
+    except ahead.AheadError as e:
         pytest.fail(str(e))
-    if "skip" in records[0]:
-        pytest.skip(records[0]["skip"])
-    return records
+    if "skip" in out:
+        pytest.skip(out["skip"])
+    if "fail" in out:
+        pytest.fail(out["fail"])
+    return out["records"]
 
 
 def test_every_row_is_counted(measured):

@@ -31,12 +31,17 @@ If the toolchain cannot run here (no NVIDIA backend in triton, no ``ptxas``), th
 
 from __future__ import annotations
 
+import os
 import re
 import sys
 import tempfile
 from pathlib import Path
 
-import pytest
+if __name__ == "__main__":  # run as a script: this checkout's zeropp, and tests/ for ``ahead``
+    sys.path[:0] = [str(Path(__file__).resolve().parents[2]), str(Path(__file__).resolve().parents[1])]
+
+import ahead  # noqa: E402
+import pytest  # noqa: E402
 
 TARGET = ("cuda", 90, 32)  # backend, compute capability, warp size: an H100 (``aot.TARGET``)
 
@@ -155,19 +160,37 @@ assert len(set(IDS)) == len(IDS), "case ids must be unique"
 # The tests.
 
 
-@pytest.fixture(scope="module")
-def compiled(tmp_path_factory) -> tuple[Path, dict]:
-    """Compile every case once, in a fresh process; the folder with ``<case id>.ptx`` / ``.cubin`` and the summary."""
-    pytest.importorskip("triton", reason="triton is not installed (it is a dependency on Linux only)")
+def compile_all(out_dir: Path) -> dict:
+    """``compiled``'s background job (``tests/ahead.py``): every case compiled into ``out_dir`` (two compile
+    processes where there are two cores), the summary; ``{"skip": why}`` where the toolchain cannot run,
+    ``{"fail": why}`` if a compile process failed as a whole."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return {"skip": "triton is not installed (it is a dependency on Linux only)"}
     from zeropp.quant._triton import aot
 
-    out = tmp_path_factory.mktemp("triton_sm90")
     try:
-        result = aot.compile_in_subprocess(dict(zip(IDS, CASES)), out)
+        return aot.compile_in_subprocess(dict(zip(IDS, CASES)), out_dir, jobs=min(2, os.cpu_count() or 1))
     except aot.CompileProcessError as e:
+        return {"fail": str(e)}
+
+
+ahead.register(__file__, "compiled", "compile_all")
+
+
+@pytest.fixture(scope="module")
+def compiled() -> tuple[Path, dict]:
+    """Every case compiled once (``compile_all``, started in the background when the tests were collected): the
+    folder with ``<case id>.ptx`` / ``.cubin`` and the summary."""
+    try:
+        out, result = ahead.result(__file__, "compiled")
+    except ahead.AheadError as e:
         pytest.fail(str(e))
     if "skip" in result:
         pytest.skip(result["skip"])
+    if "fail" in result:
+        pytest.fail(result["fail"])
     return out, result
 
 
@@ -320,7 +343,6 @@ def _print_report(result: dict) -> None:
 def main(argv: list[str]) -> int:
     """``--report``: compile every case into a temporary folder and print registers and spills per case;
     ``OUT_DIR``: compile every case into ``OUT_DIR`` (``<case id>.ptx`` / ``.cubin`` and ``result.json``)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # this checkout's zeropp, not an installed one
     from zeropp.quant._triton import aot
 
     cases = dict(zip(IDS, CASES))
