@@ -1,89 +1,15 @@
 """End-to-end training benchmark: ZeRO-3 against ZeRO++ (qwZ, hpZ, qgZ), FSDP2 and HSDP (and DeepSpeed where
 it is installed) on an emulated cluster with slow links.
 
-Run it as one command; the driver launches the cluster (``zeropp.cluster``: one torchrun per emulated node, each in
-its own network namespace, nodes joined by links shaped to ``--rate``) and every rank runs the worker::
+Why: ZeRO++ exists to cut the bytes that cross slow links; this measures the step time, the bytes sent across and
+inside nodes (counted and at the NIC) and the loss of each config side by side, from the same weights on the same
+batches. Run it as one command; the driver launches the cluster (``zeropp.cluster``) and every rank runs the
+worker::
 
     python -m zeropp.bench.training --nodes 2 --ranks-per-node 2 --rate 1gbit --quick
     python -m zeropp.bench.training --configs zero3,zeropp,fsdp2,hsdp --dtypes fp32,bf16   # side by side
-    python -m zeropp.bench.training --configs zero3,deepspeed,zeropp --dtypes fp32,bf16   # needs pip install deepspeed
-    python -m zeropp.bench.training --configs zero3,deepspeed,deepspeed-zeropp,zeropp --dtypes fp32,bf16
 
-Without ``zeropp.cluster`` (or with ``--launcher torchrun``) it runs one unshaped torchrun with all ranks and
-``ZEROPP_RANKS_PER_NODE`` (nodes emulated over loopback: the counters are right, the times are not those of a
-slow link). ``--launcher none`` runs nothing: start the workers yourself under torchrun (or ``python -m
-zeropp.cluster ... -- python -m zeropp.bench.training ...``): a process started by torchrun (``LOCAL_RANK`` set)
-is always a worker.
-
-The worker trains the byte-level GPT (``zeropp.models.gpt``) on the stdlib text corpus (``zeropp.data``) in each
-config of ``--configs`` and each dtype of ``--dtypes`` (fp32, bf16: ``bf16.enabled``, the gradient reduce-scatter in
-bf16 by DeepSpeed's default ``communication_data_type``), one after the other in the same job (``--schedule
-interleaved``: all at once, step by step), each from the same initial weights (same seed) on the same batches;
-``NAME@on`` / ``NAME@off`` sets ``overlap_comm`` for one config (default ``--overlap-comm on``), ``NAME:bf16`` its
-dtype; with more than one dtype every config runs in each and is named ``NAME:DTYPE``. The ``zero_optimization``
-keys not listed keep DeepSpeed's defaults (``stage3_max_reuse_distance`` etc., ``zeropp.engine.reuse``):
-
-================  ===================================================================================
-config            ``zero_optimization``
-================  ===================================================================================
-``zero3``         stage 3, exact (all-gathers and reduce-scatter in the compute dtype)
-``qwz``           + ``zero_quantized_weights`` (int8 weight all-gather)
-``hpz``           + ``zero_hpz_partition_size`` = ranks per node (backward re-gather inside the node)
-``qgz``           + ``zero_quantized_gradients`` (two-hop int4 gradient all-to-all)
-``zeropp``        qwZ + hpZ + qgZ (full ZeRO++)
-``zeropp-w4``     full ZeRO++ with ``zeropp.weight_bits`` 4
-``zeropp-g8``     full ZeRO++ with ``zeropp.gradient_bits`` 8 (not in the default list; cheaper on a CPU)
-``zeropp-ef``     full ZeRO++ with ``zeropp.error_feedback`` (not in the default list)
-``fsdp2``         torch's FSDP2 (``fully_shard`` per block and on the model; ``zeropp.bench.fsdp``)
-``hsdp``          FSDP2 on a 2-D mesh: sharded inside a node, replicated across nodes
-``fsdp2-zeropp``  FSDP2 with ZeRO++ by ``zeropp.fsdp.enable``: qwZ int8, hpZ (``reshard_after_forward`` = ranks
-                  per node), qgZ int4 (not in the default list, nor are the three below)
-``fsdp2-qwz``     FSDP2 + qwZ only (int8 forward all-gathers; the rest zeropp's exact comms)
-``fsdp2-hpz``     FSDP2 + hpZ only (``reshard_after_forward`` = ranks per node; zeropp's exact comms)
-``fsdp2-qgz``     FSDP2 + qgZ only (int4 two-hop reduce-scatter; exact all-gathers)
-``deepspeed``     DeepSpeed's ZeRO-3 on the same config dict (``pip install deepspeed``; not in the default list)
-``deepspeed-``    DeepSpeed's ZeRO-3 with qwZ + hpZ + qgZ (``zeropp``'s keys) on zeropp's collectives:
-``zeropp``        ``zeropp.deepspeed.install()`` before its engine (DeepSpeed alone cannot run these on a CPU)
-================  ===================================================================================
-
-DeepSpeed is an optional peer, never a dependency: ``--configs deepspeed`` without it stops with ``pip install
-deepspeed``. Its row runs on DeepSpeed's CPU accelerator (``DS_ACCELERATOR=cpu`` unless set otherwise; gloo, the
-process group the worker started) with ``torch.optim.AdamW`` from the config's optimizer block (the other rows'
-arithmetic) and compiles nothing (``deepspeed_engine``). ``deepspeed-zeropp`` installs ``zeropp.deepspeed`` for the
-rest of the job (it changes nothing for an engine without ZeRO++ flags, so a ``deepspeed`` row is DeepSpeed's own
-either way); ``--block-size`` does not apply to it (zeropp.deepspeed's blocks are the library's default).
-
-FSDP2, HSDP and DeepSpeed move their bytes with torch's collectives, which ``zeropp.comm.stats()`` does not see:
-their rows have the NIC counters (shaped runs) and no counted MB. The ``fsdp2-*`` rows move every byte through
-``zeropp.comm`` (``zeropp.fsdp``'s hooks), so they have counted MB too. ``deepspeed-zeropp`` counts what zeropp
-moves (qwZ's forward gathers, qgZ: every cross-node byte of the step but DeepSpeed's small all-reduces of the
-gradient norm); its hpZ backward gathers, in the node, are DeepSpeed's (not in ``intra_MB``).
-
-Per config, over the steps after ``--warmup`` (step time = the slowest rank's, per step):
-
-* ``step_s``: median step time; ``tokens_per_s``: global tokens per step / ``step_s``; ``speedup``: the baseline's
-  ``step_s`` / this config's;
-* ``fwd_s``, ``bwd_s``, ``opt_s``: medians of the slowest rank's forward, backward and ``engine.step()`` times
-  (with ``overlap_comm`` a collective started in one phase may finish in the next);
-* ``inter_MB_rank`` / ``intra_MB_rank``: MB (1e6 bytes) per step this rank *sent* across / inside nodes, from
-  ``zeropp.comm.stats()`` (mean over ranks); ``inter_MB_node``: the same summed over a node's ranks (the busiest
-  node), what its link must carry each way per step; ``ag_inter_MB_rank`` / ``rs_inter_MB_rank``: the all-gather
-  and reduce-scatter parts;
-* ``util_counted``: ``inter_MB_node`` per second of step time over ``--rate``; ``nic_tx_MB_node`` and
-  ``util_nic``: the node interface's measured transmit bytes per step and per second over the rate (read from
-  ``/sys/class/net/$GLOO_SOCKET_IFNAME/statistics`` on each node's first rank; blank when that is not set);
-* ``final_loss``: mean training loss of the last ``min(5, steps)`` steps; ``eval_loss``: loss on a fixed held-out
-  batch after training; ``loss_vs_zero3``: relative difference of ``eval_loss`` to the baseline's.
-
-Rank 0 writes ``training.csv`` (one row per config), ``training_loss.csv`` (config, step, loss, step time),
-``training_loss.png`` and ``training_throughput.png`` to ``--out`` and prints the table. ``training_throughput.png``
-has the tokens per second and, per config, the traffic per step of the busiest node: the interface's measured
-transmit bytes (every config of a shaped run) beside the bytes ``zeropp.comm.stats()`` counted, across and inside
-nodes (the configs it counts; ``traffic_bars``).
-
-While it trains, rank 0 draws a progress bar on stderr (``zeropp.bench.report.ProgressBar``; none with
-``--no-progress``); the engines' ``steps_per_print`` lines (``--steps-per-print``) and anything else rank 0 prints
-meanwhile appear whole above it.
+The configs, launchers, columns and output files: docs/benchmarks.md; measured runs: docs/results/training.md.
 """
 
 from __future__ import annotations

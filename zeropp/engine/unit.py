@@ -1,72 +1,14 @@
 """``Unit``: one group of parameters sharded and communicated together, with its fp32 master and gradient shards.
 
-Layout. The unit's trainable parameters are laid end to end in one flat buffer, padded to ``P * S`` elements
-(``P`` ranks). Rank ``r`` owns elements ``[r * S, (r + 1) * S)`` — the slice ``zeropp.comm.reduce_scatter`` gives
-it — and keeps for them:
+The unit's trainable parameters are laid end to end in one flat buffer, padded to ``P * S`` elements (``P`` ranks);
+rank ``r`` owns elements ``[r * S, (r + 1) * S)`` (the slice ``zeropp.comm.reduce_scatter`` gives it) and keeps for
+them ``shard`` (compute dtype), ``master`` and ``grad_shard`` (fp32). One flat buffer per unit makes each gather and
+each gradient reduction one collective; with qwZ or qgZ every parameter starts on a quantization block, so no block
+mixes two parameters. The module's ``nn.Parameter`` objects are kept and point into ``full``, the whole buffer (at
+stage 3 only while gathered). Frozen parameters of a stage-3 unit live in a second buffer, ``FrozenFlat``.
 
-* ``shard``: the compute-dtype values (what the all-gather sends);
-* ``master``: the fp32 master values the optimizer updates;
-* ``grad_shard``: the fp32 gradient, averaged over the ranks and summed over the accumulation steps.
-
-Alignment (``align = A``, ``Collectives.alignment``): with exact collectives ``A = 1``: parameters back to back,
-``S = ceil(numel / P)`` (phase 1's layout, no padding but the last shard's). With qwZ or qgZ on, ``A`` is the
-quantization block size: every parameter starts at a multiple of ``A`` (the gap after the previous one is zeros)
-and ``S`` is rounded up to a multiple of ``A``. The collectives quantize each rank's shard (each reduce-scatter
-slice) as one pack whose blocks start at the shard start ``r * S``; with ``A | S`` those blocks are exactly the
-global grid ``[k * A, (k + 1) * A)``, and with ``A | offset`` no grid block holds elements of two parameters — a
-LayerNorm gain never shares a scale with a large weight (DeepSpeed's defect). Padding is zeros in the weights and
-the gradients, quantizes to exact zeros, and is never stepped by the optimizer. Memory cost: fewer than ``A``
-elements per parameter plus fewer than ``P * A`` for the shard rounding, per unit, in every buffer (full, shard,
-master, gradient, optimizer state, each divided by ``P`` where sharded); for the tiny GPT at ``A = 128``, ``P = 4``
-about 1% (see the tests), for real layers (parameters of 10^6+ elements) well under 0.1%.
-
-hpZ (stage 3, ``hpz = h > 1``, ``Collectives.hpz``): the first gather after an optimizer step goes over the whole
-data-parallel group (qwZ when on) and then copies this rank's ``1/h`` slice of the gathered (dequantized) ``full``
-into ``secondary`` — no communication. Every later gather until the next step (the backward re-gather, the
-forwards of later micro-batches, ``full_parameters``) is an exact all-gather of the secondaries inside this rank's
-partition group (``Topology.partition_group(h)``, ``h`` consecutive ranks of one node): no cross-node bytes, and
-bit-identical to the values the forward used (re-quantizing them would give the backward different weights than the
-forward). ``publish`` drops the secondary (the weights changed). Memory: ``P * S / h`` extra elements per rank.
-
-``full`` is the whole flat buffer in the compute dtype. The module's ``nn.Parameter`` objects are kept (their
-identity matters: tied weights, user references) and point into it: ``param.data`` is a view of ``full``.
-
-* Stages 1 and 2: ``full`` lives for the whole run; parameters are always whole.
-* One rank (any stage): the shard is the whole buffer, so ``shard`` is a view of ``full`` (no second copy) and the
-  unit is never freed: stage 3 then keeps exactly the memory it would while gathered, without the page faults of
-  releasing and re-touching ``full`` at every use.
-* Stage 3: ``gather()`` gives ``full`` its storage back, all-gathers the shards into it and re-points the
-  parameters; ``free()`` releases the storage (``untyped_storage().resize_(0)``, as FSDP2 does) and leaves the
-  parameters empty. Releasing the *storage* rather than dropping the tensor matters: autograd may have saved views
-  of a weight (``weight.t()`` inside ``F.linear``), and those views see the re-gathered values in backward.
-
-Frozen parameters (``requires_grad=False``, floating) of a stage-3 unit live in a second flat buffer,
-``FrozenFlat``, laid out and sharded by the same rules (its own ``P * S'`` elements, the same alignment) but with only
-the compute-dtype ``shard`` and, while gathered, ``full``: no master, no gradient shard, no optimizer state, no
-reduce-scatter. ``gather()`` gathers both buffers (qwZ and hpZ apply to both), ``free()`` frees both. Why a second
-buffer rather than the same one: every element of the trainable buffer costs a fp32 master, a fp32 gradient shard
-and the optimizer's state on some rank, and a slot in every gradient reduce-scatter; for LoRA, where the frozen base
-is 10-100x the adapters, sharing the buffer would multiply those by as much. The price is one more all-gather per
-gather of a unit holding frozen parameters. Frozen values never change in training, so their hpZ secondary, made at
-the first gather, is kept for the run (``publish`` leaves it; ``write_back`` drops it).
-
-Construction (``broadcast``): a unit built from an eagerly constructed model takes the first rank's values (one
-broadcast of ``full``); one built from a model materialised by ``zeropp.engine.materialize`` (every rank computed the
-same values from the same seeds) takes its own, with no communication.
-
-Gradients arrive in the parameters' ``.grad`` (autograd's normal accumulation). ``reduce_gradients()`` (one unit)
-and ``reduce_bucketed(units, ...)`` (several units in one collective, the engine's ``reduce_bucket_size`` buckets)
-take them (``take_gradients``: the ``.grad`` tensors are dropped from the parameters, so a stage-3 unit can be freed
-while its gradients wait for their bucket), pack them in one copy into a flat buffer of
-``Collectives.gradient_dtype`` (zeros where a parameter got no gradient): fp32 under qgZ or
-``communication_data_type`` fp32 (bf16/fp16 gradients upcast), else the communication dtype (a bf16 ``.grad`` copied
-as is), and start the reduce-scatter (qgZ when on, with the unit's ``ErrorFeedback`` when configured: one unit per
-collective then). A bucket lays the units' ``(P, S_u)`` buffers side by side, ``(P, sum S_u)``, so that rank ``r``'s
-slice is every unit's slice ``r``: the same values as one collective per unit. The returned
-``GradientReduction``'s ``wait()`` adds this rank's slice of each unit to its ``grad_shard``.
-
-``gather(wait=False)`` only starts the all-gather (the engine's prefetch), and the next ``gather()`` or ``free()``
-waits for it.
+The layout, alignment and its memory cost, hpZ's secondary shard, gather and free, frozen parameters, construction
+and the gradient reduction (``reduce_gradients``, ``reduce_bucketed``): the unit layout section of docs/engine.md.
 """
 
 from __future__ import annotations
