@@ -1,59 +1,14 @@
 """Checkpoints of a ``ZeroEngine`` with ``torch.distributed.checkpoint`` (DCP): sharded save, resharding load, and
 the consolidated (whole, plain) fp32 state dict, online and offline.
 
-Directory (DeepSpeed's): ``save_dir/<tag>/`` is one DCP checkpoint (``.metadata`` and one ``__<rank>_0.distcp``
-file per rank that wrote data) with ``manifest.json`` (every file's size and sha256); ``save_dir/latest`` holds the
-tag of the last save. The default tag is ``global_step<global_steps>``. A save is atomic and a load verifies every
-file before it reads one (``zeropp.engine.checkpoint_files``: staging directory, renames, ``latest``, manifest).
+Every rank writes only its own pieces of each parameter (fp32 masters, optimizer state, frozen parameters) as 1-D
+tensors chunked by rank, through DCP's public planner API, so a checkpoint loads at any world size, stage and
+alignment, and a run resumed at the same world size continues bit for bit. Failures are raised on every rank
+(``CheckpointError``), never on some while others wait in a collective. The files (atomic save, manifest, ``latest``)
+are ``zeropp.engine.checkpoint_files``.
 
-Failures are raised on every rank of the data-parallel group, never on some while others wait in a collective: each
-phase of a save or load catches its error and the ranks exchange them (``_agree``, one ``all_gather_object`` of a
-few bytes) before the next collective. A failed save leaves ``save_dir`` as it was; errors are ``CheckpointError``
-(an ``Exception``, unlike DCP's ``CheckpointException``) or, for a missing directory, ``latest`` or tag,
-``FileNotFoundError``.
-
-What is saved, by DCP key (every rank writes only what it owns; no data moves between ranks):
-
-* ``model.<name>``, trainable parameter ``<name>`` (the name its unit gives it; a tied parameter once): the fp32
-  master weights as a 1-D tensor of ``numel`` elements whose DCP chunks are the pieces of the parameter in the
-  ranks' master shards (``Unit.param_ranges``), each at its offset within the parameter and written by the rank
-  that holds it. The layout of the units (world size, alignment to the quantization block, unit policy) is not
-  part of the checkpoint: a load at any world size and alignment reads back exactly the pieces its own shards
-  need, from whichever chunks hold them.
-* ``optim.<kind>.<name>``: the optimizer state (``exp_avg`` and ``exp_avg_sq`` for Adam/AdamW, ``momentum_buffer``
-  for SGD), fp32, in the master's layout.
-* ``model.<name>``, frozen parameter ``<name>`` (a tied one once): its compute-dtype values as a logical 1-D tensor
-  of ``numel`` elements; at stage 3 (where frozen parameters are sharded, ``unit.FrozenFlat``) chunked by the
-  ranks' frozen shards, as the masters; at stages 1 and 2 (whole on every rank) one chunk. So a checkpoint loads at
-  any stage, world size and layout.
-* ``model.<name>`` for persistent buffers: plain tensors, whole (each rank's own: buffers are not synchronized).
-* ``engine``: one pickled dict (``_engine_state``): optimizer type, per-group hyperparameters and step counts,
-  ``micro_steps`` / ``global_steps`` / ``skipped_steps`` / ``global_samples``, the learning-rate scheduler's
-  ``state_dict()`` (when it has one; restored into the engine's scheduler), the fp16 ``LossScaler`` state, the
-  parameter shapes and the frozen parameters' shapes, the module's state-dict keys (tied aliases included), the
-  world size.
-* ``rank<r>.rng`` (pickled, one per rank ``r``, its global rank): torch's CPU RNG, the CUDA RNGs when CUDA is
-  initialized, Python's ``random`` and numpy's global RNG when numpy is importable.
-* ``rank<r>.error_feedback.<unit index>.residual`` / ``.partial_residual``: qgZ error-feedback residuals (fp32) of
-  rank ``r``'s units, with ``rank<r>.error_feedback`` (pickled) describing them. Their layout depends on the world
-  size, the node layout and the units' padded size, so they are restored only by a load with the same world size,
-  the same node of every rank and the same unit sizes and qgZ settings; any other load starts them at zero.
-* ``client_state`` (pickled): the caller's dict, from the first rank.
-
-On load, rank ``r`` takes ``rank<r>``'s RNG state when the checkpoint has one (a load at a larger world size leaves
-the new ranks' RNGs as they are); the compute shards (and, in stages 1 and 2, the whole parameters through the
-weight all-gather) are rebuilt from the loaded masters exactly as after an optimizer step (``Unit.publish``), so a
-run resumed at the same world size continues bit for bit.
-
-Only DCP's public planner API is used: ``_SavePlanner`` and ``_LoadPlanner`` extend DCP's default planners with
-this rank's pieces of the sharded tensors (``_Slice``): one ``WriteItemType.SHARD`` item each at save, and at load
-the reads of ``create_read_items_for_chunk_list`` into a view of the engine's shard. Every rank computes its own
-pieces from the unit layout, with no communication. (DTensor cannot describe these pieces: its ``Shard(0)`` puts
-rank ``q``'s part of each tensor at ``q * ceil(numel / world)``, where the engine's flat shards cut parameters at
-any offset.) The checkpoint is the one the ``ShardedTensor`` writer of format version 2 made until 2026-11-25, key
-for key and chunk for chunk, so checkpoints load both ways between the two (tests/engine/test_checkpoint_fixture.py,
-against a committed checkpoint of that writer). The residuals are read into tensors made by
-``comm.ErrorFeedback.allocate`` with the saved layout key.
+docs/engine.md ("Checkpoints", "What a checkpoint holds") has the directory, every DCP key, what a load restores, how
+errors are agreed and why the planners rather than DTensor.
 """
 
 from __future__ import annotations

@@ -2,49 +2,14 @@
 the ``latest`` file. No collectives here: ``zeropp.engine.checkpoint`` runs this on the ranks it names and makes the
 ranks agree.
 
-Layout of ``save_dir``: ``<tag>/`` is one complete checkpoint (DCP's ``.metadata``, the ``__<rank>_<n>.distcp``
-shard files and ``manifest.json``); ``latest`` holds the tag of the last save. A save is written into
-``.saving.<tag>.<nonce>/`` next to its target (same filesystem, so renames are atomic) and committed by the first
-rank only once every rank has written and checksummed its files:
+Why: a save killed at any point must leave ``latest`` naming a complete checkpoint and no partial directory under a
+name a load reads, and a load must never read a damaged file. A save is written into a hidden staging directory next
+to its target, checksummed (sha256, listed in ``manifest.json``) and committed by atomic renames; a checkpoint of the
+same tag is renamed away before it is deleted; the next save removes what a killed one left. A load checks every
+file against the manifest before anything is unpickled.
 
-1. every file is fsynced (by the rank that wrote it, while it computes the file's sha256), ``manifest.json``
-   (``{"format", "tag", "world_size", "files": {name: {"bytes", "sha256"}}}``) is written and fsynced, then the
-   staging directory;
-2. a new tag: ``.saving.<tag>.<nonce>`` is renamed to ``<tag>``. The same tag as an existing checkpoint: the old one
-   is renamed to ``.replaced.<tag>``, the new one to ``<tag>``;
-3. ``save_dir`` is fsynced, then ``latest`` is replaced atomically (written to ``.latest.tmp``, fsynced,
-   ``os.replace``, directory fsynced);
-4. the same tag: the old checkpoint is *retired*: renamed to ``.deleting.<tag>.<nonce>`` (``save_dir`` fsynced),
-   and only then deleted, file by file.
-
-So a directory named ``<tag>`` or ``.replaced.<tag>`` is always a complete checkpoint (each is made by an atomic
-rename of a complete one, and nothing is deleted under either name), and every partial directory is a
-``.saving.*`` or ``.deleting.*`` that no load reads. ``latest`` names what it named before the save until step 3,
-the saved tag after it. Where a save is killed (the test hook's name in brackets), what ``<tag>`` then resolves to,
-and what the next save, of any tag, does first (``prepare``):
-
-* while writing or checksumming (``written``), after the manifest (``manifest``): the previous checkpoint of the tag,
-  if any; the staging directory is deleted.
-* between the two renames (``aside``): ``<tag>`` is missing, so ``resolve`` reads ``.replaced.<tag>`` (the previous
-  checkpoint) for it; it is renamed back to ``<tag>``.
-* after the second rename (``renamed``) or after ``latest`` (``latest``): the new checkpoint (a new tag is kept
-  even where ``latest`` does not name it yet); ``.replaced.<tag>``, the previous one, is retired and deleted.
-* while the previous checkpoint is retired or deleted (``retired``, ``deleting``): the new checkpoint; the
-  ``.deleting.*`` directory, complete or partial, is deleted.
-* while ``prepare`` itself deletes what a killed save left: the same leftovers, deleted by the save after.
-
-A ``.replaced.<tag>`` that is incomplete (left by a save of zeropp before 2026-11-25, which deleted the old
-checkpoint in place, killed mid-way) is never read nor renamed back: ``resolve`` and ``prepare`` check it against its
-manifest first. The directory must be one filesystem that every rank sees (as DCP's ``FileSystemWriter`` assumes; a
-save checks it); two jobs must not save into one ``save_dir`` at once.
-
-At load the manifest is checked before anything is unpickled: every listed file present with its size, and its
-sha256 (streaming, 4 MiB at a time). A checkpoint without ``manifest.json`` (written before zeropp kept one) loads
-unverified, with a warning.
-
-Test hook: when the environment variable ``ZEROPP_CHECKPOINT_CRASH`` is ``<point>:<global rank>``, the process of
-that rank kills itself with SIGKILL at that point of a save (``crash_point``; the points are ``CRASH_POINTS``),
-which is how tests/engine/test_checkpoint_faults.py checks the guarantees above.
+docs/engine.md ("How a save is committed") has the directory names, the commit steps, what each kill point leaves
+and the ``ZEROPP_CHECKPOINT_CRASH`` test hook.
 """
 
 from __future__ import annotations

@@ -2,39 +2,18 @@
 ``GatheredParameters``; ``GatheredParameters`` below takes the parameters instead, as DeepSpeed's, and finds their
 engine) and ``model.state_dict()`` at stage 3.
 
-At stage 3 on more than one rank a unit's parameters are empty tensors except while the engine's hooks hold it
-gathered. Saving them from one rank (a PEFT adapter, a Hugging Face model) is done this way, on every rank::
+Why: at stage 3 on more than one rank a unit's parameters are empty tensors except while the engine's hooks hold it
+gathered, so saving them from one rank (a PEFT adapter, a Hugging Face model) needs them whole on every rank::
 
     with engine.gathered_parameters():          # every rank: each unit gathered once, whole until the block ends
         if rank == 0:
             model.save_pretrained(save_dir)      # PEFT / transformers: model.state_dict() inside, no communication
-    # (or torch.save(model.state_dict(), path), or any submodule's state_dict())
 
-The ways to see the weights whole:
+Both gather exactly (under qwZ the shards' values, not the dequantized ones); ``gathered_parameters`` is a collective,
+and so is ``model.state_dict()`` outside such a block.
 
-* ``with engine.gathered_parameters(modules=None, modifier_rank=None):`` — the parameters (trainable and frozen) of
-  the units owning any parameter of ``modules`` (default: every unit) are whole on every rank inside the block,
-  from an exact all-gather of the compute shards (``Unit.gather_exact``: under qwZ the shards' values, not the
-  dequantized ones the forward computes with), and freed on exit. The units are pinned: forwards run inside (a
-  ``generate``) leave them whole, and ``model.state_dict()`` reads them as they are, without communicating (so
-  one rank alone may call it there). With ``modifier_rank=r`` (a global rank of the data-parallel group), what rank
-  ``r`` wrote into the parameters *in place* inside the block is broadcast on exit and becomes the weights: the
-  compute shards, the fp32 masters (the elements whose compute-dtype value changed) and, for stages 1 and 2 and
-  parameters outside units, the whole parameters of every rank (``Unit.write_back``). A collective on entry and,
-  with ``modifier_rank``, on exit: every rank enters with the same modules (checked on entry:
-  ``zeropp.engine.entry_check``). Not between a forward and its ``step()``. Memory: the units' whole parameters
-  for the block's duration (every unit by default: the model's weights in the compute dtype).
-* ``model.state_dict()`` (also on a submodule, and what PEFT's ``save_pretrained`` and ``transformers``' call): at
-  stage 3 the engine's state-dict hooks (``nn.Module.register_state_dict_pre_hook`` / ``_post_hook``, public)
-  replace every unit parameter's entry by its whole value in the compute dtype, as a new tensor: for a unit that a
-  ``gathered_parameters`` block holds, a copy of what the block holds (its exact weights, with any change made in
-  place inside the block); for any other unit, an exact all-gather of its shards, one unit at a time (each unit
-  once per call, in module order, so the calls match on every rank) — then a collective, every rank must call it,
-  and a call that not every rank makes raises ``EngineUsageError`` within ``zero_optimization.zeropp.
-  entry_check_timeout`` seconds naming the pattern above (``zeropp.engine.entry_check``; one arrival check per
-  outermost call, none when every unit it reads is held). Memory: the returned dict (the weights it holds, whole)
-  plus one unit's flat buffer. With ``keep_vars=True`` these entries are tensors, not the ``nn.Parameter`` objects.
-  The exact fp32 masters: ``engine.consolidated_state_dict()`` (a collective).
+docs/engine.md ("Fine-tuning and whole parameters", "Whole parameters in detail") has ``modifier_rank``, pinning,
+the state-dict hooks, the memory each needs and the entry check.
 """
 
 from __future__ import annotations

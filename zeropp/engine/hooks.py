@@ -1,45 +1,15 @@
 """The hooks that drive the units through forward and backward.
 
-Stage 3 (``install_stage3_hooks``), per unit module:
+Stage 3 (``install_stage3_hooks``): a unit module's forward pre-hook gathers the unit, its post-hook frees it (unless
+it is kept whole) and hooks the gradient of its outputs to gather it again before autograd enters its backward; a
+unit holding frozen parameters is freed only once the gradients of its inputs are complete. ``install_entry_hooks``
+gathers a unit whose submodules a method other than ``forward`` (``generate``) calls directly. Stages 2 and 3
+(``GradientReadiness``): post-accumulate-grad hooks count each unit's finished gradients and reduce-scatter the unit
+as soon as they are complete, while autograd goes on. Why hooks: the model's code runs unchanged, and each unit is
+whole only while it is used.
 
-* forward pre-hook: ``unit.gather()`` — all-gather the shards (qwZ when on) into the whole parameters;
-* forward post-hook: ``unit.free()`` unless ``keep(unit)`` (the root unit stays whole until the end of backward,
-  and so does a unit kept for reuse, ``zeropp.engine.reuse``, unless the forward ran without grad; a persistent
-  unit is never freed), and a gradient hook on the module's output tensors (``register_multi_grad_hook``, mode "any"):
-  it runs when the gradient of the unit's output arrives — before autograd enters the unit's own backward — and
-  calls ``unit.gather()`` again (from the hpZ secondary shards once hpZ is on; no communication when the unit was
-  kept whole). The outputs themselves are
-  returned unchanged (no wrapping autograd function, no views).
-
-Units holding frozen parameters: the backward of a frozen weight (the gradient of a frozen ``Linear``'s input) needs
-the weight but accumulates no gradient, so it may run after every trainable parameter of the unit is done (autograd
-runs ``AccumulateGrad`` as early as it can; a LoRA adapter's branch finishes before the frozen base's). The forward
-post-hook therefore also registers a gradient hook on the unit module's inputs that require grad (mode "all"; counted
-in ``Unit.pending_input_grads``): once it ran, every backward node between the unit's inputs and outputs has run, and
-``release(unit)`` may free it (the engine frees when that count is zero and the trainable gradients are complete).
-
-Other entry points (``install_entry_hooks``): a model method other than ``forward`` (``generate``) may call a unit's
-submodules directly (``model.wte(idx)``, ``model.lm_head(x)``), bypassing the unit module's hooks. Every module that
-directly holds a parameter of a stage-3 unit (other than the unit's own module) gets pre/post hooks that gather the
-unit when it is not whole and, if they gathered it, free it afterwards as the unit module's hooks would (and, with
-grad enabled, gather it again for the backward). Inside the unit module's forward the unit is whole already and
-they do nothing. Parameters read directly in such a method (``self.pos_emb`` rather than a submodule call) are not
-seen: wrap that method in ``engine.gathered_parameters()``.
-
-With prefetching on (``zeropp.engine.prefetch``) each of those gathers is followed by starting the gathers of the
-units expected next; the gather of a unit whose all-gather was started earlier only waits for it.
-
-Activation checkpointing (``torch.utils.checkpoint``, non-reentrant) recomputes a unit's forward inside its
-backward, after the output's gradient hook has gathered it, so the recomputation finds the parameters whole.
-torch 2.13 runs no module hooks during that recomputation; should a version run them, the post-hook does not free
-a unit while autograd is running a backward.
-
-All stages 2 and 3 (``GradientReadiness``): a post-accumulate-grad hook on every parameter of the unit counts the
-parameters whose gradient autograd has finished accumulating in this backward (autograd runs a leaf's
-``AccumulateGrad`` once per backward, after all uses of the leaf, even for a module called twice). When the count
-reaches the unit's parameter count the unit's gradients are complete, and ``on_ready(unit)`` reduce-scatters them
-(and frees the unit in stage 3) while autograd goes on with the rest of the model. Units that are not complete at
-the end of backward (a parameter got no gradient) are finished by the engine.
+docs/engine.md ("Hooks") has each hook, why frozen parameters need the input hook, activation checkpointing and what
+the entry hooks do not see.
 """
 
 from __future__ import annotations

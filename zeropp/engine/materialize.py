@@ -1,41 +1,15 @@
 """Models built without their weights: ``zeropp.Init`` (or ``torch.device("meta")``) and their materialisation, unit by
 unit, by ``zeropp.initialize``, so that no rank ever holds the whole model.
 
-Build the model on the meta device — its parameters and buffers have shapes and dtypes but no storage::
-
     with zeropp.Init():                     # the same as ``with torch.device("meta"):``
         model = MyModel(cfg)
     engine, *_ = zeropp.initialize(model=model, config=cfg, init_seed=0)   # param_init_fn=... optional
 
-``initialize`` then builds the engine's units one after the other (``plan_units``, root first) and, for each unit,
-``Materializer.materialize``:
+Each unit's parameters are allocated, initialised by ``reset_parameters()`` (or ``param_init_fn``) with torch's RNG
+seeded from ``init_seed`` and the unit's name, cast, sharded and (stage 3) freed before the next unit. Nothing is
+broadcast, and the weights are bit-identical at every world size (equal to ``reset_parameters_by_unit``'s).
 
-1. allocates the unit's parameters (trainable and frozen) on the compute device in the dtype they were built with
-   (``torch.utils.swap_tensors``: the ``nn.Parameter`` objects stay the same, so references held by the caller and
-   tied weights stay valid), and the meta buffers of the unit's *region* (the modules inside the unit's module but
-   not inside a nested unit's; the root unit's region is every module not in another unit);
-2. seeds torch's RNG with ``unit_seed(init_seed, unit name)`` (the caller's RNG state is restored afterwards) and
-   calls, for every module of the region that directly holds a parameter or a buffer, in ``named_modules`` order,
-   ``param_init_fn(module)`` when given, else ``module.reset_parameters()``; every parameter of another unit is
-   swapped for a meta tensor of its shape during the calls, so an initialiser that writes to it (a tied weight, a
-   module resetting its children) touches nothing real;
-3. casts the floating parameters and buffers to the compute dtype (what ``initialize`` does with ``model.to`` for a
-   model built eagerly);
-
-and the ``Unit`` copies them into its flat buffer, keeps this rank's shard and (stage 3) frees the rest: the
-parameters of at most one unit exist whole at a time (in their construction dtype, plus the unit's flat buffer in
-the compute dtype while it is built). Nothing is broadcast: every rank computes the same values.
-
-Equality. For the same model class, ``init_seed``, unit policy and ``param_init_fn``, the whole weights are
-bit-identical at every world size and stage, and equal bit for bit to those of the same model built eagerly and
-re-initialised with ``reset_parameters_by_unit(model, init_seed, unit_policy, param_init_fn)`` (the same calls in the
-same order from the same seeds, whole, on one process), then passed to ``initialize``. They are *not* the values
-the model's own constructor draws from one RNG stream for the whole model (that stream depends on every earlier
-layer; per-unit seeds do not). Values depend on the device type (CPU and CUDA generators differ).
-
-Limits: every module holding a meta parameter or buffer needs ``reset_parameters`` or a ``param_init_fn``
-(``initialize`` lists those that have neither); buffers computed in a constructor (a causal mask) are lost on the
-meta device unless that hook recomputes them; a buffer shared by two modules is materialised as two tensors.
+docs/engine.md ("Models bigger than one rank") has the steps, the equality rule and the limits.
 """
 
 from __future__ import annotations

@@ -1,40 +1,13 @@
 """Where the optimizer side of each unit lives: DeepSpeed's ``zero_optimization.offload_optimizer`` (ZeRO-Offload and
 ZeRO-Infinity's optimizer tier). The parameter tier, ``offload_param``, is ``zeropp.engine.param_offload``.
 
-The optimizer side of a unit is its fp32 ``master`` shard, its fp32 ``grad_shard`` and the optimizer's state kinds
-(``exp_avg``/``exp_avg_sq`` or ``momentum_buffer``), ``S`` elements each (``Unit``). Tiers (``device``):
+A unit's fp32 master, fp32 gradient shard and optimizer state stay on the device (``"none"``), in host memory,
+stepped on the CPU (``"cpu"``), or in NVMe swap files streamed through the step with at most ``buffer_count`` units
+in memory, from construction on (``"nvme"``); each unit may have its own tier (``memory_budget``). Why: optimizer
+states larger than the device, or than host memory, still train, with the same values as without offload. A
+swapped-out tensor has no storage, so a read that skips ``resident`` fails at once instead of reading stale values.
 
-* ``"none"``: all on the compute device (no offload).
-* ``"cpu"``: all in host memory, page-locked when the compute device is CUDA and ``pin_memory`` is set. Each
-  reduce-scatter's slice is copied to the host and added into ``grad_shard``; the step runs on the CPU threads
-  (torch's fused CPU Adam); ``publish`` copies the new master into the compute-dtype shard on the device. With
-  ``ratio < 1`` (stage 3) only the first units up to that fraction of the trainable elements go to the host, the
-  rest stay on the device (DeepSpeed's partial offload).
-* ``"nvme"``: ``grad_shard`` in host memory as ``"cpu"``; ``master`` and the state kinds in swap files under
-  ``nvme_path`` (``zeropp.offload.SwapSpace``, one region per unit and kind), in memory only while a unit is being
-  stepped or read. The step streams the units in order: with ``pipeline_read`` the next units' reads are started
-  before the current unit is stepped, with ``pipeline_write`` a stepped unit's write-behind is left in flight while
-  the next units step (without them each read and write is waited for at once, DeepSpeed's meaning). At most
-  ``buffer_count`` units' states are in memory at once, so per-rank host memory is the gradient shards, the swap
-  buffers and ``buffer_count`` units' ``3 S`` (Adam) fp32 elements. That holds from construction on: the swap space
-  is made before the units (``open``), each unit's master is written out as soon as the unit is built (``admit``),
-  and the optimizer's zero state is made without memory (``zeros``: its region is first written when the unit is
-  first stepped, its first read fills zeros), so the whole model's masters and moments never exist in memory.
-
-Each unit has its own tier (``OptimizerOffload.tiers``: ``"device"``, ``"cpu"`` or ``"nvme"``; without a budget
-all units take the block's ``device``, or with ``ratio`` the first ones ``"cpu"``). With
-``zero_optimization.zeropp.memory_budget`` every unit starts in the block's ``device`` and, after the first step,
-``migrate`` moves each towards the device to the tier ``zeropp.engine.placement`` chose: the tensors are copied
-exactly (a unit leaving NVMe is read back and its swap regions deleted); the stream and ``resident`` then read and
-write only the NVMe units.
-
-On a machine without an accelerator the compute device is the CPU, so ``"cpu"`` keeps exactly what ``"none"`` keeps
-(only ``"nvme"`` moves anything): the host-device copies are exercised by the CUDA tests.
-
-A swapped-out tensor keeps its shape and dtype but no storage (``untyped_storage().resize_(0)``, as stage 3 frees
-``full``), so code that reads a master without making it resident fails at once instead of reading stale values;
-``resident`` and ``stream`` bring storage back and read the swap files into it. A read whose checksum does not match
-what was written raises ``zeropp.offload.SwapError`` naming the file (``zeropp.offload.swap``).
+docs/offload.md ("The optimizer tier") has each tier, the streaming, the memory bound and per-unit tiers.
 """
 
 from __future__ import annotations

@@ -2,52 +2,15 @@
 (ZeRO-Offload's and ZeRO-Infinity's parameter tier). ``ParamOffload`` is the tier, ``SwappedShard`` one shard in an
 NVMe swap region.
 
-The shards are each unit's ``shard`` (``S`` elements of the compute dtype: what the weight all-gather sends) and its
-frozen buffer's (``FrozenFlat.shard``). Tiers (``device``):
+``"cpu"`` keeps the shards in host memory and copies each to the device just before its all-gather; ``"nvme"`` keeps
+those past ``max_in_cpu`` elements in swap files, read ahead by the stage-3 prefetcher, released after each gather
+and written behind by the step, never more than ``buffer_count`` in memory. Why: parameters too large for the
+device, or for host memory, still train, with the same values as without offload. A failed swap read or write is
+not raised where it happens (the other ranks would hang in the all-gather): the ranks agree on it at the next
+exchange and raise together.
 
-* ``"cpu"``: in host memory (page-locked when the compute device is CUDA and ``pin_memory`` is set); every gather
-  copies the shard to the device just before its all-gather (``Unit.device_shard``), the step writes the new shard
-  into host memory. On a CPU-only machine host and device coincide: the shards stay where they were.
-* ``"nvme"``: the first shards, in unit order (a unit's trainable shard, then its frozen one), up to ``max_in_cpu``
-  elements in all, in host memory as ``"cpu"``; the others in swap files under ``nvme_path``
-  (``zeropp.offload.SwapSpace``, its own swap space beside the optimizer tier's, one region ``unit<u>.shard`` or
-  ``unit<u>.frozen`` per shard, CRC-32C checked), with their storage released (``untyped_storage().resize_(0)``) except
-  while a gather, the step or a checkpoint needs them. The units stage 3 keeps whole all the time (``persistent``:
-  ``stage3_param_persistence_threshold``) keep their shards in host memory whatever ``max_in_cpu`` says (they are
-  gathered once per step, together), and so does every shard at one rank (the shard is the whole weights, never
-  freed).
-
-NVMe, the gather (``Unit.gather``). The stage-3 prefetcher's ``gather(wait=False)`` on a unit whose shards are out
-starts their reads and returns; its next ``gather(wait=False)`` (the prefetcher's next call) or the unit's own
-``gather()`` waits for the reads and starts the all-gather; the shards' storage is released once the all-gather is
-waited for. A gather with no read started ahead (the first forward has no order yet, or the budget below held it
-back) reads the shard synchronously. A gather from the hpZ secondary reads nothing. Every rank makes the same
-decisions from the same calls (nothing depends on when a read finishes), so the collectives stay matched.
-
-Memory (NVMe): at most ``buffer_count`` swapped shards hold storage at once, counting those being read, gathered or
-written (a unit with a frozen buffer gathered on demand needs two: so at most ``max(buffer_count, 2)``); prefetch
-starts a read only while two places stay free for an on-demand gather. Plus the swap space's host buffers:
-``buffer_count`` of ``buffer_size`` elements of the compute dtype (cut to the largest shard). A shard larger than a
-buffer is moved in chunks of the buffer's size (DeepSpeed refuses to swap such a parameter; zeropp chunks it).
-
-NVMe, the step. Each unit's new shard goes into fresh storage (no read: the master gives every element), is written
-behind while the next units step (at most ``buffer_count`` writes in flight), and every write has finished when the
-step returns. ``gathered_parameters``' write-back, ``load_state_dict`` and ``load_checkpoint`` write the shards
-they change the same way; checkpoint saves, ``consolidated_state_dict`` and the exact gathers read them through the
-swap.
-
-Failures (NVMe). A read or write that fails (``zeropp.offload.SwapError``: a damaged, truncated or deleted swap file,
-a disk error) is never raised where it happens: one rank raising while the others enter the all-gather would hang
-them. The failing rank records it (``failure``), gathers zeros in place of the lost shard, and goes on; the ranks
-agree at the next point where they already exchange a flag or can afford one: the step's gradient-statistics
-all-reduce (one more float64 per rank, no extra collective: the step raises ``OffloadError`` on every rank before
-any master changes), the end of the step (a failed write: one all-reduce), the end of a forward without grad (eval:
-one all-reduce, so no wrong output is returned), the end of ``full_parameters``, ``model.state_dict()``,
-``consolidated_state_dict`` (and so ``state_dict``) and the entry of a ``gathered_parameters`` block (one all-reduce
-each); checkpoint saves fail on every rank with ``CheckpointError``.
-The alternative, an agreement all-reduce before every gather, would cost one blocking all-reduce and host read per
-gather (measured: ``bench/RESULTS.md``, "Parameter NVMe offload"). A training forward after a failed read returns a
-loss computed from zeros in the lost shard's place; its ``step()`` raises.
+docs/offload.md ("The parameter tier") has the tiers, the gather, the memory bound, the step and where failures are
+agreed.
 """
 
 from __future__ import annotations
