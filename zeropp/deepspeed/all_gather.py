@@ -96,9 +96,9 @@ class _DtypeGather:
 
 
 class QuantizedGatherHandle:
-    """The handle ``ParamGather`` returns for a quantized gather: ``wait()`` dequantizes into each parameter's
-    ``data`` (its shard dtype, its full shape) and marks it ``AVAILABLE``, like DeepSpeed's
-    ``AllGatherCoalescedHandle``. CUDA streams: ``zeropp.comm.CollectiveWork`` orders the waiting stream after
+    """The handle ``ParamGather`` (and ``stored_gather.StoredGather``) returns for a quantized gather: ``wait()``
+    finishes each gather (``finish()``: dequantize into each parameter's ``data``, its dtype and full shape) and
+    marks it ``AVAILABLE``, like DeepSpeed's ``AllGatherCoalescedHandle``. CUDA streams: ``zeropp.comm.CollectiveWork`` orders the waiting stream after
     the gather and records its buffers there."""
 
     def __init__(self, gathers: list[_DtypeGather]) -> None:

@@ -36,6 +36,8 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.partition_parameters import Init, MultipleAllGatherHandles, ZeroParamStatus
 from torch.nn import Parameter
 
+from .all_gather import QuantizedGatherHandle
+
 
 def stored_quantized(param: Parameter) -> bool:
     """Whether DeepSpeed stores the weight quantized (primary or hpZ secondary shard)."""
@@ -133,21 +135,6 @@ class _Gather:
             group_offset += groups
 
 
-class StoredGatherHandle:
-    """``wait()`` dequantizes into each weight's ``data`` and marks it ``AVAILABLE``."""
-
-    def __init__(self, gathers: list[_Gather]) -> None:
-        self.gathers = gathers
-        self.complete = False
-
-    def wait(self, handle_dependency: bool = True) -> None:
-        if self.complete:
-            return
-        for gather in self.gathers:
-            gather.finish()
-        self.complete = True
-
-
 class StoredGather:
     """``param.all_gather_coalesced`` for weights stored quantized; any other bucket goes to ``original``.
 
@@ -181,4 +168,4 @@ class StoredGather:
         for p in sorted(params, key=lambda p: p.ds_id):  # every rank lays the bucket out alike
             key = (id(init.get_partition_dp_group(p)), p.ds_secondary_tensor is not None)
             buckets.setdefault(key, []).append(p)
-        return StoredGatherHandle([_Gather(init, ps) for ps in buckets.values()])
+        return QuantizedGatherHandle([_Gather(init, ps) for ps in buckets.values()])
