@@ -44,12 +44,23 @@ WEIGHT_BITS = 8
 """Code width of the weight gathers: DeepSpeed's qwZ is int8."""
 
 
-def _stored_quantized(param: Parameter) -> bool:
-    """Whether DeepSpeed stores the weight quantized (``zero_quantized_nontrainable_weights``)."""
+def stored_quantized(param: Parameter) -> bool:
+    """Whether DeepSpeed stores the weight quantized (``zero_quantized_nontrainable_weights``; primary or hpZ
+    secondary shard)."""
     secondary = getattr(param, "ds_secondary_tensor", None)
     return hasattr(param.ds_tensor, "ds_quant_scale") or (
         secondary is not None and hasattr(secondary, "ds_quant_scale")
     )
+
+
+def begin_gather(init: Init, params: list[Parameter]) -> None:
+    """DeepSpeed's bookkeeping before a gather of ``params``: NVMe-swapped shards brought in, each parameter
+    checked ``NOT_AVAILABLE`` and marked ``INFLIGHT``."""
+    init._ensure_availability_of_partitioned_params(params)
+    for p in params:
+        if p.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+            raise RuntimeError(f"expected a partitioned parameter to gather, got {p.ds_summary()}")
+        p.ds_status = ZeroParamStatus.INFLIGHT
 
 
 class _DtypeGather:
@@ -130,7 +141,7 @@ class ParamGather:
 
     def __call__(self, params: Iterable[Parameter], safe_mode: bool = False, quantize: bool = False) -> Any:
         params = list(params)
-        if not quantize or not params or any(_stored_quantized(p) for p in params):
+        if not quantize or not params or any(stored_quantized(p) for p in params):
             return self.original(params, safe_mode=safe_mode, quantize=quantize)
         if params[0].ds_secondary_tensor is not None:
             # hpZ's backward gather of the secondary shards, in the node: exact, so backward uses the weights
@@ -145,11 +156,7 @@ class ParamGather:
         if all(init._partition_world_size(p) == 1 for p in params):
             return self.original(params, safe_mode=safe_mode, quantize=quantize)
 
-        init._ensure_availability_of_partitioned_params(params)
-        for p in params:
-            if p.ds_status != ZeroParamStatus.NOT_AVAILABLE:
-                raise RuntimeError(f"expected a partitioned parameter to gather, got {p.ds_summary()}")
-            p.ds_status = ZeroParamStatus.INFLIGHT
+        begin_gather(init, params)
         # Every rank must lay the bucket out alike: DeepSpeed's order (ds_id), and the dtypes by name.
         params = sorted(params, key=lambda p: p.ds_id)
         if safe_mode:

@@ -36,15 +36,7 @@ from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.zero.partition_parameters import Init, MultipleAllGatherHandles, ZeroParamStatus
 from torch.nn import Parameter
 
-from .all_gather import QuantizedGatherHandle
-
-
-def stored_quantized(param: Parameter) -> bool:
-    """Whether DeepSpeed stores the weight quantized (primary or hpZ secondary shard)."""
-    secondary = getattr(param, "ds_secondary_tensor", None)
-    return hasattr(param.ds_tensor, "ds_quant_scale") or (
-        secondary is not None and hasattr(secondary, "ds_quant_scale")
-    )
+from .all_gather import QuantizedGatherHandle, begin_gather, stored_quantized
 
 
 def partition_wrapper(original: Callable[..., Any], secondary: bool) -> Callable[..., Any]:
@@ -159,11 +151,7 @@ class StoredGather:
         init = self.init
         if all(init._partition_world_size(p) == 1 for p in params):
             return self.original(params, safe_mode=safe_mode, quantize=quantize)
-        init._ensure_availability_of_partitioned_params(params)
-        for p in params:
-            if p.ds_status != ZeroParamStatus.NOT_AVAILABLE:
-                raise RuntimeError(f"expected a partitioned parameter to gather, got {p.ds_summary()}")
-            p.ds_status = ZeroParamStatus.INFLIGHT
+        begin_gather(init, params)
         buckets: dict[tuple[int, bool], list[Parameter]] = {}
         for p in sorted(params, key=lambda p: p.ds_id):  # every rank lays the bucket out alike
             key = (id(init.get_partition_dp_group(p)), p.ds_secondary_tensor is not None)
