@@ -14,7 +14,6 @@ docs/hf.md has hpZ on both backends (sharding the model yourself for FSDP2, and 
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 from torch import nn
@@ -32,8 +31,6 @@ from . import fsdp
 
 __all__ = ["ZeroppCallback"]
 
-_ENABLE_KWARGS = frozenset(inspect.signature(fsdp.enable).parameters) - {"modules"}
-
 
 class ZeroppCallback(TrainerCallback):
     """A ``TrainerCallback`` that turns on ZeRO++ (``zeropp.fsdp.enable``) on the Trainer's FSDP2 model when
@@ -47,11 +44,7 @@ class ZeroppCallback(TrainerCallback):
     """
 
     def __init__(self, **enable_kwargs: Any) -> None:
-        bad = sorted(set(enable_kwargs) - _ENABLE_KWARGS)
-        if bad:
-            raise TypeError(
-                f"ZeroppCallback got {bad}, which zeropp.fsdp.enable does not take; it takes {sorted(_ENABLE_KWARGS)}"
-            )
+        fsdp.check_enable_kwargs("ZeroppCallback", enable_kwargs)
         self.enable_kwargs = enable_kwargs
         self.topology = None
         self._enabled: nn.Module | None = None

@@ -56,7 +56,6 @@ collective; 8 GPUs: zeropp's comms on NCCL too).
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -76,7 +75,6 @@ from . import fsdp
 
 __all__ = ["configure"]
 
-_ENABLE_KWARGS = frozenset(inspect.signature(fsdp.enable).parameters) - {"modules"}
 # ParallelDims attributes that must be 1, and the torchtitan option that sets each
 _REFUSED_DEGREES = {
     "dp_replicate": "parallelism.data_parallel_replicate_degree (HSDP)",
@@ -100,12 +98,7 @@ def configure(config: Any, **enable_kwargs: Any) -> Any:
         TypeError: a keyword ``zeropp.fsdp.enable`` does not take.
         ValueError: a config without a model spec.
     """
-    bad = sorted(set(enable_kwargs) - _ENABLE_KWARGS)
-    if bad:
-        raise TypeError(
-            f"zeropp.torchtitan.configure got {bad}, which zeropp.fsdp.enable does not take; it takes "
-            f"{sorted(_ENABLE_KWARGS)}"
-        )
+    fsdp.check_enable_kwargs("zeropp.torchtitan.configure", enable_kwargs)
     spec = getattr(config, "model_spec", None)
     if not isinstance(spec, ModelSpec):
         raise ValueError(

@@ -20,7 +20,7 @@ hpZ: wrap the blocks with ``fully_shard(block, reshard_after_forward=N)`` (N = r
 """
 
 from .all_gather import ZeroppAllGather
-from .enable import enable
+from .enable import check_enable_kwargs, enable
 from .reduce_scatter import ZeroppReduceScatter
 
-__all__ = ["ZeroppAllGather", "ZeroppReduceScatter", "enable"]
+__all__ = ["ZeroppAllGather", "ZeroppReduceScatter", "check_enable_kwargs", "enable"]

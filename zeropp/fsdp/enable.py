@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
+from typing import Any
 
 import torch.distributed as dist
 from torch import nn
@@ -138,3 +140,12 @@ def _shard_mesh(fsdp_modules: list[FSDPModule]) -> DeviceMesh:
             "once per group with that group's modules"
         )
     return meshes[0]
+
+
+def check_enable_kwargs(caller: str, enable_kwargs: dict[str, Any]) -> None:
+    """Raise ``TypeError`` naming ``caller`` if ``enable_kwargs`` holds a keyword ``enable`` does not take (for the
+    integrations that pass ``enable``'s keyword arguments through: ``zeropp.hf``, ``zeropp.torchtitan``)."""
+    accepted = frozenset(inspect.signature(enable).parameters) - {"modules"}
+    bad = sorted(set(enable_kwargs) - accepted)
+    if bad:
+        raise TypeError(f"{caller} got {bad}, which zeropp.fsdp.enable does not take; it takes {sorted(accepted)}")
