@@ -17,13 +17,13 @@
 #          the same bytes; the same for the CUDA C++ kernels (built here by CMake, run through CuPy: --backend
 #          native); then the tile/warps sweep of the Triton main rows at 2^26 (fp16, block 128), checked too.
 #          Measured on an H100 (Triton rows and sweep): 105 s + 79 s.
-# tests    the native kernels built, then 9 pytest processes at once: test_kernels.py (the Triton, native CPU and
+# tests    the native kernels built, then 10 pytest processes at once: test_kernels.py (the Triton, native CPU and
 #          CUDA C++ kernels on this machine) in 4 shards through bench/pytest_shard.py (pytest-xdist is not
 #          assumed), the other quant tests, the sm_90 compile tests (Triton with this machine's triton, the CUDA C++
 #          with its nvcc), the comm tests (their CUDA test: 4 gloo ranks on this GPU against the CPU reference),
-#          zeropp.fsdp's CUDA test (FSDP2 + zeropp, 4 gloo ranks on this GPU, against plain FSDP2 on CPU) and the
-#          engine's host-sync test (limit 480 s each). Measured on an H100: 99 s (before the native kernels and
-#          the FSDP2 test).
+#          zeropp.fsdp's CUDA test (FSDP2 + zeropp, 4 gloo ranks on this GPU, against plain FSDP2 on CPU), the
+#          engine's host-sync and offload tests, DeepSpeed's quantizer op against ours (limit 480 s each).
+#          Measured on an H100: 206 s (2026-11-27; the comm tests are the longest).
 # engine   bench/engine_device.py on CUDA in bf16: world size 1 on NCCL (overhead against plain training) and 4
 #          gloo ranks on this GPU as 2 emulated nodes (exact ZeRO-3 and full ZeRO++); world size 1 in fp32; the
 #          collective benchmark on NCCL at world size 1 (a smoke test). Estimate ~2-3 min.
@@ -32,7 +32,10 @@
 # --quick: the same steps on the CPU at toy sizes (torch backend, tiny model, a few tests), each stage in well
 # under 30 s: what tests/bench/test_gpu_check.py runs, so the script works the first time it meets a GPU.
 # Uses the machine's own torch and triton (the GPU machines reach no package index); zeropp is imported from this
-# checkout. PYTHON picks the interpreter (default python3); GPU_CHECK_DEEPSPEED=1 also times DeepSpeed's kernels.
+# checkout. zeropp's dependencies the machine lacks travel as wheels on PYTHONPATH: crc32c (zeropp.offload, which the
+# engine imports), and for the DeepSpeed test deepspeed with pydantic, pydantic_core, annotated_types,
+# typing_inspection and hjson (the lent H100s had none of them on 2026-11-27; their image sets a TORCH_CUDA_ARCH_LIST
+# DeepSpeed's JIT cannot parse, hence 9.0 below). PYTHON picks the interpreter (default python3); GPU_CHECK_DEEPSPEED=1 also times DeepSpeed's kernels.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -191,7 +194,10 @@ stage_tests() {
     # FSDP2 on a CUDA mesh over gloo with zeropp's comms (Triton kernels) against plain FSDP2 on CPU; its CPU variant
     # runs too (a few seconds). Estimate (no GPU has run it yet): under a minute, most of it Triton's first compiles
     bg_step fsdp_cuda 480 "${pytest[@]}" tests/fsdp/test_fsdp_cuda.py
-    bg_step engine_host_syncs 480 "${pytest[@]}" tests/engine/test_host_syncs.py
+    bg_step engine_cuda 480 "${pytest[@]}" tests/engine/test_host_syncs.py tests/engine/test_offload_cuda.py
+    # DeepSpeed's CUDA quantizer op JIT-built (a minute) against zeropp.deepspeed.ds_format; skips without deepspeed
+    bg_step deepspeed_quantizer 480 env DS_ACCELERATOR=cuda TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} \
+        "${pytest[@]}" tests/deepspeed/test_quantizer_cuda.py
     wait
 }
 
