@@ -81,7 +81,9 @@ def test_weight_deltas_config_refused(zero, words):
     assert words in str(info.value)
 
 
-def test_weight_deltas_config_defaults():
-    zero = zeropp.config.load_config(_zero(stage=3, zero_hpz_partition_size=2, zeropp={"weight_deltas": True}),
-                                     4).zero_optimization.zeropp
+def test_weight_deltas_config_defaults_and_round_trip():
+    config = zeropp.config.load_config(_zero(stage=3, zero_hpz_partition_size=2, zeropp={"weight_deltas": True}), 4)
+    zero = config.zero_optimization.zeropp
     assert (zero.weight_deltas, zero.delta_bits, zero.delta_refresh_interval) == (True, 4, 0)
+    again = zeropp.config.load_config(zeropp.config.to_dict(config), 4)
+    assert again.zero_optimization.zeropp == zero
