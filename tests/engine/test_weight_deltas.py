@@ -1,14 +1,17 @@
 """``zero_optimization.zeropp.weight_deltas`` (issue 24, item 1): int4 weight deltas on hpZ's secondary partition, on
 4 real gloo ranks as 2 emulated nodes of 2 with hpZ 2, one launched job (``weight_deltas_workers.all_cases``).
 
-Checked: after every step each rank's secondary equals bit for bit the reconstructions the owners keep (fp32 and
-bf16); the reconstruction's error against the compute weights stays within half a quantization step of that step's
-delta block (plus rounding) and does not grow over the run; an exact refresh every step trains bit for bit as hpZ with
-exact weights; a checkpoint load refreshes, and the resumed run equals the uninterrupted one that refreshes at the
-save; a non-finite gradient skips the step and leaves secondaries and reconstructions untouched; the forward and
-backward gathers send 0 bytes across nodes and each step's exchange sends exactly
-``(P - d) / h * sum S (bits / 8 + 4 / block)`` across nodes (with the per-rank receive counts worked out by hand);
-the loss stays within a bound of exact ZeRO-3's.
+Checked: after every step each rank's secondary equals bit for bit the reconstructions the owners keep (fp32, bf16,
+and with qwZ, int4 qgZ with error feedback and gradient accumulation); the reconstruction's error against the compute
+weights stays within half a quantization step of that step's delta block (plus rounding) at every step, and its
+maximum over steps 21-30 is within 1.5x of that over steps 1-10 (measured: 1.3e-4 to 2.4e-4 throughout at lr 3e-3,
+about lr / 14, half an int4 step of an Adam update); an exact refresh every step trains bit for bit as hpZ with exact
+weights (on the same flat layout); a checkpoint load refreshes, and the resumed run equals the uninterrupted one that
+refreshes at the save; a non-finite gradient skips the step and leaves secondaries and reconstructions untouched; the
+forward and backward gathers send 0 bytes across nodes (every unit gathered at each use, and the default persistent
+units) and each step's exchange sends exactly ``(P - d) / h * sum S (bits / 8 + 4 / block)`` across nodes (the
+per-rank receive counts worked out by hand); the mean loss over the ranks and the last 10 of 30 steps is within 2%
+of exact ZeRO-3's (measured 2.983 against 3.000). About 45 s on 2 cores (85 s at load average 20).
 """
 
 from __future__ import annotations
@@ -51,6 +54,8 @@ def test_weight_deltas(tmp_path):
         assert r["refresh"]["identical"], rank
         assert r["resume"]["identical"], rank
         assert r["skip"]["gather_inter"] == [0] * 4, r["skip"]["gather_inter"]
+        full = r["full"]
+        assert full["gather_inter"] == [0] * 6 and full["losses"][-1] < full["losses"][0], full
         assert r["skip"]["kept"] == [(True, False), (False, True), (True, False), (True, False)], r["skip"]["kept"]
     # the loss: one sample per rank per step is noisy (both runs spike at step 15, by different amounts), so the
     # mean over the ranks and the last 10 steps is compared (measured: 0.4% below exact ZeRO-3's; bound 2%)

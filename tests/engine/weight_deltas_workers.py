@@ -194,6 +194,26 @@ def bf16_run(rank: int, world: int, steps: int) -> dict:
     return {"max_error": max(errors)}
 
 
+def full_zeropp(rank: int, world: int, steps: int) -> dict:
+    """With qwZ and int4 qgZ (error feedback) and 2 accumulation steps: every gather stays inside the node and the
+    secondaries stay consistent."""
+    cfg = config(deltas(4, error_feedback=True))
+    cfg["gradient_accumulation_steps"] = 2
+    cfg["zero_optimization"].update(zero_quantized_weights=True, zero_quantized_gradients=True)
+    engine = _engine(cfg)
+    gather_inter, losses = [], []
+    for batch in text_batches(steps, 2 * world, seed=13):
+        x, y = batch
+        zeropp.comm.reset_stats()
+        for k in range(2):
+            sample = (x[k * world :], y[k * world :])
+            losses.append(_forward_backward(engine, sample, rank))
+            engine.step()
+            gather_inter.append(zeropp.comm.stats()["all_gather"]["sent_inter"])
+        _check_consistent(engine)
+    return {"gather_inter": gather_inter, "losses": losses}
+
+
 def all_cases(rank: int, world: int, steps: int, path: str) -> dict:
     return {
         "tracked": tracked_run(rank, world, steps),
@@ -202,4 +222,5 @@ def all_cases(rank: int, world: int, steps: int, path: str) -> dict:
         "resume": resume(rank, world, 8, 4, path),
         "skip": skip_nonfinite(rank, world),
         "bf16": bf16_run(rank, world, 4),
+        "full": full_zeropp(rank, world, 3),
     }
