@@ -16,11 +16,14 @@ of exact ZeRO-3's (measured 2.983 against 3.000). About 45 s on 2 cores (85 s at
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from engine_launch import launch
 
 import zeropp
 from zeropp.config import ConfigError
+from zeropp.engine.weight_deltas import delta_plan
 
 P, D, H, STEPS, BLOCK = 4, 2, 2, 30, 128
 ENV = {"ZEROPP_RANKS_PER_NODE": str(D)}
@@ -92,3 +95,36 @@ def test_weight_deltas_config_defaults_and_round_trip():
     assert (zero.weight_deltas, zero.delta_bits, zero.delta_refresh_interval) == (True, 4, 0)
     again = zeropp.config.load_config(zeropp.config.to_dict(config), 4)
     assert again.zero_optimization.zeropp == zero
+
+
+@pytest.mark.parametrize(("nodes", "hpz"), [
+    ([[0, 1], [2, 3]], 2),
+    ([[0, 2], [1, 3]], 2),  # interleaved
+    ([[0, 1, 2, 3]], 2),
+    ([[0, 1, 2, 3], [4, 5, 6, 7]], 2),
+    ([[0, 1, 2, 3], [4, 5, 6, 7]], 4),
+    ([[0, 2, 4, 6], [1, 3, 5, 7]], 4),
+    ([[0, 1], [2, 3], [4, 5], [6, 7]], 2),
+])
+def test_delta_plan_matches_the_secondary_ranges(nodes, hpz):
+    """Against the element ranges: rank ``j``'s secondary is ``[i L, (i + 1) L)`` of the flat buffer, ``i`` its
+    index in its partition (``Topology.partition_ranks``: runs of ``hpz`` ranks of its node), ``L = P S / hpz``;
+    rank ``o``'s shard is ``[o S, (o + 1) S)``; ``j`` holds ``o``'s shard when they overlap."""
+    world, shard = sum(map(len, nodes)), 3
+    length = world * shard // hpz
+
+    def index(g: int) -> int:
+        node = next(n for n in nodes if g in n)
+        local = node.index(g)
+        return node[local - local % hpz : local - local % hpz + hpz].index(g)
+
+    def holds(j: int, o: int) -> bool:
+        return index(j) * length <= o * shard < (index(j) + 1) * length
+
+    ranks = list(range(world))
+    for me in ranks:
+        topo = SimpleNamespace(world_size=world, ranks=ranks, nodes=nodes, rank=me,
+                               node_of=lambda g: next(m for m, n in enumerate(nodes) if g in n))
+        holders, owners = delta_plan(topo, hpz)
+        assert holders == [j for j in ranks if holds(j, me)], (me, holders)
+        assert owners == [o for o in ranks if holds(me, o)], (me, owners)

@@ -51,8 +51,26 @@ from __future__ import annotations
 
 import torch
 
+from ..comm import Topology
 from .collectives import Collectives
 from .unit import Unit
+
+
+def delta_plan(topology: Topology, hpz: int) -> tuple[list[int], list[int]]:
+    """``(holders, owners)`` for this rank (``topology.rank``): the data-parallel ranks whose hpZ secondary holds
+    this rank's shard, and the ranks whose shards this rank's secondary holds (ascending; this rank possibly in
+    either). A rank's position in its hpZ partition is its local index in its node modulo ``hpz``
+    (``Topology.partition_ranks``); the secondary at position ``i`` holds shards ``i G .. (i + 1) G - 1``,
+    ``G = world / hpz`` (module docstring)."""
+    group = topology.world_size // hpz
+
+    def position(rank: int) -> int:
+        g = topology.ranks[rank]
+        return topology.nodes[topology.node_of(g)].index(g) % hpz
+
+    me = topology.rank
+    holders = [j for j in range(topology.world_size) if position(j) == me // group]
+    return holders, list(range(position(me) * group, (position(me) + 1) * group))
 
 
 class WeightDeltas:
@@ -78,19 +96,11 @@ class WeightDeltas:
         self.comm = comm
         self.refresh_interval = refresh_interval
         self.units = [u for u in units if u.sharded and u.shard_numel]
-        topo = comm.topology
-        group = topo.world_size // comm.hpz  # G: shards per secondary
-
-        def position(rank: int) -> int:  # a data-parallel rank's position in its hpZ partition
-            g = topo.ranks[rank]
-            return topo.nodes[topo.node_of(g)].index(g) % comm.hpz
-
-        me = topo.rank
-        if position(me) != comm.partition_rank:
-            raise RuntimeError(f"rank {me}: hpZ partition position {comm.partition_rank} disagrees with the "
-                               f"topology's {position(me)}")
-        self.holders = [j for j in range(topo.world_size) if position(j) == me // group]
-        self.owners = list(range(comm.partition_rank * group, (comm.partition_rank + 1) * group))
+        self.holders, self.owners = delta_plan(comm.topology, comm.hpz)
+        position = comm.partition_rank
+        if self.owners[0] != position * len(self.owners):
+            raise RuntimeError(f"rank {comm.rank}: hpZ partition position {position} disagrees with the topology's "
+                               f"{self.owners[0] // len(self.owners)}")
         self._first_owner = self.owners[0]
         self._reconstruction: list[torch.Tensor] = []
         self._installed: list[torch.Tensor | None] = [None] * len(self.units)
