@@ -53,6 +53,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "zero_quantized_gradients": True,
         "zeropp": {"error_feedback": True},
     },
+    "zeropp-deltas": {
+        "zero_quantized_weights": True,
+        "zero_hpz_partition_size": "rpn",
+        "zero_quantized_gradients": True,
+        "zeropp": {"weight_deltas": True},
+    },
 }
 EXTERNAL = ("fsdp2", "hsdp", "deepspeed")  # not zeropp engines, torch's collectives: zeropp.bench.fsdp, DeepSpeed
 FSDP_ZEROPP = ("fsdp2-zeropp", "fsdp2-qwz", "fsdp2-hpz", "fsdp2-qgz")  # FSDP2 with zeropp.fsdp comms (counted)
@@ -70,6 +76,7 @@ LABELS = {
     "zeropp-w4": "ZeRO++, int4 weights",
     "zeropp-g8": "ZeRO++, int8 grads",
     "zeropp-ef": "ZeRO++, qgZ error feedback",
+    "zeropp-deltas": "ZeRO++, int4 weight deltas",
     "fsdp2": "FSDP2 (torch fully_shard)",
     "hsdp": "HSDP (FSDP2, replicated across nodes)",
     "deepspeed": "DeepSpeed ZeRO-3",
@@ -297,7 +304,7 @@ class ConfigRun:
         self.losses: list[float] = []
         self.times: list[float] = []
         self.phases: list[tuple[float, float, float]] = []  # forward, backward, optimizer step
-        self.sent = {k: dict.fromkeys(f, 0) for k, f in (("all_gather", _FIELDS), ("reduce_scatter", _FIELDS))}
+        self.sent = {k: dict.fromkeys(_FIELDS, 0) for k in KINDS_COUNTED}
         self.nic = [0, 0] if nic_bytes() is not None else None
         self.window_s = 0.0
 
@@ -356,6 +363,8 @@ class ConfigRun:
 
 
 _FIELDS = ("calls", "sent_intra", "sent_inter", "recv_intra", "recv_inter")
+KINDS_COUNTED = ("all_gather", "reduce_scatter", "exchange")
+"""The ``zeropp.comm.stats()`` kinds added up (``"exchange"``: the weight deltas of ``zeropp-deltas``)."""
 
 
 def status(step: int, t_start: float, loss: float) -> str:

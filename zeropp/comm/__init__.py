@@ -3,6 +3,8 @@
 * ``Topology``: nodes of a data-parallel group, its intra-node, inter-node and hpZ partition groups;
 * ``all_gather``: exact or quantized (qwZ) all-gather, over the DP group or a node-local (hpZ) group;
 * ``reduce_scatter``: exact or two-hop quantized (qgZ) reduce-scatter, with optional ``ErrorFeedback``;
+* ``exchange``: one byte buffer to chosen peers and theirs back; ``pack_delta`` / ``add_delta``: the quantized
+  differences the weight-delta tier sends with it;
 * ``stats`` / ``reset_stats``: bytes each collective sent and received, intra- and inter-node.
 
 Example (under torchrun; 2 emulated nodes of 2 ranks on one machine with ``ZEROPP_RANKS_PER_NODE=2``)::
@@ -26,6 +28,8 @@ from .accounting import Traffic, reset_stats, stats
 from .all_gather import all_gather
 from .arrival import Arrival, ArrivalError
 from .checks import debug_enabled
+from .deltas import add_delta, pack_delta
+from .exchange import exchange
 from .reduce_scatter import ErrorFeedback, ReduceOp, reduce_scatter, shard_range
 from .topology import (
     ENV_RANKS_PER_NODE,
@@ -45,9 +49,12 @@ __all__ = [
     "ReduceOp",
     "Topology",
     "Traffic",
+    "add_delta",
     "all_gather",
     "debug_enabled",
+    "exchange",
     "get_default_topology",
+    "pack_delta",
     "reduce_scatter",
     "reset_stats",
     "set_default_topology",

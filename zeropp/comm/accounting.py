@@ -1,10 +1,10 @@
 """Byte accounting: what each collective of this process sends and receives, split by intra- and inter-node.
 
-Counters are per process (this rank) and per collective kind (``"all_gather"``, ``"reduce_scatter"``), in bytes
-actually handed to the transport (packed codes and scales for quantized collectives, the padded float buffers
-for exact ones). A rank's own part, which never leaves the process, is not counted.
+Counters are per process (this rank) and per collective kind (``"all_gather"``, ``"reduce_scatter"``,
+``"exchange"``), in bytes actually handed to the transport (packed codes and scales for quantized collectives, the
+padded float buffers for exact ones). A rank's own part, which never leaves the process, is not counted.
 
-The model (both kinds): a rank exchanges with each peer ``q`` of the group a known number of bytes, and those
+The model (every kind): a rank exchanges with each peer ``q`` of the group a known number of bytes, and those
 bytes are *intra* when ``q`` is on the same node and *inter* otherwise.
 
 * all-gather of ``B`` bytes per rank over a group of ``P`` ranks, ``p`` of them on this rank's node:
@@ -17,6 +17,8 @@ bytes are *intra* when ``q`` is on the same node and *inter* otherwise.
   split by the node of ``q``. qgZ hop 1 is intra-node by construction, hop 2 inter-node.
 * exact reduce-scatter of ``S`` elements per rank (``reduce_scatter_tensor``): counted like an all-gather of
   ``S * itemsize`` bytes (ring reduce-scatter sends and receives ``(P - 1) * S * itemsize`` per rank).
+* exchange (``zeropp.comm.exchange``: ``B`` bytes to each of some peers, from each of some peers): exact, each
+  peer's ``B`` split by the node of that peer.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-KINDS = ("all_gather", "reduce_scatter")
+KINDS = ("all_gather", "reduce_scatter", "exchange")
 FIELDS = ("calls", "sent_intra", "sent_inter", "recv_intra", "recv_inter")
 
 _lock = threading.Lock()

@@ -84,7 +84,7 @@ RECORD_FIELDS = (
 """The fields of the record each rank sends in an agreement check: the same for every collective kind, so that a
 rank calling one kind while another calls a different one still exchanges records of the same size (gloo aborts
 the process on a size mismatch instead of raising)."""
-_KINDS = ("all_gather", "reduce_scatter")
+_KINDS = ("all_gather", "reduce_scatter", "exchange")
 UNUSED = -2
 """Value of a field that does not apply to the collective (e.g. ``op`` for an all-gather)."""
 

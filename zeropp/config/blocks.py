@@ -114,6 +114,9 @@ _POW2_BLOCKS = [2**k for k in range(4, 14)]
 # zero_optimization.zeropp.nonfinite_gradients: what an fp32/bf16 step does with an Inf/NaN gradient
 NONFINITE_GRADIENTS = ("skip", "raise")
 
+# zero_optimization.zeropp.delta_bits: code widths of the weight deltas (zeropp.engine.weight_deltas)
+DELTA_BITS = (8, 4)
+
 # zero_optimization.zeropp.entry_check_timeout, seconds: the largest value (about 11.6 days; past any torch timeout)
 MAX_ENTRY_CHECK_TIMEOUT = 1e6
 
@@ -129,12 +132,16 @@ class ZeroppConfig:
     nonfinite_gradients: str = "skip"
     entry_check_timeout: float = 300.0
     memory_budget: MemoryBudget | None = None
+    weight_deltas: bool = False
+    delta_bits: int = 4
+    delta_refresh_interval: int = 0
 
     @classmethod
     def parse(cls, block: Mapping[str, Any], p: Problems) -> ZeroppConfig:
         w = "zero_optimization.zeropp"
         check_keys(p, block, w, ["weight_bits", "gradient_bits", "block_size", "error_feedback",
-                                 "nonfinite_gradients", "entry_check_timeout", "memory_budget"])
+                                 "nonfinite_gradients", "entry_check_timeout", "memory_budget", "weight_deltas",
+                                 "delta_bits", "delta_refresh_interval"])
         d = cls()
         values: dict[str, Any] = {}
         for key in ("weight_bits", "gradient_bits"):
@@ -169,7 +176,32 @@ class ZeroppConfig:
             budget = get_block(p, block, "memory_budget", w)
             if p.ok(f"{w}.memory_budget"):
                 values["memory_budget"] = MemoryBudget.parse(budget, p)
+        values["weight_deltas"] = get_bool(p, block, "weight_deltas", w, False)
+        bits = get_int(p, block, "delta_bits", w, d.delta_bits)
+        if bits not in DELTA_BITS:
+            p.add(f"{w}.delta_bits", f"{w}.delta_bits={bits} must be one of {', '.join(map(str, DELTA_BITS))}")
+            bits = d.delta_bits
+        values["delta_bits"] = bits
+        values["delta_refresh_interval"] = get_int(p, block, "delta_refresh_interval", w, d.delta_refresh_interval,
+                                                   minimum=0)
         return cls(**values)
+
+
+def _weight_deltas_consistency(p: Problems, stage: int | None, hpz: int, offload_param: OffloadParamConfig) -> None:
+    """``zeropp.weight_deltas`` updates the stage-3 hpZ secondary partition in place of its per-step gather
+    (``zeropp.engine.weight_deltas``): it needs both, and the secondary stays on the device between steps."""
+    key = "zero_optimization.zeropp.weight_deltas"
+    if stage is not None and stage != 3:
+        p.add(key, f"{key}=true updates the stage-3 hpZ secondary partition between steps; set "
+                   f"zero_optimization.stage to 3 (it is {stage}) or weight_deltas to false")
+    elif hpz <= 1:
+        p.add(key, f"{key}=true sends each step's weight change to the hpZ secondary partitions, and "
+                   "zero_optimization.zero_hpz_partition_size is 1 (hpZ off): set it to a divisor above 1 of the "
+                   "ranks per node (e.g. the ranks per node), or weight_deltas to false")
+    if offload_param.enabled:
+        p.add(key, f"{key}=true keeps the hpZ secondary partition and the reconstruction of this rank's shard on "
+                   "the device between steps, which zero_optimization.offload_param moves off it: this build does "
+                   "not combine them; set offload_param.device to \"none\" or weight_deltas to false")
 
 
 # DeepSpeed keys we know but do not implement: key -> why / what instead
@@ -286,6 +318,8 @@ class ZeroConfig:
                                                   "backward weight all-gather; set stage to 3 (or the size to 1)")
         zeropp = ZeroppConfig.parse(get_block(p, block, "zeropp", w), p)
         offload_consistency(p, offload_optimizer, offload_param, zeropp.memory_budget)
+        if zeropp.weight_deltas:
+            _weight_deltas_consistency(p, stage if p.ok(f"{w}.stage") else None, hpz, offload_param)
         if zeropp.error_feedback and not qg and p.ok(f"{w}.zero_quantized_gradients"):
             p.add(f"{w}.zeropp.error_feedback",
                   f"{w}.zeropp.error_feedback=true needs {w}.zero_quantized_gradients=true")

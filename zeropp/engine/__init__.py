@@ -24,7 +24,8 @@ One file per responsibility:
 * ``initialize.py``: ``initialize``, the entry point (also ``zeropp.initialize``);
 * ``offload.py``: ``OptimizerOffload``, where each unit's optimizer side lives (device, CPU, NVMe swap files);
 * ``param_offload.py``: ``ParamOffload``, stage 3's compute shards in host memory or NVMe swap files;
-* ``placement.py``: ``memory_budget``, each unit's optimizer tier chosen from what the first step measured.
+* ``placement.py``: ``memory_budget``, each unit's optimizer tier chosen from what the first step measured;
+* ``weight_deltas.py``: ``WeightDeltas``, the hpZ secondary kept across steps and updated by quantized weight changes.
 """
 
 from .checkpoint import CheckpointError, consolidate

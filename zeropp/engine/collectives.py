@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..quant import DEFAULT_BLOCK_SIZE
+from ..quant import DEFAULT_BLOCK_SIZE, BlockFormat
 
 
 class Collectives:
@@ -30,6 +30,7 @@ class Collectives:
         block_size: elements per quantization block.
         hpz: hpZ partition size (1: off), a divisor of ``topology.ranks_per_node``; its group is created here.
         error_feedback: whether units keep a qgZ ``ErrorFeedback`` (needs ``gradient_bits``).
+        delta_bits: ``None``, or 8/4 for the weight deltas of ``zeropp.engine.weight_deltas`` (``exchange``).
         communication_dtype: the dtype of the exact gradient reduce-scatter (``communication_data_type``):
             float32 sums in fp32 on the wire (``comm.reduce_scatter``'s plain exact path); bfloat16/float16 send
             each rank's gradient in that dtype and sum it at the receiver in float64 (its ``wire_dtype`` path).
@@ -48,6 +49,7 @@ class Collectives:
         block_size: int = DEFAULT_BLOCK_SIZE,
         hpz: int = 1,
         error_feedback: bool = False,
+        delta_bits: int | None = None,
         communication_dtype: torch.dtype = torch.float32,
         arrival_timeout: timedelta,
     ) -> None:
@@ -59,6 +61,7 @@ class Collectives:
         self.block_size = block_size
         self.hpz = hpz
         self.error_feedback = error_feedback
+        self.delta_bits = delta_bits
         self.communication_dtype = communication_dtype
         self.partition_rank = 0
         self.partition_group = None
@@ -72,8 +75,10 @@ class Collectives:
     @property
     def alignment(self) -> int:
         """Elements each unit's parameter offsets and shard size are multiples of: the block size when anything
-        is quantized (blocks then never straddle two parameters), else 1 (see ``zeropp.engine.unit``)."""
-        return self.block_size if self.weight_bits is not None or self.gradient_bits is not None else 1
+        is quantized, weight deltas included (blocks then never straddle two parameters), else 1 (see
+        ``zeropp.engine.unit``)."""
+        quantized = (self.weight_bits, self.gradient_bits, self.delta_bits)
+        return self.block_size if any(bits is not None for bits in quantized) else 1
 
     @property
     def gradient_dtype(self) -> torch.dtype:
@@ -109,6 +114,30 @@ class Collectives:
         """All-gather every rank's ``shard`` into ``out`` exactly (never quantized), e.g. the fp32 master shards for a
         consolidated state dict."""
         comm.all_gather(shard, bits=None, topology=self.topology, out=out)
+
+    def pack_delta(self, target: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+        """The ``delta_bits`` pack of ``target - reference`` (``comm.pack_delta``, this engine's block size)."""
+        return comm.pack_delta(target, reference, self._delta_format())
+
+    def add_delta(self, pack: torch.Tensor, into: torch.Tensor) -> None:
+        """Add the dequantized ``pack`` into ``into`` in place (``comm.add_delta``)."""
+        comm.add_delta(pack, into, self._delta_format())
+
+    def delta_pack_bytes(self, numel: int) -> int:
+        """Bytes of the delta pack of ``numel`` elements: codes then one float32 scale per block."""
+        return self._delta_format().packed_bytes(numel)
+
+    def _delta_format(self) -> BlockFormat:
+        if self.delta_bits is None:
+            raise ValueError("weight deltas are off (delta_bits is None)")
+        return BlockFormat(self.delta_bits, self.block_size)
+
+    def exchange(self, payload: torch.Tensor, send_to: list[int], receive_from: list[int]) -> torch.Tensor:
+        """Send the uint8 ``payload`` to the data-parallel ranks ``send_to`` and return the payloads of
+        ``receive_from``, one row each in ascending rank order (``comm.exchange``; every rank calls it)."""
+        out = comm.exchange(payload, send_to=send_to, receive_from=receive_from, topology=self.topology)
+        assert isinstance(out, torch.Tensor)
+        return out
 
     def reduce_scatter_grads(
         self, full: torch.Tensor, out: torch.Tensor, error_feedback: comm.ErrorFeedback | None = None

@@ -50,6 +50,7 @@ from .policy import UnitPolicy, plan_units
 from .prefetch import Prefetcher
 from .scheduler import build_scheduler
 from .unit import GradientReduction, ReduceBuffers, Unit, flat_layout, gather_bucketed, moved, reduce_bucketed
+from .weight_deltas import WeightDeltas
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -95,6 +96,7 @@ class ZeroEngine:
             block_size=zero.zeropp.block_size,
             hpz=zero.zero_hpz_partition_size if self.stage == 3 else 1,
             error_feedback=zero.zeropp.error_feedback,
+            delta_bits=zero.zeropp.delta_bits if zero.zeropp.weight_deltas else None,
             communication_dtype=communication_dtype(config),
             arrival_timeout=timedelta(seconds=zero.zeropp.entry_check_timeout),
         )
@@ -162,6 +164,10 @@ class ZeroEngine:
             for unit in self.persistent:
                 unit.persistent = True
         self._attach(self.param_offload.nvme, lambda: self.param_offload.attach(self.units))
+        self.weight_deltas = (WeightDeltas(self.units, self.comm, refresh_interval=zero.zeropp.delta_refresh_interval)
+                              if zero.zeropp.weight_deltas else None)
+        """``zeropp.weight_deltas``: the tier that keeps the hpZ secondaries and sends each step's quantized weight
+        change (``zeropp.engine.weight_deltas``); None when off."""
         if sharded:
             self._hooks.append(module.register_forward_pre_hook(lambda *_: self._begin_forward()))
             for unit in self.units:
@@ -500,7 +506,10 @@ class ZeroEngine:
             raise EngineUsageError("load_state_dict() between a forward/backward and its step(); call it at an "
                                    "accumulation boundary")
         with self.entry_check.entered("engine.load_state_dict()", save_hint=False):
-            return LoadResult(*checkpoint.load_whole_state_dict(self, state_dict, strict))
+            result = LoadResult(*checkpoint.load_whole_state_dict(self, state_dict, strict))
+            if self.weight_deltas is not None:
+                self.weight_deltas.refresh()
+            return result
 
     def save_16bit_model(self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
@@ -661,6 +670,8 @@ class ZeroEngine:
                                 "some not, so this engine's weights are no longer consistent")
         for unit in self.units:
             unit.publish_gather()
+        if self.weight_deltas is not None:
+            self.weight_deltas.after_step()
 
     def _attach(self, nvme: bool, attach: Callable[[], None]) -> None:
         """Run an offload tier's ``attach`` (its swap files made and written); with NVMe, a failure on any rank
@@ -936,7 +947,22 @@ class ZeroEngine:
             )
         self._check_alive("load_checkpoint()")
         with self.entry_check.entered("engine.load_checkpoint()", save_hint=False):
-            return checkpoint.load(self, load_dir, tag)
+            loaded = checkpoint.load(self, load_dir, tag)
+            if self.weight_deltas is not None:
+                self.weight_deltas.refresh()
+            return loaded
+
+    def refresh_weight_deltas(self) -> None:
+        """``zeropp.weight_deltas``: make every hpZ secondary and reconstruction the exact current weights again (an
+        exact all-gather per unit, ``zeropp.engine.weight_deltas``); every rank calls it, at an accumulation
+        boundary. No-op when weight deltas are off."""
+        self._check_alive("refresh_weight_deltas()")
+        if self._backward_pending or self._forward_pending:
+            raise EngineUsageError("refresh_weight_deltas() between a forward/backward and its step(); call it at an "
+                                   "accumulation boundary")
+        if self.weight_deltas is not None:
+            with self.entry_check.entered("engine.refresh_weight_deltas()", save_hint=False):
+                self.weight_deltas.refresh()
 
     def consolidated_state_dict(self, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
         """The unwrapped model's state dict with the trainable parameters whole from the exact fp32 master weights

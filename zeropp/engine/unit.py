@@ -130,6 +130,7 @@ class Unit:
         self._full_nbytes = self.full.untyped_storage().nbytes()
         self.hpz = comm.hpz if sharded else 1
         self.secondary: torch.Tensor | None = None  # hpZ: this rank's 1/hpz of the gathered values
+        self.resident_secondary = False  # kept across steps, updated by zeropp.engine.weight_deltas
         self.error_feedback = _comm.ErrorFeedback() if comm.error_feedback else None
         self.frozen = (FrozenFlat(frozen_floating, comm, hpz=self.hpz, broadcast=broadcast, shard_home=shard_home)
                        if frozen_floating else None)
@@ -323,10 +324,11 @@ class Unit:
     def publish_shard(self, copied: bool = False) -> None:
         """Copy the master shard (stepped) into the compute-dtype ``shard`` (unless ``copied``: the optimizer's step
         already wrote it); stage 3: release the whole parameters and drop the hpZ secondary (they hold the old
-        weights). No communication."""
+        weights; a ``resident_secondary`` is kept: the weight-delta tier updates it). No communication."""
         if self.sharded:
             self._release()
-        self.secondary = None
+        if not self.resident_secondary:
+            self.secondary = None
         if self.shard_swap is not None:  # NVMe offload_param: fresh storage, written behind
             _overwrite_shard(self, self.master)
         elif not copied:
@@ -541,12 +543,14 @@ def gather_bucketed(units: list[Unit]) -> None:
     shards laid end to end, gathered over the data-parallel group (qwZ when on) into a temporary bucket, copied into
     each unit's ``full`` when that unit's gather is waited for (``Unit.gather()``, ``free()``). The values are those
     of one gather per unit: the shards are whole multiples of the quantization block when qwZ is on, so every block
-    of the bucket is a block of one unit's shard, quantized on its own."""
+    of the bucket is a block of one unit's shard, quantized on its own. A unit with frozen parameters or a resident
+    hpZ secondary (weight deltas) is gathered on its own instead (``gather(wait=False)``)."""
     todo = [u for u in units if not u.gathered and u.sharded]
     for unit in todo:
-        if unit.frozen is not None:  # its frozen buffer is a second gather anyway: gathered on its own
+        # on its own: a frozen buffer is a second gather anyway; a resident hpZ secondary is gathered inside the node
+        if unit.frozen is not None or unit.secondary is not None:
             unit.gather(wait=False)
-    todo = [u for u in todo if u.frozen is None]
+    todo = [u for u in todo if u.frozen is None and u.secondary is None]
     if not todo:
         return
     comm = todo[0].comm

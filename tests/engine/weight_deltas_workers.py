@@ -1,0 +1,226 @@
+"""Workers for test_weight_deltas.py: ``zeropp.weight_deltas`` on 4 gloo ranks as 2 emulated nodes of 2, hpZ 2.
+
+One function runs every case in one process group; the checks that need one rank's view raise there, the rest is
+returned for the test. Rank ``r`` takes sample ``r`` of each global batch of ``text_batches`` (the tiny GPT of
+``engine_workers``, AdamW lr 3e-3, fp32 unless said), so runs of different settings see the same data per rank.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import torch
+from engine_workers import MODEL, gather_masters, text_batches
+
+import zeropp
+from zeropp.engine.collectives import Collectives
+from zeropp.models import GPT
+
+HPZ = 2
+EVERY_GATHER = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
+
+
+def config(zeropp_block: dict | None = None, *, hpz: int = HPZ, every_gather: bool = True,
+           dtype: str = "fp32") -> dict:
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+           "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
+           "zero_optimization": {"stage": 3, "zero_hpz_partition_size": hpz, **(EVERY_GATHER if every_gather else {}),
+                                 "zeropp": zeropp_block or {}}}
+    if dtype == "bf16":
+        cfg["bf16"] = {"enabled": True}
+    return cfg
+
+
+def deltas(bits: int = 4, **extra) -> dict:
+    return {"weight_deltas": True, "delta_bits": bits, **extra}
+
+
+def _engine(cfg: dict):
+    engine, _, _, _ = zeropp.initialize(model=GPT(MODEL, seed=0), config=cfg)
+    return engine
+
+
+def _forward_backward(engine, batch, rank: int, spoil: bool = False) -> float:
+    x, y = batch
+    _, loss = engine(x[rank : rank + 1], y[rank : rank + 1])
+    handle = None
+    if spoil:
+        weight = dict(engine.module.named_parameters())["blocks.0.mlp.c_fc.weight"]
+        handle = weight.register_hook(lambda g: torch.full_like(g, float("nan")))
+    engine.backward(loss)
+    if handle is not None:
+        handle.remove()
+    return float(loss)
+
+
+def _train(engine, data, rank: int) -> list[float]:
+    losses = []
+    for batch in data:
+        losses.append(_forward_backward(engine, batch, rank))
+        engine.step()
+    return losses
+
+
+def _check_consistent(engine) -> None:
+    """Every rank's secondary equals, bit for bit, the reconstructions its owners keep of their shards."""
+    tier = engine.weight_deltas
+    for unit in tier.units:
+        every = torch.empty(unit.full.numel(), dtype=unit.full.dtype)
+        zeropp.comm.all_gather(tier.reconstruction(unit), topology=engine.topology, out=every)
+        a, b = unit.secondary_range()
+        assert torch.equal(unit.secondary, every[a:b]), unit.name
+
+
+def _state(engine) -> dict[str, torch.Tensor]:
+    tier = engine.weight_deltas
+    out = {f"secondary{k}": u.secondary.clone() for k, u in enumerate(tier.units)}
+    out.update({f"reconstruction{k}": tier.reconstruction(u).clone() for k, u in enumerate(tier.units)})
+    out.update({f"master{k}": u.master.clone() for k, u in enumerate(engine.units)})
+    return out
+
+
+def tracked_run(rank: int, world: int, steps: int) -> dict:
+    """int4 deltas, checked after every step: consistency, the error bound, the bytes."""
+    engine = _engine(config(deltas(4)))
+    tier = engine.weight_deltas
+    shards = [u.shard_numel for u in tier.units]
+    _check_consistent(engine)
+    losses, errors, gather_inter, exchange = [], [], [], []
+    for batch in text_batches(steps, world, seed=99):
+        before = [tier.reconstruction(u).clone() for u in tier.units]
+        zeropp.comm.reset_stats()
+        losses.append(_forward_backward(engine, batch, rank))
+        gather_inter.append(zeropp.comm.stats()["all_gather"]["sent_inter"])
+        zeropp.comm.reset_stats()
+        engine.step()
+        stats = zeropp.comm.stats()
+        exchange.append({**stats["exchange"], "all_gather_inter": stats["all_gather"]["sent_inter"]})
+        _check_consistent(engine)
+        worst = 0.0
+        for unit, old in zip(tier.units, before):
+            w = unit.shard
+            assert torch.equal(w, unit.master)  # fp32: the compute shard is the master
+            q = zeropp.quant.quantize(w - old, bits=4, block_size=128)
+            scale = q.scales.repeat_interleave(128)[: w.numel()]
+            err = (w - tier.reconstruction(unit)).abs()
+            rounding = 2.0**-23 * (w.abs() + 7 * scale)  # the fp32 product and sum
+            bound = 0.5 * scale * (1 + 2.0**-20) + rounding
+            assert bool((err <= bound).all()), (unit.name, float((err - bound).max()))
+            worst = max(worst, float(err.max()))
+        errors.append(worst)
+    return {"losses": losses, "errors": errors, "gather_inter": gather_inter, "exchange": exchange,
+            "resident": tier.resident_bytes, "shards": shards}
+
+
+def exact_run(rank: int, world: int, steps: int, cfg: dict) -> dict:
+    engine = _engine(cfg)
+    losses = _train(engine, text_batches(steps, world, seed=99), rank)
+    return {"losses": losses, "masters": gather_masters(engine)[0]}
+
+
+def refresh_every_step(rank: int, world: int, steps: int) -> dict:
+    """delta_refresh_interval 1 against hpZ with exact weights (default persistence: persistent units too), on the
+    same flat layout: weight deltas align every parameter to the quantization block, and a different layout alone
+    changes the last bits (which elements fall in the vectorized optimizer kernels' tails)."""
+    out = {}
+    for name, block in (("hpz", {}), ("refresh1", deltas(4, delta_refresh_interval=1))):
+        with mock.patch.object(Collectives, "alignment", property(lambda self: self.block_size)):
+            engine = _engine(config(block, every_gather=False))
+            losses = _train(engine, text_batches(steps, world, seed=7), rank)
+        out[name] = {"losses": losses, "masters": gather_masters(engine)[0]}
+    same = out["hpz"]["losses"] == out["refresh1"]["losses"] and all(
+        torch.equal(out["hpz"]["masters"][k], v) for k, v in out["refresh1"]["masters"].items())
+    return {"identical": same, "losses": out["refresh1"]["losses"]}
+
+
+def resume(rank: int, world: int, steps: int, save_at: int, path: str) -> dict:
+    """Save at ``save_at`` then refresh, against a fresh engine loading that checkpoint (a load refreshes)."""
+    data = text_batches(steps, world, seed=11)
+    first = _engine(config(deltas(4)))
+    _train(first, data[:save_at], rank)
+    first.save_checkpoint(path, tag="mid")
+    first.refresh_weight_deltas()
+    _check_consistent(first)
+    tail = _train(first, data[save_at:], rank)
+    second = _engine(config(deltas(4)))
+    second.load_checkpoint(path, tag="mid")
+    _check_consistent(second)
+    resumed = _train(second, data[save_at:], rank)
+    _check_consistent(second)
+    a, b = gather_masters(first)[0], gather_masters(second)[0]
+    identical = tail == resumed and all(torch.equal(a[k], b[k]) for k in a) and all(
+        torch.equal(x, y) for x, y in zip(_state(first).values(), _state(second).values()))
+    return {"identical": identical}
+
+
+def skip_nonfinite(rank: int, world: int) -> dict:
+    """A NaN gradient on rank 1 at the second step: the step is skipped, secondaries and reconstructions stay.
+    Default persistence (the tiny GPT's units all persist: gathered once per step, from the secondaries too)."""
+    engine = _engine(config(deltas(4), every_gather=False))
+    assert engine.persistent
+    data = text_batches(4, world, seed=3)
+    kept, gather_inter = [], []
+    for step, batch in enumerate(data):
+        before = _state(engine)
+        zeropp.comm.reset_stats()
+        _forward_backward(engine, batch, rank, spoil=step == 1 and rank == 1)
+        gather_inter.append(zeropp.comm.stats()["all_gather"]["sent_inter"])
+        engine.step()
+        after = _state(engine)
+        unchanged = all(torch.equal(before[k], after[k]) for k in before)
+        kept.append((engine.was_step_applied(), unchanged))
+        _check_consistent(engine)
+    return {"kept": kept, "gather_inter": gather_inter}
+
+
+def bf16_run(rank: int, world: int, steps: int) -> dict:
+    """bf16 compute: the reconstructions stay bit-identical on senders and holders; the error against the bf16
+    compute shard stays within the format's bound plus one bf16 rounding of the sum."""
+    engine = _engine(config(deltas(4), dtype="bf16"))
+    tier = engine.weight_deltas
+    errors = []
+    for batch in text_batches(steps, world, seed=5):
+        before = [tier.reconstruction(u).float() for u in tier.units]
+        _forward_backward(engine, batch, rank)
+        engine.step()
+        _check_consistent(engine)
+        for unit, old in zip(tier.units, before):
+            w = unit.shard.float()
+            scale = zeropp.quant.quantize(w - old, bits=4, block_size=128).scales.repeat_interleave(128)[: w.numel()]
+            r = tier.reconstruction(unit).float()
+            bound = 0.5 * scale * (1 + 2.0**-20) + 2.0**-8 * (w.abs() + 7 * scale)
+            assert bool(((w - r).abs() <= bound).all()), unit.name
+            errors.append(float((w - r).abs().max()))
+    return {"max_error": max(errors)}
+
+
+def full_zeropp(rank: int, world: int, steps: int) -> dict:
+    """With qwZ and int4 qgZ (error feedback) and 2 accumulation steps: every gather stays inside the node and the
+    secondaries stay consistent."""
+    cfg = config(deltas(4, error_feedback=True))
+    cfg["gradient_accumulation_steps"] = 2
+    cfg["zero_optimization"].update(zero_quantized_weights=True, zero_quantized_gradients=True)
+    engine = _engine(cfg)
+    gather_inter, losses = [], []
+    for batch in text_batches(steps, 2 * world, seed=13):
+        x, y = batch
+        zeropp.comm.reset_stats()
+        for k in range(2):
+            sample = (x[k * world :], y[k * world :])
+            losses.append(_forward_backward(engine, sample, rank))
+            engine.step()
+            gather_inter.append(zeropp.comm.stats()["all_gather"]["sent_inter"])
+        _check_consistent(engine)
+    return {"gather_inter": gather_inter, "losses": losses}
+
+
+def all_cases(rank: int, world: int, steps: int, path: str) -> dict:
+    return {
+        "tracked": tracked_run(rank, world, steps),
+        "exact": exact_run(rank, world, steps, config(hpz=1)),
+        "refresh": refresh_every_step(rank, world, 4),
+        "resume": resume(rank, world, 8, 4, path),
+        "skip": skip_nonfinite(rank, world),
+        "bf16": bf16_run(rank, world, 4),
+        "full": full_zeropp(rank, world, 3),
+    }

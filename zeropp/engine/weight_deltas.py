@@ -1,0 +1,179 @@
+"""``zero_optimization.zeropp.weight_deltas``: stage 3 with hpZ sends each step's weight *change*, quantized, instead
+of gathering the weights again (SDP4Bit's quantized weight differences, on ZeRO-3's secondary partition).
+
+Without it, hpZ drops every unit's secondary partition after each optimizer step, and the first forward gather of
+the next step all-gathers the new weights over the data-parallel group (across nodes, qwZ-quantized when on) to make
+it again. With it, the secondary partition stays resident (``Unit.resident_secondary``) and, after each applied
+step, every shard owner sends ``Q(w - r)`` to the ranks whose secondary holds its shard, where ``w`` is its new
+compute shard (the values exact ZeRO-3 computes with: the fp32 master rounded to the compute dtype), ``r`` the
+reconstruction of that shard every holder keeps in its secondary, and ``Q`` the ``delta_bits`` block format
+(``zeropp.quant.format``, ``block_size`` elements per float32 scale). Every holder then sets ``r <- r + D(Q(w - r))``
+(the sum in float32, rounded once to the compute dtype: ``zeropp.comm.add_delta``). The owner keeps its own copy of
+``r`` (``reconstruction``) and updates it with the same pack, so the next delta is taken against exactly what the
+holders hold: the quantization error of one step is part of the next step's delta, never accumulated. After the
+update ``|w - r| <= scale / 2`` per block (round to nearest; ``scale = absmax(w - r_old) / qmax``, ``qmax`` 7 for int4,
+127 for int8), plus the rounding of ``r`` to the compute dtype. The forward and backward gathers of every unit then
+run from the secondaries inside the hpZ partition (a node-local group): no weight bytes cross nodes in them.
+
+Which ranks. With ``P`` data-parallel ranks, shard size ``S`` and hpZ partition size ``h``, the secondary of a rank at
+position ``i`` of its partition holds elements ``[i L, (i + 1) L)`` of the unit's flat buffer, ``L = P S / h``: the
+shards of the ``G = P / h`` ranks ``i G .. (i + 1) G - 1``. So the owner of shard ``o`` sends to the ``G`` ranks at
+position ``o // G`` of their partitions (one per partition; itself possibly among them), ``(P - d) / h`` of them on
+other nodes (``d`` ranks per node). One ``zeropp.comm.exchange`` per step moves every unit's pack at once.
+
+Memory per rank (compute dtype of ``b`` bytes per element), for every stage-3 unit with trainable parameters:
+``(G + 1) S b`` bytes, permanently: the secondary (``G S`` elements; hpZ alone holds it from the first gather of a
+step to the optimizer step) and the owner's reconstruction (``S``). The step adds transient pack buffers of about
+``(G + 1) S (delta_bits / 8 + 4 / block_size)`` bytes and one float32 temporary of ``S`` elements.
+
+Bytes per step, per rank (``comm.stats()["exchange"]``), with ``D = sum_units S (delta_bits / 8 + 4 / block_size)``
+(one rank's packs of every unit): sent across nodes ``(P - d) / h * D`` by every rank; inside the node ``D`` to
+each holder on the owner's node but itself (``d / h`` holders there, this rank one of them when its partition
+position is ``rank // G``). Each rank receives ``D`` from each owner of its secondary but itself, across nodes for
+the owners on other nodes: per rank that differs from what it sends, on average over the ranks it is the same.
+hpZ alone instead all-gathers
+every unit once per step over the data-parallel group: ``(P - d) S B`` across nodes, ``B`` = ``weight_bits / 8 + 4 /
+block_size`` with qwZ, else ``b``. The ratio is ``(delta_bits / 8 + 4 / block_size) / (h B)``: with ``h = d = 8``,
+int4 deltas and int8 qwZ, 0.064.
+
+Refresh. An exact refresh makes every secondary and reconstruction the compute shards' exact values again (one exact
+all-gather of the compute shards per unit over the data-parallel group; ``(P - d) S b`` bytes across nodes, counted
+as ``"all_gather"``): at construction, after ``load_checkpoint``/``load_state_dict`` (``ZeroEngine``), every
+``delta_refresh_interval`` applied steps (0: never; the error does not grow, so no refresh is needed for accuracy),
+and on ``ZeroEngine.refresh_weight_deltas()``. A unit whose secondary was dropped or replaced outside this tier (a
+``gathered_parameters(modifier_rank=...)`` write-back, after which the next gather rebuilt it the hpZ way) is
+refreshed exactly at the next step instead of being sent a delta. A skipped step (non-finite gradients) sends
+nothing: the weights did not change. The reconstruction is not saved in checkpoints: a load refreshes, so a resumed
+run equals an uninterrupted run that refreshes at the step of the save.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..comm import Topology
+from .collectives import Collectives
+from .unit import Unit
+
+
+def delta_plan(topology: Topology, hpz: int) -> tuple[list[int], list[int]]:
+    """``(holders, owners)`` for this rank (``topology.rank``): the data-parallel ranks whose hpZ secondary holds
+    this rank's shard, and the ranks whose shards this rank's secondary holds (ascending; this rank possibly in
+    either). A rank's position in its hpZ partition is its local index in its node modulo ``hpz``
+    (``Topology.partition_ranks``); the secondary at position ``i`` holds shards ``i G .. (i + 1) G - 1``,
+    ``G = world / hpz`` (module docstring)."""
+    group = topology.world_size // hpz
+
+    def position(rank: int) -> int:
+        g = topology.ranks[rank]
+        return topology.nodes[topology.node_of(g)].index(g) % hpz
+
+    me = topology.rank
+    holders = [j for j in range(topology.world_size) if position(j) == me // group]
+    return holders, list(range(position(me) * group, (position(me) + 1) * group))
+
+
+class WeightDeltas:
+    """The weight-delta tier of an engine's stage-3 units (see the module docstring). Construction is a collective
+    (the first exact refresh); so are ``after_step`` and ``refresh``, which every rank calls at the same points.
+
+    Args:
+        units: the engine's units (those with a sharded trainable buffer take part).
+        comm: the engine's collectives, with ``hpz > 1`` and ``delta_bits`` set.
+        refresh_interval: applied steps between exact refreshes (0: none but the explicit ones).
+
+    Attributes:
+        holders: the data-parallel ranks whose secondary holds this rank's shard (this rank possibly among them).
+        owners: the data-parallel ranks whose shards this rank's secondary holds.
+        steps_since_refresh: applied steps since the last full refresh.
+    """
+
+    def __init__(self, units: list[Unit], comm: Collectives, *, refresh_interval: int = 0) -> None:
+        if comm.hpz <= 1 or comm.delta_bits is None:
+            raise ValueError(f"weight deltas need hpZ (hpz={comm.hpz}) and delta_bits (got {comm.delta_bits})")
+        if refresh_interval < 0:
+            raise ValueError(f"refresh_interval={refresh_interval} must be 0 (no periodic refresh) or positive")
+        self.comm = comm
+        self.refresh_interval = refresh_interval
+        self.units = [u for u in units if u.sharded and u.shard_numel]
+        self.holders, self.owners = delta_plan(comm.topology, comm.hpz)
+        position = comm.partition_rank
+        if self.owners[0] != position * len(self.owners):
+            raise RuntimeError(f"rank {comm.rank}: hpZ partition position {position} disagrees with the topology's "
+                               f"{self.owners[0] // len(self.owners)}")
+        self._first_owner = self.owners[0]
+        self._reconstruction: list[torch.Tensor] = []
+        self._installed: list[torch.Tensor | None] = [None] * len(self.units)
+        for unit in self.units:
+            unit.resident_secondary = True
+        self.steps_since_refresh = 0
+        self.refresh()
+
+    def reconstruction(self, unit: Unit) -> torch.Tensor:
+        """The reconstruction of this rank's shard of ``unit`` (compute dtype, ``unit.shard_numel`` elements): what
+        the holders' secondaries hold for it."""
+        return self._reconstruction[self.units.index(unit)]
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes this tier keeps on this rank between steps: the secondaries and the reconstructions."""
+        return sum(u.secondary.nbytes + r.nbytes for u, r in zip(self.units, self._reconstruction)
+                   if u.secondary is not None)
+
+    @torch.no_grad()
+    def refresh(self, units: list[Unit] | None = None) -> None:
+        """Make the secondaries and reconstructions of ``units`` (default: all) the exact compute shards' values: one
+        exact all-gather per unit over the data-parallel group. A collective, at a step boundary (units not in
+        use)."""
+        picked = range(len(self.units)) if units is None else [self.units.index(u) for u in units]
+        for k in picked:
+            unit = self.units[k]
+            whole = torch.empty(unit.full.numel(), dtype=unit.full.dtype, device=unit.full.device)
+            self.comm.gather_exact(unit.device_shard(), whole)
+            unit.release_shard()
+            a, b = unit.secondary_range()
+            unit.secondary = whole[a:b].clone()
+            self._installed[k] = unit.secondary
+            own = unit.shard.to(unit.full.device, copy=True)
+            if k < len(self._reconstruction):
+                self._reconstruction[k] = own
+            else:
+                self._reconstruction.append(own)
+        if units is None:
+            self.steps_since_refresh = 0
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """After an applied optimizer step (the compute shards hold the new weights): an exact refresh when
+        ``refresh_interval`` steps have passed since the last, else each unit's delta to its holders (units whose
+        secondary was replaced outside this tier are refreshed exactly). A collective."""
+        self.steps_since_refresh += 1
+        if self.refresh_interval and self.steps_since_refresh >= self.refresh_interval:
+            self.refresh()
+            return
+        stale = [u for u, s in zip(self.units, self._installed) if u.secondary is not s]
+        if stale:
+            self.refresh(stale)
+        self._send([k for k, u in enumerate(self.units) if u not in stale])
+
+    def _send(self, picked: list[int]) -> None:
+        if not picked:
+            return
+        comm, me = self.comm, self.comm.rank
+        packs = [comm.pack_delta(self.units[k].device_shard(), self._reconstruction[k]) for k in picked]
+        for k in picked:
+            self.units[k].release_shard()
+        payload = torch.cat(packs)
+        received = comm.exchange(payload, [j for j in self.holders if j != me], [o for o in self.owners if o != me])
+        others = iter(received)
+        rows = {o: payload if o == me else next(others) for o in self.owners}
+        at = 0
+        for k, pack in zip(picked, packs):
+            unit, size = self.units[k], self.units[k].shard_numel
+            nbytes = pack.numel()
+            comm.add_delta(pack, self._reconstruction[k])
+            assert unit.secondary is not None
+            for o, row in rows.items():
+                start = (o - self._first_owner) * size
+                comm.add_delta(row[at : at + nbytes], unit.secondary[start : start + size])
+            at += nbytes
