@@ -109,9 +109,9 @@ def _run(x: torch.Tensor, size: int, inverse: bool, out: torch.Tensor | None) ->
     elif name == "native":
         native.hadamard(flat, size, inverse, out)
     else:
-        from ._triton.rotation import hadamard as triton_hadamard
+        from . import _triton
 
-        triton_hadamard(flat, size, inverse, out)
+        _triton.hadamard(flat, size, inverse, out)
     return out
 
 
