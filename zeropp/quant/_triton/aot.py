@@ -8,7 +8,8 @@ Used by ``tests/quant/test_triton_compile.py`` (the compiler's rules checked on 
 ``chunks``, ``chunk_numel`` and ``out_numel`` (dequantize), ``groups``, ``chunks`` and ``chunk_numel``
 (reduce_requantize), ``groups``, ``chunk_numel``, ``out_numel`` and ``divisor`` (reduce_dequantize); optionally
 ``dtype`` (the float tensor's, a ``torch`` dtype name, default ``float32``) and ``offset`` (elements that misalign
-the float tensor's pointer).
+the float tensor's pointer). A ``rotation`` case (the block Hadamard rotation, ``rotation.py``) names ``size``,
+``inverse`` and ``numel`` instead of a format, and optionally ``offset``.
 
 How: ``triton.jit`` picks the interpreter when ``triton`` is imported, so the compilation runs in a fresh process
 (``compile_in_subprocess`` starts ``python -m zeropp.quant._triton.aot``) with ``TRITON_INTERPRET`` and
@@ -125,12 +126,18 @@ def launch_case(case: Mapping[str, Any]) -> None:
     """Call the launcher of ``case["op"]`` on meta tensors of the case's sizes (see the module's docstring)."""
     import torch
 
-    from zeropp.quant import DEFAULT_BLOCK_SIZE, BlockFormat
+    from zeropp.quant import DEFAULT_BLOCK_SIZE, BlockFormat, rotated_numel
     from zeropp.quant import _triton as kernels
 
     def meta(numel: int, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
         # A view at ``offset`` elements: data_ptr() is offset * itemsize, which is what alignment is judged on.
         return torch.empty(numel + offset, device="meta", dtype=dtype)[offset:]
+
+    if case["op"] == "rotation":
+        numel, size = case["numel"], case["size"]
+        kernels.hadamard(meta(numel, torch.float32, case.get("offset", 0)), size, case["inverse"],
+                         meta(rotated_numel(numel, size), torch.float32))
+        return
 
     bs = DEFAULT_BLOCK_SIZE if case["block_size"] == "default" else case["block_size"]
     fmt = BlockFormat(case["bits"], bs)
