@@ -49,7 +49,8 @@ def cases() -> dict:
 @pytest.mark.parametrize("row", ROWS)
 def test_kernel(benchmark, cases: dict, row: str, what: str) -> None:
     case = cases[row]
-    benchmark.group = f"{row}, 2^22 bf16, {torch.get_num_threads()} threads"
+    dtype = "fp32" if row.startswith("hadamard_unrotate") else "bf16"  # the inverse rotates float32 values
+    benchmark.group = f"{row}, 2^22 {dtype}, {torch.get_num_threads()} threads"
     benchmark.extra_info.update(bytes=case.nbytes, numel=NUMEL, threads=torch.get_num_threads())
     if what == "kernel":
         assert quant.backend_name(case.output) == "native"
