@@ -14,8 +14,8 @@ dtype and block size asked for:
 * fused dequantize-reduce-requantize of d = 2, 4, 8 runs of ``--nodes`` packs (qgZ step 3);
 * fused final reduce-dequantize of ``--nodes`` packs, divided by the world size (qgZ step 5);
 * the block Hadamard rotation of 32 elements (``zeropp.quant.rotation``), forward (the row's dtype in, float32 out:
-  a bfloat16 or float16 input is widened to float32 by torch first, inside the timed call) and inverse (float32 in
-  and out).
+  the Triton kernel widens a bfloat16 or float16 input as it loads it, the native CPU library has torch widen it
+  first, inside the timed call) and inverse (float32 in and out).
 
 **Timing.** On a GPU each row runs once (compilation), then ``triton.testing.do_bench`` times it: ``--warmup``
 milliseconds of untimed runs, then ``--reps`` milliseconds of runs timed with CUDA events, the L2 cache cleared

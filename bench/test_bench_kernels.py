@@ -1,6 +1,6 @@
 """CPU kernel micro-benchmarks (pytest-benchmark): the native CPU library's quantize and dequantize (int8, int4),
 fused reduce-requantize (qgZ step 3, d = 2), fused reduce-dequantize (qgZ step 5) and the 32-element Hadamard
-rotation and its inverse (``zeropp.quant.rotation``; the forward row widens its bf16 input to float32 in torch
+rotation and its inverse (``zeropp.quant.rotation``; the forward row has torch widen its bf16 input to float32
 first, the inverse rotates float32), each beside a copy of the same bytes (the floor: ``bytes`` read and written
 once, half each; see ``bench/kernels.py``, whose rows these are).
 

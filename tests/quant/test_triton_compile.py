@@ -117,14 +117,14 @@ CASES: list[dict] = [
     dict(op="reduce_dequantize", bits=8, block_size=8192, dtype="bfloat16", groups=2, chunk_numel=2**20,
          out_numel=2**20, divisor=2.0),
 ]
-# The block Hadamard rotation (``rotation.py``): each size, both directions, a partial last block, a misaligned
-# input and int64 offsets.
+# The block Hadamard rotation (``rotation.py``): each size, both directions, each input dtype, a partial last block,
+# a misaligned input and int64 offsets.
 ROTATION_CASES: list[dict] = [
     dict(op="rotation", size=16, inverse=False, numel=2**20),
-    dict(op="rotation", size=32, inverse=False, numel=1_000_003, offset=1),
+    dict(op="rotation", size=32, inverse=False, numel=1_000_003, offset=1, dtype="bfloat16"),
     dict(op="rotation", size=32, inverse=True, numel=2**24),
     dict(op="rotation", size=64, inverse=True, numel=_BIG),
-    dict(op="rotation", size=128, inverse=False, numel=2**20 + 5),
+    dict(op="rotation", size=128, inverse=False, numel=2**20 + 5, dtype="float16"),
 ]
 KERNELS = {
     "quantize": "_quantize_kernel",
@@ -154,7 +154,8 @@ def divides(case: dict) -> bool:
 
 def case_id(case: dict) -> str:
     if case["op"] == "rotation":
-        parts = ["rotation", f"s{case['size']}", "inverse" if case["inverse"] else "forward", f"n{case['numel']}"]
+        parts = ["rotation", f"s{case['size']}", "inverse" if case["inverse"] else "forward", f"n{case['numel']}",
+                 case.get("dtype", "float32")]
         return "-".join(parts + ([f"off{case['offset']}"] if case.get("offset") else []))
     parts = [case["op"], f"int{case['bits']}", f"bs{case['block_size']}"]
     parts += [case[k] for k in ("dtype",) if k in case]
@@ -343,9 +344,9 @@ def test_no_register_spills(compiled, case):
 
 @pytest.mark.parametrize("case", ROTATION_CASES, ids=ROTATION_IDS)
 def test_rotation_compiles_exactly(compiled, case):
-    """The rotation's kernel compiles for sm_90 as launched, with only the spec's operations: correctly rounded
-    float32 additions and subtractions (and, inverse only, multiplications by ``1 / size``), no contraction, no
-    division, no flush-to-zero; and it does not spill."""
+    """The rotation's kernel compiles for sm_90 as launched, with only the spec's operations: the exact widening of a
+    bfloat16 or float16 input, correctly rounded float32 additions and subtractions (and, inverse only,
+    multiplications by ``1 / size``), no contraction, no division, no flush-to-zero; and it does not spill."""
     out, _ = compiled
     cid = case_id(case)
     entry = _case(compiled, cid)
@@ -353,7 +354,9 @@ def test_rotation_compiles_exactly(compiled, case):
     assert entry["constexprs"]["SIZE"] == case["size"] and entry["constexprs"]["INVERSE"] == case["inverse"]
     ops = {f"{op}{mods}.{ty}" for op, mods, ty in _float_ops((out / f"{cid}.ptx").read_text())}
     expected = {"add.rn.f32", "sub.rn.f32"} | ({"mul.rn.f32"} if case["inverse"] else set())
-    assert expected <= ops <= expected | {"selp.f32", "mov.f32"}, f"float instructions {sorted(ops)}"
+    widening = {"float32": set(), "bfloat16": {"cvt.f32.bf16"}, "float16": {"cvt.f32.f16"}}
+    widening = widening[case.get("dtype", "float32")]
+    assert expected <= ops <= expected | widening | {"selp.f32", "mov.f32"}, f"float instructions {sorted(ops)}"
     usage = _resources(entry)
     assert (usage["spill_stores"], usage["spill_loads"], usage["stack_frame"]) == (0, 0, 0), usage
 

@@ -16,7 +16,15 @@ from .ops import (
     reduce_requantize,
     swizzle_quantize,
 )
-from .rotation import DEFAULT_ROTATION_SIZE, ROTATION_SIZES, hadamard_rotate, hadamard_unrotate, rotated_numel
+from .rotation import (
+    DEFAULT_ROTATION_SIZE,
+    ROTATION_SIZES,
+    hadamard_rotate,
+    hadamard_unrotate,
+    reduce_dequantize_rotated,
+    rotated_numel,
+    swizzle_quantize_rotated,
+)
 from .tensor import QuantizedTensor
 
 __all__ = [
@@ -34,8 +42,10 @@ __all__ = [
     "quantize",
     "quantize_chunks",
     "reduce_dequantize",
+    "reduce_dequantize_rotated",
     "reduce_requantize",
     "rotated_numel",
     "swizzle_quantize",
+    "swizzle_quantize_rotated",
     "swizzle_source",
 ]

@@ -102,6 +102,9 @@ class Library:
 
     def hadamard(self, x: torch.Tensor, size: int, inverse: bool, out: torch.Tensor) -> None:
         """As ``rotation.hadamard`` (float32 ``x`` and ``out``)."""
+        if x.dtype != torch.float32 or out.dtype != torch.float32:
+            raise TypeError(f"the native rotation takes float32 x and out, got {x.dtype} and {out.dtype}; widen x "
+                            "with .float() first (zeropp.quant.hadamard_rotate does)")
         x = x.contiguous()
         self._call("zeropp_hadamard", x.data_ptr(), x.numel(), size, int(inverse), out.data_ptr())
 

@@ -30,24 +30,31 @@ reductions (intra-node reduce-requantize, inter-node reduce-dequantize) sum rota
 plain ones: the sum of dequantized rotated blocks is the rotated sum, up to the quantization error (which the
 rotation spreads evenly) and the float32 rounding of the sums. Only the final reduced shard is unrotated, once,
 and the division by the world size (a scalar) commutes with it too. What the rotation needs from the layout:
-each rotation block must lie within one rank's slice, so that a rank can unrotate its shard alone. The fused
-kernels get that by rotating each quantization block (a block of ``fmt.block_size >= size`` elements starting at a
-slice boundary, its zero padding included); the ops here rotate whole flat tensors, and a caller composing them
-with the collectives rotates each rank slice on its own (``chunk_numel`` a multiple of ``size``), or the whole
-tensor when every slice boundary falls on a multiple of ``size``.
+each rotation block must lie within one rank's slice, so that a rank can unrotate its shard alone. 
+``swizzle_quantize_rotated`` and ``reduce_dequantize_rotated`` are qgZ's first and last steps with the rotation,
+composed from the ops (the middle step, ``reduce_requantize``, is unchanged: it sums and requantizes whole blocks,
+padding included): each rank's slice of ``S = ceil(numel / world)`` elements is zero-padded to
+``rotated_numel(S, size)`` and rotated on its own, then packed as ``swizzle_quantize`` packs it; since ``size``
+divides the quantization block size, the packs have exactly the bytes of the unrotated ones. The final step sums
+the packs in float32 (``reduce_dequantize``'s fused sum, divisor 1, padding included), unrotates, divides by
+``divisor`` in float32 and converts to ``out``'s dtype, dropping the padding last: the padding of a rotated slice
+holds part of its last block. These compositions are the spec of the fused kernels to come, which will rotate
+inside the quantize and unrotate inside the final reduce and save the two extra passes (``docs/rotation.md``).
 
 **Backends**, as for the quantization ops (``ops.backend_name``): the native CPU library
 (``kernels/cpu/rotation.cpp``) for CPU tensors where it is built, else this reference; the Triton kernel
 (``zeropp.quant._triton.rotation``) for CUDA tensors (with ``ZEROPP_QUANT_BACKEND=native`` too: the native CUDA
-kernels have no rotation) and for CPU tensors under ``TRITON_INTERPRET=1``.
+kernels have no rotation) and for CPU tensors under ``TRITON_INTERPRET=1``. The Triton kernel widens a bfloat16 or
+float16 input as it loads it; the native library takes float32, so torch widens such an input first (one more pass).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import native
-from .format import check_float_tensor, check_has_data
+from . import native, ops
+from .format import BlockFormat, check_float_tensor, check_has_data, check_out_dtype
+from .format import chunk_numel as slice_numel
 from .ops import backend_name
 
 ROTATION_SIZES = (16, 32, 64, 128)
@@ -69,8 +76,9 @@ def rotated_numel(numel: int, size: int) -> int:
 
 
 def hadamard(x: torch.Tensor, size: int, inverse: bool, out: torch.Tensor) -> None:
-    """The spec: ``out`` (flat float32, ``rotated_numel(x.numel(), size)`` elements) = the blocks of flat float32
-    ``x``, zero-padded, through the butterfly of the module docstring (then times ``1 / size`` if ``inverse``)."""
+    """The spec: ``out`` (flat float32, ``rotated_numel(x.numel(), size)`` elements) = the blocks of flat ``x``
+    (float32, or bfloat16 or float16 widened to float32), zero-padded, through the butterfly of the module docstring
+    (then times ``1 / size`` if ``inverse``)."""
     v = torch.zeros(out.numel(), dtype=torch.float32, device=x.device)
     v[: x.numel()] = x
     h = 1
@@ -87,7 +95,7 @@ def hadamard(x: torch.Tensor, size: int, inverse: bool, out: torch.Tensor) -> No
 def _run(x: torch.Tensor, size: int, inverse: bool, out: torch.Tensor | None) -> torch.Tensor:
     check_float_tensor(x)
     check_rotation_size(size)
-    flat = x.detach().reshape(-1).to(torch.float32)
+    flat = x.detach().reshape(-1)
     numel = rotated_numel(flat.numel(), size)
     if out is None:
         out = torch.empty(numel, dtype=torch.float32, device=x.device)
@@ -107,7 +115,7 @@ def _run(x: torch.Tensor, size: int, inverse: bool, out: torch.Tensor | None) ->
     if name == "torch":
         hadamard(flat, size, inverse, out)
     elif name == "native":
-        native.hadamard(flat, size, inverse, out)
+        native.hadamard(flat.to(torch.float32), size, inverse, out)
     else:
         from . import _triton
 
@@ -130,3 +138,52 @@ def hadamard_unrotate(y: torch.Tensor, size: int = DEFAULT_ROTATION_SIZE, *, out
     ``1 / size``; a flat float32 tensor of ``rotated_numel(y.numel(), size)`` elements (``out`` if given). A
     rotation's padding must be passed back with it; slice the result to drop it."""
     return _run(y, size, True, out)
+
+
+def _check_fits(fmt: BlockFormat, size: int) -> None:
+    check_rotation_size(size)
+    if size > fmt.block_size:
+        raise ValueError(f"rotation size={size} is larger than the quantization block size {fmt.block_size}: a "
+                         "rotation block must lie inside one quantization block; use a rotation size <= block size")
+
+
+def swizzle_quantize_rotated(x: torch.Tensor, fmt: BlockFormat, nodes: int, ranks_per_node: int,
+                             size: int = DEFAULT_ROTATION_SIZE, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """qgZ's first step with the rotation: ``ops.swizzle_quantize`` of flattened ``x`` with each rank's slice
+    (``ceil(numel / world)`` elements) zero-padded to a multiple of ``size`` and rotated first. Returns the uint8
+    packs (``out`` if given), the same number of bytes as ``swizzle_quantize`` writes; each pack holds
+    ``rotated_numel(slice, size)`` rotated values. ``size`` must not exceed ``fmt.block_size``."""
+    check_float_tensor(x)
+    _check_fits(fmt, size)
+    world = nodes * ranks_per_node
+    flat = x.detach().reshape(-1)
+    plain = slice_numel(flat.numel(), world)
+    padded = torch.zeros(world * plain, dtype=flat.dtype, device=flat.device)
+    padded[: flat.numel()] = flat
+    slices = torch.zeros(world, rotated_numel(plain, size), dtype=flat.dtype, device=flat.device)
+    slices[:, :plain] = padded.view(world, plain)
+    return ops.swizzle_quantize(hadamard_rotate(slices, size), fmt, nodes, ranks_per_node, out=out)
+
+
+def reduce_dequantize_rotated(buf: torch.Tensor, fmt: BlockFormat, groups: int, chunk_numel: int, out: torch.Tensor,
+                              size: int = DEFAULT_ROTATION_SIZE, *, divisor: float = 1.0) -> torch.Tensor:
+    """qgZ's last step with the rotation: the float32 sum of ``groups`` packs of rotated values (of slices of
+    ``chunk_numel`` plain elements, as ``swizzle_quantize_rotated`` packs them), unrotated, divided by ``divisor``
+    (float32 division), the first ``out.numel()`` values (at most ``chunk_numel``) written into flat-contiguous
+    ``out`` in its dtype. Returns ``out``."""
+    _check_fits(fmt, size)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    check_out_dtype(out.dtype)
+    if not out.is_contiguous() or out.numel() > chunk_numel:
+        raise ValueError(f"out must be contiguous with at most chunk_numel={chunk_numel} elements, got "
+                         f"{out.numel()}")
+    if not divisor > 0:
+        raise ValueError(f"divisor={divisor} must be positive")
+    summed = torch.empty(rotated_numel(chunk_numel, size), dtype=torch.float32, device=buf.device)
+    ops.reduce_dequantize(buf, fmt, groups, summed.numel(), summed)
+    values = hadamard_unrotate(summed, size)[: out.numel()]
+    if divisor != 1.0:
+        values = values / torch.tensor(divisor, dtype=torch.float32, device=values.device)
+    out.view(-1).copy_(values)
+    return out

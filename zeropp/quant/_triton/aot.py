@@ -9,7 +9,7 @@ Used by ``tests/quant/test_triton_compile.py`` (the compiler's rules checked on 
 (reduce_requantize), ``groups``, ``chunk_numel``, ``out_numel`` and ``divisor`` (reduce_dequantize); optionally
 ``dtype`` (the float tensor's, a ``torch`` dtype name, default ``float32``) and ``offset`` (elements that misalign
 the float tensor's pointer). A ``rotation`` case (the block Hadamard rotation, ``rotation.py``) names ``size``,
-``inverse`` and ``numel`` instead of a format, and optionally ``offset``.
+``inverse`` and ``numel`` instead of a format, and optionally ``dtype`` and ``offset``.
 
 How: ``triton.jit`` picks the interpreter when ``triton`` is imported, so the compilation runs in a fresh process
 (``compile_in_subprocess`` starts ``python -m zeropp.quant._triton.aot``) with ``TRITON_INTERPRET`` and
@@ -135,7 +135,8 @@ def launch_case(case: Mapping[str, Any]) -> None:
 
     if case["op"] == "rotation":
         numel, size = case["numel"], case["size"]
-        kernels.hadamard(meta(numel, torch.float32, case.get("offset", 0)), size, case["inverse"],
+        kernels.hadamard(meta(numel, getattr(torch, case.get("dtype", "float32")), case.get("offset", 0)), size,
+                         case["inverse"],
                          meta(rotated_numel(numel, size), torch.float32))
         return
 

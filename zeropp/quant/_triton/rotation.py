@@ -1,6 +1,7 @@
 """Triton block Hadamard rotation: the spec of ``zeropp.quant.rotation`` bit for bit.
 
-A program rotates ``BLOCKS`` consecutive blocks of ``SIZE`` elements, held as a ``[BLOCKS, SIZE]`` tile. Stage
+A program rotates ``BLOCKS`` consecutive blocks of ``SIZE`` elements, held as a ``[BLOCKS, SIZE]`` float32 tile
+(a bfloat16 or float16 input is widened as it is loaded, exactly). Stage
 ``h`` of the butterfly views the tile as ``[BLOCKS * SIZE / (2h), 2, h]`` (the pairs ``(j, j + h)`` on the middle
 axis), splits it into the halves ``a`` and ``b`` and joins ``a + b`` and ``a - b`` back in place: only float32
 additions, in the spec's stage order (``tl.static_range`` unrolls the stages), launched with
@@ -28,7 +29,7 @@ def _hadamard_kernel(x_ptr, out_ptr, numel, total, SIZE: tl.constexpr, LOG_SIZE:
     through the butterfly (times ``1 / SIZE`` if ``INVERSE``); program ``program_id(0)`` does ``BLOCKS`` blocks."""
     start = tl.program_id(0).to(tl.int64) * (BLOCKS * SIZE)
     offsets = start + tl.arange(0, BLOCKS)[:, None] * SIZE + tl.arange(0, SIZE)[None, :]
-    v = tl.load(x_ptr + offsets, mask=offsets < numel, other=0.0)
+    v = tl.load(x_ptr + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
     for stage in tl.static_range(LOG_SIZE):
         pairs = tl.permute(tl.reshape(v, (BLOCKS * SIZE // (2 << stage), 2, 1 << stage)), (0, 2, 1))
         a, b = tl.split(pairs)
@@ -39,7 +40,8 @@ def _hadamard_kernel(x_ptr, out_ptr, numel, total, SIZE: tl.constexpr, LOG_SIZE:
 
 
 def hadamard(x: torch.Tensor, size: int, inverse: bool, out: torch.Tensor) -> None:
-    """As ``rotation.hadamard`` (flat float32 ``x`` and ``out``, on the same device)."""
+    """As ``rotation.hadamard``: flat ``x`` (float32, bfloat16 or float16, widened exactly in the kernel) and float32
+    ``out``, on the same device."""
     blocks = max(1, TILE_ELEMENTS // size)
     total = out.numel()
     grid = (triton.cdiv(total, blocks * size),)
