@@ -1,4 +1,5 @@
-"""The native CPU backend: ``kernels/cpu/quant.cpp`` built into ``libzeropp_cpu.so``, called through ctypes.
+"""The native CPU backend: ``kernels/cpu/quant.cpp`` (and ``rotation.cpp``, the Hadamard rotation) built into
+``libzeropp_cpu.so``, called through ctypes.
 
 The functions take the arguments of ``zeropp.quant.reference`` (validated by ``zeropp.quant.ops``), write into
 ``out`` and agree with the reference bit for bit; they run on CPU tensors, on ``torch.get_num_threads()`` OpenMP
