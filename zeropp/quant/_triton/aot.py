@@ -8,8 +8,7 @@ Used by ``tests/quant/test_triton_compile.py`` (the compiler's rules checked on 
 ``chunks``, ``chunk_numel`` and ``out_numel`` (dequantize), ``groups``, ``chunks`` and ``chunk_numel``
 (reduce_requantize), ``groups``, ``chunk_numel``, ``out_numel`` and ``divisor`` (reduce_dequantize); optionally
 ``dtype`` (the float tensor's, a ``torch`` dtype name, default ``float32``) and ``offset`` (elements that misalign
-the float tensor's pointer). A ``rotation`` case (the block Hadamard rotation, ``rotation.py``) names ``size``,
-``inverse`` and ``numel`` instead of a format, and optionally ``dtype`` and ``offset``.
+the float tensor's pointer).
 
 How: ``triton.jit`` picks the interpreter when ``triton`` is imported, so the compilation runs in a fresh process
 (``compile_in_subprocess`` starts ``python -m zeropp.quant._triton.aot``) with ``TRITON_INTERPRET`` and
@@ -26,6 +25,9 @@ written to ``result.json`` there) holds the kernel's name, signature, constexprs
 the ``ptxas -v`` log's registers and spills (Triton prints it when ``TRITON_DUMP_PTXAS_LOG`` is set) and
 ``cuobjdump -res-usage``'s registers and stack, read off the cubin itself. If the toolchain cannot run here (no
 NVIDIA backend in triton, no ``ptxas``), the summary is ``{"skip": why}`` instead.
+
+A ``rotation`` case (the block Hadamard rotation, ``zeropp.quant.rotation``) names ``size``, ``inverse`` and
+``numel`` instead of a format, and optionally ``dtype`` and ``offset``.
 """
 
 from __future__ import annotations
@@ -126,7 +128,7 @@ def launch_case(case: Mapping[str, Any]) -> None:
     """Call the launcher of ``case["op"]`` on meta tensors of the case's sizes (see the module's docstring)."""
     import torch
 
-    from zeropp.quant import DEFAULT_BLOCK_SIZE, BlockFormat, rotated_numel
+    from zeropp.quant import DEFAULT_BLOCK_SIZE, BlockFormat
     from zeropp.quant import _triton as kernels
 
     def meta(numel: int, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
@@ -134,10 +136,11 @@ def launch_case(case: Mapping[str, Any]) -> None:
         return torch.empty(numel + offset, device="meta", dtype=dtype)[offset:]
 
     if case["op"] == "rotation":
+        from zeropp.quant import rotated_numel
+
         numel, size = case["numel"], case["size"]
-        kernels.hadamard(meta(numel, getattr(torch, case.get("dtype", "float32")), case.get("offset", 0)), size,
-                         case["inverse"],
-                         meta(rotated_numel(numel, size), torch.float32))
+        x = meta(numel, getattr(torch, case.get("dtype", "float32")), case.get("offset", 0))
+        kernels.hadamard(x, size, case["inverse"], meta(rotated_numel(numel, size), torch.float32))
         return
 
     bs = DEFAULT_BLOCK_SIZE if case["block_size"] == "default" else case["block_size"]
