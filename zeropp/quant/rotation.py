@@ -12,10 +12,10 @@ rotated with its block and carries part of it: keep it until the block is unrota
 ``H v``, with ``H`` the unnormalized Walsh-Hadamard matrix of Sylvester's order (entries +1 and -1,
 ``H[i, j] = (-1) ** popcount(i & j)``), computed as the fast butterfly in this fixed order: for stage
 ``h = 1, 2, 4, ..., size / 2``, for every pair of positions ``(j, j + h)`` with ``j & h == 0``,
-``(a, b) -> (a + b, a - b)``, each a float32 addition rounded once to nearest even. The inverse is the same
+``(a, b) -> (a + b, a - b)``, each a float32 addition or subtraction rounded once to nearest even. The inverse is the same
 butterfly followed by a multiplication by ``1 / size`` (a power of two, so exact unless the product is
 subnormal, where it rounds once). Every backend does the same float32 operations on the same operands, so they
-agree bit for bit. Inputs in bfloat16 and float16 are widened to float32 first (exactly); the rotation itself
+agree bit for bit (a NaN where the reference has one; NaN payloads are not specified). Inputs in bfloat16 and float16 are widened to float32 first (exactly); the rotation itself
 always works in, and returns, float32.
 
 **Accuracy.** ``H H = size * I``, so unrotating a rotation gives ``x`` back up to the butterflies' rounding: with
@@ -30,8 +30,9 @@ reductions (intra-node reduce-requantize, inter-node reduce-dequantize) sum rota
 plain ones: the sum of dequantized rotated blocks is the rotated sum, up to the quantization error (which the
 rotation spreads evenly) and the float32 rounding of the sums. Only the final reduced shard is unrotated, once,
 and the division by the world size (a scalar) commutes with it too. What the rotation needs from the layout:
-each rotation block must lie within one rank's slice, so that a rank can unrotate its shard alone. 
-``swizzle_quantize_rotated`` and ``reduce_dequantize_rotated`` are qgZ's first and last steps with the rotation,
+each rotation block must lie within one rank's slice, so that a rank can unrotate its shard alone.
+
+**qgZ's steps with the rotation.** ``swizzle_quantize_rotated`` and ``reduce_dequantize_rotated`` are qgZ's first and last steps with the rotation,
 composed from the ops (the middle step, ``reduce_requantize``, is unchanged: it sums and requantizes whole blocks,
 padding included): each rank's slice of ``S = ceil(numel / world)`` elements is zero-padded to
 ``rotated_numel(S, size)`` and rotated on its own, then packed as ``swizzle_quantize`` packs it; since ``size``
