@@ -12,11 +12,11 @@ rotated with its block and carries part of it: keep it until the block is unrota
 ``H v``, with ``H`` the unnormalized Walsh-Hadamard matrix of Sylvester's order (entries +1 and -1,
 ``H[i, j] = (-1) ** popcount(i & j)``), computed as the fast butterfly in this fixed order: for stage
 ``h = 1, 2, 4, ..., size / 2``, for every pair of positions ``(j, j + h)`` with ``j & h == 0``,
-``(a, b) -> (a + b, a - b)``, each a float32 addition or subtraction rounded once to nearest even. The inverse is the same
-butterfly followed by a multiplication by ``1 / size`` (a power of two, so exact unless the product is
+``(a, b) -> (a + b, a - b)``, each a float32 addition or subtraction rounded once to nearest even. The inverse is
+the same butterfly followed by a multiplication by ``1 / size`` (a power of two, so exact unless the product is
 subnormal, where it rounds once). Every backend does the same float32 operations on the same operands, so they
-agree bit for bit (a NaN where the reference has one; NaN payloads are not specified). Inputs in bfloat16 and float16 are widened to float32 first (exactly); the rotation itself
-always works in, and returns, float32.
+agree bit for bit (a NaN where the reference has one; NaN payloads are not specified). Inputs in bfloat16 and
+float16 are widened to float32 first (exactly); the rotation itself always works in, and returns, float32.
 
 **Accuracy.** ``H H = size * I``, so unrotating a rotation gives ``x`` back up to the butterflies' rounding: with
 ``u = 2 ** -24``, ``k = log2(size)`` and ``g = (1 + u) ** k - 1``, each element of a block is within
@@ -32,15 +32,16 @@ rotation spreads evenly) and the float32 rounding of the sums. Only the final re
 and the division by the world size (a scalar) commutes with it too. What the rotation needs from the layout:
 each rotation block must lie within one rank's slice, so that a rank can unrotate its shard alone.
 
-**qgZ's steps with the rotation.** ``swizzle_quantize_rotated`` and ``reduce_dequantize_rotated`` are qgZ's first and last steps with the rotation,
-composed from the ops (the middle step, ``reduce_requantize``, is unchanged: it sums and requantizes whole blocks,
-padding included): each rank's slice of ``S = ceil(numel / world)`` elements is zero-padded to
-``rotated_numel(S, size)`` and rotated on its own, then packed as ``swizzle_quantize`` packs it; since ``size``
-divides the quantization block size, the packs have exactly the bytes of the unrotated ones. The final step sums
-the packs in float32 (``reduce_dequantize``'s fused sum, divisor 1, padding included), unrotates, divides by
-``divisor`` in float32 and converts to ``out``'s dtype, dropping the padding last: the padding of a rotated slice
-holds part of its last block. These compositions are the spec of the fused kernels to come, which will rotate
-inside the quantize and unrotate inside the final reduce and save the two extra passes (``docs/rotation.md``).
+**qgZ's steps with the rotation.** ``swizzle_quantize_rotated`` and ``reduce_dequantize_rotated`` are qgZ's first
+and last steps with the rotation, composed from the ops (the middle step, ``reduce_requantize``, is unchanged: it
+sums and requantizes whole blocks, padding included): each rank's slice of ``S = ceil(numel / world)`` elements is
+zero-padded to ``rotated_numel(S, size)`` and rotated on its own, then packed as ``swizzle_quantize`` packs it;
+since ``size`` divides the quantization block size, the packs have exactly the bytes of the unrotated ones. The
+final step sums the packs in float32 (``reduce_dequantize``'s fused sum, divisor 1, padding included), unrotates,
+divides by ``divisor`` in float32 and converts to ``out``'s dtype, dropping the padding last: the padding of a
+rotated slice holds part of its last block. These compositions are the spec of the fused kernels to come, which will
+rotate inside the quantize and unrotate inside the final reduce and save the two extra passes
+(``docs/rotation.md``).
 
 **Backends**, as for the quantization ops (``ops.backend_name``): the native CPU library
 (``kernels/cpu/rotation.cpp``) for CPU tensors where it is built, else this reference; the Triton kernel
