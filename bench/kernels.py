@@ -23,6 +23,11 @@ GB/s = bytes / time; floor/time = copy time / kernel time, the fraction of the c
 memory wall). When ``deepspeed`` is importable on a GPU, its corresponding kernels (QuantizerBuilder, JIT-built)
 are timed on the same inputs and shown beside ours.
 
+**Rotation rows.** ``hadamard_rotate s=32`` and ``hadamard_unrotate s=32`` time the block Hadamard rotation of
+``zeropp.quant.rotation`` (32-element blocks), forward (the row's dtype in, float32 out: the Triton kernel widens
+a bfloat16 or float16 input as it loads it, the native CPU library has torch widen it first, inside the timed call)
+and inverse (float32 in and out).
+
 **--check.** Every row's output, on the inputs the row is timed on, is compared with the torch reference run on
 CPU copies of those inputs: codes and scales the same bytes, values the same floats (``bench/kernel_check.py``).
 The ``check`` column says PASS or FAIL (what differs is in the CSV's ``detail``). On a GPU the ops also run once
@@ -71,6 +76,8 @@ SWEEP_ROWS = ("quantize int8", "quantize int4", "dequantize int8", "dequantize i
 """The rows ``--sweep`` times (by name prefix) unless ``--kernels`` says otherwise."""
 SWEEP_ELEMENTS = (2048, 4096, 8192, 16384, 32768)
 SWEEP_WARPS = (4, 8)
+ROTATION_SIZE = 32
+"""Elements per block of the rotation rows (SDP4Bit's)."""
 FORMATS = {"bytes": "{:,}".format, "ms": ".4f", "copy ms": ".4f", "GB/s": ".4g", "elem/s": ".3g",
            "floor/time": ".3f", "vs default": ".3f", "DS ms": ".4f", "DS GB/s": ".4g", "DS floor/time": ".3f"}
 
@@ -82,8 +89,8 @@ def size_label(n: int) -> str:
 @dataclass
 class Case:
     name: str
-    op: str  # the launcher's op, as tile_override names it
-    bits: int
+    op: str  # the launcher's op, as tile_override names it ("rotation" for the rotation rows, which have none)
+    bits: int  # 0 for the rotation rows (no codes)
     numel: int
     nbytes: int  # inputs read once + outputs written once
     fn: Callable[[], object]
@@ -160,7 +167,8 @@ def row_names(world: int, nodes: int, rpn: int) -> list[str]:
     """The names of the rows, in table order, for ``world`` gathered packs and ``nodes`` x ``rpn`` ranks (what
     ``--kernels`` accepts)."""
     return ["quantize int8", "dequantize int8", "quantize int4", "dequantize int4",
-            f"dequantize gathered int8 x{world}", f"swizzle_quantize int4 {nodes}x{rpn}",
+            f"dequantize gathered int8 x{world}", f"hadamard_rotate s={ROTATION_SIZE}",
+            f"hadamard_unrotate s={ROTATION_SIZE}", f"swizzle_quantize int4 {nodes}x{rpn}",
             *(f"reduce_requantize int4 d={d}" for d in (2, 4, 8)), f"reduce_dequantize int4 g={nodes}"]
 
 
@@ -226,6 +234,27 @@ def build_cases(n: int, dtype: torch.dtype, block_size: int, world: int, nodes: 
                     *ds_setup(ds_ok and n % (world * block_size) == 0, ds_gather, "DS: dequantize + copy"))
 
     rows[f"dequantize gathered int8 x{world}"] = gathered_row
+
+    def rotation_row(inverse: bool) -> Case:
+        """The Hadamard rotation of ROTATION_SIZE-element blocks (inverse: of float32 rotated values)."""
+        from zeropp.quant import rotation
+
+        src = x.float() if inverse else x
+        rot_out = torch.empty(rotation.rotated_numel(n, ROTATION_SIZE), device=device)
+        op = quant.hadamard_unrotate if inverse else quant.hadamard_rotate
+
+        def expected() -> torch.Tensor:
+            want = torch.empty(rot_out.numel())
+            rotation.hadamard(src.cpu().float(), ROTATION_SIZE, inverse, want)
+            return want
+
+        name = f"hadamard_{'un' if inverse else ''}rotate s={ROTATION_SIZE}"
+        return Case(name, "rotation", 0, n, n * src.element_size() + rot_out.numel() * 4,
+                    lambda: op(src, ROTATION_SIZE, out=rot_out), rot_out, expected)
+
+    for inverse in (False, True):
+        rows[f"hadamard_{'un' if inverse else ''}rotate s={ROTATION_SIZE}"] = lambda inv=inverse: rotation_row(inv)
+
     sw_world = nodes * rpn
 
     def swizzle_row() -> Case:

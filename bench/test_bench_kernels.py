@@ -1,6 +1,8 @@
 """CPU kernel micro-benchmarks (pytest-benchmark): the native CPU library's quantize and dequantize (int8, int4),
-fused reduce-requantize (qgZ step 3, d = 2) and fused reduce-dequantize (qgZ step 5), each beside a copy of the same
-bytes (the floor: ``bytes`` read and written once, half each; see ``bench/kernels.py``, whose rows these are).
+fused reduce-requantize (qgZ step 3, d = 2), fused reduce-dequantize (qgZ step 5) and the 32-element Hadamard
+rotation and its inverse (``zeropp.quant.rotation``; the forward row has torch widen its bf16 input to float32
+first, the inverse rotates float32), each beside a copy of the same bytes (the floor: ``bytes`` read and written
+once, half each; see ``bench/kernels.py``, whose rows these are).
 
     pytest bench/ --benchmark-only                                         # the tables, one group per kernel
     pytest bench/ --benchmark-only --benchmark-storage=file://bench/baselines --benchmark-save=MACHINE
@@ -29,7 +31,7 @@ from zeropp.quant import DEFAULT_BLOCK_SIZE, native
 NUMEL = 2**22
 DTYPE = torch.bfloat16
 ROWS = ("quantize int8", "dequantize int8", "quantize int4", "dequantize int4", "reduce_requantize int4 d=2",
-        "reduce_dequantize int4 g=2")
+        "reduce_dequantize int4 g=2", "hadamard_rotate s=32", "hadamard_unrotate s=32")
 CPU = torch.device("cpu")
 ROUNDS, WARMUP = 20, 2
 
@@ -48,7 +50,8 @@ def cases() -> dict:
 @pytest.mark.parametrize("row", ROWS)
 def test_kernel(benchmark, cases: dict, row: str, what: str) -> None:
     case = cases[row]
-    benchmark.group = f"{row}, 2^22 bf16, {torch.get_num_threads()} threads"
+    dtype = "fp32" if row.startswith("hadamard_unrotate") else "bf16"  # the inverse rotates float32 values
+    benchmark.group = f"{row}, 2^22 {dtype}, {torch.get_num_threads()} threads"
     benchmark.extra_info.update(bytes=case.nbytes, numel=NUMEL, threads=torch.get_num_threads())
     if what == "kernel":
         assert quant.backend_name(case.output) == "native"

@@ -117,6 +117,15 @@ CASES: list[dict] = [
     dict(op="reduce_dequantize", bits=8, block_size=8192, dtype="bfloat16", groups=2, chunk_numel=2**20,
          out_numel=2**20, divisor=2.0),
 ]
+# The block Hadamard rotation (``rotation.py``): each size, both directions, each input dtype, a partial last block,
+# a misaligned input and int64 offsets.
+ROTATION_CASES: list[dict] = [
+    dict(op="rotation", size=16, inverse=False, numel=2**20),
+    dict(op="rotation", size=32, inverse=False, numel=1_000_003, offset=1, dtype="bfloat16"),
+    dict(op="rotation", size=32, inverse=True, numel=2**24),
+    dict(op="rotation", size=64, inverse=True, numel=_BIG),
+    dict(op="rotation", size=128, inverse=False, numel=2**20 + 5, dtype="float16"),
+]
 KERNELS = {
     "quantize": "_quantize_kernel",
     "dequantize": "_dequantize_kernel",
@@ -144,6 +153,10 @@ def divides(case: dict) -> bool:
 
 
 def case_id(case: dict) -> str:
+    if case["op"] == "rotation":
+        parts = ["rotation", f"s{case['size']}", "inverse" if case["inverse"] else "forward", f"n{case['numel']}",
+                 case.get("dtype", "float32")]
+        return "-".join(parts + ([f"off{case['offset']}"] if case.get("offset") else []))
     parts = [case["op"], f"int{case['bits']}", f"bs{case['block_size']}"]
     parts += [case[k] for k in ("dtype",) if k in case]
     parts += [f"{k}{case[k]}" for k in ("groups", "chunks") if k in case]
@@ -153,7 +166,9 @@ def case_id(case: dict) -> str:
 
 
 IDS = [case_id(c) for c in CASES]
-assert len(set(IDS)) == len(IDS), "case ids must be unique"
+ROTATION_IDS = [case_id(c) for c in ROTATION_CASES]
+ALL_CASES = dict(zip(IDS + ROTATION_IDS, CASES + ROTATION_CASES))
+assert len(ALL_CASES) == len(IDS) + len(ROTATION_IDS), "case ids must be unique"
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -171,7 +186,7 @@ def compile_all(out_dir: Path) -> dict:
     from zeropp.quant._triton import aot
 
     try:
-        return aot.compile_in_subprocess(dict(zip(IDS, CASES)), out_dir, jobs=min(2, os.cpu_count() or 1))
+        return aot.compile_in_subprocess(ALL_CASES, out_dir, jobs=min(2, os.cpu_count() or 1))
     except aot.CompileProcessError as e:
         return {"fail": str(e)}
 
@@ -327,6 +342,25 @@ def test_no_register_spills(compiled, case):
     )
 
 
+@pytest.mark.parametrize("case", ROTATION_CASES, ids=ROTATION_IDS)
+def test_rotation_compiles_exactly(compiled, case):
+    """The rotation's kernel compiles for sm_90 as launched, with only the spec's operations: the exact widening of a
+    bfloat16 or float16 input, correctly rounded float32 additions and subtractions (and, inverse only,
+    multiplications by ``1 / size``), no contraction, no division, no flush-to-zero; and it does not spill."""
+    out, _ = compiled
+    cid = case_id(case)
+    entry = _case(compiled, cid)
+    assert entry["kernel"] == "_hadamard_kernel" and entry["enable_fp_fusion"] is False
+    assert entry["constexprs"]["SIZE"] == case["size"] and entry["constexprs"]["INVERSE"] == case["inverse"]
+    ops = {f"{op}{mods}.{ty}" for op, mods, ty in _float_ops((out / f"{cid}.ptx").read_text())}
+    expected = {"add.rn.f32", "sub.rn.f32"} | ({"mul.rn.f32"} if case["inverse"] else set())
+    widening = {"float32": set(), "bfloat16": {"cvt.f32.bf16"}, "float16": {"cvt.f32.f16"}}
+    widening = widening[case.get("dtype", "float32")]
+    assert expected <= ops <= expected | widening | {"selp.f32", "mov.f32"}, f"float instructions {sorted(ops)}"
+    usage = _resources(entry)
+    assert (usage["spill_stores"], usage["spill_loads"], usage["stack_frame"]) == (0, 0, 0), usage
+
+
 def _print_report(result: dict) -> None:
     """Registers and spills per case of a compile summary."""
     print(f"{'case':58} {'BLOCKS':>6} {'warps':>5} {'regs':>4} {'stack':>5} {'spill st':>8} {'spill ld':>8}")
@@ -345,13 +379,12 @@ def main(argv: list[str]) -> int:
     ``OUT_DIR``: compile every case into ``OUT_DIR`` (``<case id>.ptx`` / ``.cubin`` and ``result.json``)."""
     from zeropp.quant._triton import aot
 
-    cases = dict(zip(IDS, CASES))
     if argv != ["--report"]:
-        result = aot.compile_in_subprocess(cases, Path(argv[0]))
+        result = aot.compile_in_subprocess(ALL_CASES, Path(argv[0]))
         print(result.get("skip", f"{len(result['cases'])} cases compiled into {argv[0]}"))
         return 0
     with tempfile.TemporaryDirectory() as tmp:
-        result = aot.compile_in_subprocess(cases, Path(tmp))
+        result = aot.compile_in_subprocess(ALL_CASES, Path(tmp))
     if "skip" in result:
         print(result["skip"])
     else:

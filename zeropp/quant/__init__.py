@@ -16,20 +16,36 @@ from .ops import (
     reduce_requantize,
     swizzle_quantize,
 )
+from .rotation import (
+    DEFAULT_ROTATION_SIZE,
+    ROTATION_SIZES,
+    hadamard_rotate,
+    hadamard_unrotate,
+    reduce_dequantize_rotated,
+    rotated_numel,
+    swizzle_quantize_rotated,
+)
 from .tensor import QuantizedTensor
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
+    "DEFAULT_ROTATION_SIZE",
+    "ROTATION_SIZES",
     "BlockFormat",
     "QuantizedTensor",
     "backend_name",
     "chunk_numel",
     "dequantize",
     "dequantize_chunks",
+    "hadamard_rotate",
+    "hadamard_unrotate",
     "quantize",
     "quantize_chunks",
     "reduce_dequantize",
+    "reduce_dequantize_rotated",
     "reduce_requantize",
+    "rotated_numel",
     "swizzle_quantize",
+    "swizzle_quantize_rotated",
     "swizzle_source",
 ]

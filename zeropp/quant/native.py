@@ -1,4 +1,5 @@
-"""The native CPU backend: ``kernels/cpu/quant.cpp`` built into ``libzeropp_cpu.so``, called through ctypes.
+"""The native CPU backend: ``kernels/cpu/quant.cpp`` (and ``rotation.cpp``, the Hadamard rotation) built into
+``libzeropp_cpu.so``, called through ctypes.
 
 The functions take the arguments of ``zeropp.quant.reference`` (validated by ``zeropp.quant.ops``), write into
 ``out`` and agree with the reference bit for bit; they run on CPU tensors, on ``torch.get_num_threads()`` OpenMP
@@ -40,7 +41,7 @@ class NativeLibraryError(RuntimeError):
 
 
 class Library:
-    """The four ops of one loaded ``libzeropp_cpu`` (a path, for tests that load a second build)."""
+    """The ops of one loaded ``libzeropp_cpu`` (a path, for tests that load a second build)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = Path(path)
@@ -61,8 +62,11 @@ class Library:
             "zeropp_dequantize_chunks": [ptr, i32, i32, i64, i64, ptr, i32, i64, i32],
             "zeropp_reduce_requantize": [ptr, i32, i32, i32, i64, i64, ptr, i32],
             "zeropp_reduce_dequantize": [ptr, i32, i32, i32, i64, ptr, i32, i64, f32, i32],
+            "zeropp_hadamard": [ptr, i64, i32, i32, ptr, i32],
         }
         for name, argtypes in signatures.items():
+            if not hasattr(lib, name):
+                raise NativeLibraryError(f"{self.path} has no {name} (an older build); rebuild it: {BUILD_HINT}")
             fn = getattr(lib, name)
             fn.argtypes, fn.restype = argtypes, i32
         self._lib = lib
@@ -97,6 +101,14 @@ class Library:
         self._call("zeropp_reduce_dequantize", buf.data_ptr(), fmt.bits, fmt.block_size, groups, chunk_numel,
                    out.data_ptr(), _DTYPES[out.dtype], out.numel(), divisor)
 
+    def hadamard(self, x: torch.Tensor, size: int, inverse: bool, out: torch.Tensor) -> None:
+        """As ``rotation.hadamard`` (float32 ``x`` and ``out``)."""
+        if x.dtype != torch.float32 or out.dtype != torch.float32:
+            raise TypeError(f"the native rotation takes float32 x and out, got {x.dtype} and {out.dtype}; widen x "
+                            "with .float() first (zeropp.quant.hadamard_rotate does)")
+        x = x.contiguous()
+        self._call("zeropp_hadamard", x.data_ptr(), x.numel(), size, int(inverse), out.data_ptr())
+
 
 _backend = NativeBackend("ZEROPP_NATIVE_LIB", DEFAULT_PATH, Library, NativeLibraryError)
 library_path = _backend.path
@@ -108,3 +120,8 @@ quantize_chunks = _backend.quantize_chunks
 dequantize_chunks = _backend.dequantize_chunks
 reduce_requantize = _backend.reduce_requantize
 reduce_dequantize = _backend.reduce_dequantize
+
+
+def hadamard(x: torch.Tensor, size: int, inverse: bool, out: torch.Tensor) -> None:
+    """As ``rotation.hadamard``, with the library at ``library_path()``."""
+    library().hadamard(x, size, inverse, out)

@@ -8,5 +8,6 @@ Triton's interpreter (``TRITON_INTERPRET=1``). ``common.TILE_ELEMENTS`` is the t
 from .dequantize import dequantize_chunks
 from .quantize import quantize_chunks
 from .reduce import reduce_dequantize, reduce_requantize
+from .rotation import hadamard
 
-__all__ = ["dequantize_chunks", "quantize_chunks", "reduce_dequantize", "reduce_requantize"]
+__all__ = ["dequantize_chunks", "hadamard", "quantize_chunks", "reduce_dequantize", "reduce_requantize"]

@@ -25,6 +25,9 @@ written to ``result.json`` there) holds the kernel's name, signature, constexprs
 the ``ptxas -v`` log's registers and spills (Triton prints it when ``TRITON_DUMP_PTXAS_LOG`` is set) and
 ``cuobjdump -res-usage``'s registers and stack, read off the cubin itself. If the toolchain cannot run here (no
 NVIDIA backend in triton, no ``ptxas``), the summary is ``{"skip": why}`` instead.
+
+A ``rotation`` case (the block Hadamard rotation, ``zeropp.quant.rotation``) names ``size``, ``inverse`` and
+``numel`` instead of a format, and optionally ``dtype`` and ``offset``.
 """
 
 from __future__ import annotations
@@ -131,6 +134,14 @@ def launch_case(case: Mapping[str, Any]) -> None:
     def meta(numel: int, dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
         # A view at ``offset`` elements: data_ptr() is offset * itemsize, which is what alignment is judged on.
         return torch.empty(numel + offset, device="meta", dtype=dtype)[offset:]
+
+    if case["op"] == "rotation":
+        from zeropp.quant import rotated_numel
+
+        numel, size = case["numel"], case["size"]
+        x = meta(numel, getattr(torch, case.get("dtype", "float32")), case.get("offset", 0))
+        kernels.hadamard(x, size, case["inverse"], meta(rotated_numel(numel, size), torch.float32))
+        return
 
     bs = DEFAULT_BLOCK_SIZE if case["block_size"] == "default" else case["block_size"]
     fmt = BlockFormat(case["bits"], bs)
