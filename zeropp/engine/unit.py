@@ -541,7 +541,15 @@ def gather_bucketed(units: list[Unit]) -> None:
     shards laid end to end, gathered over the data-parallel group (qwZ when on) into a temporary bucket, copied into
     each unit's ``full`` when that unit's gather is waited for (``Unit.gather()``, ``free()``). The values are those
     of one gather per unit: the shards are whole multiples of the quantization block when qwZ is on, so every block
-    of the bucket is a block of one unit's shard, quantized on its own."""
+    of the bucket is a block of one unit's shard, quantized on its own. Units of different formats
+    (``zeropp.rules``: their ``Collectives`` differ) go in one all-gather per format."""
+    formats: dict[Collectives, list[Unit]] = {}
+    for unit in units:
+        formats.setdefault(unit.comm, []).append(unit)
+    if len(formats) > 1:
+        for same in formats.values():
+            gather_bucketed(same)
+        return
     todo = [u for u in units if not u.gathered and u.sharded]
     for unit in todo:
         if unit.frozen is not None:  # its frozen buffer is a second gather anyway: gathered on its own
@@ -579,10 +587,14 @@ def reduce_bucketed(units: list[Unit], grads: list[list[torch.Tensor | None]]) -
     are bit-identical to one collective per unit: exact fp32, the ``communication_data_type`` wire (summed per
     element in float64) and qgZ, whose blocks start at each slice start and, with every ``S_u`` a multiple of the
     block size, are exactly the units' own blocks. A unit alone goes with its ``ErrorFeedback``; several units
-    cannot have one (each keeps residuals of its own layout): a ``ValueError``."""
+    cannot have one (each keeps residuals of its own layout), nor can units of different formats
+    (``zeropp.rules``: one collective has one format): a ``ValueError``."""
     if len(units) > 1 and any(u.error_feedback is not None for u in units):
         raise ValueError("reduce_bucketed: units with qgZ error feedback keep residuals of their own layout; "
                          "reduce them one per call")
+    if any(u.comm is not units[0].comm for u in units):
+        raise ValueError("reduce_bucketed: the units have different gradient formats (zeropp.rules); reduce each "
+                         "format in its own call")
     comm, first = units[0].comm, units[0]
     world = comm.world_size
     width = sum(u.shard_numel for u in units)
