@@ -31,13 +31,16 @@ import torch
 from engine_launch import launch
 from zeropp.config import ConfigError, Rule, load_config, to_dict
 from zeropp.engine.rules import parameter_formats
+from zeropp.quant.format import SUPPORTED_BITS
 
 P, BLOCK = 2, 128
 EXACT = r"^(wte|wpe)\.|ln_"  # embeddings and norms (the head is tied to wte)
 QW = {"zero_quantized_weights": True}
 QG = {"zero_quantized_gradients": True}
-MIXED = [{"match": EXACT, "weight_bits": None, "gradient_bits": None},
-         {"match": r"\.mlp\.", "weight_bits": 4, "gradient_bits": 8}]  # attention: the global int8 / int4
+# the token embedding (tied head) and the norms exact, the MLPs int4 weights and int8 gradients; the rest (position
+# embedding, attention) the global int8 weights and int4 gradients: the root unit and every block are split
+MIXED = [{"match": r"^wte\.|ln_", "weight_bits": None, "gradient_bits": None},
+         {"match": r"\.mlp\.", "weight_bits": 4, "gradient_bits": 8}]
 GRAD_RULES = [{"match": EXACT, "gradient_bits": None}]
 RUNS = {
     "exact": {},
@@ -79,7 +82,8 @@ def test_rules_config_errors():
     assert any("rules[0].match='(x' is not a valid regular expression (re.search): missing )" in x for x in lines)
     assert any("'zero_optimization.zeropp.rules[1].mtch'; did you mean 'match'?" in x for x in lines)
     assert any("rules[1] needs \"match\"" in x for x in lines)
-    assert any("rules[2].weight_bits=3 must be null (exact) or one of 8, 4" in x for x in lines)
+    widths = ", ".join(map(str, SUPPORTED_BITS))
+    assert any(f"rules[2].weight_bits=3 must be null (exact) or one of {widths}" in x for x in lines)
     assert any("rules[3].match must be a regular expression" in x for x in lines)
     assert any("rules[4] must be an object" in x for x in lines)
     with pytest.raises(ConfigError, match="rules must be a list"):
@@ -125,9 +129,10 @@ def test_rules_in_the_engine(tmp_path):
     # the mixed rule set: unit parts by format, weights bit-exact where exact, bounded elsewhere, bytes per part
     mixed = runs["mixed"]
     formats = {name: u["bits"] for u in mixed["units"] for name in u["params"]}
-    assert formats["wte.weight"] == formats["blocks.1.ln_2.weight"] == (None, None)
-    assert formats["blocks.0.mlp.c_fc.weight"] == (4, 8) and formats["blocks.0.attn.c_attn.weight"] == (8, 4)
-    assert len(mixed["units"]) == 7  # root exact; each block split three ways
+    assert formats["wte.weight"] == formats["ln_f.weight"] == formats["blocks.1.ln_2.weight"] == (None, None)
+    assert formats["blocks.0.mlp.c_fc.weight"] == (4, 8)
+    assert formats["wpe.weight"] == formats["blocks.0.attn.c_attn.weight"] == (8, 4)
+    assert len(mixed["units"]) == 8  # the root split two ways, each block three ways
     for name, w in mixed["weights"].items():
         want = exact["weights"][name]
         bits = formats[name][0]
