@@ -64,11 +64,13 @@ def local_gradient_max(rank: int, inputs: torch.Tensor, targets: torch.Tensor) -
     return dict(zip(names, amax.tolist()))
 
 
-def train(rank: int, world: int, cfg: dict, steps: int, save: str | None = None) -> dict:
+def train(rank: int, world: int, cfg: dict, steps: int, save: str | None = None, freeze: tuple[str, ...] = ()) -> dict:
     """Train ``steps`` steps; record the first forward's weights, first backward's reduced gradients, the first
     step's bytes, the losses, the units' layout and the final masters; ``save``: a checkpoint before the last step
-    (and the masters then)."""
+    (and the masters then); ``freeze``: names of parameters made frozen."""
     model = GPT(MODEL, seed=0)
+    for name, p in model.named_parameters():
+        p.requires_grad_(name not in freeze)
     engine, _, _, _ = zeropp.initialize(model=model, config=cfg)
     weights, handles = capture_forward(model)
     losses, grads, traffic = [], {}, {}
@@ -94,11 +96,14 @@ def train(rank: int, world: int, cfg: dict, steps: int, save: str | None = None)
         if save is not None and step == steps - 2:
             engine.save_checkpoint(save, tag="t")
             at_save = whole(engine, "master")
-    return {"at_save": at_save if save is not None else {}, "weights": weights, "grads": grads, "traffic": traffic, "losses": losses,
-            "masters": whole(engine, "master"), "whole_params": {n: p.detach().clone() for n, p in
-                                                                  model.named_parameters()} if cfg[
-                "zero_optimization"]["stage"] < 3 else {},
+    stage = cfg["zero_optimization"]["stage"]
+    return {"at_save": at_save if save is not None else {}, "weights": weights, "grads": grads, "traffic": traffic,
+            "losses": losses, "masters": whole(engine, "master"),
+            # stages 1-2: the whole parameters the post-step gather wrote
+            "whole_params": {n: p.detach().clone() for n, p in model.named_parameters()} if stage < 3 else {},
             "units": [{"name": u.name, "shard": u.shard_numel, "params": list(u.param_names),
+                       "frozen": [] if u.frozen is None else list(u.frozen.param_names),
+                       "frozen_shard": 0 if u.frozen is None else u.frozen.shard_numel,
                        "bits": (u.comm.weight_bits, u.comm.gradient_bits)} for u in engine.units]}
 
 
@@ -110,7 +115,8 @@ def rules_runs(rank: int, world: int, runs: dict[str, dict], steps: int, ckpt: s
     out: dict = {"runs": {}}
     for name, run in runs.items():
         cfg = config(run.get("stage", 3), run.get("zero"))
-        out["runs"][name] = train(rank, world, cfg, steps, save=ckpt if run.get("save") else None)
+        out["runs"][name] = train(rank, world, cfg, steps, save=ckpt if run.get("save") else None,
+                                  freeze=tuple(run.get("freeze", ())))
     inputs, targets = text_batches(1, MICRO * world)[0]
     out["grad_max"] = local_gradient_max(rank, inputs, targets)
 

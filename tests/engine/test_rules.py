@@ -49,6 +49,10 @@ RUNS = {
                                                             "gradient_bits": None}]}}},
     "empty": {"zero": {"zeropp": {"rules": []}}},
     "grads-s3": {"zero": {**QG, "zeropp": {"rules": GRAD_RULES}}},
+    "grads-ef": {"zero": {**QG, "zeropp": {"rules": GRAD_RULES, "error_feedback": True}}},
+    # wpe frozen: at stage 3 it is gathered with the global int8, in a unit of its own (frozen only)
+    "frozen": {"zero": {**QW, "zeropp": {"rules": [{"match": r"^wte\.|ln_", "weight_bits": None}]}},
+               "freeze": ["wpe.weight"]},
     "exact-s2": {"stage": 2},
     "grads-s2": {"stage": 2, "zero": {**QG, "zeropp": {"rules": GRAD_RULES}}},
     "weights-s2": {"stage": 2, "zero": {**QW, "zeropp": {"rules": [{"match": EXACT, "weight_bits": None}]}}},
@@ -107,9 +111,9 @@ def packed(s: int, bits: int) -> int:
 def unit_bytes(unit: dict, stage: int) -> dict[str, int]:
     """Cross-node bytes of one unit in one step (2 nodes of 1 rank; every stage-3 unit gathered for its forward and,
     but the root, again for its backward; stages 1-2 gather once, after the step)."""
-    s, (w, g) = unit["shard"], unit["bits"]
+    s, f, (w, g) = unit["shard"], unit["frozen_shard"], unit["bits"]
     gathers = (1 + (unit["name"] != "")) if stage == 3 else 1
-    return {"all_gather": gathers * (P - 1) * (packed(s, w) if w else 4 * s),
+    return {"all_gather": gathers * (P - 1) * sum(packed(x, w) if w else 4 * x for x in (s, f)),
             "reduce_scatter": (P - 1) * (packed(s, g) if g else 4 * s)}
 
 
@@ -146,19 +150,33 @@ def test_rules_in_the_engine(tmp_path):
         assert abs(got - ref) <= 0.01 * ref, (mixed["losses"], exact["losses"])
 
     # gradient rules at every stage: exact-matched reduced gradients bit for bit, quantized ones bounded
-    for stage, ref in ((3, exact), (2, runs["exact-s2"]), (1, runs["exact-s1"])):
-        got = runs[f"grads-s{stage}"]
+    for name, stage, ref in (("grads-s3", 3, exact), ("grads-ef", 3, exact), ("grads-s2", 2, runs["exact-s2"]),
+                             ("grads-s1", 1, runs["exact-s1"])):
+        got = runs[name]
         fmts = {name: u["bits"] for u in got["units"] for name in u["params"]}
         assert got["weights"] == {} or all(torch.equal(got["weights"][n], ref["weights"][n]) for n in got["weights"])
-        for name, g in got["grads"].items():
-            bits = fmts[name][1]
+        for pname, g in got["grads"].items():
+            bits = fmts[pname][1]
             if bits is None:
-                assert torch.equal(g, ref["grads"][name]), (stage, name)
+                assert torch.equal(g, ref["grads"][pname]), (name, pname)
             else:
-                assert not torch.equal(g, ref["grads"][name]), (stage, name)
-                assert within(g, ref["grads"][name], grad_max[name], bits), (stage, name)
+                assert not torch.equal(g, ref["grads"][pname]), (name, pname)
+                assert within(g, ref["grads"][pname], grad_max[pname], bits), (name, pname)
         want = {k: sum(unit_bytes(u, stage)[k] for u in got["units"]) for k in ("all_gather", "reduce_scatter")}
-        assert {k: got["traffic"][k]["sent_inter"] for k in want} == want, stage
+        assert {k: got["traffic"][k]["sent_inter"] for k in want} == want, name
+
+    # a frozen parameter takes its rule's weight format (here the global int8) in a unit of its own
+    frozen = runs["frozen"]
+    part = next(u for u in frozen["units"] if u["frozen"])
+    assert part["frozen"] == ["wpe.weight"] and not part["params"] and part["bits"] == (8, None)
+    for name, w in frozen["weights"].items():
+        want = exact["weights"][name]
+        if re.search(r"^wte\.|ln_", name):
+            assert torch.equal(w, want), name
+        else:
+            assert not torch.equal(w, want) and within(w, want, want.abs().max().item(), 8), name
+    want = {k: sum(unit_bytes(u, 3)[k] for u in frozen["units"]) for k in ("all_gather", "reduce_scatter")}
+    assert {k: frozen["traffic"][k]["sent_inter"] for k in want} == want
 
     # stage 2, weight rules: the post-step gather is exact for exact-matched parameters
     w2 = runs["weights-s2"]
