@@ -48,6 +48,10 @@ RUNS = {
     "all-null": {"zero": {**QW, **QG, "zeropp": {"rules": [{"match": "", "weight_bits": None,
                                                             "gradient_bits": None}]}}},
     "empty": {"zero": {"zeropp": {"rules": []}}},
+    # DeepSpeed's persistence defaults: every unit of the tiny GPT stays whole, gathered once per step in one
+    # bucketed all-gather per format
+    "mixed-persistent": {"zero": {**QW, **QG, "zeropp": {"rules": MIXED}, "stage3_param_persistence_threshold": 10**5,
+                                  "stage3_max_reuse_distance": 10**9}},
     "grads-s3": {"zero": {**QG, "zeropp": {"rules": GRAD_RULES}}},
     "grads-ef": {"zero": {**QG, "zeropp": {"rules": GRAD_RULES, "error_feedback": True}}},
     # wpe frozen: at stage 3 it is gathered with the global int8, in a unit of its own (frozen only)
@@ -148,6 +152,14 @@ def test_rules_in_the_engine(tmp_path):
     assert {k: mixed["traffic"][k]["sent_inter"] for k in want} == want
     for got, ref in zip(mixed["losses"], exact["losses"]):
         assert abs(got - ref) <= 0.01 * ref, (mixed["losses"], exact["losses"])
+
+    persistent = runs["mixed-persistent"]
+    assert all(torch.equal(w, mixed["weights"][n]) for n, w in persistent["weights"].items())
+    assert persistent["traffic"]["all_gather"]["calls"] == 3  # exact, int8 and int4 weights
+    assert persistent["traffic"]["all_gather"]["sent_inter"] == sum(
+        unit_bytes({**u, "name": ""}, 3)["all_gather"] for u in persistent["units"])  # each gathered once
+    for got, ref in zip(persistent["losses"], exact["losses"]):
+        assert abs(got - ref) <= 0.01 * ref, (persistent["losses"], exact["losses"])
 
     # gradient rules at every stage: exact-matched reduced gradients bit for bit, quantized ones bounded
     for name, stage, ref in (("grads-s3", 3, exact), ("grads-ef", 3, exact), ("grads-s2", 2, runs["exact-s2"]),

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..config import ConfigError, Rule
+from ..config import Problems, Rule
 from .policy import UnitPlan
 
 Format = tuple[int | None, int | None]
@@ -77,18 +77,15 @@ def parameter_formats(names: Sequence[str], rules: Sequence[Rule], default: Form
                     chosen = i
                     taken[i] += 1
         out.append(default if chosen is None else (rules[chosen].weight_bits, rules[chosen].gradient_bits))
-    problems = []
+    p = Problems()
     for i, rule in enumerate(rules):
         if taken[i]:
             continue
         why = ("earlier rules take every parameter it matches" if found[i] else
                "no parameter's qualified name contains a match (re.search)")
-        problems.append(f"{_KEY}[{i}] (match {rule.match!r}) takes no parameter: {why}; fix its pattern or remove "
-                        f"the rule (parameter names look like: {', '.join(list(names)[:6])})")
-    if len(problems) == 1:
-        raise ConfigError(problems[0])
-    if problems:
-        raise ConfigError(f"{len(problems)} problems in the config:\n" + "\n".join(f"- {m}" for m in problems))
+        p.add(f"{_KEY}[{i}]", f"{_KEY}[{i}] (match {rule.match!r}) takes no parameter: {why}; fix its pattern or "
+                              f"remove the rule (parameter names look like: {', '.join(list(names)[:6])})")
+    p.raise_if_any()
     return out
 
 
