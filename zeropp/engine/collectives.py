@@ -22,7 +22,8 @@ from ..quant import DEFAULT_BLOCK_SIZE
 
 
 class Collectives:
-    """Collectives over ``topology``'s data-parallel group with the engine's ZeRO++ settings.
+    """Collectives over ``topology``'s data-parallel group with the engine's ZeRO++ settings: one format (the bits
+    below); ``for_format`` gives the same collectives in another (``zeropp.rules``).
 
     Args:
         topology: the data-parallel group and its node layout.

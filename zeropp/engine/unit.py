@@ -5,7 +5,9 @@ rank ``r`` owns elements ``[r * S, (r + 1) * S)`` (the slice ``zeropp.comm.reduc
 them ``shard`` (compute dtype), ``master`` and ``grad_shard`` (fp32). One flat buffer per unit makes each gather and
 each gradient reduction one collective; with qwZ or qgZ every parameter starts on a quantization block, so no block
 mixes two parameters. The module's ``nn.Parameter`` objects are kept and point into ``full``, the whole buffer (at
-stage 3 only while gathered). Frozen parameters of a stage-3 unit live in a second buffer, ``FrozenFlat``.
+stage 3 only while gathered). Frozen parameters of a stage-3 unit live in a second buffer, ``FrozenFlat``. A unit
+has one format, its ``comm``'s bits: ``zeropp.rules`` splits a module's parameters into one unit per format
+(``zeropp.engine.rules``), so several units may share a module.
 
 The layout, alignment and its memory cost, hpZ's secondary shard, gather and free, frozen parameters, construction
 and the gradient reduction (``reduce_gradients``, ``reduce_bucketed``): the unit layout section of docs/engine.md.
