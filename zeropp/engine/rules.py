@@ -9,8 +9,8 @@ rule matches keeps the global format (``zero_quantized_weights`` / ``zero_quanti
 Where formats differ inside a unit, the unit is split: one ``Unit`` per format, ``(weight_bits, gradient_bits)``,
 of the unit module's parameters (in the order their formats first appear, parameters in model order inside each),
 all on the same module and driven by the same hooks, each with its own flat buffer and one collective per format
-(``Collectives.for_format``). A unit whose parameters share one format is built exactly as without rules, so
-``rules: []``, or rules that all give the global format, change nothing, bit for bit. An exact split unit has no
+(``Collectives.for_format``). A unit whose parameters all have the global format is built exactly as without
+rules, so ``rules: []``, or rules that all give the global format, change nothing, bit for bit. An exact split unit has no
 quantization alignment (``Collectives.alignment`` 1): its parameters are laid out as in exact ZeRO, so their
 gathered weights and reduced gradients are bit-identical to an exact run's.
 
