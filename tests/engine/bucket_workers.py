@@ -77,7 +77,7 @@ def _bucketings(rank: int, world: int, stage: int, precision: str, batches: list
 
             def record(unit, on_ready=on_ready, engine=engine, ready=ready):
                 on_ready(unit)
-                ready.append((unit.gathered, len(engine._bucket)))
+                ready.append((unit.gathered, sum(map(len, engine._buckets.values()))))  # held units
 
             engine._readiness.on_ready = record
         calls, losses, shards = [], [], None

@@ -20,6 +20,7 @@ from .blocks import (
     NONFINITE_GRADIENTS,
     BF16Config,
     FP16Config,
+    Rule,
     ZeroConfig,
     ZeroppConfig,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "OffloadParamConfig",
     "OptimizerConfig",
     "Problems",
+    "Rule",
     "SchedulerConfig",
     "ZeroConfig",
     "ZeroppConfig",

@@ -3,6 +3,7 @@ key means: the ``zeropp.config`` docstring)."""
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -121,9 +122,73 @@ DELTA_BITS = (8, 4)
 MAX_ENTRY_CHECK_TIMEOUT = 1e6
 
 
+_RULE_KEYS = ["match", "weight_bits", "gradient_bits"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One entry of ``zero_optimization.zeropp.rules``, resolved: the parameters whose qualified name ``match``
+    finds (``re.search``: anywhere in the name; anchor with ``^``/``$`` for a whole name) get ``weight_bits`` for
+    their all-gather and ``gradient_bits`` for their reduce-scatter (``None``: exact). A key the rule leaves out was
+    resolved at parse time to the global setting (``zeropp.weight_bits`` when ``zero_quantized_weights``, else
+    exact; likewise for gradients)."""
+
+    match: str
+    weight_bits: int | None
+    gradient_bits: int | None
+
+
+def parse_rules(value: Any, p: Problems, defaults: tuple[int | None, int | None]) -> tuple[Rule, ...]:
+    """``zero_optimization.zeropp.rules``: a list of ``{"match": <regex>, "weight_bits": ..., "gradient_bits":
+    ...}``, each resolved to a ``Rule`` (``defaults``: the global ``(weight_bits, gradient_bits)``, ``None`` for
+    exact, that a left-out key takes). Bits are ``None`` (exact) or a width ``zeropp.quant.BlockFormat`` accepts."""
+    from ..quant.format import SUPPORTED_BITS  # here: the config stays importable without torch unless rules exist
+
+    name = "zero_optimization.zeropp.rules"
+    if value is None or is_auto(p, value, name):
+        return ()
+    if not isinstance(value, (list, tuple)):
+        p.add(name, f"{name} must be a list of {{\"match\": <regex>, \"weight_bits\": ..., \"gradient_bits\": ...}}"
+                    f" objects, got {type(value).__name__}")
+        return ()
+    rules = []
+    for i, entry in enumerate(value):
+        where = f"{name}[{i}]"
+        if not isinstance(entry, Mapping):
+            p.add(where, f"{where} must be an object {{\"match\": <regex>, ...}}, got {entry!r}")
+            continue
+        check_keys(p, entry, where, _RULE_KEYS)
+        pattern = entry.get("match")
+        if "match" not in entry:
+            p.add(f"{where}.match", f"{where} needs \"match\": a regular expression searched for in each parameter's "
+                                    "qualified name (re.search)")
+            continue
+        if not isinstance(pattern, str):
+            p.add(f"{where}.match", f"{where}.match must be a regular expression (a string) searched for in each "
+                                    f"parameter's qualified name (re.search), got {pattern!r}")
+            continue
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            p.add(f"{where}.match", f"{where}.match={pattern!r} is not a valid regular expression (re.search): {e}")
+            continue
+        bits = []
+        for key, default in zip(("weight_bits", "gradient_bits"), defaults):
+            given = entry.get(key, default)
+            if given is not None and (isinstance(given, bool) or given not in SUPPORTED_BITS):
+                p.add(f"{where}.{key}", f"{where}.{key}={given!r} must be null (exact) or one of "
+                                        f"{', '.join(map(str, SUPPORTED_BITS))} (the widths zeropp.quant supports), "
+                                        "or left out for the global setting")
+                given = default
+            bits.append(given)
+        rules.append(Rule(match=pattern, weight_bits=bits[0], gradient_bits=bits[1]))
+    return tuple(rules)
+
+
 @dataclass(frozen=True)
 class ZeroppConfig:
-    """``zero_optimization.zeropp``: our own ZeRO++ settings (see the ``zeropp.config`` docstring)."""
+    """``zero_optimization.zeropp``: our own ZeRO++ settings (see the ``zeropp.config`` docstring). ``rules``: the
+    per-parameter formats (``parse_rules``), resolved against the global switches they were parsed with."""
 
     weight_bits: int = 8
     gradient_bits: int = 4
@@ -135,13 +200,17 @@ class ZeroppConfig:
     weight_deltas: bool = False
     delta_bits: int = 4
     delta_refresh_interval: int = 0
+    rules: tuple[Rule, ...] = ()
 
     @classmethod
-    def parse(cls, block: Mapping[str, Any], p: Problems) -> ZeroppConfig:
+    def parse(cls, block: Mapping[str, Any], p: Problems, *, quantized_weights: bool = False,
+              quantized_gradients: bool = False) -> ZeroppConfig:
+        """``quantized_weights`` / ``quantized_gradients``: ``zero_quantized_weights`` / ``_gradients``, the global
+        defaults a rule's left-out key takes."""
         w = "zero_optimization.zeropp"
         check_keys(p, block, w, ["weight_bits", "gradient_bits", "block_size", "error_feedback",
                                  "nonfinite_gradients", "entry_check_timeout", "memory_budget", "weight_deltas",
-                                 "delta_bits", "delta_refresh_interval"])
+                                 "delta_bits", "delta_refresh_interval", "rules"])
         d = cls()
         values: dict[str, Any] = {}
         for key in ("weight_bits", "gradient_bits"):
@@ -184,6 +253,9 @@ class ZeroppConfig:
         values["delta_bits"] = bits
         values["delta_refresh_interval"] = get_int(p, block, "delta_refresh_interval", w, d.delta_refresh_interval,
                                                    minimum=0)
+        defaults = (values["weight_bits"] if quantized_weights else None,
+                    values["gradient_bits"] if quantized_gradients else None)
+        values["rules"] = parse_rules(block.get("rules"), p, defaults)
         return cls(**values)
 
 
@@ -316,7 +388,8 @@ class ZeroConfig:
         if hpz > 1 and stage != 3 and p.ok(f"{w}.stage"):
             p.add(f"{w}.zero_hpz_partition_size", f"{w}.zero_hpz_partition_size={hpz} applies to the stage-3 "
                                                   "backward weight all-gather; set stage to 3 (or the size to 1)")
-        zeropp = ZeroppConfig.parse(get_block(p, block, "zeropp", w), p)
+        qw = get_bool(p, block, "zero_quantized_weights", w, False)
+        zeropp = ZeroppConfig.parse(get_block(p, block, "zeropp", w), p, quantized_weights=qw, quantized_gradients=qg)
         offload_consistency(p, offload_optimizer, offload_param, zeropp.memory_budget)
         if zeropp.weight_deltas:
             _weight_deltas_consistency(p, stage if p.ok(f"{w}.stage") else None, hpz, offload_param)
@@ -330,7 +403,7 @@ class ZeroConfig:
         gather = get_bool(p, block, gather_key if gather_key in block else old_key, w, False)
         return cls(
             stage=stage,
-            zero_quantized_weights=get_bool(p, block, "zero_quantized_weights", w, False),
+            zero_quantized_weights=qw,
             zero_quantized_gradients=qg,
             zero_hpz_partition_size=hpz,
             reduce_bucket_size=get_int(p, block, "reduce_bucket_size", w, d.reduce_bucket_size, minimum=1),

@@ -4,6 +4,7 @@ One file per responsibility:
 
 * ``policy.py``: which modules form units and which unit owns each parameter;
 * ``unit.py``: ``Unit``, a unit's flat sharded parameters with its fp32 master and gradient shards;
+* ``rules.py``: ``zeropp.rules``, each parameter's formats and the units split by format;
 * ``collectives.py``: ``Collectives``, the only place the engine communicates (through ``zeropp.comm``);
 * ``hooks.py``: the stage-3 gather/free state machine and the "unit's gradients are complete" trigger;
 * ``loss_scaler.py``: ``LossScaler``, fp16 dynamic loss scaling (DeepSpeed's rules);

@@ -576,7 +576,7 @@ def _error_feedback_targets(engine: ZeroEngine, info: dict[str, Any] | None) -> 
     for entry in info["units"]:
         u, (numel, bits, block, _) = entry["unit"], entry["key"]
         if (u >= len(engine.units) or engine.units[u].error_feedback is None or numel != engine.units[u].full.numel()
-                or (bits, block) != (engine.comm.gradient_bits, engine.comm.block_size)):
+                or (bits, block) != (engine.units[u].comm.gradient_bits, engine.comm.block_size)):
             return {}
     prefix = _error_feedback_key(engine)
     out = {}

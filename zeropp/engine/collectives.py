@@ -11,6 +11,7 @@ group; ``wait_all_arrived`` is ``comm.Arrival``'s check on a gloo side group of 
 
 from __future__ import annotations
 
+import copy
 from datetime import timedelta
 
 import torch
@@ -21,7 +22,8 @@ from ..quant import DEFAULT_BLOCK_SIZE, BlockFormat
 
 
 class Collectives:
-    """Collectives over ``topology``'s data-parallel group with the engine's ZeRO++ settings.
+    """Collectives over ``topology``'s data-parallel group with the engine's ZeRO++ settings: one format (the bits
+    below); ``for_format`` gives the same collectives in another (``zeropp.rules``).
 
     Args:
         topology: the data-parallel group and its node layout.
@@ -71,6 +73,20 @@ class Collectives:
             self.partition_group = topology.partition_group(hpz)
         self.arrival = comm.Arrival.of(topology) if topology.world_size > 1 else None
         self.arrival_timeout = arrival_timeout
+        # one Collectives per format, shared by every for_format copy
+        self._formats: dict[tuple[int | None, int | None], Collectives] = {(weight_bits, gradient_bits): self}
+
+    def for_format(self, weight_bits: int | None, gradient_bits: int | None) -> Collectives:
+        """These collectives with other bits (``zero_optimization.zeropp.rules``: the units of one format): the same
+        groups, block size and dtypes; ``error_feedback`` where it is on and ``gradient_bits`` quantizes. One object
+        per format (``self`` for this one's), so units of one format can share a bucket."""
+        other = self._formats.get((weight_bits, gradient_bits))
+        if other is None:
+            other = copy.copy(self)
+            other.weight_bits, other.gradient_bits = weight_bits, gradient_bits
+            other.error_feedback = self.error_feedback and gradient_bits is not None
+            self._formats[(weight_bits, gradient_bits)] = other
+        return other
 
     @property
     def alignment(self) -> int:

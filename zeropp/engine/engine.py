@@ -47,6 +47,7 @@ from .offload import OffloadError, OptimizerOffload
 from .optimizer import PartitionedOptimizer, state_kinds
 from .param_offload import ParamOffload
 from .policy import UnitPolicy, plan_units
+from .rules import split_plans
 from .prefetch import Prefetcher
 from .scheduler import build_scheduler
 from .unit import GradientReduction, ReduceBuffers, Unit, flat_layout, gather_bucketed, moved, reduce_bucketed
@@ -109,10 +110,13 @@ class ZeroEngine:
             module, plans, seed=meta_init.seed, param_init_fn=meta_init.param_init_fn, device=meta_init.device,
             dtype=self.compute_dtype)
         buffers = ReduceBuffers()
-        built = [plan for plan in plans if plan.params or (plan.frozen if sharded else [])]
+        # zeropp.rules: each plan's parameters by format, one unit per format (zeropp.engine.rules)
+        parts = split_plans(plans, zero.zeropp.rules, (zero.weight_bits, zero.gradient_bits), sharded=sharded)
+        built = [plan for plan, plan_parts in zip(plans, parts) if plan_parts]
         self._device = _device_of(built, meta_init)
         self.offload = OptimizerOffload(zero.offload_optimizer, config.aio, device=self._device,
-                                        numels=[sum(p.numel() for _, p in plan.params) for plan in built],
+                                        numels=[sum(p.numel() for _, p in part.params)
+                                                for plan_parts in parts for part in plan_parts],
                                         rank=topology.global_rank)
         self.param_offload = ParamOffload(zero.offload_param, config.aio, device=self._device,
                                           rank=topology.global_rank)
@@ -126,18 +130,19 @@ class ZeroEngine:
         # NVMe: the swap space exists before the units, so each unit's master is swapped out as soon as it is built
         # (a failed write there is raised by attach, after the units' collectives)
         self._attach(self.offload.nvme, lambda: self.offload.open(
-            [flat_layout([p.numel() for _, p in plan.params], self.comm.alignment, self.comm.world_size)[2]
-             for plan in built], state_kinds(config.optimizer.type)))
+            [flat_layout([p.numel() for _, p in part.params], self.comm.for_format(*part.format).alignment,
+                         self.comm.world_size)[2] for plan_parts in parts for part in plan_parts],
+            state_kinds(config.optimizer.type)))
         self.units = []
         modules = {}
-        for plan in plans:
+        for plan, plan_parts in zip(plans, parts):
             if self.materializer is not None:
                 self.materializer.materialize(plan)
-            frozen = plan.frozen if sharded else []  # stages 1/2: frozen parameters stay whole, in no unit
-            if plan.params or frozen:
+            for part in plan_parts:  # one unit per format; stages 1/2: frozen parameters stay whole, in none
                 u = len(self.units)
-                self.units.append(Unit(plan.name, plan.params, self.comm, sharded=sharded, reduce_buffers=buffers,
-                                       frozen=frozen, broadcast=self.materializer is None,
+                self.units.append(Unit(plan.name, part.params, self.comm.for_format(*part.format), sharded=sharded,
+                                       reduce_buffers=buffers, frozen=part.frozen,
+                                       broadcast=self.materializer is None,
                                        optimizer_side=None if not self.offload.config.enabled
                                        else lambda n, kind, u=u: self.offload.empty(u, n, kind),
                                        shard_home=self.param_offload.home if self.param_offload.enabled else None))
@@ -186,8 +191,9 @@ class ZeroEngine:
         self._reductions: collections.deque[GradientReduction] = collections.deque()  # in flight, oldest first
         # units whose packed gradients wait for their bucket's reduce-scatter, and their buffers' elements in all;
         # one collective per unit at one rank (no buffer) and under qgZ error feedback (per-unit residuals)
-        self._bucket: list[tuple[Unit, list[torch.Tensor | None]]] = []
-        self._bucket_numel = 0
+        # one bucket per format (zeropp.rules; a collective has one format), keyed by the units' Collectives
+        self._buckets: dict[Collectives, list[tuple[Unit, list[torch.Tensor | None]]]] = {}
+        self._bucket_numels: dict[Collectives, int] = {}
         self._bucketing = self.comm.world_size > 1 and not self.comm.error_feedback
         self._readiness = GradientReadiness(self.units, self._on_unit_ready) if self.stage >= 2 else None
 
@@ -585,24 +591,29 @@ class ZeroEngine:
         units' padded flat buffers): its ``.grad`` is packed into its flat buffer at once (and dropped, so a
         stage-3 unit can be freed) and held; a unit that would take the held ones past ``reduce_bucket_size``
         first sends them, and once the held units reach it they go in one reduce-scatter (``reduce_bucketed``);
-        ``_finish_backward`` sends the rest. A unit of at least ``reduce_bucket_size`` elements goes alone."""
+        ``_finish_backward`` sends the rest. A unit of at least ``reduce_bucket_size`` elements goes alone. Units of
+        different formats (``zeropp.rules``) are held in separate buckets, each filled and sent as above."""
         if not self._bucketing:
             self._start_reduction(unit.reduce_gradients())
             return
         numel = unit.full.numel()
-        if self._bucket and self._bucket_numel + numel > self.reduce_bucket_size:
-            self._send_bucket()
-        self._bucket.append((unit, unit.take_gradients()))
-        self._bucket_numel += numel
-        if self._bucket_numel >= self.reduce_bucket_size:
-            self._send_bucket()
+        key = unit.comm
+        if self._buckets.get(key) and self._bucket_numels[key] + numel > self.reduce_bucket_size:
+            self._send_bucket(key)
+        self._buckets.setdefault(key, []).append((unit, unit.take_gradients()))
+        self._bucket_numels[key] = self._bucket_numels.get(key, 0) + numel
+        if self._bucket_numels[key] >= self.reduce_bucket_size:
+            self._send_bucket(key)
 
-    def _send_bucket(self) -> None:
-        """Start the reduce-scatter of the held units (nothing if none)."""
-        if self._bucket:
-            units, grads = zip(*self._bucket)
-            self._bucket, self._bucket_numel = [], 0
-            self._start_reduction(reduce_bucketed(list(units), list(grads)))
+    def _send_bucket(self, key: Collectives | None = None) -> None:
+        """Start the reduce-scatter of the units held in the bucket of format ``key`` (all buckets, in the order
+        they were first filled, when ``None``; nothing for an empty one)."""
+        for k in list(self._buckets) if key is None else [key]:
+            held = self._buckets.pop(k, [])
+            self._bucket_numels.pop(k, None)
+            if held:
+                units, grads = zip(*held)
+                self._start_reduction(reduce_bucketed(list(units), list(grads)))
 
     def _start_reduction(self, reduction: GradientReduction) -> None:
         """Without ``overlap_comm`` wait for ``reduction`` at once; with it, let it run while autograd goes on,

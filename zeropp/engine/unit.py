@@ -5,7 +5,9 @@ rank ``r`` owns elements ``[r * S, (r + 1) * S)`` (the slice ``zeropp.comm.reduc
 them ``shard`` (compute dtype), ``master`` and ``grad_shard`` (fp32). One flat buffer per unit makes each gather and
 each gradient reduction one collective; with qwZ or qgZ every parameter starts on a quantization block, so no block
 mixes two parameters. The module's ``nn.Parameter`` objects are kept and point into ``full``, the whole buffer (at
-stage 3 only while gathered). Frozen parameters of a stage-3 unit live in a second buffer, ``FrozenFlat``.
+stage 3 only while gathered). Frozen parameters of a stage-3 unit live in a second buffer, ``FrozenFlat``. A unit
+has one format, its ``comm``'s bits: ``zeropp.rules`` splits a module's parameters into one unit per format
+(``zeropp.engine.rules``), so several units may share a module.
 
 The layout, alignment and its memory cost, hpZ's secondary shard, gather and free, frozen parameters, construction
 and the gradient reduction (``reduce_gradients``, ``reduce_bucketed``): the unit layout section of docs/engine.md.
@@ -544,7 +546,15 @@ def gather_bucketed(units: list[Unit]) -> None:
     each unit's ``full`` when that unit's gather is waited for (``Unit.gather()``, ``free()``). The values are those
     of one gather per unit: the shards are whole multiples of the quantization block when qwZ is on, so every block
     of the bucket is a block of one unit's shard, quantized on its own. A unit with frozen parameters or a resident
-    hpZ secondary (weight deltas) is gathered on its own instead (``gather(wait=False)``)."""
+    hpZ secondary (weight deltas) is gathered on its own instead (``gather(wait=False)``). Units of different formats
+    (``zeropp.rules``: their ``Collectives`` differ) go in one all-gather per format."""
+    formats: dict[Collectives, list[Unit]] = {}
+    for unit in units:
+        formats.setdefault(unit.comm, []).append(unit)
+    if len(formats) > 1:
+        for same in formats.values():
+            gather_bucketed(same)
+        return
     todo = [u for u in units if not u.gathered and u.sharded]
     for unit in todo:
         # on its own: a frozen buffer is a second gather anyway; a resident hpZ secondary is gathered inside the node
@@ -583,10 +593,14 @@ def reduce_bucketed(units: list[Unit], grads: list[list[torch.Tensor | None]]) -
     are bit-identical to one collective per unit: exact fp32, the ``communication_data_type`` wire (summed per
     element in float64) and qgZ, whose blocks start at each slice start and, with every ``S_u`` a multiple of the
     block size, are exactly the units' own blocks. A unit alone goes with its ``ErrorFeedback``; several units
-    cannot have one (each keeps residuals of its own layout): a ``ValueError``."""
+    cannot have one (each keeps residuals of its own layout), nor can units of different formats
+    (``zeropp.rules``: one collective has one format): a ``ValueError``."""
     if len(units) > 1 and any(u.error_feedback is not None for u in units):
         raise ValueError("reduce_bucketed: units with qgZ error feedback keep residuals of their own layout; "
                          "reduce them one per call")
+    if any(u.comm is not units[0].comm for u in units):
+        raise ValueError("reduce_bucketed: the units have different gradient formats (zeropp.rules); reduce each "
+                         "format in its own call")
     comm, first = units[0].comm, units[0]
     world = comm.world_size
     width = sum(u.shard_numel for u in units)
