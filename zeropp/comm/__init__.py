@@ -3,6 +3,7 @@
 * ``Topology``: nodes of a data-parallel group, its intra-node, inter-node and hpZ partition groups;
 * ``all_gather``: exact or quantized (qwZ) all-gather, over the DP group or a node-local (hpZ) group;
 * ``reduce_scatter``: exact or two-hop quantized (qgZ) reduce-scatter, with optional ``ErrorFeedback``;
+* ``onebit_reduce_scatter``: 1-bit Adam's sign-and-scale momentum exchange (``zeropp.comm.onebit``);
 * ``stats`` / ``reset_stats``: bytes each collective sent and received, intra- and inter-node.
 
 Example (under torchrun; 2 emulated nodes of 2 ranks on one machine with ``ZEROPP_RANKS_PER_NODE=2``)::
@@ -26,6 +27,7 @@ from .accounting import Traffic, reset_stats, stats
 from .all_gather import all_gather
 from .arrival import Arrival, ArrivalError
 from .checks import debug_enabled
+from .onebit import onebit_reduce_scatter
 from .reduce_scatter import ErrorFeedback, ReduceOp, reduce_scatter, shard_range
 from .topology import (
     ENV_RANKS_PER_NODE,
@@ -48,6 +50,7 @@ __all__ = [
     "all_gather",
     "debug_enabled",
     "get_default_topology",
+    "onebit_reduce_scatter",
     "reduce_scatter",
     "reset_stats",
     "set_default_topology",

@@ -34,6 +34,8 @@ class Collectives:
             float32 sums in fp32 on the wire (``comm.reduce_scatter``'s plain exact path); bfloat16/float16 send
             each rank's gradient in that dtype and sum it at the receiver in float64 (its ``wire_dtype`` path).
             qgZ ignores it (it quantizes from fp32).
+        onebit: OneBitAdam's compressed momentum is exchanged (``reduce_scatter_onebit``), in blocks of
+            ``block_size``.
         arrival_timeout: how long ``wait_all_arrived`` waits on the group's first rank (``comm.Arrival.of``: its
             side group is made with the first engine over ``topology``, a collective over the data-parallel group,
             when it has more than one rank).
@@ -49,6 +51,7 @@ class Collectives:
         hpz: int = 1,
         error_feedback: bool = False,
         communication_dtype: torch.dtype = torch.float32,
+        onebit: bool = False,
         arrival_timeout: timedelta,
     ) -> None:
         if error_feedback and gradient_bits is None:
@@ -60,6 +63,7 @@ class Collectives:
         self.hpz = hpz
         self.error_feedback = error_feedback
         self.communication_dtype = communication_dtype
+        self.onebit = onebit
         self.partition_rank = 0
         self.partition_group = None
         if hpz > 1:
@@ -72,8 +76,10 @@ class Collectives:
     @property
     def alignment(self) -> int:
         """Elements each unit's parameter offsets and shard size are multiples of: the block size when anything
-        is quantized (blocks then never straddle two parameters), else 1 (see ``zeropp.engine.unit``)."""
-        return self.block_size if self.weight_bits is not None or self.gradient_bits is not None else 1
+        is quantized or 1-bit compressed (blocks then never straddle two parameters), else 1 (see
+        ``zeropp.engine.unit``)."""
+        quantized = self.weight_bits is not None or self.gradient_bits is not None or self.onebit
+        return self.block_size if quantized else 1
 
     @property
     def gradient_dtype(self) -> torch.dtype:
@@ -122,6 +128,12 @@ class Collectives:
             full, bits=self.gradient_bits, op=comm.ReduceOp.AVG, topology=self.topology, out=out,
             block_size=self.block_size, error_feedback=error_feedback, wire_dtype=wire, async_op=True,
         )
+
+    def reduce_scatter_onebit(self, x: torch.Tensor, out: torch.Tensor, error: torch.Tensor) -> None:
+        """OneBitAdam: average the 1-bit compression of every rank's flat ``x`` (fp32, ``P * S``), this rank's
+        slice into ``out`` (``S``), this rank's compression error into ``error`` (``comm.onebit_reduce_scatter``,
+        blocks of ``block_size``)."""
+        comm.onebit_reduce_scatter(x, out, error, block_size=self.block_size, topology=self.topology)
 
     def count_local_reduce_scatter(self) -> None:
         """One rank: a gradient reduce-scatter done locally (the gradient is its own mean) is counted in
