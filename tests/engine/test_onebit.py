@@ -8,6 +8,9 @@
 * the reduce-scatter bytes of a compressed step equal ``(P - 1) * (S / 8 + 4 S / B)`` summed over the units, 1/25.6
   of the exact fp32 reduce-scatter of a warmup step at the default block of 128;
 * the training loss over the last steps within ``LOSS_BOUND`` of AdamW's;
+* each rank's local gradient in the first compressed step within float32 rounding of a plain model's (stage 2 with
+  two micro-batches per step: added up in the buffer); a NaN in one rank's local gradient (stage 1) skips the step
+  on every rank, leaving masters, momenta and errors as they were;
 * a checkpoint saved in the compressed phase (stage 2) restores every rank's local momentum, worker error and the
   frozen variance bit for bit, and the resumed run ends with the masters of the uninterrupted one.
 """
@@ -22,8 +25,8 @@ from onebit_workers import HYPER
 
 FREEZE, RECORDED = 3, 3
 CASES = {
-    "stage1": {"stage": 1, "freeze": FREEZE, "recorded": RECORDED, "steps": FREEZE + RECORDED},
-    "stage2": {"stage": 2, "freeze": FREEZE, "recorded": RECORDED, "steps": FREEZE + RECORDED,
+    "stage1": {"stage": 1, "freeze": FREEZE, "recorded": RECORDED, "steps": FREEZE + RECORDED, "nonfinite": True},
+    "stage2": {"stage": 2, "freeze": FREEZE, "recorded": RECORDED, "steps": FREEZE + RECORDED, "accum": 2,
                "checkpoint_dir": None},  # set by the test
     "stage3": {"stage": 3, "freeze": 30, "recorded": RECORDED, "steps": 60},
 }
@@ -70,9 +73,12 @@ def test_onebit_adam(tmp_path) -> None:
     cases = {**CASES, "stage2": {**CASES["stage2"], "checkpoint_dir": str(tmp_path / "checkpoint")}}
     results = launch("onebit_workers:onebit_cases", world, tmp_path, timeout=300, cases=cases)
     assert [r["stage2"]["resumed"] for r in results] == [True] * world
+    assert [r["stage1"]["nonfinite_skipped"] for r in results] == [True] * world
     for name, case in CASES.items():
         res = results[0][name]
         assert res["warmup_equal"] == [True] * case["freeze"], name
+        for r in results:  # the gradients the compressed phase starts from: this rank's own, summed over micro-batches
+            assert r[name]["local_gradient_error"] <= 1e-6, name
         # the reference, on the parameters' elements (the padding is no parameter's)
         for u, (want, got) in enumerate(zip(_reference(res, world, case["freeze"]), res["end"])):
             layout = res["units"][u]
@@ -82,8 +88,10 @@ def test_onebit_adam(tmp_path) -> None:
         units = res["units"]
         formula = sum((world - 1) * (u["shard"] // 8 + 4 * u["shard"] // res["block_size"]) for u in units)
         exact = sum((world - 1) * 4 * u["shard"] for u in units)
+        # stages 2 and 3 reduce-scatter every micro-batch's gradient in the warmup; the 1-bit exchange is per step
+        reductions = case.get("accum", 1) if case["stage"] > 1 else 1
         for r in results:
-            assert r[name]["sent"] == {"warmup": exact, "compressed": formula}, name
+            assert r[name]["sent"] == {"warmup": reductions * exact, "compressed": formula}, name
         assert exact / formula == 25.6
     losses = results[0]["stage3"]["losses"]
     adamw, onebit = (sum(losses[k][-10:]) / 10 for k in ("adamw", "onebit"))
