@@ -53,7 +53,7 @@ def _local_gradient_error(engine, weights: dict[str, torch.Tensor], micro: list)
         (loss / len(micro)).backward()
     grads = dict(plain.named_parameters())
     worst = 0.0
-    for unit, local in zip(engine.units, engine.onebit.grads):
+    for unit, local in zip(engine.units, engine.onebit.gradients()):
         for n, off, shape in zip(unit.param_names, unit.offsets, unit.shapes):
             worst = max(worst, (local[off : off + shape.numel()] - grads[n].grad.reshape(-1)).abs().max().item())
     return worst
@@ -111,7 +111,7 @@ def onebit_case(rank: int, world: int, stage: int, freeze: int, recorded: int, s
                 out["local_gradient_error"] = _local_gradient_error(onebit, weights, micro)
             if freeze <= s < freeze + recorded:
                 every = []
-                for g in onebit.onebit.grads:
+                for g in onebit.onebit.gradients():  # one rank: the gradient shard, the whole buffer
                     parts = [torch.empty_like(g) for _ in range(world)]
                     dist.all_gather(parts, g)
                     every.append(torch.stack(parts))

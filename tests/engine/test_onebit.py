@@ -58,6 +58,9 @@ def _reference(res: dict, world: int, freeze: int) -> list[torch.Tensor]:
             for r in range(world):
                 m[r] = b1 * m[r] + (1 - b1) * grads[u][r].double()
                 x = m[r] + e[r]
+                if world == 1:  # nothing is sent, nothing compressed
+                    sent.append(x)
+                    continue
                 c = torch.cat([_compress(x[q * s : (q + 1) * s], block) for q in range(world)])
                 e[r] = x - c
                 sent.append(c)
@@ -66,6 +69,27 @@ def _reference(res: dict, world: int, freeze: int) -> list[torch.Tensor]:
             p = p * (1 - lr * wd) - lr / (1 - b1**t) * m_hat / denom
         out.append(p)
     return out
+
+
+def _check_reference(res: dict, world: int, freeze: int, name: str) -> None:
+    """The engine's whole masters after the recorded steps against ``_reference``, on the parameters' elements (the
+    padding is no parameter's)."""
+    for u, (want, got) in enumerate(zip(_reference(res, world, freeze), res["end"])):
+        layout = res["units"][u]
+        for off, size in zip(layout["offsets"], layout["sizes"]):
+            w, g = want[off : off + size], got[off : off + size].double()
+            assert torch.allclose(g, w, rtol=1e-5, atol=1e-6), (name, u, (g - w).abs().max().item())
+
+
+def test_onebit_adam_one_rank(tmp_path) -> None:
+    """One rank: AdamW until freeze_step, then the variance frozen and the momentum of the rank's own gradient, with
+    no compression and no reduce-scatter bytes (as DeepSpeed)."""
+    case = {"stage": 2, "freeze": FREEZE, "recorded": RECORDED, "steps": FREEZE + RECORDED}
+    res = launch("onebit_workers:onebit_cases", 1, tmp_path, timeout=300, cases={"one": case})[0]["one"]
+    assert res["warmup_equal"] == [True] * FREEZE
+    assert res["local_gradient_error"] <= 1e-6
+    assert res["sent"] == {"warmup": 0, "compressed": 0}
+    _check_reference(res, 1, FREEZE, "one")
 
 
 def test_onebit_adam(tmp_path) -> None:
@@ -79,12 +103,7 @@ def test_onebit_adam(tmp_path) -> None:
         assert res["warmup_equal"] == [True] * case["freeze"], name
         for r in results:  # the gradients the compressed phase starts from: this rank's own, summed over micro-batches
             assert r[name]["local_gradient_error"] <= 1e-6, name
-        # the reference, on the parameters' elements (the padding is no parameter's)
-        for u, (want, got) in enumerate(zip(_reference(res, world, case["freeze"]), res["end"])):
-            layout = res["units"][u]
-            for off, size in zip(layout["offsets"], layout["sizes"]):
-                w, g = want[off : off + size], got[off : off + size].double()
-                assert torch.allclose(g, w, rtol=1e-5, atol=1e-6), (name, u, (g - w).abs().max().item())
+        _check_reference(res, world, case["freeze"], name)
         units = res["units"]
         formula = sum((world - 1) * (u["shard"] // 8 + 4 * u["shard"] // res["block_size"]) for u in units)
         exact = sum((world - 1) * 4 * u["shard"] for u in units)
