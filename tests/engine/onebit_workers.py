@@ -14,9 +14,9 @@ MICRO = 2
 HYPER = {"lr": 3e-3, "betas": [0.9, 0.99], "eps": 1e-8, "weight_decay": 0.1}
 
 
-def _engine(stage: int, optimizer: dict, accum: int):
+def _engine(stage: int, optimizer: dict, accum: int, zero: dict | None = None):
     config = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": accum,
-              "zero_optimization": {"stage": stage}, "optimizer": optimizer}
+              "zero_optimization": {"stage": stage, **(zero or {})}, "optimizer": optimizer}
     return zeropp.initialize(model=GPT(MODEL, seed=0), config=config)[0]
 
 
@@ -80,8 +80,9 @@ def _sent(kind: str) -> int:
 
 
 def onebit_case(rank: int, world: int, stage: int, freeze: int, recorded: int, steps: int, accum: int = 1,
-                checkpoint_dir: str | None = None, nonfinite: bool = False) -> dict:
-    """Train AdamW and OneBitAdam (``freeze_step=freeze``) ``steps`` steps side by side. Returns: whether the masters
+                checkpoint_dir: str | None = None, nonfinite: bool = False, zero: dict | None = None) -> dict:
+    """Train AdamW and OneBitAdam (``freeze_step=freeze``; both with the ``zero_optimization`` keys ``zero``)
+    ``steps`` steps side by side. Returns: whether the masters
     were bit-identical after every warmup step; the losses (mean over ranks) of both; the reduce-scatter bytes this
     rank sent in the last warmup step and in a compressed one; and (rank 0) what a float64 reference of the first
     ``recorded`` compressed steps needs: the units' layout, the whole ``exp_avg``, ``exp_avg_sq`` and masters after
@@ -95,10 +96,10 @@ def onebit_case(rank: int, world: int, stage: int, freeze: int, recorded: int, s
     micro-batches per step). With ``nonfinite``: one more step in which the last rank's local gradient holds a NaN;
     ``"nonfinite_skipped"`` says whether it was skipped on every rank leaving masters, local momenta and errors as
     they were."""
-    adamw = _engine(stage, {"type": "AdamW", "params": HYPER}, accum)
+    adamw = _engine(stage, {"type": "AdamW", "params": HYPER}, accum, zero)
     onebit_config = {"type": "OneBitAdam", "params": {**HYPER, "freeze_step": freeze, "cuda_aware": False,
                                                       "comm_backend_name": "nccl"}}
-    onebit = _engine(stage, onebit_config, accum)
+    onebit = _engine(stage, onebit_config, accum, zero)
     out: dict = {"warmup_equal": [], "losses": {"adamw": [], "onebit": []}, "sent": {}, "grads": []}
     batches = [_micro_batches(x, y, rank, world, accum)
                for x, y in text_batches(steps + nonfinite, MICRO * world * accum)]
@@ -149,7 +150,7 @@ def onebit_case(rank: int, world: int, stage: int, freeze: int, recorded: int, s
         out["nonfinite_skipped"] = (not onebit.was_step_applied() and onebit.skipped_steps == 1
                                     and all(torch.equal(a, b) for a, b in zip(after, held, strict=True)))
     if checkpoint_dir is not None:
-        resumed = _engine(stage, onebit_config, accum)
+        resumed = _engine(stage, onebit_config, accum, zero)
         resumed.load_checkpoint(checkpoint_dir)
         loaded = [*resumed.onebit.momentum, *resumed.onebit.error, *resumed.optimizer.state["exp_avg_sq"]]
         same = all(a is not None and torch.equal(a, b) for a, b in zip(loaded, saved, strict=True))

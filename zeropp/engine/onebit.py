@@ -16,7 +16,9 @@ same hyperparameters.
 3. ``m_k <- b1 m_k + (1 - b1) g_k`` (the whole buffer, local);
 4. ``x_k = m_k + e_k``; ``x_k`` is compressed to signs and per-block RMS scales (``zeropp.quant.onebit``), slice
    ``r`` sent to rank ``r`` (``zeropp.comm.onebit``); ``e_k <- x_k - C(x_k)``;
-5. the owner ``r`` averages the ``P`` decoded slices: ``m_hat = mean_k C(x_k)[r]``, stored as its ``exp_avg`` shard;
+5. the owner ``r`` averages the ``P`` decoded slices: ``m_hat = mean_k C(x_k)[r]``, set to 0 where the frozen ``v`` is
+   0 (no gradient in the whole warmup: 1 bit cannot send a zero, and ``scale / eps`` would be the step), stored as its
+   ``exp_avg`` shard;
 6. the owner steps its master shard with ``v`` frozen at step ``freeze_step``: torch's AdamW arithmetic with
    ``m_hat`` for the momentum, ``p <- p (1 - lr wd) - lr / (1 - b1^t) * m_hat / (sqrt(v) / sqrt(1 - b2^freeze_step)
    + eps)``; then the engine publishes the shard as after any step (stages 1/2: the all-gather of the weights).
@@ -145,6 +147,7 @@ class OneBitAdam:
             assert m is not None and e is not None and g is not None  # begin() and gradients() ran
             m.mul_(beta1).add_(g, alpha=1 - beta1)
             self.comm.reduce_scatter_onebit(m + e, m_hat, e)
+        m_hat.masked_fill_(v == 0, 0.0)  # DeepSpeed's exp_avg_mask, where the warmup never saw a gradient
         bias2_sqrt = math.sqrt(1 - beta2**self.freeze_step)
         for g_index, segments in self.optimizer.segments_of(u).items():
             group = self.optimizer.param_groups[g_index]
