@@ -295,7 +295,7 @@ class ZeroEngine:
         if self.param_offload.shards:  # a parameter shard's swap read failed on some rank: nothing is stepped
             self.param_offload.raise_failed(self.comm, values[1 + n:], f"step {self.global_steps + 1}")
         bad = [unit for unit, count in zip(self.units, values[1 : 1 + n]) if count > 0]
-        self.overflow = bool(bad)  # (OneBitAdam's compressed phase: some rank's own gradient)
+        self.overflow = bool(bad)
         if self.loss_scaler is not None:
             old = self.loss_scaler.scale
             self.loss_scaler.update(self.overflow)

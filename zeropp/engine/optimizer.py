@@ -77,7 +77,7 @@ class _Segment:
 
 
 class PartitionedOptimizer(torch.optim.Optimizer):
-    """AdamW, Adam or SGD over the units' master shards (see the module docstring for what of
+    """AdamW, Adam, SGD or OneBitAdam over the units' master shards (see the module docstring for what of
     ``torch.optim.Optimizer`` it supports).
 
     Args:
