@@ -94,6 +94,12 @@ def test_optimizer_defaults_follow_torch_and_deepspeed():
     assert adam.params["adam_w_mode"] is True and adam.params["weight_decay"] == 0.0  # DeepSpeed's Adam is AdamW
     sgd = cfg(optimizer={"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "nesterov": True}}).optimizer
     assert sgd.type == "SGD" and sgd.params["momentum"] == 0.9 and sgd.params["dampening"] == 0.0
+    onebit = cfg(optimizer={"type": "onebitadam", "params": {"freeze_step": 400, "cuda_aware": False,
+                                                             "comm_backend_name": "nccl", "bias_correction": True,
+                                                             "max_grad_norm": 0.0}}).optimizer
+    assert onebit.type == "OneBitAdam"  # DeepSpeed's OnebitAdam defaults; its backend switches are dropped
+    assert dict(onebit.params) == {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,
+                                   "freeze_step": 400}
 
 
 # ---- every error path -------------------------------------------------------------------------------------
@@ -152,7 +158,21 @@ def err(config, world: int = 1) -> str:
          ["ignore_unused_parameters=False", "not supported", "set it to true"]),
         ({**BASE, "zero_optimization": {"reduce_scatter": "no"}}, 1, ["reduce_scatter='no'", "true or false"]),
         ({**BASE, "fp16": {"enabled": True, "auto_cast": True}}, 1, ["fp16.auto_cast=True", "set it to false"]),
-        ({**BASE, "optimizer": {"type": "OneBitAdam"}}, 1, ["OneBitAdam", "does not support"]),
+        ({**BASE, "optimizer": {"type": "ZeroOneAdam"}}, 1, ["ZeroOneAdam", "var_freeze_step", "use \"OneBitAdam\""]),
+        ({**BASE, "optimizer": {"type": "OneBitLamb"}}, 1, ["OneBitLamb", "trust ratio", "use \"OneBitAdam\""]),
+        ({**BASE, "optimizer": {"type": "OneBitAdam", "params": {"freeze_step": 0}}}, 1,
+         ["optimizer.params.freeze_step=0", "integer >= 1"]),
+        ({**BASE, "optimizer": {"type": "OneBitAdam", "params": {"eps_inside_sqrt": True}}}, 1,
+         ["eps_inside_sqrt=True", "set it to false"]),
+        ({**BASE, "optimizer": {"type": "OneBitAdam", "params": {"comm_backend_name": 1}}}, 1,
+         ["comm_backend_name=1", "must be a string"]),
+        ({**BASE, "optimizer": {"type": "AdamW", "params": {"freeze_step": 5}}}, 1, ["optimizer.params.freeze_step"]),
+        ({**BASE, "gradient_clipping": 1.0, "optimizer": {"type": "OneBitAdam"}}, 1,
+         ["gradient_clipping=1.0", "OneBitAdam", "set it to 0"]),
+        ({**BASE, "fp16": {"enabled": True}, "optimizer": {"type": "OneBitAdam"}}, 1,
+         ["fp16.enabled=true", "OneBitAdam", "bf16 or fp32"]),
+        ({**BASE, "zero_optimization": {"offload_optimizer": {"device": "cpu"}}, "optimizer": {"type": "OneBitAdam"}},
+         1, ["offload_optimizer", "OneBitAdam", "remove them"]),
         ({**BASE, "optimizer": {"type": "AdamW", "params": {"amsgrad": True}}}, 1, ["amsgrad", "does not support"]),
         # bad values
         ({**BASE, "zero_optimization": {"stage": 4}}, 1, ["stage=4", "1, 2 or 3"]),

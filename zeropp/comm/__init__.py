@@ -5,6 +5,7 @@
 * ``reduce_scatter``: exact or two-hop quantized (qgZ) reduce-scatter, with optional ``ErrorFeedback``;
 * ``exchange``: one byte buffer to chosen peers and theirs back; ``pack_delta`` / ``add_delta``: the quantized
   differences the weight-delta tier sends with it;
+* ``onebit_reduce_scatter``: 1-bit Adam's sign-and-scale momentum exchange (``zeropp.comm.onebit``);
 * ``stats`` / ``reset_stats``: bytes each collective sent and received, intra- and inter-node.
 
 Example (under torchrun; 2 emulated nodes of 2 ranks on one machine with ``ZEROPP_RANKS_PER_NODE=2``)::
@@ -30,6 +31,7 @@ from .arrival import Arrival, ArrivalError
 from .checks import debug_enabled
 from .deltas import add_delta, pack_delta
 from .exchange import exchange
+from .onebit import onebit_reduce_scatter
 from .reduce_scatter import ErrorFeedback, ReduceOp, reduce_scatter, shard_range
 from .topology import (
     ENV_RANKS_PER_NODE,
@@ -54,6 +56,7 @@ __all__ = [
     "debug_enabled",
     "exchange",
     "get_default_topology",
+    "onebit_reduce_scatter",
     "pack_delta",
     "reduce_scatter",
     "reset_stats",

@@ -1,4 +1,5 @@
-"""The ``optimizer`` block: AdamW, Adam or SGD with torch.optim's parameter names and defaults."""
+"""The ``optimizer`` block: AdamW, Adam or SGD with torch.optim's parameter names and defaults; OneBitAdam with
+DeepSpeed's (``zeropp.engine.onebit``)."""
 
 from __future__ import annotations
 
@@ -13,11 +14,20 @@ _OPTIMIZER_PARAMS: dict[str, dict[str, Any]] = {
     "adamw": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01},
     "adam": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "adam_w_mode": True},
     "sgd": {"lr": 1e-3, "momentum": 0.0, "dampening": 0.0, "weight_decay": 0.0, "nesterov": False},
+    # DeepSpeed's OnebitAdam defaults (deepspeed/runtime/fp16/onebit/adam.py)
+    "onebitadam": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0, "freeze_step": 100000},
 }
-_OPTIMIZER_NAMES = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD"}
-_UNSUPPORTED_OPTIMIZERS = {
-    "onebitadam", "onebitlamb", "zerooneadam", "lamb", "lion", "adagrad", "muadam", "muadamw", "musgd",
+_OPTIMIZER_NAMES = {"adamw": "AdamW", "adam": "Adam", "sgd": "SGD", "onebitadam": "OneBitAdam"}
+_UNSUPPORTED_OPTIMIZERS = {"lamb", "lion", "adagrad", "muadam", "muadamw", "musgd"}
+# DeepSpeed's other 1-bit optimizers: what their sharded form would need that zeropp's OneBitAdam does not have
+_ONEBIT_MISSING = {
+    "zerooneadam": "ZeroOneAdam's variance refresh policy (var_freeze_step, var_update_scaler) and its local steps "
+                   "without communication (local_step_scaler, local_step_clipper) are not implemented",
+    "onebitlamb": "OneBitLamb's per-parameter trust ratio needs each whole parameter's update norm and its "
+                  "compressed-phase scaling coefficients (max_coeff, min_coeff, factor_*), which are not implemented",
 }
+# OneBitAdam: DeepSpeed's communication-backend switches; zeropp communicates over the engine's process group
+_ONEBIT_NO_EFFECT = {"cuda_aware": "bool", "comm_backend_name": "str"}
 _UNSUPPORTED_OPT_PARAMS = {
     "amsgrad": "AMSGrad is not supported",
     "maximize": "maximize is not supported",
@@ -32,8 +42,10 @@ _BIAS_CORRECTION = "bias_correction"  # always on (torch.optim's Adam): true acc
 
 @dataclass(frozen=True)
 class OptimizerConfig:
-    """``optimizer``: ``type`` is ``"AdamW"``, ``"Adam"`` or ``"SGD"``; ``params`` has every hyperparameter filled
-    in (defaults of torch.optim, and DeepSpeed's ``adam_w_mode=True`` for Adam)."""
+    """``optimizer``: ``type`` is ``"AdamW"``, ``"Adam"``, ``"SGD"`` or ``"OneBitAdam"``; ``params`` has every
+    hyperparameter filled in (defaults of torch.optim, DeepSpeed's ``adam_w_mode=True`` for Adam, DeepSpeed's
+    OnebitAdam defaults with ``freeze_step`` for OneBitAdam; its ``cuda_aware`` and ``comm_backend_name`` are
+    checked and dropped)."""
 
     type: str = "AdamW"
     params: Mapping[str, Any] = field(default_factory=lambda: dict(_OPTIMIZER_PARAMS["adamw"]))
@@ -51,7 +63,11 @@ class OptimizerConfig:
             return None
         key = kind.lower()
         if key not in _OPTIMIZER_PARAMS:
-            if key in _UNSUPPORTED_OPTIMIZERS:
+            if key in _ONEBIT_MISSING:
+                p.add("optimizer.type", f"optimizer.type={kind!r} is not supported: {_ONEBIT_MISSING[key]}; use "
+                                        "\"OneBitAdam\" (1-bit momentum communication after freeze_step) or "
+                                        "\"AdamW\"")
+            elif key in _UNSUPPORTED_OPTIMIZERS:
                 p.add("optimizer.type", f"optimizer.type={kind!r} is a DeepSpeed optimizer that zeropp does not "
                                         f"support; use one of {names}")
             else:
@@ -59,14 +75,24 @@ class OptimizerConfig:
             return None
         given = get_block(p, block, "params", "optimizer")
         defaults = _OPTIMIZER_PARAMS[key]
-        check_keys(p, given, "optimizer.params", [*defaults, *_NO_EFFECT_OPT_PARAMS, _BIAS_CORRECTION],
-                   _UNSUPPORTED_OPT_PARAMS)
+        onebit = key == "onebitadam"
+        extra = [*_ONEBIT_NO_EFFECT, "eps_inside_sqrt", "max_grad_norm"] if onebit else _NO_EFFECT_OPT_PARAMS
+        check_keys(p, given, "optimizer.params", [*defaults, *extra, _BIAS_CORRECTION], _UNSUPPORTED_OPT_PARAMS)
         params: dict[str, Any] = dict(defaults)
         for name, value in given.items():
             where = f"optimizer.params.{name}"
             if name not in defaults:
-                if name in _NO_EFFECT_OPT_PARAMS:
+                if name in _NO_EFFECT_OPT_PARAMS or (onebit and _ONEBIT_NO_EFFECT.get(name) == "bool"):
                     as_bool(p, value, where)
+                elif onebit and _ONEBIT_NO_EFFECT.get(name) == "str" and not isinstance(value, str):
+                    p.add(where, f"{where}={value!r} must be a string (it has no effect: zeropp communicates over "
+                                 "the engine's process group)")
+                elif onebit and name == "eps_inside_sqrt" and value is not False:
+                    p.add(where, f"{where}={value!r} is not supported: eps is added outside the square root (as "
+                                 "torch.optim); remove the key or set it to false")
+                elif onebit and name == "max_grad_norm" and value not in (0, 0.0):
+                    p.add(where, f"{where}={value!r} is not supported (DeepSpeed's OnebitAdam ignores it too); "
+                                 "remove the key or set it to 0")
                 elif name == _BIAS_CORRECTION and not is_auto(p, value, where) and value is not True:
                     p.add(where, f"{where}={value!r} is not supported: bias correction is always on (as "
                                  "torch.optim); remove the key or set it to true")
@@ -80,6 +106,12 @@ class OptimizerConfig:
                 params[name] = tuple(as_float(p, b, where, minimum=0.0, below=1.0, fallback=0.9) for b in value)
             elif name in ("nesterov", "adam_w_mode"):
                 params[name] = as_bool(p, value, where, defaults[name])
+            elif name == "freeze_step":
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    p.add(where, f"{where}={value!r} must be an integer >= 1 (optimizer steps of exact Adam before "
+                                 "the 1-bit momentum communication starts)")
+                else:
+                    params[name] = value
             elif name == "eps":
                 params[name] = as_float(p, value, where, minimum=0.0, fallback=defaults[name])
                 if params[name] == 0.0:

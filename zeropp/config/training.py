@@ -150,8 +150,29 @@ class Config:
             wall_clock_breakdown=as_bool(p, config.get("wall_clock_breakdown", False), "wall_clock_breakdown"),
             aio=AioConfig.parse(get_block(p, config, "aio"), p),
         )
+        if optimizer is not None and optimizer.type == "OneBitAdam":
+            _onebit_consistency(p, out)
         p.raise_if_any()
         return out
+
+
+def _onebit_consistency(p: Problems, config: Config) -> None:
+    """OneBitAdam's limits (``zeropp.engine.onebit``): after ``freeze_step`` no rank ever holds the averaged
+    gradient, so nothing can clip by its norm; fp16 loss scaling and the offload tiers are not wired to its
+    full-size per-rank buffers."""
+    why = "with optimizer.type=\"OneBitAdam\""
+    if config.gradient_clipping > 0:
+        p.add("gradient_clipping", f"gradient_clipping={config.gradient_clipping} {why} is not supported: after "
+                                   "freeze_step the averaged gradient is never formed, so there is no global norm to "
+                                   "clip by; set it to 0 (or use AdamW)")
+    if config.fp16.enabled:
+        p.add("fp16.enabled", f"fp16.enabled=true {why} is not supported (its loss scaling is not applied to the "
+                              "1-bit phase's local gradients); use bf16 or fp32")
+    zero = config.zero_optimization
+    if zero.offload_optimizer.enabled or zero.offload_param.enabled or zero.zeropp.memory_budget is not None:
+        p.add("zero_optimization.offload_optimizer", f"offload_optimizer, offload_param and memory_budget {why} are "
+                                                     "not supported (its local momentum and error buffers stay on "
+                                                     "the device); remove them")
 
 
 def _communication_dtype(p: Problems, value: Any) -> str | None:

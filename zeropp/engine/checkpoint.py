@@ -304,6 +304,33 @@ def _error_feedback_key(engine: ZeroEngine) -> str:
     return f"rank{engine.topology.global_rank}.error_feedback"
 
 
+def _onebit_key(engine: ZeroEngine) -> str:
+    return f"rank{engine.topology.global_rank}.onebit"
+
+
+def _onebit_targets(engine: ZeroEngine, info: dict[str, Any] | None) -> dict[str, torch.Tensor]:
+    """OneBitAdam: drop this rank's local momenta and worker errors; when ``info`` (this rank's saved description)
+    says they were saved at this world size with these units' sizes, allocate them and return them by DCP key, to be
+    read in place. Otherwise the next compressed step starts them afresh from the loaded ``exp_avg``
+    (``OneBitAdam.begin``)."""
+    onebit = engine.onebit
+    if onebit is None:
+        return {}
+    onebit.momentum = [None] * len(engine.units)
+    onebit.error = [None] * len(engine.units)
+    sizes = [unit.full.numel() for unit in engine.units]
+    if (info is None or info["world_size"] != engine.comm.world_size
+            or any(u >= len(sizes) or sizes[u] != numel for u, numel in info["units"].items())):
+        return {}
+    out = {}
+    for u in info["units"]:
+        onebit.momentum[u] = torch.empty(sizes[u], device=engine.units[u].full.device)
+        onebit.error[u] = torch.empty_like(onebit.momentum[u])
+        out[f"{_onebit_key(engine)}.{u}.momentum"] = onebit.momentum[u]
+        out[f"{_onebit_key(engine)}.{u}.error"] = onebit.error[u]
+    return out
+
+
 def checkpoint_path(save_dir: str | os.PathLike[str], tag: str | None = None) -> Path:
     """``save_dir/tag``, the tag read from ``save_dir/latest`` when ``None`` (``checkpoint_files.resolve``). Raises
     ``FileNotFoundError`` with the path when the directory, ``latest`` or the tag's checkpoint is missing, and
@@ -411,6 +438,15 @@ def _state_to_save(engine: ZeroEngine, client_state: dict[str, Any] | None) -> d
     if described:
         state[_error_feedback_key(engine)] = _pack({"world_size": engine.comm.world_size,
                                                     "nodes": _layout_of_nodes(engine), "units": described})
+    onebit = engine.onebit
+    held = [] if onebit is None else [u for u, m in enumerate(onebit.momentum) if m is not None]
+    if held:
+        assert onebit is not None
+        for u in held:
+            state[f"{_onebit_key(engine)}.{u}.momentum"] = onebit.momentum[u]
+            state[f"{_onebit_key(engine)}.{u}.error"] = onebit.error[u]
+        state[_onebit_key(engine)] = _pack({"world_size": engine.comm.world_size,
+                                            "units": {u: onebit.momentum[u].numel() for u in held}})
     if engine.comm.rank == 0:
         state["client_state"] = _pack(dict(client_state or {}))
     return state
@@ -619,7 +655,8 @@ def load(engine: ZeroEngine, load_dir: str | os.PathLike[str], tag: str | None =
         metadata = _metadata(path)
         if not isinstance(metadata.get("engine"), BytesStorageMetadata):
             raise CheckpointError(f"{str(path)!r} is a DCP checkpoint but not one of ZeroEngine.save_checkpoint")
-        own = [key for key in ("engine", "client_state", f"rank{rank}.rng", _error_feedback_key(engine))
+        own = [key for key in ("engine", "client_state", f"rank{rank}.rng", _error_feedback_key(engine),
+                               _onebit_key(engine))
                if isinstance(metadata.get(key), BytesStorageMetadata)]
         saved = _read_own(path, own)
         _check_compatible(engine, metadata, saved["engine"], path)
@@ -637,6 +674,7 @@ def load(engine: ZeroEngine, load_dir: str | os.PathLike[str], tag: str | None =
             state = _tensors(engine, group, others=n == 0)
             if n == 0:
                 state.update(_error_feedback_targets(engine, saved.get(_error_feedback_key(engine))))
+                state.update(_onebit_targets(engine, saved.get(_onebit_key(engine))))
             try:
                 plain, slices = _split(state)
                 dcp.load(plain, checkpoint_id=path, process_group=engine.topology.group, planner=_LoadPlanner(slices))

@@ -37,6 +37,8 @@ class Collectives:
             float32 sums in fp32 on the wire (``comm.reduce_scatter``'s plain exact path); bfloat16/float16 send
             each rank's gradient in that dtype and sum it at the receiver in float64 (its ``wire_dtype`` path).
             qgZ ignores it (it quantizes from fp32).
+        onebit: OneBitAdam's compressed momentum is exchanged (``reduce_scatter_onebit``), in blocks of
+            ``block_size``.
         arrival_timeout: how long ``wait_all_arrived`` waits on the group's first rank (``comm.Arrival.of``: its
             side group is made with the first engine over ``topology``, a collective over the data-parallel group,
             when it has more than one rank).
@@ -53,6 +55,7 @@ class Collectives:
         error_feedback: bool = False,
         delta_bits: int | None = None,
         communication_dtype: torch.dtype = torch.float32,
+        onebit: bool = False,
         arrival_timeout: timedelta,
     ) -> None:
         if error_feedback and gradient_bits is None:
@@ -65,6 +68,7 @@ class Collectives:
         self.error_feedback = error_feedback
         self.delta_bits = delta_bits
         self.communication_dtype = communication_dtype
+        self.onebit = onebit
         self.partition_rank = 0
         self.partition_group = None
         if hpz > 1:
@@ -91,10 +95,10 @@ class Collectives:
     @property
     def alignment(self) -> int:
         """Elements each unit's parameter offsets and shard size are multiples of: the block size when anything
-        is quantized, weight deltas included (blocks then never straddle two parameters), else 1 (see
-        ``zeropp.engine.unit``)."""
+        is quantized, weight deltas and 1-bit compression included (blocks then never straddle two parameters), else
+        1 (see ``zeropp.engine.unit``)."""
         quantized = (self.weight_bits, self.gradient_bits, self.delta_bits)
-        return self.block_size if any(bits is not None for bits in quantized) else 1
+        return self.block_size if self.onebit or any(bits is not None for bits in quantized) else 1
 
     @property
     def gradient_dtype(self) -> torch.dtype:
@@ -167,6 +171,12 @@ class Collectives:
             full, bits=self.gradient_bits, op=comm.ReduceOp.AVG, topology=self.topology, out=out,
             block_size=self.block_size, error_feedback=error_feedback, wire_dtype=wire, async_op=True,
         )
+
+    def reduce_scatter_onebit(self, x: torch.Tensor, out: torch.Tensor, error: torch.Tensor) -> None:
+        """OneBitAdam: average the 1-bit compression of every rank's flat ``x`` (fp32, ``P * S``), this rank's
+        slice into ``out`` (``S``), this rank's compression error into ``error`` (``comm.onebit_reduce_scatter``,
+        blocks of ``block_size``)."""
+        comm.onebit_reduce_scatter(x, out, error, block_size=self.block_size, topology=self.topology)
 
     def count_local_reduce_scatter(self) -> None:
         """One rank: a gradient reduce-scatter done locally (the gradient is its own mean) is counted in

@@ -42,6 +42,7 @@ from .gathered import StateDictGathering
 from .hooks import GradientReadiness, install_entry_hooks, install_stage3_hooks
 from .loss_scaler import LossScaler
 from .monitor import Monitor
+from .onebit import OneBitAdam
 from .materialize import Materializer, MetaInit
 from .offload import OffloadError, OptimizerOffload
 from .optimizer import PartitionedOptimizer, state_kinds
@@ -99,6 +100,7 @@ class ZeroEngine:
             error_feedback=zero.zeropp.error_feedback,
             delta_bits=zero.zeropp.delta_bits if zero.zeropp.weight_deltas else None,
             communication_dtype=communication_dtype(config),
+            onebit=config.optimizer is not None and config.optimizer.type == "OneBitAdam",
             arrival_timeout=timedelta(seconds=zero.zeropp.entry_check_timeout),
         )
         self.entry_check = EntryCheck(self.comm)
@@ -151,6 +153,8 @@ class ZeroEngine:
         self.optimizer = PartitionedOptimizer(
             config.optimizer, self.units, model_parameters,
             make_state=lambda u, kind: self.offload.zeros(u, self.units[u].master, kind))
+        self.onebit = OneBitAdam(self.optimizer, self.units, self.comm) if self.comm.onebit else None
+        self.optimizer.onebit = self.onebit
         self._failure: str | None = None  # why the engine cannot go on (an offload read or write failed)
         self.placement: placement.Placement | None = None
         """``memory_budget``: the tiers the first step chose (``zeropp.engine.placement``); None before it, or
@@ -326,6 +330,8 @@ class ZeroEngine:
         self._step_applied = not self.overflow
         for unit in self.units:
             unit.grad_shard.zero_()
+        if self.onebit is not None:
+            self.onebit.zero_grad()
         error = None
         if bad and self.loss_scaler is None:  # fp16: an overflow, the loss scaler's business
             message = self._nonfinite_message(bad)
@@ -593,6 +599,9 @@ class ZeroEngine:
         first sends them, and once the held units reach it they go in one reduce-scatter (``reduce_bucketed``);
         ``_finish_backward`` sends the rest. A unit of at least ``reduce_bucket_size`` elements goes alone. Units of
         different formats (``zeropp.rules``) are held in separate buckets, each filled and sent as above."""
+        if self.onebit is not None and self.onebit.diverts:  # OneBitAdam's compressed phase: kept on this rank
+            self.onebit.take(unit, unit.take_gradients())
+            return
         if not self._bucketing:
             self._start_reduction(unit.reduce_gradients())
             return
@@ -801,24 +810,26 @@ class ZeroEngine:
           exactly when the shard holds an Inf or NaN: no second pass); without, one ``aminmax`` pass (the smallest
           and largest element are finite exactly when all are; no temporary of the shard's size).
 
-        Read: every element of this rank's fp32 ``grad_shard`` of every unit, after the reduce-scatter (exact: an
+        Read: every element of this rank's fp32 ``grad_shard`` of every unit (OneBitAdam's compressed phase: of its
+        own full gradient, ``OneBitAdam.gradients``), after the reduce-scatter (exact: an
         Inf/NaN anywhere in a unit's gradient on any rank lands in the owning rank's shard; qgZ: a block holding one
         gets a non-finite scale and dequantizes to NaN in the owning rank's shard)."""
         clip = self.config.gradient_clipping > 0
+        grads = self.onebit.gradients() if self.onebit is not None else [unit.grad_shard for unit in self.units]
         if self.loss_scaler is not None:
             inv = 1.0 / self.loss_scaler.scale
-            for unit in self.units:
-                unit.grad_shard.mul_(inv)
+            for grad in grads:
+                grad.mul_(inv)
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         flags = []
-        for unit in self.units:  # an offloaded grad_shard: reduced where it lives, the value moved to the device
+        for grad in grads:  # an offloaded grad_shard: reduced where it lives, the value moved to the device
             if clip:
-                sq = moved(unit.grad_shard.double().pow(2).sum(), self.device)
+                sq = moved(grad.double().pow(2).sum(), self.device)
                 total += sq
                 flags.append(torch.isfinite(sq).logical_not())
-            elif unit.grad_shard.numel():  # min and max: finite exactly when every element is (NaN propagates),
+            elif grad.numel():  # min and max: finite exactly when every element is (NaN propagates),
                 # read in one pass with no temporary of the shard's size (isfinite's would be one byte per element)
-                extremes = torch.stack(torch.aminmax(unit.grad_shard))
+                extremes = torch.stack(torch.aminmax(grad))
                 flags.append(moved(torch.isfinite(extremes).all().logical_not(), self.device))
             else:
                 flags.append(torch.zeros((), dtype=torch.bool, device=self.device))

@@ -110,7 +110,7 @@ def initialize(
     if config is None:
         raise ConfigError("initialize needs config=: a dict or the path of a JSON file (see zeropp.config)")
     for name, value, hint in (
-        ("optimizer", optimizer, "set the config's optimizer block (AdamW, Adam or SGD)"),
+        ("optimizer", optimizer, "set the config's optimizer block (AdamW, Adam, SGD or OneBitAdam)"),
         ("training_data", training_data, "build your own DataLoader over this rank's slice of the data"),
         ("collate_fn", collate_fn, "build your own DataLoader over this rank's slice of the data"),
         ("mpu", mpu, "model (tensor/pipeline) parallelism is not supported; zeropp is data-parallel"),

@@ -1,4 +1,5 @@
-"""Partitioned AdamW / Adam / SGD: each rank steps only the fp32 master shards it owns.
+"""Partitioned AdamW / Adam / SGD (and OneBitAdam: AdamW until its ``freeze_step``, then ``zeropp.engine.onebit``):
+each rank steps only the fp32 master shards it owns.
 
 The update of every element depends on that element alone, so stepping the shards is the same computation as
 stepping whole tensors, if every element is rounded as the whole tensor's step rounds it. The reference is torch.optim's
@@ -38,7 +39,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.optim.adam import adam as torch_adam
@@ -48,10 +49,14 @@ from ..config import ConfigError, OptimizerConfig
 from ..optim import native as native_optim
 from .unit import Unit
 
+if TYPE_CHECKING:
+    from .onebit import OneBitAdam
+
 _HYPER = {
     "AdamW": ("lr", "betas", "eps", "weight_decay"),
     "Adam": ("lr", "betas", "eps", "weight_decay", "adam_w_mode"),
     "SGD": ("lr", "momentum", "dampening", "weight_decay", "nesterov"),
+    "OneBitAdam": ("lr", "betas", "eps", "weight_decay"),
 }
 
 
@@ -72,7 +77,7 @@ class _Segment:
 
 
 class PartitionedOptimizer(torch.optim.Optimizer):
-    """AdamW, Adam or SGD over the units' master shards (see the module docstring for what of
+    """AdamW, Adam, SGD or OneBitAdam over the units' master shards (see the module docstring for what of
     ``torch.optim.Optimizer`` it supports).
 
     Args:
@@ -136,6 +141,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             self._by_unit[self._unit_index[id(seg.unit)]].setdefault(seg.group, []).append(seg)
         self._group_of_param = [[group_of[id(p)] for p in unit.params] for unit in units]
         self.steps = [0 for _ in self.param_groups]
+        self.onebit: OneBitAdam | None = None  # OneBitAdam: its compressed phase (set by the engine)
 
     @torch.no_grad()
     def step(self, order: Iterable[int] | None = None,
@@ -146,16 +152,27 @@ class PartitionedOptimizer(torch.optim.Optimizer):
         engine passes ``OptimizerOffload.stream``, which has each unit's state in memory while it is stepped), and
         ``after(unit, copied)`` runs once the unit is stepped, before the next is asked for (the engine publishes
         it); ``copied``: the native step already wrote the new values into the compute shard."""
+        onebit = self.onebit if self.onebit is not None and self.onebit.compressing else None
+        if onebit is not None:
+            onebit.begin()
         for g in range(len(self.param_groups)):
             self.steps[g] += 1
         for u in range(len(self.units)) if order is None else order:
             unit = self.units[u]
-            native = self.type != "SGD" and self._native_usable(unit)
-            copied = self._native_unit(u) if native else False
-            if not native:
-                self._torch_unit(u)
+            if onebit is not None:
+                onebit.step_unit(u)
+                copied = False
+            else:
+                native = self.type != "SGD" and self._native_usable(unit)
+                copied = self._native_unit(u) if native else False
+                if not native:
+                    self._torch_unit(u)
             if after is not None:
                 after(unit, copied)
+
+    def segments_of(self, u: int) -> dict[int, list[_Segment]]:
+        """Unit ``u``'s segments by parameter group."""
+        return self._by_unit[u]
 
     def _torch_unit(self, u: int) -> None:
         """Step unit ``u`` with torch's functional fused Adam (or foreach SGD), one call per parameter group."""
@@ -168,7 +185,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             if self.type == "SGD":
                 _sgd(params, grads, state["momentum_buffer"], group, first=self.steps[g] == 1)
             else:
-                decoupled = self.type == "AdamW" or group["adam_w_mode"]
+                decoupled = self.type != "Adam" or group["adam_w_mode"]
                 _adam(params, grads, state["exp_avg"], state["exp_avg_sq"], group, self.steps[g], decoupled)
 
     def _native_usable(self, unit: Unit) -> bool:
@@ -196,7 +213,7 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             native_optim.adam_step(
                 unit.master[a:b], unit.grad_shard[a:b], m[a:b], v[a:b], step=self.steps[g], lr=group["lr"],
                 beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                decoupled=self.type == "AdamW" or group["adam_w_mode"], out=unit.shard[a:b] if out_ok else None,
+                decoupled=self.type != "Adam" or group["adam_w_mode"], out=unit.shard[a:b] if out_ok else None,
                 tail=native_optim.tail_in_piece(lo, lo + b - a, unit.shapes[i].numel()))
         return out_ok
 
@@ -207,6 +224,8 @@ class PartitionedOptimizer(torch.optim.Optimizer):
             unit.grad_shard.zero_()
             for p in unit.params:
                 p.grad = None
+        if self.onebit is not None:
+            self.onebit.zero_grad()
 
     def state_dict(self) -> dict[str, Any]:
         raise NotImplementedError(
