@@ -129,3 +129,6 @@ def test_config_helpers(tmp_path):
         convergence.parse_args(["--configs", "no-such-config"])
     with pytest.raises(SystemExit, match="module:attr"):
         convergence.model_factory("nocolon", args)
+    assert isinstance(convergence.model_factory("torch.nn:Identity", args)(), torch.nn.Identity)
+    with pytest.raises(SystemExit, match="no attribute"):
+        convergence.model_factory("torch.nn:NoSuchModel", args)

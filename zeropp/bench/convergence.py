@@ -283,8 +283,8 @@ def train_config(name: str, config: dict[str, Any], build: Callable[[], Any], ar
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             out["evals"].append((step + 1, evaluate(engine, evals)))
         if rank == 0:
-            progress.update(name, step + 1, args.steps,
-                            f"{(step + 1) / (time.perf_counter() - t_start):5.2f} step/s  loss {out['losses'][-1]:6.3f}")
+            rate = (step + 1) / (time.perf_counter() - t_start)
+            progress.update(name, step + 1, args.steps, f"{rate:5.2f} step/s  loss {out['losses'][-1]:6.3f}")
     progress.finish()
     del engine
     gc.collect()  # the engine's hooks form reference cycles: free it before the next config's
