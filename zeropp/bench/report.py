@@ -1,4 +1,5 @@
-"""Output and argument helpers shared by the benchmarks: CSV and Markdown tables, progress lines and bars."""
+"""Output and argument helpers shared by the benchmarks: CSV and Markdown tables, progress lines and bars, loss
+curves."""
 
 from __future__ import annotations
 
@@ -64,6 +65,19 @@ def rows_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str],
     formats = formats or {}
     used = [c for c in columns if any(row.get(c) not in (None, "") for row in rows)]
     return markdown_table(used, [[format_cell(row.get(c), formats.get(c)) for c in used] for row in rows])
+
+
+def moving_average(values: Sequence[float], k: int) -> list[float]:
+    """Each value's mean with the ``k - 1`` before it (fewer at the start)."""
+    return [sum(values[max(0, i - k + 1): i + 1]) / len(values[max(0, i - k + 1): i + 1]) for i in range(len(values))]
+
+
+def draw_loss_curve(ax: Any, steps: Sequence[int], loss: Sequence[float], label: str, k: int) -> Any:
+    """A loss curve on the matplotlib axes ``ax``: thin and faint per step (the loss of a few sequences is noisy),
+    thick for its ``k``-step moving average, labelled ``label``; returns the color used."""
+    (line,) = ax.plot(steps, loss, linewidth=0.6, alpha=0.35)
+    ax.plot(steps, moving_average(loss, k), color=line.get_color(), linewidth=1.6, label=label)
+    return line.get_color()
 
 
 def parse_size(text: str) -> int:

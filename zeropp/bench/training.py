@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from zeropp.bench.report import ProgressBar
+from zeropp.bench.report import ProgressBar, draw_loss_curve
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "zero3": {},
@@ -654,11 +654,8 @@ def plot(rows: list[dict[str, Any]], curves: list[dict[str, Any]], out: Path, ar
     k = max(1, min(5, args.steps // 4))  # moving average: the per-step loss of a few sequences is noisy
     for row in rows:
         pts = [c for c in curves if c["config"] == row["config"]]
-        steps, loss = [c["step"] for c in pts], [c["loss"] for c in pts]
-        (line,) = ax.plot(steps, loss, linewidth=0.6, alpha=0.35)
-        smooth = [sum(loss[max(0, i - k + 1): i + 1]) / len(loss[max(0, i - k + 1): i + 1]) for i in range(len(loss))]
-        ax.plot(steps, smooth, color=line.get_color(), linewidth=1.6,
-                label=f"{row['label']} (eval {row['eval_loss']:.3f})")
+        draw_loss_curve(ax, [c["step"] for c in pts], [c["loss"] for c in pts],
+                        f"{row['label']} (eval {row['eval_loss']:.3f})", k)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (mean over ranks)")
     ax.set_title(f"Loss, {args.preset} GPT {'/'.join(args.dtypes)}, {where}\n(thin: per step; thick: mean of the last {k} steps)",
