@@ -14,8 +14,10 @@ block, tile and pack count, so every program runs the full-tile path): quantize,
 x 8 ranks: 16 packs in the two-hop order), dequantize, the dequantize of an all-gathered buffer of 8 packs (qwZ),
 the fused dequantize-reduce-requantize of d = 2, 4, 8 runs of 2 packs (qgZ step 3) and the fused final
 reduce-dequantize of g = 2, 4, 8 packs (qgZ step 5); int8 and int4; fp32, bf16 and fp16 where the op has a float
-tensor; blocks of 128 and 2048 elements. Names follow ``bench/kernels.py`` plus dtype and block, e.g.
-"quantize int8 fp16 b128". The kernels are compiled for sm_90 by ``zeropp.quant._triton.aot`` (the real launchers
+tensor; blocks of 128 and 2048 elements. The wider qgZ formats add rows at bf16 and blocks of 128
+(``wide_rows``): int2 through every op, int4 rounded stochastically ("seeded"), and the per-hop reduce-requantize
+of d = 2 runs of int8 packs into int4 ("int8->int4", also seeded) or int2. Names follow ``bench/kernels.py`` plus
+dtype and block, e.g. "quantize int8 fp16 b128". The kernels are compiled for sm_90 by ``zeropp.quant._triton.aot`` (the real launchers
 on ``meta`` tensors, as ``tests/quant/test_triton_compile.py`` compiles them).
 
 **What is counted.** Each cubin is disassembled (``nvdisasm`` from the triton wheel, else the CUDA toolkit's) and
@@ -72,7 +74,7 @@ check on an H100"): right for every kernel whose loads are in flight while it co
 them: the unpipelined reduce-requantize, near t_issue = t_floor, was predicted at 1.0 and measured at 0.64-0.74.
 
 **The CUDA C++ rows** (``--cuda``: ``kernels/cuda/quant.cu`` compiled here for sm_90 with the fatbin's flags,
-``<row> [cuda]``) are counted the same way per 16 elements of a thread (``native_cuda.PER_THREAD``; output elements
+``<row> [cuda]``; not the wider formats' rows, which those kernels lack) are counted the same way per 16 elements of a thread (``native_cuda.PER_THREAD``; output elements
 for the fused reductions), with two things the SASS alone does not say (``cuda_trip_count``, ``cuda_code_fma``): a
 loop's trips follow from what one trip does (the fused sum's loop over the packs loads k packs per trip and runs
 d / k times, fractional where k does not divide d: per element, one pack's instructions times d plus the
@@ -846,9 +848,48 @@ def rows(numel: int = NUMEL) -> list[Row]:
                                dict(op="reduce_requantize", bits=bits, block_size=bs, groups=d, chunks=NODES,
                                     chunk_numel=cn),
                                NODES * cn, fmt.chunked_bytes(numel, d * NODES) + NODES * fmt.packed_bytes(cn)))
+    out += wide_rows(numel)
     order = ["quantize", "swizzle_quantize", "dequantize int", "dequantize gathered", "reduce_requantize",
              "reduce_dequantize"]
     return sorted(out, key=lambda r: next(i for i, p in enumerate(order) if r.name.startswith(p)))
+
+
+SEED = 20241127
+"""The seed of the stochastically rounded (``seeded``) rows."""
+
+
+def wide_rows(numel: int = NUMEL) -> list[Row]:
+    """The rows of the wider qgZ formats (format.py), at bf16 and blocks of 128: int2 through every op, the seeded
+    (stochastically rounded) quantize and swizzled quantize of int4, and the per-hop reduce-requantize of d = 2 runs
+    (int8 packs in, int4 or int2 out; int8 to int4 also seeded)."""
+    out = []
+    bs, dtype, item = 128, *DTYPES["bf16"]
+    base = dict(block_size=bs, dtype=dtype)
+    sw = NODES * RANKS_PER_NODE
+    f2, f4, f8 = BlockFormat(2, bs), BlockFormat(4, bs), BlockFormat(8, bs)
+    for fmt, seed in ((f2, None), (f4, SEED)):
+        sfx = f"int{fmt.bits}" + (" seeded" if seed is not None else "") + f" bf16 b{bs}"
+        extra = {} if seed is None else {"seed": seed}
+        out.append(Row(f"quantize {sfx}", dict(op="quantize", numel=numel, chunks=1, nodes=1, bits=fmt.bits,
+                                               **base, **extra), numel, numel * item + fmt.packed_bytes(numel)))
+        out.append(Row(f"swizzle_quantize {sfx.replace(' bf16', f' {NODES}x{RANKS_PER_NODE} bf16')}",
+                       dict(op="quantize", numel=numel, chunks=sw, nodes=NODES, bits=fmt.bits, **base, **extra),
+                       numel, numel * item + fmt.chunked_bytes(numel, sw)))
+    out.append(Row(f"dequantize int2 bf16 b{bs}", dict(op="dequantize", chunks=1, chunk_numel=numel, out_numel=numel,
+                                                       bits=2, **base), numel, f2.packed_bytes(numel) + numel * item))
+    out.append(Row(f"reduce_dequantize int2 g=2 bf16 b{bs}",
+                   dict(op="reduce_dequantize", groups=2, chunk_numel=numel // 2, out_numel=numel // 2,
+                        divisor=float(2 * RANKS_PER_NODE), bits=2, **base),
+                   numel // 2, f2.chunked_bytes(numel, 2) + numel // 2 * item))
+    d = 2
+    cn = numel // (d * NODES)
+    for fmt, out_fmt, seed in ((f2, f2, None), (f8, f4, None), (f8, f4, SEED), (f8, f2, None)):
+        name = f"int{fmt.bits}" if fmt == out_fmt else f"int{fmt.bits}->int{out_fmt.bits}"
+        case = dict(op="reduce_requantize", bits=fmt.bits, block_size=bs, groups=d, chunks=NODES, chunk_numel=cn,
+                    out_bits=out_fmt.bits, **({} if seed is None else {"seed": seed}))
+        out.append(Row(f"reduce_requantize {name} d={d}" + (" seeded" if seed is not None else "") + f" b{bs}", case,
+                       NODES * cn, fmt.chunked_bytes(numel, d * NODES) + NODES * out_fmt.packed_bytes(cn)))
+    return out
 
 
 def _slug(name: str) -> str:
@@ -1102,6 +1143,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.write_budget and (args.kernels or args.cuda):
             p.error("--write-budget writes every Triton row: leave out --kernels and --cuda")
         selected = [r for r in rows() if not args.kernels or any(k in r.name for k in args.kernels)]
+        if args.cuda:  # the CUDA C++ kernels have no int2, per-hop or seeded paths
+            selected = [r for r in selected if r not in wide_rows()]
         if not selected:
             p.error(f"no row matches {args.kernels}")
         with tempfile.TemporaryDirectory() as tmp:

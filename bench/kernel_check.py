@@ -96,10 +96,11 @@ class Reference:
             self._copies[key] = (t, t.cpu())  # keeps t alive, so the address is not reused while the copy is kept
         return self._copies[key][1]
 
-    def quantize(self, x: torch.Tensor, fmt: BlockFormat, chunks: int = 1, nodes: int = 1) -> torch.Tensor:
+    def quantize(self, x: torch.Tensor, fmt: BlockFormat, chunks: int = 1, nodes: int = 1,
+                 seed: int | None = None) -> torch.Tensor:
         x = self.cpu(x).reshape(-1)
         out = torch.empty(fmt.chunked_bytes(x.numel(), chunks), dtype=torch.uint8)
-        reference.quantize_chunks(x, fmt, chunks, nodes, out)
+        reference.quantize_chunks(x, fmt, chunks, nodes, out, seed)
         return out
 
     def dequantize(self, buf: torch.Tensor, fmt: BlockFormat, chunks: int, chunk_numel: int, numel: int,
@@ -108,10 +109,10 @@ class Reference:
         reference.dequantize_chunks(self.cpu(buf), fmt, chunks, chunk_numel, out)
         return out
 
-    def reduce_requantize(self, buf: torch.Tensor, fmt: BlockFormat, groups: int, chunks: int,
-                          chunk_numel: int) -> torch.Tensor:
-        out = torch.empty(chunks * fmt.packed_bytes(chunk_numel), dtype=torch.uint8)
-        reference.reduce_requantize(self.cpu(buf), fmt, groups, chunks, chunk_numel, out)
+    def reduce_requantize(self, buf: torch.Tensor, fmt: BlockFormat, groups: int, chunks: int, chunk_numel: int,
+                          out_fmt: BlockFormat | None = None, seed: int | None = None) -> torch.Tensor:
+        out = torch.empty(chunks * (out_fmt or fmt).packed_bytes(chunk_numel), dtype=torch.uint8)
+        reference.reduce_requantize(self.cpu(buf), fmt, groups, chunks, chunk_numel, out, out_fmt, seed)
         return out
 
     def reduce_dequantize(self, buf: torch.Tensor, fmt: BlockFormat, groups: int, chunk_numel: int, numel: int,

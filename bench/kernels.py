@@ -5,14 +5,16 @@
     python bench/kernels.py --sweep --sizes 2^26     # each main row over tile sizes and warps per program
     python bench/kernels.py --kernels "quantize int4" "reduce_requantize int4 d=2"   # only these rows (exact names)
 
-Rows (int4 unless the name says int8; sizes count input elements, output elements for dequantize), for every size,
-dtype and block size asked for:
+Rows (int4 unless the name says int8 or int2; sizes count input elements, output elements for dequantize), for
+every size, dtype and block size asked for:
 
-* quantize / dequantize, int8 and int4, one pack;
+* quantize / dequantize, int8, int4 and int2, one pack; int4 rounded stochastically (``seeded``);
 * dequantize of an all-gathered W-pack buffer (qwZ: ``--world`` packs, one per rank) straight into the output;
-* swizzled quantize (qgZ step 1: ``--nodes`` x ``--ranks-per-node`` packs in the two-hop order);
-* fused dequantize-reduce-requantize of d = 2, 4, 8 runs of ``--nodes`` packs (qgZ step 3);
-* fused final reduce-dequantize of ``--nodes`` packs, divided by the world size (qgZ step 5).
+* swizzled quantize (qgZ step 1: ``--nodes`` x ``--ranks-per-node`` packs in the two-hop order), int4 and int2;
+* fused dequantize-reduce-requantize of d = 2, 4, 8 runs of ``--nodes`` packs (qgZ step 3), int4; int2 at d = 2;
+  and the per-hop rows at d = 2: int8 packs requantized into int4 (``int8->int4``), rounded to nearest and
+  stochastically, and into int2;
+* fused final reduce-dequantize of ``--nodes`` packs, divided by the world size (qgZ step 5), int4 and int2.
 
 **Timing.** On a GPU each row runs once (compilation), then ``triton.testing.do_bench`` times it: ``--warmup``
 milliseconds of untimed runs, then ``--reps`` milliseconds of runs timed with CUDA events, the L2 cache cleared
@@ -74,6 +76,8 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 SWEEP_ROWS = ("quantize int8", "quantize int4", "dequantize int8", "dequantize int4", "swizzle_quantize",
               "reduce_requantize int4 d=2", "reduce_requantize int4 d=8", "reduce_dequantize")
 """The rows ``--sweep`` times (by name prefix) unless ``--kernels`` says otherwise."""
+SEED = 20241127
+"""The seed of the stochastically rounded (``seeded``) rows."""
 SWEEP_ELEMENTS = (2048, 4096, 8192, 16384, 32768)
 SWEEP_WARPS = (4, 8)
 ROTATION_SIZE = 32
@@ -100,6 +104,7 @@ class Case:
     ds_fn: Callable[[], object] | None = None
     ds_note: str = ""
     groups: int = 1  # runs summed, for the reductions
+    seeded: bool = False  # rounded stochastically
 
 
 def ds_setup(wanted: bool, factory: Callable[[], Callable[[], object]], note: str = ""):
@@ -166,10 +171,12 @@ def load_deepspeed(device: torch.device):
 def row_names(world: int, nodes: int, rpn: int) -> list[str]:
     """The names of the rows, in table order, for ``world`` gathered packs and ``nodes`` x ``rpn`` ranks (what
     ``--kernels`` accepts)."""
-    return ["quantize int8", "dequantize int8", "quantize int4", "dequantize int4",
-            f"dequantize gathered int8 x{world}", f"hadamard_rotate s={ROTATION_SIZE}",
+    return ["quantize int8", "dequantize int8", "quantize int4", "dequantize int4", "quantize int2", "dequantize int2",
+            "quantize int4 seeded", f"dequantize gathered int8 x{world}", f"hadamard_rotate s={ROTATION_SIZE}",
             f"hadamard_unrotate s={ROTATION_SIZE}", f"swizzle_quantize int4 {nodes}x{rpn}",
-            *(f"reduce_requantize int4 d={d}" for d in (2, 4, 8)), f"reduce_dequantize int4 g={nodes}"]
+            f"swizzle_quantize int2 {nodes}x{rpn}", *(f"reduce_requantize int4 d={d}" for d in (2, 4, 8)),
+            "reduce_requantize int2 d=2", "reduce_requantize int8->int4 d=2", "reduce_requantize int8->int4 d=2 seeded",
+            "reduce_requantize int8->int2 d=2", f"reduce_dequantize int4 g={nodes}", f"reduce_dequantize int2 g={nodes}"]
 
 
 def build_cases(n: int, dtype: torch.dtype, block_size: int, world: int, nodes: int, rpn: int, device: torch.device,
@@ -185,20 +192,20 @@ def build_cases(n: int, dtype: torch.dtype, block_size: int, world: int, nodes: 
     item = x.element_size()
     sym = getattr(ds, "Symmetric", None) if ds is not None else None
     ds_ok = ds is not None and dtype == torch.float16  # its kernels take fp16 (and read any 16-bit as fp16)
-    fmt8, fmt4 = BlockFormat(8, block_size), BlockFormat(4, block_size)
+    fmt8, fmt4, fmt2 = BlockFormat(8, block_size), BlockFormat(4, block_size), BlockFormat(2, block_size)
     rows: dict[str, Callable[[], Case]] = {}
 
-    def quantize_row(fmt: BlockFormat) -> Case:
+    def quantize_row(fmt: BlockFormat, seed: int | None = None) -> Case:
         qout = torch.empty(fmt.packed_bytes(n), dtype=torch.uint8, device=device)
         groups = n // block_size
 
         def ds_quant():
             return lambda: ds.quantize(x, groups, fmt.bits, sym)
 
-        return Case(f"quantize int{fmt.bits}", "quantize", fmt.bits, n, n * item + qout.numel(),
-                    lambda: quant.quantize_chunks(x, fmt, 1, out=qout), qout,
-                    lambda: ref.quantize(x, fmt), PackLayout(fmt, 1, n),
-                    *ds_setup(ds_ok and n % block_size == 0, ds_quant))
+        return Case(f"quantize int{fmt.bits}" + (" seeded" if seed is not None else ""), "quantize", fmt.bits, n,
+                    n * item + qout.numel(), lambda: quant.quantize_chunks(x, fmt, 1, out=qout, seed=seed), qout,
+                    lambda: ref.quantize(x, fmt, seed=seed), PackLayout(fmt, 1, n),
+                    *ds_setup(ds_ok and n % block_size == 0 and fmt.bits > 2 and seed is None, ds_quant))
 
     def dequantize_row(fmt: BlockFormat) -> Case:
         qin = quant.quantize_chunks(x, fmt, 1)
@@ -212,11 +219,12 @@ def build_cases(n: int, dtype: torch.dtype, block_size: int, world: int, nodes: 
         return Case(f"dequantize int{fmt.bits}", "dequantize", fmt.bits, n, qin.numel() + n * item,
                     lambda: quant.dequantize_chunks(qin, fmt, 1, n, out), out,
                     lambda: ref.dequantize(qin, fmt, 1, n, n, dtype), None,
-                    *ds_setup(ds_ok and n % block_size == 0, ds_dequant))
+                    *ds_setup(ds_ok and n % block_size == 0 and fmt.bits > 2, ds_dequant))
 
-    for fmt in (fmt8, fmt4):
+    for fmt in (fmt8, fmt4, fmt2):
         rows[f"quantize int{fmt.bits}"] = lambda fmt=fmt: quantize_row(fmt)
         rows[f"dequantize int{fmt.bits}"] = lambda fmt=fmt: dequantize_row(fmt)
+    rows["quantize int4 seeded"] = lambda: quantize_row(fmt4, SEED)
 
     def gathered_row() -> Case:
         """qwZ: the all-gathered buffer holds one int8 pack per rank; dequantize straight into the full weights."""
@@ -257,20 +265,38 @@ def build_cases(n: int, dtype: torch.dtype, block_size: int, world: int, nodes: 
 
     sw_world = nodes * rpn
 
-    def swizzle_row() -> Case:
-        """qgZ step 1: swizzled int4 quantize for nodes x ranks_per_node."""
-        sw_out = torch.empty(fmt4.chunked_bytes(n, sw_world), dtype=torch.uint8, device=device)
+    def swizzle_row(fmt: BlockFormat) -> Case:
+        """qgZ step 1: swizzled quantize for nodes x ranks_per_node."""
+        sw_out = torch.empty(fmt.chunked_bytes(n, sw_world), dtype=torch.uint8, device=device)
 
         def ds_swizzle():
             return lambda: ds.swizzle_quant(x, n // block_size, 4, sym, 1, nodes, rpn)
 
-        return Case(f"swizzle_quantize int4 {nodes}x{rpn}", "quantize", 4, n, n * item + sw_out.numel(),
-                    lambda: quant.swizzle_quantize(x, fmt4, nodes, rpn, out=sw_out), sw_out,
-                    lambda: ref.quantize(x, fmt4, sw_world, nodes),
-                    PackLayout(fmt4, sw_world, quant.chunk_numel(n, sw_world)),
-                    *ds_setup(ds_ok and n % (sw_world * block_size) == 0, ds_swizzle))
+        return Case(f"swizzle_quantize int{fmt.bits} {nodes}x{rpn}", "quantize", fmt.bits, n,
+                    n * item + sw_out.numel(), lambda: quant.swizzle_quantize(x, fmt, nodes, rpn, out=sw_out), sw_out,
+                    lambda: ref.quantize(x, fmt, sw_world, nodes),
+                    PackLayout(fmt, sw_world, quant.chunk_numel(n, sw_world)),
+                    *ds_setup(ds_ok and n % (sw_world * block_size) == 0 and fmt.bits == 4, ds_swizzle))
 
-    rows[f"swizzle_quantize int4 {nodes}x{rpn}"] = swizzle_row
+    for fmt in (fmt4, fmt2):
+        rows[f"swizzle_quantize int{fmt.bits} {nodes}x{rpn}"] = lambda fmt=fmt: swizzle_row(fmt)
+
+    def per_hop_row(fmt: BlockFormat, out_fmt: BlockFormat, d: int, seed: int | None) -> Case:
+        """qgZ step 3 with a format per hop: d runs of `nodes` packs of fmt in, `nodes` packs of out_fmt out."""
+        cn = quant.chunk_numel(n, d * nodes)
+        rbuf = quant.quantize_chunks(x, fmt, d * nodes)
+        rout = torch.empty(nodes * out_fmt.packed_bytes(cn), dtype=torch.uint8, device=device)
+        name = f"int{fmt.bits}" if fmt == out_fmt else f"int{fmt.bits}->int{out_fmt.bits}"
+        return Case(f"reduce_requantize {name} d={d}" + (" seeded" if seed is not None else ""), "reduce_requantize",
+                    fmt.bits, n, rbuf.numel() + rout.numel(),
+                    lambda: quant.reduce_requantize(rbuf, fmt, d, nodes, cn, out=rout, out_fmt=out_fmt, seed=seed),
+                    rout, lambda: ref.reduce_requantize(rbuf, fmt, d, nodes, cn, out_fmt, seed),
+                    PackLayout(out_fmt, nodes, cn), groups=d, seeded=seed is not None)
+
+    rows["reduce_requantize int2 d=2"] = lambda: per_hop_row(fmt2, fmt2, 2, None)
+    rows["reduce_requantize int8->int4 d=2"] = lambda: per_hop_row(fmt8, fmt4, 2, None)
+    rows["reduce_requantize int8->int4 d=2 seeded"] = lambda: per_hop_row(fmt8, fmt4, 2, SEED)
+    rows["reduce_requantize int8->int2 d=2"] = lambda: per_hop_row(fmt8, fmt2, 2, None)
 
     def reduce_row(d: int) -> Case:
         """qgZ step 3: d runs of `nodes` packs in, `nodes` packs out."""
@@ -295,23 +321,26 @@ def build_cases(n: int, dtype: torch.dtype, block_size: int, world: int, nodes: 
     for d in (2, 4, 8):
         rows[f"reduce_requantize int4 d={d}"] = lambda d=d: reduce_row(d)
 
-    def final_row() -> Case:
+    def final_row(fmt: BlockFormat) -> Case:
         """qgZ step 5: `nodes` packs of one slice in, the mean slice out."""
         fcn = quant.chunk_numel(n, nodes)
-        fbuf = quant.quantize_chunks(x, fmt4, nodes)
+        fbuf = quant.quantize_chunks(x, fmt, nodes)
         fout = torch.empty(fcn, dtype=dtype, device=device)
 
         def ds_final():  # its final step: dequantize, then sum over nodes and divide in torch
             c4, p4 = ds.quantize(x, n // block_size, 4, sym)
             return lambda: ds.dequantize(c4, p4, n // block_size, 4, sym).view(nodes, -1).sum(0).div_(sw_world)
 
-        return Case(f"reduce_dequantize int4 g={nodes}", "reduce_dequantize", 4, n, fbuf.numel() + fcn * item,
-                    lambda: quant.reduce_dequantize(fbuf, fmt4, nodes, fcn, fout, divisor=sw_world), fout,
-                    lambda: ref.reduce_dequantize(fbuf, fmt4, nodes, fcn, fcn, dtype, sw_world), None,
-                    *ds_setup(ds_ok and n % (nodes * block_size) == 0, ds_final, "DS: dequantize + torch sum"))
+        return Case(f"reduce_dequantize int{fmt.bits} g={nodes}", "reduce_dequantize", fmt.bits, n,
+                    fbuf.numel() + fcn * item,
+                    lambda: quant.reduce_dequantize(fbuf, fmt, nodes, fcn, fout, divisor=sw_world), fout,
+                    lambda: ref.reduce_dequantize(fbuf, fmt, nodes, fcn, fcn, dtype, sw_world), None,
+                    *ds_setup(ds_ok and n % (nodes * block_size) == 0 and fmt.bits == 4, ds_final,
+                              "DS: dequantize + torch sum"))
 
-    rows[f"reduce_dequantize int4 g={nodes}"] = final_row
-    return [make() for name, make in rows.items() if keep(name)]
+    for fmt in (fmt4, fmt2):
+        rows[f"reduce_dequantize int{fmt.bits} g={nodes}"] = lambda fmt=fmt: final_row(fmt)
+    return [rows[name]() for name in row_names(world, nodes, rpn) if keep(name)]
 
 
 def check_case(case: Case, expected: torch.Tensor | None = None) -> tuple[str, str]:
@@ -388,7 +417,7 @@ def default_tile(c: Case, block: int) -> tuple[int, int]:
     from zeropp.quant._triton import common, reduce
 
     if c.op == "reduce_requantize":
-        shape = reduce.requantize_shape(BlockFormat(c.bits, block), c.groups)
+        shape = reduce.requantize_shape(BlockFormat(c.bits, block), c.groups, seeded=c.seeded)
     else:
         shape = common.launch_shape(c.op, block)
     return shape.blocks_per_program * block, shape.num_warps

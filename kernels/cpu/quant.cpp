@@ -126,11 +126,18 @@ ZEROPP_INLINE Storage<D> from_float(float v) {
 // blocks whose scale is not a normal float.
 namespace portable {
 
-// The codes q[0..block) into `codes`: int8 bytes, or two int4 codes a byte, element 2k in the low nibble.
+// The codes q[0..block) into `codes`: int8 bytes, two int4 codes a byte (element 2k in the low nibble), or four
+// int2 codes a byte (element 4k in the lowest two bits).
 template <int Bits>
 ZEROPP_INLINE void pack_codes(const int32_t* q, int block, uint8_t* codes) {
     if constexpr (Bits == 8) {
         for (int i = 0; i < block; ++i) codes[i] = uint8_t(q[i]);
+    } else if constexpr (Bits == 2) {
+        for (int i = 0; i < block / 4; ++i) {
+            uint32_t byte = 0;
+            for (int k = 0; k < 4; ++k) byte |= (uint32_t(q[4 * i + k]) & 3) << (2 * k);
+            codes[i] = uint8_t(byte);
+        }
     } else {
         for (int i = 0; i < block / 2; ++i) {
             codes[i] = uint8_t((uint32_t(q[2 * i]) & 0xF) | uint32_t(q[2 * i + 1]) << 4);
@@ -138,11 +145,40 @@ ZEROPP_INLINE void pack_codes(const int32_t* q, int block, uint8_t* codes) {
     }
 }
 
+}  // namespace portable
+
+// The noise of stochastic rounding (format.py): u = (h >> 9) * 2^-23 for element `index`, h the hash below.
+struct Noise {
+    uint32_t seed;
+};
+
+// MurmurHash3's 32-bit finalizer.
+ZEROPP_INLINE uint32_t fmix32(uint32_t h) {
+    h ^= h >> 16;
+    h *= 0x85EBCA6Bu;
+    h ^= h >> 13;
+    h *= 0xC2B2AE35u;
+    return h ^ (h >> 16);
+}
+
+// 1 - u of element `index` (exact in float: (2^23 - (h >> 9)) * 2^-23), h = fmix32(lo * 0x9E3779B1 + key) with
+// key = fmix32(fmix32(hi) ^ seed) and lo, hi the index's low and high 32 bits.
+ZEROPP_INLINE float noise_threshold(const Noise& noise, int64_t index) {
+    const uint32_t lo = uint32_t(uint64_t(index)), hi = uint32_t(uint64_t(index) >> 32);
+    const uint32_t h = fmix32(lo * 0x9E3779B1u + fmix32(fmix32(hi) ^ noise.seed));
+    return float(int32_t(8388608u - (h >> 9))) * 0x1p-23f;
+}
+
+namespace portable {
+
 // The codes of v[0..block) for its `scale`, which is any float: 0 for an all-zero, NaN or Inf block. r is a double
 // (for a subnormal scale 1 / scale to 24 bits can overflow a float), where the product is exact and is rounded to
 // an integer by adding 1.5 * 2^52; the clamp only acts for a subnormal scale (the product can then round past qmax).
+// With `noise`, rounded stochastically instead, element i with the noise of index first + i: p = x * r rounded to
+// float once, code = sign(p) * min(floor(|p|) + (|p| - floor(|p|) >= 1 - u), qmax), every step exact.
 template <int Bits>
-void encode(const float* v, int block, float scale, uint8_t* codes) {
+void encode(const float* v, int block, float scale, uint8_t* codes, const Noise* noise = nullptr,
+            int64_t first = 0) {
     if (!(scale > 0.0f && scale <= FLT_MAX)) {
         std::memset(codes, 0, size_t(block) * Bits / 8);
         return;
@@ -152,9 +188,18 @@ void encode(const float* v, int block, float scale, uint8_t* codes) {
     const double m = std::frexp(1.0 / double(scale), &e);
     const double r = std::ldexp((std::ldexp(m, 24) + kRounder64) - kRounder64, e - 24);
     int32_t q[kMaxBlock];
-    for (int i = 0; i < block; ++i) {
-        const double c = (double(v[i]) * r + kRounder64) - kRounder64;
-        q[i] = int32_t(std::min(std::max(c, -qmax), qmax));
+    if (noise) {
+        for (int i = 0; i < block; ++i) {
+            const float p = float(double(v[i]) * r);
+            const float a = std::fabs(p), whole = std::floor(a);
+            const float c = std::min(whole + float(a - whole >= noise_threshold(*noise, first + i)), float(qmax));
+            q[i] = p < 0.0f ? -int32_t(c) : int32_t(c);
+        }
+    } else {
+        for (int i = 0; i < block; ++i) {
+            const double c = (double(v[i]) * r + kRounder64) - kRounder64;
+            q[i] = int32_t(std::min(std::max(c, -qmax), qmax));
+        }
     }
     pack_codes<Bits>(q, block, codes);
 }
@@ -167,25 +212,34 @@ void encode(const Storage<D>* x, int block, float scale, uint8_t* codes) {
     encode<Bits>(v, block, scale, codes);
 }
 
-// Codes and scale of the float values v[0..block).
+// Codes and scale of the float values v[0..block) (rounded stochastically with `noise`, element i with the noise
+// of index first + i).
 template <int Bits>
-void quantize_block(const float* v, int block, uint8_t* codes, uint8_t* scale) {
+void quantize_block(const float* v, int block, uint8_t* codes, uint8_t* scale, const Noise* noise = nullptr,
+                    int64_t first = 0) {
     uint32_t absmax_bits = 0;
     for (int i = 0; i < block; ++i) absmax_bits = std::max(absmax_bits, bits_of(v[i]) & 0x7FFFFFFFu);
     const float s = float_of(absmax_bits) / float(kQmax<Bits>);  // NaN for a NaN block, Inf for an Inf one
     store_float(scale, s);
-    encode<Bits>(v, block, s, codes);
+    encode<Bits>(v, block, s, codes, noise, first);
 }
 
 // The two int4 codes of a byte (element 2k in the low nibble), sign-extended by arithmetic shifts.
 ZEROPP_INLINE float low_code(uint8_t byte) { return float(int8_t(byte << 4) >> 4); }
 ZEROPP_INLINE float high_code(uint8_t byte) { return float(int8_t(byte) >> 4); }
 
+// Int2 code k (element 4i + k of byte i), sign-extended by arithmetic shifts.
+ZEROPP_INLINE float int2_code(uint8_t byte, int k) { return float(int8_t(byte << (6 - 2 * k)) >> 6); }
+
 // The codes of a block as floats, into q[0..block).
 template <int Bits>
 ZEROPP_INLINE void decode(const uint8_t* codes, int block, float* q) {
     if constexpr (Bits == 8) {
         for (int i = 0; i < block; ++i) q[i] = float(int8_t(codes[i]));
+    } else if constexpr (Bits == 2) {
+        for (int i = 0; i < block / 4; ++i) {
+            for (int k = 0; k < 4; ++k) q[4 * i + k] = int2_code(codes[i], k);
+        }
     } else {
         for (int i = 0; i < block / 2; ++i) {
             q[2 * i] = low_code(codes[i]);
@@ -204,6 +258,8 @@ void sum_block(const Run<const uint8_t>& in, int64_t stride, int groups, int blo
         const float s = load_float(in.scales + g * stride);
         if constexpr (Bits == 8) {
             for (int i = 0; i < block; ++i) acc[i] = std::fma(float(int8_t(codes[i])), s, acc[i]);
+        } else if constexpr (Bits == 2) {
+            for (int i = 0; i < block; ++i) acc[i] = std::fma(int2_code(codes[i / 4], i % 4), s, acc[i]);
         } else {  // decoded in the same loop: on x86-64 without FMA, fmaf is a call, and a separate loop costs more
             for (int i = 0; i < block / 2; ++i) {
                 acc[2 * i] = std::fma(low_code(codes[i]), s, acc[2 * i]);
@@ -215,13 +271,16 @@ void sum_block(const Run<const uint8_t>& in, int64_t stride, int groups, int blo
 
 // The four kernels of every instruction set, on runs of whole blocks.
 struct Kernels {
-    // Codes and scales of the run's blocks from x[0 .. count * block).
+    // Codes and scales of the run's blocks from x[0 .. count * block) (with `noise`, rounded stochastically,
+    // x[i] with the noise of index first + i).
     template <int Bits, int D>
-    static void quantize(const Storage<D>* x, int block, const Run<uint8_t>& out) {
+    static void quantize(const Storage<D>* x, int block, const Run<uint8_t>& out, const Noise* noise = nullptr,
+                         int64_t first = 0) {
         float v[kMaxBlock];
         for (int64_t b = 0; b < out.count; ++b, x += block) {
             for (int i = 0; i < block; ++i) v[i] = to_float<D>(x[i]);
-            quantize_block<Bits>(v, block, out.codes + b * block * Bits / 8, out.scales + 4 * b);
+            quantize_block<Bits>(v, block, out.codes + b * block * Bits / 8, out.scales + 4 * b, noise,
+                                 first + b * block);
         }
     }
 
@@ -787,22 +846,30 @@ inline int64_t present(int64_t available, int64_t count, int block) {
     return std::clamp<int64_t>(available, 0, count * block);
 }
 
+// Stochastic rounding (a Noise) runs the portable encoding: element i of x takes the noise of index i.
 template <class Isa, int Bits, int D>
 void quantize_jobs(const Storage<D>* x, int64_t numel, const Layout& f, int64_t chunks, int64_t nodes, uint8_t* out,
-                   int64_t first_job, int64_t end_job) {
+                   const Noise* noise, int64_t first_job, int64_t end_job) {
     const int64_t slice = (numel + chunks - 1) / chunks, blocks = f.blocks(slice), per_node = chunks / nodes;
+    auto quantize = [&](const Storage<D>* src, const Run<uint8_t>& run, int64_t index) {
+        if (noise) {
+            portable::Kernels::quantize<Bits, D>(src, f.block, run, noise, index);
+        } else {
+            Isa::template quantize<Bits, D>(src, f.block, run);
+        }
+    };
     for_each_run(first_job, end_job, blocks, [&](int64_t p, int64_t b, int64_t count) {
         const int64_t source = (p % nodes) * per_node + p / nodes;  // format.swizzle_source
         const int64_t start = source * slice + b * f.block;
         const int64_t n = present(std::min((source + 1) * slice, numel) - start, count, f.block), full = n / f.block;
         uint8_t* pack = out + p * f.pack_bytes(slice);
-        if (full) Isa::template quantize<Bits, D>(x + start, f.block, f.run(pack, blocks, b, full));
+        if (full) quantize(x + start, f.run(pack, blocks, b, full), start);
         for (int64_t k = full; k < count; ++k) {  // zero padded: the slice's short last block, and empty ones
             Storage<D> padded[kMaxBlock];
             const int64_t m = std::clamp<int64_t>(n - k * f.block, 0, f.block);
             if (m) std::copy_n(x + (start + k * f.block), m, padded);
             std::fill(padded + m, padded + f.block, Storage<D>(0));
-            Isa::template quantize<Bits, D>(padded, f.block, f.run(pack, blocks, b + k, 1));
+            quantize(padded, f.run(pack, blocks, b + k, 1), start + k * f.block);
         }
     });
 }
@@ -833,6 +900,35 @@ void reduce_requantize_jobs(const uint8_t* buf, const Layout& f, int groups, int
         Isa::template reduce_requantize<Bits>(f.run(buf + m * pack_bytes, blocks, b, count), chunks * pack_bytes,
                                               groups, f.block, f.run(out + m * pack_bytes, blocks, b, count));
     });
+}
+
+// Pack m of `out` (layout o) = the fused sum of packs g * chunks + m (layout f), g < groups, requantized, for the
+// packs and elements of jobs [first_job, end_job): job = m * units + u covers elements [u * L, (u + 1) * L) of pack
+// m, L the larger block size (whole blocks of both layouts); elements past the input blocks sum to 0. With `noise`
+// rounded stochastically, element e of pack m with the noise of index m * chunk_numel + e. Portable kernels.
+template <int Bits, int OutBits>
+void reduce_requantize_general_jobs(const uint8_t* buf, const Layout& f, const Layout& o, int groups, int64_t chunks,
+                                    int64_t chunk_numel, uint8_t* out, const Noise* noise, int64_t first_job,
+                                    int64_t end_job) {
+    const int64_t blocks = f.blocks(chunk_numel), pack_bytes = f.pack_bytes(chunk_numel);
+    const int64_t out_blocks = o.blocks(chunk_numel), out_pack_bytes = o.pack_bytes(chunk_numel);
+    const int64_t unit = std::max(f.block, o.block), units = (out_blocks * o.block + unit - 1) / unit;
+    float acc[kMaxBlock];
+    for (int64_t job = first_job; job < end_job; ++job) {
+        const int64_t m = job / units, start = job % units * unit;
+        const int64_t end_block = std::min((start + unit) / f.block, blocks);
+        for (int64_t b = start / f.block; b < end_block; ++b) {
+            portable::sum_block<Bits>(f.run(buf + m * pack_bytes, blocks, b, 1), chunks * pack_bytes, groups, f.block,
+                                      acc + (b * f.block - start));
+        }
+        std::fill(acc + (end_block * f.block - start), acc + unit, 0.0f);
+        const int64_t out_end = std::min((start + unit) / o.block, out_blocks);
+        for (int64_t b = start / o.block; b < out_end; ++b) {
+            const Run<uint8_t> run = o.run(out + m * out_pack_bytes, out_blocks, b, 1);
+            portable::quantize_block<OutBits>(acc + (b * o.block - start), o.block, run.codes, run.scales, noise,
+                                              m * chunk_numel + b * o.block);
+        }
+    }
 }
 
 template <class Isa, int Bits, int D>
@@ -877,10 +973,10 @@ template <class Isa>
 struct Quantize {
     template <int Bits, int D>
     static void run(const void* x, int64_t numel, const Layout& f, int64_t chunks, int64_t nodes, uint8_t* out,
-                    int threads) {
+                    const Noise* noise, int threads) {
         const int64_t jobs = chunks * f.blocks((numel + chunks - 1) / chunks);
         parallel(jobs, threads, [&](int64_t a, int64_t e) {
-            quantize_jobs<Isa, Bits, D>(static_cast<const Storage<D>*>(x), numel, f, chunks, nodes, out, a, e);
+            quantize_jobs<Isa, Bits, D>(static_cast<const Storage<D>*>(x), numel, f, chunks, nodes, out, noise, a, e);
         });
     }
 };
@@ -950,9 +1046,10 @@ bool avx512_usable() {
 }
 #endif
 
-// The same with the best kernels for this CPU.
+// The same with the best kernels for this CPU; int2 codes have the portable kernels alone.
 template <template <class> class Op, typename... Args>
 void dispatch(int bits, int dtype, Args... args) {
+    if (bits == 2) return run_dtype<Op, portable::Kernels, 2>(dtype, args...);
 #if ZEROPP_AVX512_KERNELS
     if (avx512_usable()) return run_format<Op, avx512::Kernels>(bits, dtype, args...);
 #endif
@@ -962,8 +1059,25 @@ void dispatch(int bits, int dtype, Args... args) {
     run_format<Op, portable::Kernels>(bits, dtype, args...);
 }
 
+// reduce_requantize_general_jobs over all jobs, for the runtime output bits.
+template <int Bits>
+void reduce_requantize_general(int out_bits, const uint8_t* buf, const Layout& f, const Layout& o, int groups,
+                               int64_t chunks, int64_t chunk_numel, uint8_t* out, const Noise* noise, int threads) {
+    const int64_t unit = std::max(f.block, o.block);
+    const int64_t jobs = chunks * ((o.blocks(chunk_numel) * o.block + unit - 1) / unit);
+    parallel(jobs, threads, [&](int64_t a, int64_t e) {
+        if (out_bits == 8) {
+            reduce_requantize_general_jobs<Bits, 8>(buf, f, o, groups, chunks, chunk_numel, out, noise, a, e);
+        } else if (out_bits == 4) {
+            reduce_requantize_general_jobs<Bits, 4>(buf, f, o, groups, chunks, chunk_numel, out, noise, a, e);
+        } else {
+            reduce_requantize_general_jobs<Bits, 2>(buf, f, o, groups, chunks, chunk_numel, out, noise, a, e);
+        }
+    });
+}
+
 int check(int bits, int block, int dtype) {
-    if (bits != 8 && bits != 4) return 1;
+    if (bits != 8 && bits != 4 && bits != 2) return 1;
     if (block < 16 || block > kMaxBlock || (block & (block - 1))) return 2;
     if (dtype < kFloat32 || dtype > kFloat16) return 3;
     return 0;
@@ -974,18 +1088,21 @@ int check(int bits, int block, int dtype) {
 extern "C" {
 
 // Bumped whenever a signature below changes; zeropp/quant/native.py refuses a library of another version.
-int zeropp_cpu_abi_version(void) { return 1; }
+int zeropp_cpu_abi_version(void) { return 2; }
 
 // Returns 0, or non-zero for bad arguments (the Python side validates first; this is a second line).
 
 // Pack flat x (numel elements, dtype 0/1/2 = float32/bfloat16/float16) as `chunks` slices into `out`, in the qgZ
-// order when nodes > 1 (position p holds slice (p % nodes) * (chunks / nodes) + p / nodes).
+// order when nodes > 1 (position p holds slice (p % nodes) * (chunks / nodes) + p / nodes); rounded
+// stochastically from `seed` when `seeded` is non-zero.
 int zeropp_quantize_chunks(const void* x, int dtype, int64_t numel, int bits, int block, int64_t chunks,
-                           int64_t nodes, uint8_t* out, int threads) {
+                           int64_t nodes, uint8_t* out, int seeded, uint32_t seed, int threads) {
     if (int bad = check(bits, block, dtype)) return bad;
     if (chunks < 1 || nodes < 1 || chunks % nodes) return 4;
     if (numel == 0) return 0;
-    dispatch<Quantize>(bits, dtype, x, numel, Layout{bits, block}, chunks, nodes, out, threads);
+    const Noise noise{seed};
+    dispatch<Quantize>(bits, dtype, x, numel, Layout{bits, block}, chunks, nodes, out, seeded ? &noise : nullptr,
+                       threads);
     return 0;
 }
 
@@ -997,12 +1114,28 @@ int zeropp_dequantize_chunks(const uint8_t* buf, int bits, int block, int64_t ch
     return 0;
 }
 
-// Pack m of `out` (chunks packs) = the fused sum of packs g * chunks + m of `buf`, g < groups, requantized.
+// Pack m of `out` (chunks packs of out_bits, out_block) = the fused sum of packs g * chunks + m of `buf` (bits,
+// block), g < groups, requantized; rounded stochastically from `seed` when `seeded` is non-zero.
 int zeropp_reduce_requantize(const uint8_t* buf, int bits, int block, int groups, int64_t chunks,
-                             int64_t chunk_numel, uint8_t* out, int threads) {
+                             int64_t chunk_numel, uint8_t* out, int out_bits, int out_block, int seeded,
+                             uint32_t seed, int threads) {
     if (int bad = check(bits, block, kFloat32)) return bad;
+    if (int bad = check(out_bits, out_block, kFloat32)) return bad;
     if (groups < 1 || chunks < 1) return 4;
-    dispatch<ReduceRequantize>(bits, kFloat32, buf, Layout{bits, block}, groups, chunks, chunk_numel, out, threads);
+    if (chunk_numel == 0) return 0;
+    const Layout f{bits, block}, o{out_bits, out_block};
+    if (seeded || out_bits != bits || out_block != block) {
+        const Noise noise{seed}, *n = seeded ? &noise : nullptr;
+        if (bits == 8) {
+            reduce_requantize_general<8>(out_bits, buf, f, o, groups, chunks, chunk_numel, out, n, threads);
+        } else if (bits == 4) {
+            reduce_requantize_general<4>(out_bits, buf, f, o, groups, chunks, chunk_numel, out, n, threads);
+        } else {
+            reduce_requantize_general<2>(out_bits, buf, f, o, groups, chunks, chunk_numel, out, n, threads);
+        }
+        return 0;
+    }
+    dispatch<ReduceRequantize>(bits, kFloat32, buf, f, groups, chunks, chunk_numel, out, threads);
     return 0;
 }
 

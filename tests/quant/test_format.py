@@ -46,14 +46,20 @@ def unpack_codes(q: zq.QuantizedTensor) -> np.ndarray:
     raw = q.data.view(torch.uint8).numpy().astype(np.int64)
     if q.bits == 8:
         return np.where(raw >= 128, raw - 256, raw)
+    if q.bits == 2:  # element 4k + i in bits 2i, 2i + 1 of byte k
+        fields = np.stack([(raw >> (2 * i)) & 3 for i in range(4)], axis=1).ravel()
+        return np.where(fields >= 2, fields - 4, fields)
     lo, hi = raw & 0xF, raw >> 4
     lo, hi = np.where(lo >= 8, lo - 16, lo), np.where(hi >= 8, hi - 16, hi)
     return np.stack([lo, hi], axis=1).ravel()
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("numel,block", [(1, 16), (255, 64), (4096, 256), (5003, 2048), (1000, 16)])
+CODES_CASES = [(bits, dtype, numel, block) for bits in (8, 4) for dtype in DTYPES
+               for numel, block in [(1, 16), (255, 64), (4096, 256), (5003, 2048), (1000, 16)]]
+CODES_CASES += [(2, torch.bfloat16, 255, 64), (2, torch.float32, 1000, 16)]
+
+
+@pytest.mark.parametrize("bits,dtype,numel,block", CODES_CASES)
 def test_codes_and_scales_match_numpy(quant_backend, bits, dtype, numel, block):
     g = torch.Generator().manual_seed(numel * 7 + bits)
     x = (torch.randn(numel, generator=g) * 3).to(dtype)
@@ -63,8 +69,7 @@ def test_codes_and_scales_match_numpy(quant_backend, bits, dtype, numel, block):
     assert np.array_equal(unpack_codes(q.__class__(q.buffer.cpu(), q.shape, q.dtype, q.fmt)), codes.ravel())
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits,dtype", [(b, d) for b in (8, 4) for d in DTYPES] + [(2, torch.float16)])
 def test_round_trip_error_bound_and_dtype(quant_backend, bits, dtype):
     g = torch.Generator().manual_seed(11 + bits)
     x = (torch.randn(3, 37, 29, generator=g) * torch.logspace(-3, 3, 29)).to(dtype)
@@ -84,7 +89,7 @@ def test_round_trip_error_bound_and_dtype(quant_backend, bits, dtype):
         st.integers(0, 700),
         elements=st.floats(width=32, allow_nan=False, allow_infinity=False, allow_subnormal=False),
     ),
-    bits=st.sampled_from([8, 4]),
+    bits=st.sampled_from([8, 4, 2]),
     block=st.sampled_from([16, 32, 128]),
 )
 def test_round_trip_property(x, bits, block):
@@ -111,6 +116,15 @@ def test_int4_nibble_order():
     q = zq.quantize(x, bits=4, block_size=16)
     assert q.scales.tolist() == [1.0]
     assert q.data[:2].tolist() == [0x7 | (0x9 << 4), 0xF | (0x3 << 4)]
+
+
+def test_int2_field_order():
+    """Element 4k + i in bits 2i and 2i + 1 of byte k (element 4k lowest), two's complement: -1 is 0b11."""
+    x = torch.zeros(16)
+    x[0], x[1], x[2], x[3], x[5], x[6] = 2.0, -2.0, 0.0, 2.0, -2.0, 0.9  # absmax 2 -> scale 2, codes x / 2 rounded
+    q = zq.quantize(x, bits=2, block_size=16)
+    assert q.scales.tolist() == [2.0]
+    assert q.data[:3].tolist() == [0b01_00_11_01, 0b00_00_11_00, 0]
 
 
 def test_round_half_to_even():

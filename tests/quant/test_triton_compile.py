@@ -116,6 +116,23 @@ CASES: list[dict] = [
          out_numel=2**22, divisor=8.0),
     dict(op="reduce_dequantize", bits=8, block_size=8192, dtype="bfloat16", groups=2, chunk_numel=2**20,
          out_numel=2**20, divisor=2.0),
+    # the wider formats: int2 through every op, stochastic rounding (``seed``: int64 element indices past 2**32
+    # among them), a reduce into another format (``out_bits``, ``out_block_size``) either way of block size
+    dict(op="quantize", bits=2, block_size=16, dtype="bfloat16", numel=1_000_003, chunks=8, nodes=2),
+    dict(op="quantize", bits=2, block_size="default", dtype="float32", numel=2**20, chunks=1, nodes=1, seed=1),
+    dict(op="quantize", bits=4, block_size="default", dtype="float16", numel=_BIG, chunks=2, nodes=2,
+         seed=2**32 - 1),
+    dict(op="dequantize", bits=2, block_size="default", dtype="bfloat16", chunks=4, chunk_numel=100_001,
+         out_numel=400_001),
+    dict(op="reduce_requantize", bits=2, block_size=16, groups=8, chunks=2, chunk_numel=1001),
+    dict(op="reduce_requantize", bits=8, block_size="default", groups=2, chunks=2, chunk_numel=2**20, out_bits=4,
+         seed=5),
+    dict(op="reduce_requantize", bits=4, block_size=32, groups=4, chunks=2, chunk_numel=100_001, out_bits=8,
+         out_block_size=2048),
+    dict(op="reduce_requantize", bits=8, block_size=2048, groups=2, chunks=2, chunk_numel=2**20, out_bits=2,
+         out_block_size=16),
+    dict(op="reduce_dequantize", bits=2, block_size=2048, dtype="float16", groups=2, chunk_numel=2**20,
+         out_numel=2**20, divisor=16.0),
 ]
 # The block Hadamard rotation (``rotation.py``): each size, both directions, each input dtype, a partial last block,
 # a misaligned input and int64 offsets.
@@ -158,6 +175,9 @@ def case_id(case: dict) -> str:
                  case.get("dtype", "float32")]
         return "-".join(parts + ([f"off{case['offset']}"] if case.get("offset") else []))
     parts = [case["op"], f"int{case['bits']}", f"bs{case['block_size']}"]
+    parts += [f"to-int{case.get('out_bits', case['bits'])}-bs{case.get('out_block_size', case['block_size'])}"
+              for k in ("out_bits", "out_block_size") if k in case][:1]
+    parts += ["seeded"] if "seed" in case else []
     parts += [case[k] for k in ("dtype",) if k in case]
     parts += [f"{k}{case[k]}" for k in ("groups", "chunks") if k in case]
     parts += ["i64"] if _BIG in (case.get("numel"), case.get("chunk_numel")) else []
@@ -234,7 +254,7 @@ def test_every_launched_kernel_is_covered(compiled):
     assert launched <= covered, f"kernels no case compiles: {sorted(launched - covered)}"
     for op in KERNELS:  # the advertised cover of the specializations
         cases = [c for c in CASES if c["op"] == op]
-        assert {c["bits"] for c in cases} == {8, 4}
+        assert {c["bits"] for c in cases} == {8, 4, 2}
         assert {c["block_size"] for c in cases} >= {16, "default", 2048, 8192}
         if op != "reduce_requantize":
             assert {c["dtype"] for c in cases} == {"float32", "bfloat16", "float16"}
@@ -263,7 +283,8 @@ def test_compiles_for_sm90_as_launched(compiled, case):
 
     block_size = DEFAULT_BLOCK_SIZE if case["block_size"] == "default" else case["block_size"]
     if case["op"] == "reduce_requantize":
-        shape = requantize_shape(BlockFormat(case["bits"], block_size), case["groups"])
+        out_fmt = BlockFormat(case.get("out_bits", case["bits"]), case.get("out_block_size", block_size))
+        shape = requantize_shape(BlockFormat(case["bits"], block_size), case["groups"], out_fmt, "seed" in case)
     else:
         shape = launch_shape(case["op"], block_size, expected_aligned(case))
     constexprs = entry["constexprs"]

@@ -3,7 +3,7 @@
 A tensor is flattened and cut into blocks of ``block_size`` consecutive elements; the last block is padded
 with zeros. Each block is stored as ``block_size`` signed integer codes and one float32 scale:
 
-    scale = absmax(block) / qmax        (qmax = 127 for int8, 7 for int4; float32, correctly rounded)
+    scale = absmax(block) / qmax        (qmax = 127 for int8, 7 for int4, 1 for int2; float32, correctly rounded)
     r     = 1 / scale                   (rounded to float32's 24 significant bits, with no exponent limit)
     code  = clamp(round_half_even(x * r), -qmax, qmax)     (the product exact: ONE rounding, to an integer)
     x'    = code * scale
@@ -17,13 +17,40 @@ such a block are 0, so ``has_nonfinite`` needs to read the scales only. Such a b
 values are clamped to the finite float32 range (``code * scale`` can round past it when a block's absmax is within
 an ulp of it).
 
+Stochastic rounding (an optional integer ``seed`` in ``[0, 2**32)``, so that runs reproduce): the scale is the same;
+each element of index ``i`` (what the op defines: its index in the flat input for a quantize) takes the noise
+
+    lo, hi = i mod 2**32, i // 2**32
+    h      = fmix32(lo * 0x9E3779B1 + fmix32(fmix32(hi) ^ seed))      (uint32 arithmetic, mod 2**32)
+    u      = (h >> 9) * 2**-23                                         (23 bits, in [0, 1))
+    p      = x * r rounded to float32 (once, to nearest even)
+    code   = sign(p) * min(floor(|p| + u), qmax)                      (0 for a block whose scale is 0, NaN or Inf)
+
+with ``fmix32`` MurmurHash3's finalizer (``h ^= h >> 16; h *= 0x85EBCA6B; h ^= h >> 13; h *= 0xC2B2AE35; h ^= h >>
+16``). ``floor(|p| + u)`` is the floor of the exact sum: ``floor(|p|)``, plus 1 where the fraction ``|p| -
+floor(|p|)`` (exact in float32) is at least ``1 - u`` (exact too), so every backend computes it with float32
+operations and integer hashing alone. It is unbiased: over the noise, ``E[code] = p`` up to ``2**-23`` (the
+grid of ``u``), and ``p`` is within ``2**-24`` relative of ``x / scale``; each code is one of the two nearest to
+``p`` (so ``|x - x'| < scale``, up to those roundings), the upper one with probability about ``|p| -
+floor(|p|)``. Rounding the magnitude
+keeps the sign exact (``floor(p + u)`` of a negative ``p`` would need ``p - floor(p)``, which is not exact in
+float32). Distinct elements have independent-looking noise; give each rank and each step its own seed, or their
+rounding errors repeat.
+
 Sums of packs (the fused reductions of qgZ): the packs' blocks are summed element by element in float32 as
 ``acc = 0``, then ``acc = fma(code_i, scale_i, acc)`` for each pack ``i`` in order: each ``code * scale`` is added
 exactly and the sum rounded once, with no clamp (a sum past the float32 range is Inf, a NaN or Inf scale makes
-it NaN).
+it NaN). The fused reduce-requantize may write its sums in another format than it reads (``out_fmt``: bits and
+block size, e.g. int8 inside a node and int4 or int2 across nodes): element ``e`` of an output pack is the sum
+of element ``e`` of the input packs where ``e`` lies inside their blocks (padding included), else 0, quantized
+in the output's blocks; its noise index, when rounded stochastically, is ``m * chunk_numel + e`` for pack ``m``.
 
 Codes: int8 codes are one two's-complement byte each. int4 codes are packed two per byte: element ``2k`` of a
 block in the low nibble and element ``2k + 1`` in the high nibble, each nibble a 4-bit two's-complement number.
+int2 codes (-1, 0, 1: a ternary code in 2 bits) are packed four per byte as int4 does with nibbles: element
+``4k + i`` of a block in bits ``[2i, 2i + 2)`` of byte ``k`` (element ``4k`` in the lowest two bits), each a 2-bit
+two's-complement number (``0b11`` is -1; ``0b10``, -2, never occurs). In every width, code ``i`` of a block lies in
+bits ``[i * bits, (i + 1) * bits)`` of the block's codes read as one little-endian integer.
 
 Packed layout (the wire format): a run of ``numel`` elements is stored as ONE contiguous uint8 buffer
 
@@ -45,11 +72,11 @@ from dataclasses import dataclass
 
 import torch
 
-SUPPORTED_BITS = (8, 4)
+SUPPORTED_BITS = (8, 4, 2)
 MIN_BLOCK_SIZE = 16
 MAX_BLOCK_SIZE = 8192
 DEFAULT_BLOCK_SIZE = 128
-"""Default block size for both int8 and int4; chosen in ``bench/accuracy.py`` (see bench/RESULTS.md)."""
+"""Default block size for int8, int4 and int2; chosen in ``bench/accuracy.py`` (see bench/RESULTS.md)."""
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 SCALE_BYTES = 4
@@ -84,7 +111,7 @@ class BlockFormat:
 
     @property
     def qmax(self) -> int:
-        """Largest code magnitude: 127 for int8, 7 for int4 (the range is symmetric, -qmax..qmax)."""
+        """Largest code magnitude: 127 for int8, 7 for int4, 1 for int2 (the range is symmetric, -qmax..qmax)."""
         return (1 << (self.bits - 1)) - 1
 
     @property

@@ -22,7 +22,7 @@ import torch
 from .format import BlockFormat
 from .native_loader import NativeBackend, build_path
 
-ABI_VERSION = 1
+ABI_VERSION = 2
 """The ``zeropp_cpu_abi_version()`` this module is written for (kernels/cpu/quant.cpp)."""
 
 LIBRARY_NAME = "libzeropp_cpu.so"
@@ -56,11 +56,11 @@ class Library:
             raise NativeLibraryError(
                 f"{self.path} has ABI version {version}, this zeropp needs {ABI_VERSION}; rebuild it: {BUILD_HINT}"
             )
-        i32, i64, ptr, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+        i32, i64, u32, ptr, f32 = ctypes.c_int, ctypes.c_int64, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_float
         signatures = {
-            "zeropp_quantize_chunks": [ptr, i32, i64, i32, i32, i64, i64, ptr, i32],
+            "zeropp_quantize_chunks": [ptr, i32, i64, i32, i32, i64, i64, ptr, i32, u32, i32],
             "zeropp_dequantize_chunks": [ptr, i32, i32, i64, i64, ptr, i32, i64, i32],
-            "zeropp_reduce_requantize": [ptr, i32, i32, i32, i64, i64, ptr, i32],
+            "zeropp_reduce_requantize": [ptr, i32, i32, i32, i64, i64, ptr, i32, i32, i32, u32, i32],
             "zeropp_reduce_dequantize": [ptr, i32, i32, i32, i64, ptr, i32, i64, f32, i32],
             "zeropp_hadamard": [ptr, i64, i32, i32, ptr, i32],
         }
@@ -76,11 +76,12 @@ class Library:
         if status:
             raise NativeLibraryError(f"{name} refused its arguments (status {status}): {args}")
 
-    def quantize_chunks(self, x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, out: torch.Tensor) -> None:
+    def quantize_chunks(self, x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, out: torch.Tensor,
+                        seed: int | None = None) -> None:
         """As ``reference.quantize_chunks``."""
         x = x.contiguous()
         self._call("zeropp_quantize_chunks", x.data_ptr(), _DTYPES[x.dtype], x.numel(), fmt.bits, fmt.block_size,
-                   chunks, nodes, out.data_ptr())
+                   chunks, nodes, out.data_ptr(), seed is not None, seed or 0)
 
     def dequantize_chunks(self, buf: torch.Tensor, fmt: BlockFormat, chunks: int, chunk_numel: int,
                           out: torch.Tensor) -> None:
@@ -89,11 +90,12 @@ class Library:
                    out.data_ptr(), _DTYPES[out.dtype], out.numel())
 
     def reduce_requantize(self, buf: torch.Tensor, fmt: BlockFormat, groups: int, chunks: int, chunk_numel: int,
-                          out: torch.Tensor) -> None:
+                          out: torch.Tensor, out_fmt: BlockFormat | None = None, seed: int | None = None) -> None:
         """As ``reference.reduce_requantize``."""
+        out_fmt = fmt if out_fmt is None else out_fmt
         if chunk_numel:
             self._call("zeropp_reduce_requantize", buf.data_ptr(), fmt.bits, fmt.block_size, groups, chunks,
-                       chunk_numel, out.data_ptr())
+                       chunk_numel, out.data_ptr(), out_fmt.bits, out_fmt.block_size, seed is not None, seed or 0)
 
     def reduce_dequantize(self, buf: torch.Tensor, fmt: BlockFormat, groups: int, chunk_numel: int,
                           out: torch.Tensor, divisor: float) -> None:

@@ -82,6 +82,23 @@ class NativeCudaError(RuntimeError):
     """The CUDA fatbin, CuPy or a CUDA device is missing, or the fatbin is of another ABI version."""
 
 
+def check_supported(fmt: BlockFormat, out_fmt: BlockFormat | None = None, seed: int | None = None) -> None:
+    """Raise ``NativeCudaError`` for what these kernels lack: int2 codes, a reduce into another format, stochastic
+    rounding (the Triton kernels have them all)."""
+    wanted = []
+    if 2 in (fmt.bits, (out_fmt or fmt).bits):
+        wanted.append("int2 codes")
+    if out_fmt is not None and out_fmt != fmt:
+        wanted.append(f"a reduce-requantize from {fmt} into {out_fmt}")
+    if seed is not None:
+        wanted.append("stochastic rounding (a seed)")
+    if wanted:
+        raise NativeCudaError(
+            f"the native CUDA kernels (ZEROPP_QUANT_BACKEND=native) have no {' or '.join(wanted)}; the Triton "
+            "kernels have: leave ZEROPP_QUANT_BACKEND unset (or set it to triton) for CUDA tensors"
+        )
+
+
 def threads(block_size: int) -> int:
     """Threads per CTA for ``block_size``: ``max(256, block_size / 16)``."""
     return max(MIN_THREADS, block_size // PER_THREAD)
@@ -170,8 +187,10 @@ class Module:
             with stream:
                 self._kernel(name)(grid, block, args)
 
-    def quantize_chunks(self, x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, out: torch.Tensor) -> None:
-        """As ``reference.quantize_chunks``."""
+    def quantize_chunks(self, x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, out: torch.Tensor,
+                        seed: int | None = None) -> None:
+        """As ``reference.quantize_chunks`` (no ``seed``: ``check_supported``)."""
+        check_supported(fmt, seed=seed)
         numel = x.numel()
         if numel == 0:
             return
@@ -191,6 +210,7 @@ class Module:
     def dequantize_chunks(self, buf: torch.Tensor, fmt: BlockFormat, chunks: int, chunk_numel: int,
                           out: torch.Tensor) -> None:
         """As ``reference.dequantize_chunks``."""
+        check_supported(fmt)
         out_numel = out.numel()
         if out_numel == 0:
             return
@@ -207,8 +227,9 @@ class Module:
         )
 
     def reduce_requantize(self, buf: torch.Tensor, fmt: BlockFormat, groups: int, chunks: int, chunk_numel: int,
-                          out: torch.Tensor) -> None:
-        """As ``reference.reduce_requantize``."""
+                          out: torch.Tensor, out_fmt: BlockFormat | None = None, seed: int | None = None) -> None:
+        """As ``reference.reduce_requantize`` (one format and no ``seed``: ``check_supported``)."""
+        check_supported(fmt, out_fmt, seed)
         if chunk_numel == 0:
             return
         blocks = fmt.num_blocks(chunk_numel)
@@ -225,6 +246,7 @@ class Module:
     def reduce_dequantize(self, buf: torch.Tensor, fmt: BlockFormat, groups: int, chunk_numel: int,
                           out: torch.Tensor, divisor: float) -> None:
         """As ``reference.reduce_dequantize`` (``divisor`` rounded to float32, as the reference's tensor is)."""
+        check_supported(fmt)
         out_numel = out.numel()
         if out_numel == 0:
             return

@@ -87,9 +87,10 @@ class NativeBackend(Generic[Loaded]):
             self._warned = True
             warnings.warn(f"{self.unavailable_reason()}. {instead}", RuntimeWarning, stacklevel=3)
 
-    def quantize_chunks(self, x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, out: torch.Tensor) -> None:
+    def quantize_chunks(self, x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, out: torch.Tensor,
+                        seed: int | None = None) -> None:
         """As ``reference.quantize_chunks``."""
-        self.library().quantize_chunks(x, fmt, chunks, nodes, out)
+        self.library().quantize_chunks(x, fmt, chunks, nodes, out, seed)
 
     def dequantize_chunks(self, buf: torch.Tensor, fmt: BlockFormat, chunks: int, chunk_numel: int,
                           out: torch.Tensor) -> None:
@@ -97,9 +98,9 @@ class NativeBackend(Generic[Loaded]):
         self.library().dequantize_chunks(buf, fmt, chunks, chunk_numel, out)
 
     def reduce_requantize(self, buf: torch.Tensor, fmt: BlockFormat, groups: int, chunks: int, chunk_numel: int,
-                          out: torch.Tensor) -> None:
+                          out: torch.Tensor, out_fmt: BlockFormat | None = None, seed: int | None = None) -> None:
         """As ``reference.reduce_requantize``."""
-        self.library().reduce_requantize(buf, fmt, groups, chunks, chunk_numel, out)
+        self.library().reduce_requantize(buf, fmt, groups, chunks, chunk_numel, out, out_fmt, seed)
 
     def reduce_dequantize(self, buf: torch.Tensor, fmt: BlockFormat, groups: int, chunk_numel: int,
                           out: torch.Tensor, divisor: float) -> None:

@@ -115,16 +115,27 @@ def _check_out(out: torch.Tensor, numel: int | None, device: torch.device, name:
         raise ValueError(f"{name} is on {out.device} but the input is on {device}")
 
 
+def _check_seed(seed: int | None) -> None:
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32):
+        raise ValueError(
+            f"seed={seed!r} must be None (round to nearest) or an integer in [0, 2**32) (stochastic rounding); "
+            "derive it from the step and rank, e.g. (step * world + rank) % 2**32"
+        )
+
+
 def _check_counts(**counts: int) -> None:
     for name, value in counts.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive integer")
 
 
-def quantize(x: torch.Tensor, bits: int = 8, block_size: int = DEFAULT_BLOCK_SIZE) -> QuantizedTensor:
-    """Block-quantize ``x`` (any shape; fp32, bf16 or fp16) to int8 or int4 with one float32 scale per block.
+def quantize(
+    x: torch.Tensor, bits: int = 8, block_size: int = DEFAULT_BLOCK_SIZE, *, seed: int | None = None
+) -> QuantizedTensor:
+    """Block-quantize ``x`` (any shape; fp32, bf16 or fp16) to int8, int4 or int2 with one float32 scale per block.
 
-    Blocks run over the flattened tensor; the last one is padded with zeros. See ``zeropp.quant.format``.
+    Blocks run over the flattened tensor; the last one is padded with zeros. See ``zeropp.quant.format``. Codes
+    round to nearest even, or stochastically (unbiased, reproducible) from ``seed``, an integer in ``[0, 2**32)``.
 
     A tensor that requires grad is quantized from its detached values: rounding to codes has no useful
     derivative, so the result carries no autograd history and no gradient flows back through it. A ``meta``
@@ -132,7 +143,7 @@ def quantize(x: torch.Tensor, bits: int = 8, block_size: int = DEFAULT_BLOCK_SIZ
     """
     check_float_tensor(x)
     fmt = BlockFormat(bits, block_size)
-    buffer = quantize_chunks(x, fmt)
+    buffer = quantize_chunks(x, fmt, seed=seed)
     return QuantizedTensor(buffer, x.shape, x.dtype, fmt)
 
 
@@ -164,15 +175,19 @@ def quantize_chunks(
     *,
     nodes: int = 1,
     out: torch.Tensor | None = None,
+    seed: int | None = None,
 ) -> torch.Tensor:
     """Pack flattened ``x`` as ``chunks`` slices of ``ceil(numel / chunks)`` elements, one pack per slice.
 
     With ``nodes > 1`` the packs are written in the qgZ order (``format.swizzle_source``) for ``nodes`` nodes of
     ``chunks // nodes`` ranks. Returns the uint8 buffer of ``fmt.chunked_bytes(numel, chunks)`` bytes (``out`` if
-    given). ``x`` is read detached, as in ``quantize``.
+    given). ``x`` is read detached, as in ``quantize``. With a ``seed`` (an integer in ``[0, 2**32)``) the codes
+    are rounded stochastically: the same seed gives the same bytes on every backend, element ``i`` of ``x`` taking
+    the noise of index ``i`` (``format.py``); give each rank and step its own seed.
     """
     check_float_tensor(x)
     _check_counts(chunks=chunks, nodes=nodes)
+    _check_seed(seed)
     if chunks % nodes:
         raise ValueError(f"chunks={chunks} must be a multiple of nodes={nodes} (one chunk per rank)")
     flat = x.detach().reshape(-1)
@@ -182,21 +197,28 @@ def quantize_chunks(
     _check_buffer(out, nbytes, "out")
     if out.device != x.device:
         raise ValueError(f"out is on {out.device} but x is on {x.device}")
-    _backend(flat).quantize_chunks(flat, fmt, chunks, nodes, out)
+    _backend(flat).quantize_chunks(flat, fmt, chunks, nodes, out, seed)
     return out
 
 
 def swizzle_quantize(
-    x: torch.Tensor, fmt: BlockFormat, nodes: int, ranks_per_node: int, *, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    fmt: BlockFormat,
+    nodes: int,
+    ranks_per_node: int,
+    *,
+    out: torch.Tensor | None = None,
+    seed: int | None = None,
 ) -> torch.Tensor:
     """The first step of qgZ: pack the flat gradient ``x`` as one slice per rank, in the two-hop order.
 
     Slice ``r`` (elements ``[r * S, (r + 1) * S)``, ``S = ceil(numel / world)``) is the part that rank ``r`` of
     ``nodes * ranks_per_node`` will own. Pack position ``j * nodes + m`` holds the slice of rank
-    ``m * ranks_per_node + j``, so the intra-node all-to-all sends local peer ``j`` one contiguous run.
+    ``m * ranks_per_node + j``, so the intra-node all-to-all sends local peer ``j`` one contiguous run. ``seed``:
+    stochastic rounding, as in ``quantize_chunks``.
     """
     _check_counts(nodes=nodes, ranks_per_node=ranks_per_node)
-    return quantize_chunks(x, fmt, nodes * ranks_per_node, nodes=nodes, out=out)
+    return quantize_chunks(x, fmt, nodes * ranks_per_node, nodes=nodes, out=out, seed=seed)
 
 
 def dequantize_chunks(
@@ -227,21 +249,32 @@ def reduce_requantize(
     chunk_numel: int,
     *,
     out: torch.Tensor | None = None,
+    out_fmt: BlockFormat | None = None,
+    seed: int | None = None,
 ) -> torch.Tensor:
-    """The middle step of qgZ, fused: ``buf`` holds ``groups`` runs of ``chunks`` packs (one run from each local
-    peer); pack ``m`` of the result is the float32 sum over ``i`` of pack ``i * chunks + m``, requantized.
+    """The middle step of qgZ, fused: ``buf`` holds ``groups`` runs of ``chunks`` packs of ``fmt`` (one run from
+    each local peer); pack ``m`` of the result is the float32 sum over ``i`` of pack ``i * chunks + m``,
+    requantized in ``out_fmt`` (default ``fmt``).
 
-    Returns the uint8 buffer of ``chunks`` packs (``out`` if given).
+    ``out_fmt`` lets each hop have its own format: e.g. int8 packs summed inside the node and sent across nodes as
+    int4 or int2 (``BlockFormat(4)``), any block size. ``seed`` (an integer in ``[0, 2**32)``): stochastic
+    rounding, element ``e`` of pack ``m`` taking the noise of index ``m * chunk_numel + e`` (``format.py``).
+    Returns the uint8 buffer of ``chunks`` packs of ``out_fmt`` (``out`` if given).
     """
     _check_counts(groups=groups, chunks=chunks)
     if chunk_numel < 0:
         raise ValueError(f"chunk_numel={chunk_numel} must be non-negative")
-    pack = fmt.packed_bytes(chunk_numel)
-    _check_buffer(buf, groups * chunks * pack, "buf")
+    if out_fmt is not None and not isinstance(out_fmt, BlockFormat):
+        raise TypeError(f"out_fmt must be a BlockFormat or None (the input format), got {type(out_fmt).__name__}")
+    _check_seed(seed)
+    _check_buffer(buf, groups * chunks * fmt.packed_bytes(chunk_numel), "buf")
+    out_bytes = chunks * (out_fmt or fmt).packed_bytes(chunk_numel)
     if out is None:
-        out = torch.empty(chunks * pack, dtype=torch.uint8, device=buf.device)
-    _check_buffer(out, chunks * pack, "out")
-    _backend(buf).reduce_requantize(buf, fmt, groups, chunks, chunk_numel, out)
+        out = torch.empty(out_bytes, dtype=torch.uint8, device=buf.device)
+    _check_buffer(out, out_bytes, "out")
+    if out.device != buf.device:
+        raise ValueError(f"out is on {out.device} but buf is on {buf.device}")
+    _backend(buf).reduce_requantize(buf, fmt, groups, chunks, chunk_numel, out, out_fmt, seed)
     return out
 
 

@@ -26,8 +26,8 @@ PIECE_NUMEL = 1 << 18
 
 class _Scratch:
     """Piece-sized work buffers for packs of ``blocks`` blocks, allocated once per call: ``values`` and ``other``
-    float32, float64 ones on demand (``wide``) and, for int4, int8 ``half_codes`` of half a piece (one nibble of
-    each code byte); ``qmax`` as a float32 tensor on the device."""
+    float32, float64 ones on demand (``wide``) and, for int4 and int2, int8 ``half_codes`` of one byte per code byte
+    (one nibble or one 2-bit field of each); ``qmax`` as a float32 tensor on the device."""
 
     def __init__(self, fmt: BlockFormat, blocks: int, device: torch.device) -> None:
         self.blocks = max(1, min(PIECE_NUMEL // fmt.block_size, blocks))
@@ -37,7 +37,7 @@ class _Scratch:
         self.values = torch.empty(shape, dtype=torch.float32, device=device)
         self.other = torch.empty(shape, dtype=torch.float32, device=device)
         self._wide = torch.empty((0, *shape), dtype=torch.float64, device=device)
-        if fmt.bits == 4:
+        if fmt.bits < 8:
             self.half_codes = torch.empty(self.blocks, fmt.block_code_bytes, dtype=torch.int8, device=device)
 
     def wide(self, count: int, n: int) -> list[torch.Tensor]:
@@ -62,11 +62,53 @@ def reciprocal(scales: torch.Tensor) -> torch.Tensor:
     return mantissa.mul_(2.0**24).round_().mul_(torch.exp2((exponent - 24).double()))
 
 
+_WORD = 0xFFFF_FFFF
+
+
+def _mul32(h: torch.Tensor, c: int) -> torch.Tensor:
+    """``h * c mod 2**32`` for int64 ``h`` in ``[0, 2**32)`` and a constant ``c < 2**32``, without int64 overflow."""
+    low = h * (c & 0xFFFF)
+    high = (h * (c >> 16)).bitwise_and_(0xFFFF).bitwise_left_shift_(16)
+    return low.add_(high).bitwise_and_(_WORD)
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finalizer on int64 ``h`` in ``[0, 2**32)``: a bijection of 32-bit words."""
+    h = h ^ (h >> 16)
+    h = _mul32(h, 0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = _mul32(h, 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def noise_hash(seed: int, index: torch.Tensor) -> torch.Tensor:
+    """The 32-bit hash of the stochastic rounding of element ``index`` (int64) for ``seed`` (``[0, 2**32)``), as an
+    int64 in ``[0, 2**32)``: ``fmix32(lo * 0x9E3779B1 + fmix32(seed ^ fmix32(hi)))`` (mod 2**32) with ``lo`` and
+    ``hi`` the index's low and high 32 bits (``format.py``)."""
+    hi = _fmix32(index >> 32)
+    key = _fmix32(hi.bitwise_xor_(seed))
+    return _fmix32(_mul32(index & _WORD, 0x9E3779B1).add_(key).bitwise_and_(_WORD))
+
+
+def noise_thresholds(seed: int, first: int, n: int, block_size: int, device: torch.device) -> torch.Tensor:
+    """Float32 ``(n, block_size)``: ``1 - u`` for the elements ``first, first + 1, ...``, ``u = (h >> 9) * 2**-23``
+    with ``h = noise_hash(seed, index)``, so ``1 - u`` is in ``(0, 1]`` and exact in float32."""
+    index = torch.arange(first, first + n * block_size, dtype=torch.int64, device=device)
+    k = noise_hash(seed, index).bitwise_right_shift_(9)
+    return k.neg_().add_(1 << 23).float().mul_(2.0**-23).view(n, block_size)
+
+
 def quantize_blocks(
-    values: torch.Tensor, fmt: BlockFormat, codes: torch.Tensor, scales: torch.Tensor, scratch: _Scratch
+    values: torch.Tensor,
+    fmt: BlockFormat,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    scratch: _Scratch,
+    thresholds: torch.Tensor | None = None,
 ) -> None:
     """Quantize float32 ``values`` of shape ``(n, block_size)``: uint8 codes into ``codes`` (``(n,
-    block_code_bytes)``) and float32 scales into ``scales`` (``(n,)``).
+    block_code_bytes)``) and float32 scales into ``scales`` (``(n,)``). With ``thresholds`` (float32 ``1 - u`` per
+    element, ``noise_thresholds``) the codes are rounded stochastically, else to nearest even (``format.py``).
 
     ``scratch.other`` and ``scratch.wide`` are overwritten.
     """
@@ -79,19 +121,34 @@ def quantize_blocks(
     # float64's 53 bits); an all-zero block uses r = 1 (its codes are 0), a NaN or Inf one is zeroed below
     r = reciprocal(torch.where(usable, scales, 1.0))
     (q,) = scratch.wide(1, n)
-    torch.mul(values, r[:, None], out=q).round_()
-    q.clamp_(-qmax, qmax)  # a no-op unless the scale is subnormal (it can then round by more than an ulp)
+    torch.mul(values, r[:, None], out=q)
+    if thresholds is None:
+        q.round_().clamp_(-qmax, qmax)  # the clamp is a no-op unless the scale is subnormal
+    else:
+        # p = x * r rounded to float32 once; code = sign(p) * min(floor(|p| + u), qmax), where floor(|p| + u) is
+        # floor(|p|) + 1 exactly when the fraction |p| - floor(|p|) (exact in float32) is at least 1 - u
+        p = scratch.other[:n].copy_(q)
+        a = torch.abs(p)
+        whole = torch.floor(a)
+        up = (a - whole).ge_(thresholds)
+        q.copy_(whole.add_(up).clamp_(max=qmax).mul_(torch.sign(p)))
     if not usable.all():
         q[~usable] = 0  # the codes of a NaN or Inf block are 0
     if fmt.bits == 8:
         codes.view(torch.int8).copy_(q)  # two's-complement bytes
         return
+    packed = codes.view(torch.int8)
+    field = scratch.half_codes[:n]
+    if fmt.bits == 2:
+        # byte k = sum_i (q[4k + i] & 3) << 2i: element 4k in the lowest two bits (|q| <= 1, so q << 6 fits an int8)
+        packed.copy_(q[:, 3::4]).bitwise_left_shift_(6)
+        for i in (2, 1, 0):
+            packed.bitwise_or_(field.copy_(q[:, i::4]).bitwise_and_(3).bitwise_left_shift_(2 * i))
+        return
     # int4: byte k = (q[2k] & 0xF) | (q[2k + 1] << 4), element 2k in the low nibble and 2k + 1 in the high one, each
     # 4-bit two's complement (|q| <= 7, so q << 4 fits an int8 and has the high nibble's bits)
-    packed = codes.view(torch.int8)
-    low = scratch.half_codes[:n]
     packed.copy_(q[:, 1::2]).bitwise_left_shift_(4)
-    packed.bitwise_or_(low.copy_(q[:, 0::2]).bitwise_and_(0xF))
+    packed.bitwise_or_(field.copy_(q[:, 0::2]).bitwise_and_(0xF))
 
 
 def decode_blocks(codes: torch.Tensor, fmt: BlockFormat, values: torch.Tensor, scratch: _Scratch) -> torch.Tensor:
@@ -101,6 +158,11 @@ def decode_blocks(codes: torch.Tensor, fmt: BlockFormat, values: torch.Tensor, s
     c = codes.view(torch.int8)  # int8 codes are two's-complement bytes
     if fmt.bits == 8:
         return values.copy_(c)
+    if fmt.bits == 2:  # field i of each byte shifted to the top, then arithmetically back down
+        fields = scratch.half_codes[:n]
+        for i in range(4):
+            values[:, i::4].copy_(torch.bitwise_left_shift(c, 6 - 2 * i, out=fields).bitwise_right_shift_(6))
+        return values
     # the signed nibbles by arithmetic shifts, low = (c << 4) >> 4 and high = c >> 4, into alternate elements
     nibbles = scratch.half_codes[:n]
     values[:, 0::2].copy_(torch.bitwise_left_shift(c, 4, out=nibbles).bitwise_right_shift_(4))
@@ -171,10 +233,14 @@ def _dequantize_piece(
     return dequantize_blocks(codes[first:end], scales, fmt, values, scratch)
 
 
-def quantize_chunks(x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, out: torch.Tensor) -> None:
+def quantize_chunks(
+    x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, out: torch.Tensor, seed: int | None = None
+) -> None:
     """Pack flat ``x`` as ``chunks`` slices into ``out``, slices reordered by the qgZ swizzle when ``nodes > 1``.
 
-    Each slice is taken as float32 and zero-padded to whole blocks.
+    Each slice is taken as float32 and zero-padded to whole blocks. With a ``seed`` the codes are rounded
+    stochastically, element ``e`` of slice ``s`` with the noise of index ``s * slice_numel + e`` (its index in
+    ``x``; the padding's values are 0, whose codes are 0 whatever the noise).
     """
     numel = x.numel()
     if numel == 0:
@@ -195,7 +261,11 @@ def quantize_chunks(x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, 
             src = slice_of_x[first * bs : end * bs]
             flat[: src.numel()].copy_(src)
             flat[src.numel() :].zero_()
-            quantize_blocks(values, fmt, codes[first:end], scales[first:end], scratch)
+            thresholds = None
+            if seed is not None:
+                start = source * slice_numel + first * bs
+                thresholds = noise_thresholds(seed, start, end - first, bs, x.device)
+            quantize_blocks(values, fmt, codes[first:end], scales[first:end], scratch, thresholds)
         scale_bytes.copy_(scales.view(torch.uint8))
 
 
@@ -243,25 +313,52 @@ def _sum_piece(
 
 
 def reduce_requantize(
-    buf: torch.Tensor, fmt: BlockFormat, groups: int, chunks: int, chunk_numel: int, out: torch.Tensor
+    buf: torch.Tensor,
+    fmt: BlockFormat,
+    groups: int,
+    chunks: int,
+    chunk_numel: int,
+    out: torch.Tensor,
+    out_fmt: BlockFormat | None = None,
+    seed: int | None = None,
 ) -> None:
-    """Sum ``groups`` runs of ``chunks`` packs pack-wise (``fma`` in float32) and pack the ``chunks`` sums into
-    ``out``.
+    """Sum ``groups`` runs of ``chunks`` packs of ``fmt`` pack-wise (``fma`` in float32) and pack the ``chunks`` sums
+    into ``out`` in ``out_fmt`` (default ``fmt``), rounded stochastically with a ``seed``.
 
-    Pack ``m`` of ``out`` is the sum over ``i`` of pack ``i * chunks + m``, whole blocks (padding included).
+    Element ``e`` of pack ``m`` of ``out`` is the sum over ``i`` of element ``e`` of pack ``i * chunks + m`` where
+    ``e`` lies in that pack's blocks (padding included), else 0; its noise index is ``m * chunk_numel + e``.
     """
     if chunk_numel == 0:
         return
-    blocks = fmt.num_blocks(chunk_numel)
-    scratch = _Scratch(fmt, blocks, buf.device)
-    scales = torch.empty(blocks, dtype=torch.float32, device=buf.device)
+    out_fmt = fmt if out_fmt is None else out_fmt
+    bs, out_bs = fmt.block_size, out_fmt.block_size
+    blocks, out_blocks = fmt.num_blocks(chunk_numel), out_fmt.num_blocks(chunk_numel)
+    # pieces of whole blocks of both formats: a multiple of the larger block size
+    unit = max(bs, out_bs)
+    piece = min(max(PIECE_NUMEL, unit), -(-out_blocks * out_bs // unit) * unit)
+    scratch = _Scratch(fmt, piece // bs, buf.device)
+    out_scratch = scratch if out_fmt == fmt else _Scratch(out_fmt, piece // out_bs, buf.device)
+    scales = torch.empty(out_blocks, dtype=torch.float32, device=buf.device)
     packs = buf.view(groups, chunks, -1)
     out_packs = out.view(chunks, -1)
     for m in range(chunks):
-        codes, scale_bytes = _pack_parts(out_packs[m], fmt, blocks)
-        for first, end in scratch.pieces(blocks):
-            acc = _sum_piece(packs[:, m], fmt, blocks, first, end, scratch)
-            quantize_blocks(acc, fmt, codes[first:end], scales[first:end], scratch)
+        codes, scale_bytes = _pack_parts(out_packs[m], out_fmt, out_blocks)
+        for start in range(0, out_blocks * out_bs, piece):
+            first, end = start // bs, min((start + piece) // bs, blocks)
+            out_first, out_end = start // out_bs, min((start + piece) // out_bs, out_blocks)
+            n = (out_end - out_first) * out_bs
+            values = out_scratch.values[: out_end - out_first]
+            if out_fmt == fmt:
+                values = _sum_piece(packs[:, m], fmt, blocks, first, end, scratch)
+            else:
+                summed = _sum_piece(packs[:, m], fmt, blocks, first, end, scratch).view(-1)[:n]
+                values.view(-1)[: summed.numel()].copy_(summed)
+                values.view(-1)[summed.numel() :].zero_()
+            thresholds = None
+            if seed is not None:
+                thresholds = noise_thresholds(seed, m * chunk_numel + start, out_end - out_first, out_bs, buf.device)
+            quantize_blocks(values, out_fmt, codes[out_first:out_end], scales[out_first:out_end], out_scratch,
+                            thresholds)
         scale_bytes.copy_(scales.view(torch.uint8))
 
 

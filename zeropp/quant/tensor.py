@@ -71,7 +71,8 @@ class QuantizedTensor:
     @property
     def data(self) -> torch.Tensor:
         """The codes: int8, one per element (bits=8), or uint8 with two int4 codes per byte (bits=4, element
-        ``2k`` in the low nibble). Padded to whole blocks."""
+        ``2k`` in the low nibble) or four int2 codes per byte (bits=2, element ``4k`` in the lowest two bits).
+        Padded to whole blocks."""
         codes = self.buffer[: self.fmt.code_bytes(self.numel)]
         return codes.view(torch.int8) if self.bits == 8 else codes
 

@@ -7,8 +7,9 @@ Used by ``tests/quant/test_triton_compile.py`` (the compiler's rules checked on 
 ``chunks`` and ``nodes`` (quantize; ``nodes > 1`` is the qgZ swizzle with ``chunks // nodes`` ranks per node),
 ``chunks``, ``chunk_numel`` and ``out_numel`` (dequantize), ``groups``, ``chunks`` and ``chunk_numel``
 (reduce_requantize), ``groups``, ``chunk_numel``, ``out_numel`` and ``divisor`` (reduce_dequantize); optionally
-``dtype`` (the float tensor's, a ``torch`` dtype name, default ``float32``) and ``offset`` (elements that misalign
-the float tensor's pointer).
+``dtype`` (the float tensor's, a ``torch`` dtype name, default ``float32``), ``offset`` (elements that misalign
+the float tensor's pointer), ``seed`` (stochastic rounding: quantize, reduce_requantize) and ``out_bits`` and
+``out_block_size`` (reduce_requantize's output format, default the input's).
 
 How: ``triton.jit`` picks the interpreter when ``triton`` is imported, so the compilation runs in a fresh process
 (``compile_in_subprocess`` starts ``python -m zeropp.quant._triton.aot``) with ``TRITON_INTERPRET`` and
@@ -149,19 +150,20 @@ def launch_case(case: Mapping[str, Any]) -> None:
     offset = case.get("offset", 0)
     u8 = torch.uint8
     op = case["op"]
+    seed = case.get("seed")
     if op == "quantize":
         numel, chunks = case["numel"], case["chunks"]
         x = meta(numel, dtype, offset)
-        kernels.quantize_chunks(x, fmt, chunks, case["nodes"], meta(fmt.chunked_bytes(numel, chunks), u8))
+        kernels.quantize_chunks(x, fmt, chunks, case["nodes"], meta(fmt.chunked_bytes(numel, chunks), u8), seed)
     elif op == "dequantize":
         chunks, chunk_numel = case["chunks"], case["chunk_numel"]
         buf = meta(chunks * fmt.packed_bytes(chunk_numel), u8)
         kernels.dequantize_chunks(buf, fmt, chunks, chunk_numel, meta(case["out_numel"], dtype, offset))
     elif op == "reduce_requantize":
         groups, chunks, chunk_numel = case["groups"], case["chunks"], case["chunk_numel"]
-        pack = fmt.packed_bytes(chunk_numel)
-        kernels.reduce_requantize(meta(groups * chunks * pack, u8), fmt, groups, chunks, chunk_numel,
-                                  meta(chunks * pack, u8))
+        out_fmt = BlockFormat(case.get("out_bits", fmt.bits), case.get("out_block_size", bs))
+        kernels.reduce_requantize(meta(groups * chunks * fmt.packed_bytes(chunk_numel), u8), fmt, groups, chunks,
+                                  chunk_numel, meta(chunks * out_fmt.packed_bytes(chunk_numel), u8), out_fmt, seed)
     elif op == "reduce_dequantize":
         groups, chunk_numel = case["groups"], case["chunk_numel"]
         buf = meta(groups * fmt.packed_bytes(chunk_numel), u8)

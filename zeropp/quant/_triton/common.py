@@ -9,8 +9,8 @@ pack and int32 inside a tile, so buffers past 2**31 bytes work.
 
 **Codes as words.** The code bytes of a block are read and written as int32 words (a block's codes are a
 multiple of 4 bytes and every pack starts 4-byte aligned, ``format.py``): 4 int8 codes or 8 int4 codes per
-word, code ``i`` of a word in bits ``[i * BITS, (i + 1) * BITS)`` (the spec's byte order on a little-endian
-machine, and int4's "element 2k low nibble" rule, are exactly that). A word's codes are taken apart and put
+word or 16 int2 codes, code ``i`` of a word in bits ``[i * BITS, (i + 1) * BITS)`` (the spec's byte order on a
+little-endian machine, and the "element 2k low nibble" and "element 4k lowest two bits" rules, are exactly that). A word's codes are taken apart and put
 together with shifts, masks and float tricks on whole words (``decode_words``, ``encode_words``), never byte by
 byte.
 
@@ -95,8 +95,10 @@ def _word_sum(per_code: int, bits: int) -> int:
 # What ``encode_words`` subtracts from a word built from code bits, and every code's sign bit, per code width.
 WORD_OFFSET_8 = tl.constexpr(_word_sum(0x4B400000, 8))
 WORD_OFFSET_4 = tl.constexpr(_word_sum(0x4B400000, 4))
+WORD_OFFSET_2 = tl.constexpr(_word_sum(0x4B400000, 2))
 WORD_SIGNS_8 = tl.constexpr(_word_sum(128, 8))
 WORD_SIGNS_4 = tl.constexpr(_word_sum(8, 4))
+WORD_SIGNS_2 = tl.constexpr(_word_sum(2, 2))
 
 
 @dataclass(frozen=True)
@@ -283,6 +285,74 @@ def quantize_fast(v, scale, BITS: tl.constexpr):
 
 
 @triton.jit
+def _rescaled_reciprocal(scale):
+    """Per row of float32 ``scale`` [R]: whether it is usable (positive and finite), the power of two ``k`` to
+    scale the row's values by and the reciprocal ``r`` of ``scale * k`` (float32), so that ``(v * k) * r`` is the
+    spec's ``v * r``. ``k`` is ``2**64`` below ``FAST_MIN`` (``1 / scale`` would overflow), ``2**-64`` above
+    ``FAST_MAX`` (an int2 scale is the absmax itself, whose reciprocal would be subnormal, short of 24 bits:
+    ``v * 2**-64`` is exact unless ``|v| < 2**-62``, whose code is 0 either way), else 1."""
+    usable = (scale < float("inf")) & (scale > 0.0)  # False for NaN too
+    k = tl.where(scale < FAST_MIN, 18446744073709551616.0, tl.where(scale > FAST_MAX, 5.421010862427522e-20, 1.0))
+    d = tl.where(usable, scale * k, 1.0)
+    r = tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d)
+    return usable, k, r
+
+
+@triton.jit
+def _fmix32(h):
+    """MurmurHash3's 32-bit finalizer on uint32 ``h``."""
+    h = h ^ (h >> 16)
+    h = h * 0x85EBCA6B
+    h = h ^ (h >> 13)
+    h = h * 0xC2B2AE35
+    return h ^ (h >> 16)
+
+
+@triton.jit
+def noise_thresholds(seed, first_index, offsets):
+    """Float32 ``1 - u`` of the stochastic rounding, for ``seed`` (an integer in ``[0, 2**32)``), of the elements
+    at index ``first_index + offsets`` (int64 scalar plus int32 offsets in ``[0, 2**31)``): ``u = (h >> 9) *
+    2**-23``, ``h = fmix32(lo * 0x9E3779B1 + fmix32(fmix32(hi) ^ seed))`` on uint32 (``reference.noise_hash``).
+
+    The indices of a tile span fewer than 2**32 values, so ``hi`` is the first index's or the next: the two keys
+    are computed once per tile, and an element whose ``lo`` wrapped past 2**32 takes the second. ``1 - u`` is
+    ``2 - (1 + u)``, the float ``1 + u`` being the bits ``0x3F800000 | (h >> 9)``: exact, and no conversion."""
+    seed32 = seed.to(tl.uint32)
+    first_lo = (first_index & 0xFFFFFFFF).to(tl.uint32)
+    first_hi = (first_index >> 32).to(tl.uint32)
+    key = _fmix32(_fmix32(first_hi) ^ seed32)
+    next_key = _fmix32(_fmix32(first_hi + 1) ^ seed32)
+    lo = first_lo + offsets.to(tl.uint32)
+    h = _fmix32(lo * 0x9E3779B1 + tl.where(lo < first_lo, next_key, key))
+    return 2.0 - ((h >> 9) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def quantize_stochastic(v, scale, thresholds, BITS: tl.constexpr):
+    """The code bits [R, C] (as ``quantize_rows``) of float32 ``v`` with per-row ``scale``, rounded stochastically
+    (``format.py``): ``p = v * r`` rounded to float32 once, code ``sign(p) * min(floor(|p|) + (frac >= 1 - u),
+    qmax)`` with ``frac = |p| - floor(|p|)`` (exact) and ``thresholds`` the ``1 - u``; 0 where the scale is 0 or
+    not finite. Exact for every scale, so there is no fast path.
+
+    ``floor(|p|)`` without a conversion instruction: ``y = |p| + ROUNDER`` rounds ``|p| <= qmax * (1 + 2**-22)``
+    to the nearest integer ``n`` (``y``'s low bits), and the floor is ``n`` or, where ``n > |p|``, ``n - 1``."""
+    QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
+    usable, k, r = _rescaled_reciprocal(scale)
+    p = (v * k[:, None]) * r[:, None]
+    a = tl.abs(p)
+    y = a + ROUNDER
+    n = y - ROUNDER
+    above = n > a
+    whole = tl.where(above, n - 1.0, n)
+    up = (a - whole) >= thresholds
+    magnitude = y.to(tl.int32, bitcast=True) - CODE_BITS - above.to(tl.int32) + up.to(tl.int32)
+    c = tl.minimum(magnitude, QMAX)
+    c = tl.where(p < 0.0, -c, c)
+    c = tl.where(usable[:, None], c, 0)
+    return c + (CODE_BITS + (1 << (BITS - 1)))
+
+
+@triton.jit
 def quantize_exact(v, scale, BITS: tl.constexpr):
     """The code bits [R, C] of float32 ``v`` with per-row ``scale`` for any scale, as the reference computes them:
     ``clamp(rne(v * r), -qmax, qmax)``, code 0 in rows whose scale is 0 or not finite.
@@ -294,23 +364,25 @@ def quantize_exact(v, scale, BITS: tl.constexpr):
     """
     QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
     OFFSET: tl.constexpr = ROUNDER + (1 << (BITS - 1))
-    usable = (scale < float("inf")) & (scale > 0.0)  # False for NaN too
-    k = tl.where(scale < FAST_MIN, 18446744073709551616.0, 1.0)  # 2**64
-    d = tl.where(usable, scale * k, 1.0)
-    r = tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), d)
+    usable, k, r = _rescaled_reciprocal(scale)
     q = tl.fma(v * k[:, None], r[:, None], OFFSET)
     q = tl.minimum(tl.maximum(q, OFFSET - QMAX), OFFSET + QMAX)
     return tl.where(usable[:, None], q, OFFSET).to(tl.int32, bitcast=True)
 
 
 @triton.jit
-def quantize_rows(v, BITS: tl.constexpr):
+def quantize_rows(v, seed, first_index, BITS: tl.constexpr, SEEDED: tl.constexpr):
     """Float32 rows ``v`` [R, C] (whole blocks) to code bits and scales: int32 [R, C] holding ``CODE_BITS +
     2**(BITS - 1) + code`` (what ``encode_words`` packs), and float32 scales [R]. The fast path if every row of
-    the tile allows it, else the exact path."""
+    the tile allows it, else the exact path; with ``SEEDED``, stochastic rounding for ``seed``, the element at
+    row ``i``, column ``j`` taking the noise of index ``first_index + i * C + j`` (int64)."""
     QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
     amax = absmax(v)
-    if all_fast(amax):
+    if SEEDED:
+        scale = scale_exact(amax, QMAX)
+        offsets = (tl.arange(0, v.shape[0]) * v.shape[1])[:, None] + tl.arange(0, v.shape[1])[None, :]
+        codes = quantize_stochastic(v, scale, noise_thresholds(seed, first_index, offsets), BITS)
+    elif all_fast(amax):
         scale = scale_fast(amax, QMAX)
         codes = quantize_fast(v, scale, BITS)
     else:
@@ -333,7 +405,14 @@ def encode_words(codes, BITS: tl.constexpr):
     """
     R: tl.constexpr = codes.shape[0]
     PER_WORD: tl.constexpr = 32 // BITS
-    if BITS == 8:
+    if BITS == 2:
+        # pairs of neighbours joined level by level: 2 codes of 2 bits, then 4 of 2, 8, 16 (shifts by the width)
+        pairs = codes
+        for level in tl.static_range(4):
+            low, high = tl.split(tl.reshape(pairs, [R, pairs.shape[1] // 2, 2]))
+            pairs = low + (high << (BITS << level))
+        return (pairs - WORD_OFFSET_2) ^ WORD_SIGNS_2
+    elif BITS == 8:
         # [R, W, a, c] holds code 2a + c of each word
         even, odd = tl.split(tl.reshape(codes, [R, codes.shape[1] // PER_WORD, 2, 2]))
         c0, c2 = tl.split(even)
@@ -385,7 +464,19 @@ def decode_words(words, zero, BITS: tl.constexpr):
     """
     R: tl.constexpr = words.shape[0]
     C: tl.constexpr = words.shape[1] * 32 // BITS
-    if BITS == 8:
+    if BITS == 2:
+        # the first join picks the top bit of a code's position in its word, the last one the lowest
+        a0 = tl.join(_code_at(words, zero, 0, 2), _code_at(words, zero, 8, 2))
+        a1 = tl.join(_code_at(words, zero, 1, 2), _code_at(words, zero, 9, 2))
+        a2 = tl.join(_code_at(words, zero, 2, 2), _code_at(words, zero, 10, 2))
+        a3 = tl.join(_code_at(words, zero, 3, 2), _code_at(words, zero, 11, 2))
+        a4 = tl.join(_code_at(words, zero, 4, 2), _code_at(words, zero, 12, 2))
+        a5 = tl.join(_code_at(words, zero, 5, 2), _code_at(words, zero, 13, 2))
+        a6 = tl.join(_code_at(words, zero, 6, 2), _code_at(words, zero, 14, 2))
+        a7 = tl.join(_code_at(words, zero, 7, 2), _code_at(words, zero, 15, 2))
+        even = tl.join(tl.join(a0, a4), tl.join(a2, a6))
+        odd = tl.join(tl.join(a1, a5), tl.join(a3, a7))
+    elif BITS == 8:
         even = tl.join(_code_at(words, zero, 0, 8), _code_at(words, zero, 2, 8))
         odd = tl.join(_code_at(words, zero, 1, 8), _code_at(words, zero, 3, 8))
     else:

@@ -26,7 +26,7 @@ from .common import (
 )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])  # a seed of 1 must not become a constant
 def _quantize_kernel(
     x_ptr,
     out_ptr,
@@ -35,15 +35,18 @@ def _quantize_kernel(
     ranks_per_node,
     blocks_per_pack,
     pack_bytes,
+    seed,
     BLOCK_SIZE: tl.constexpr,
     BITS: tl.constexpr,
     BLOCKS: tl.constexpr,
     INTERPRET: tl.constexpr,
+    SEEDED: tl.constexpr,
 ):
     """Quantize ``BLOCKS`` blocks of one pack per program.
 
     ``x_ptr``: ``numel`` elements of any float dtype; elements past a slice's end or past ``numel`` read as 0.
-    ``out_ptr``: uint8 packs of ``pack_bytes`` bytes, ``blocks_per_pack`` blocks each.
+    ``out_ptr``: uint8 packs of ``pack_bytes`` bytes, ``blocks_per_pack`` blocks each. ``SEEDED``: stochastic
+    rounding for ``seed``, element ``i`` of ``x`` taking the noise of index ``i``.
     """
     WORDS: tl.constexpr = BLOCK_SIZE * BITS // 32
     first_block = tl.program_id(0) * BLOCKS
@@ -61,7 +64,7 @@ def _quantize_kernel(
     else:
         count = row_counts(available, BLOCKS, BLOCK_SIZE)
         v = tl.load(x, mask=tl.arange(0, BLOCK_SIZE)[None, :] < count[:, None], other=0.0).to(tl.float32)
-    codes, scale = quantize_rows(v, BITS)
+    codes, scale = quantize_rows(v, seed, tile_start, BITS, SEEDED)
     words = encode_words(codes, BITS)
     pack_offset = pack.to(tl.int64) * pack_bytes
     word_ptrs = code_words(out_ptr, pack_offset, first_block, BLOCKS, WORDS)
@@ -75,11 +78,14 @@ def _quantize_kernel(
         tl.store(scales, scale, mask=rows)
 
 
-def quantize_chunks(x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, out: torch.Tensor) -> None:
+def quantize_chunks(
+    x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, out: torch.Tensor, seed: int | None = None
+) -> None:
     """Pack flat ``x`` as ``chunks`` slices of ``ceil(numel / chunks)`` elements into the uint8 ``out``.
 
     ``out`` holds ``chunks`` packs of ``fmt.packed_bytes(chunk_numel)`` bytes; with ``nodes > 1`` pack ``p``
-    holds slice ``swizzle_source(p, nodes, chunks // nodes)``. Same result as ``reference.quantize_chunks``.
+    holds slice ``swizzle_source(p, nodes, chunks // nodes)``; with a ``seed``, rounded stochastically. Same
+    result as ``reference.quantize_chunks``.
     """
     numel = x.numel()
     if numel == 0:
@@ -101,4 +107,6 @@ def quantize_chunks(x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, 
         chunks // nodes,
         blocks_per_pack,
         fmt.packed_bytes(slice_numel),
+        0 if seed is None else seed,
+        SEEDED=seed is not None,
     )

@@ -94,7 +94,7 @@ def _sum_groups(buf_ptr, pack_offset, group_bytes, blocks_per_pack, first_block,
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["seed"])  # a seed of 1 must not become a constant
 def _reduce_requantize_kernel(
     buf_ptr,
     out_ptr,
@@ -103,24 +103,36 @@ def _reduce_requantize_kernel(
     group_bytes,
     tiles_per_pack,
     tiles,
+    out_blocks_per_pack,
+    out_pack_bytes,
+    chunk_numel,
+    seed,
     GROUPS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BITS: tl.constexpr,
     BLOCKS: tl.constexpr,
+    OUT_BLOCK_SIZE: tl.constexpr,
+    OUT_BITS: tl.constexpr,
     STAGES: tl.constexpr,
     INTERPRET: tl.constexpr,
+    SEEDED: tl.constexpr,
 ):
     """Sum and requantize tiles ``p, p + P, p + 2P, ...`` of the ``tiles`` tiles of ``out`` in program ``p`` of
-    ``P``; tile ``t`` is the ``BLOCKS`` blocks from block ``(t % tiles_per_pack) * BLOCKS`` of pack
-    ``t // tiles_per_pack``.
+    ``P``; tile ``t`` is the ``BLOCKS`` input blocks from block ``(t % tiles_per_pack) * BLOCKS`` of pack
+    ``t // tiles_per_pack``, the same elements as ``BLOCKS * BLOCK_SIZE // OUT_BLOCK_SIZE`` output blocks.
 
-    ``buf_ptr``: ``GROUPS`` runs of ``group_bytes`` bytes, each the same packs as ``out_ptr``; output block ``g``
-    is the sum of block ``g`` of every run. Whole blocks are summed, padding included, as in the reference. The
-    loop keeps ``STAGES`` tiles in flight (``tl.range``'s software pipelining): the next tiles' codes and scales
-    load while this one is summed and requantized. Every load and store is masked by the tile's rows, even on full
-    tiles: a load under a branch would not be pipelined.
+    ``buf_ptr``: ``GROUPS`` runs of ``group_bytes`` bytes, each ``chunks`` packs of ``pack_bytes`` bytes;
+    ``out_ptr``: ``chunks`` packs of ``out_pack_bytes`` bytes in the output format (``OUT_BITS``,
+    ``OUT_BLOCK_SIZE``); output element ``e`` is the sum of element ``e`` of every run, 0 past the input blocks.
+    Whole blocks are summed, padding included, as in the reference. ``SEEDED``: stochastic rounding for ``seed``,
+    element ``e`` of pack ``m`` taking the noise of index ``m * chunk_numel + e``. The loop keeps ``STAGES`` tiles
+    in flight (``tl.range``'s software pipelining): the next tiles' codes and scales load while this one is summed
+    and requantized. Every load and store is masked by the tile's rows, even on full tiles: a load under a branch
+    would not be pipelined.
     """
     WORDS: tl.constexpr = BLOCK_SIZE * BITS // 32
+    OUT_WORDS: tl.constexpr = OUT_BLOCK_SIZE * OUT_BITS // 32
+    OUT_BLOCKS: tl.constexpr = BLOCKS * BLOCK_SIZE // OUT_BLOCK_SIZE
     for tile in tl.range(tl.program_id(0), tiles, tl.num_programs(0), num_stages=STAGES):
         pack = tile // tiles_per_pack
         first_block = (tile - pack * tiles_per_pack) * BLOCKS
@@ -128,11 +140,18 @@ def _reduce_requantize_kernel(
         rows = first_block + tl.arange(0, BLOCKS) < blocks_per_pack
         acc = _sum_groups(buf_ptr, pack_offset, group_bytes, blocks_per_pack, first_block, rows, False, GROUPS,
                           BLOCKS, WORDS, BITS)
-        codes, scale = quantize_rows(acc, BITS)
-        words = encode_words(codes, BITS)
-        word_ptrs = code_words(out_ptr, pack_offset, first_block, BLOCKS, WORDS)
-        tl.store(word_ptrs, words, mask=rows[:, None])
-        tl.store(scale_ptrs(out_ptr, pack_offset, blocks_per_pack, first_block, BLOCKS, WORDS * 4), scale, mask=rows)
+        if OUT_BLOCK_SIZE != BLOCK_SIZE:
+            acc = tl.reshape(acc, [OUT_BLOCKS, OUT_BLOCK_SIZE])
+        out_first = first_block * BLOCK_SIZE // OUT_BLOCK_SIZE
+        first_index = pack.to(tl.int64) * chunk_numel + first_block.to(tl.int64) * BLOCK_SIZE
+        codes, scale = quantize_rows(acc, seed, first_index, OUT_BITS, SEEDED)
+        words = encode_words(codes, OUT_BITS)
+        out_offset = pack.to(tl.int64) * out_pack_bytes
+        out_rows = out_first + tl.arange(0, OUT_BLOCKS) < out_blocks_per_pack
+        word_ptrs = code_words(out_ptr, out_offset, out_first, OUT_BLOCKS, OUT_WORDS)
+        tl.store(word_ptrs, words, mask=out_rows[:, None])
+        tl.store(scale_ptrs(out_ptr, out_offset, out_blocks_per_pack, out_first, OUT_BLOCKS, OUT_WORDS * 4), scale,
+                 mask=out_rows)
 
 
 @triton.jit
@@ -183,20 +202,33 @@ def _reduce_dequantize_kernel(
         tl.store(out, y, mask=tl.arange(0, BLOCK_SIZE)[None, :] < count[:, None])
 
 
-def requantize_shape(fmt: BlockFormat, groups: int) -> LaunchShape:
-    """The reduce-requantize tile for ``groups`` runs: the largest power-of-two number of elements whose codes over
-    all groups fit ``STAGE_CODE_BYTES`` (at most ``TILE_ELEMENTS`` and ``MAX_TILE_ROWS`` blocks, at least a
-    block)."""
+def requantize_shape(fmt: BlockFormat, groups: int, out_fmt: BlockFormat | None = None,
+                     seeded: bool = False) -> LaunchShape:
+    """The reduce-requantize tile for ``groups`` runs of ``fmt`` requantized in ``out_fmt`` (default ``fmt``), in
+    input blocks: the largest power-of-two number of elements whose codes over all groups fit ``STAGE_CODE_BYTES``
+    (at most ``TILE_ELEMENTS`` and ``MAX_TILE_ROWS`` blocks of either format; half as many ``seeded``, whose
+    noise keeps more values live: 8192 elements spilled on sm_90), at least a block of each."""
+    out_fmt = fmt if out_fmt is None else out_fmt
+    unit = max(fmt.block_size, out_fmt.block_size)
     fitting = STAGE_CODE_BYTES * 8 // (groups * fmt.bits)
     elements = min(TILE_ELEMENTS["reduce_requantize"], 1 << max(fitting.bit_length() - 1, 0),
-                   MAX_TILE_ROWS * fmt.block_size)
-    return launch_shape("reduce_requantize", fmt.block_size, elements=elements)
+                   MAX_TILE_ROWS * min(fmt.block_size, out_fmt.block_size)) // (2 if seeded else 1)
+    shape = launch_shape("reduce_requantize", unit, elements=elements)
+    return LaunchShape(shape.blocks_per_program * unit // fmt.block_size, shape.num_warps)
 
 
 def reduce_requantize(
-    buf: torch.Tensor, fmt: BlockFormat, groups: int, chunks: int, chunk_numel: int, out: torch.Tensor
+    buf: torch.Tensor,
+    fmt: BlockFormat,
+    groups: int,
+    chunks: int,
+    chunk_numel: int,
+    out: torch.Tensor,
+    out_fmt: BlockFormat | None = None,
+    seed: int | None = None,
 ) -> None:
-    """Sum ``groups`` runs of ``chunks`` packs pack-wise in float32 and pack the ``chunks`` sums into ``out``.
+    """Sum ``groups`` runs of ``chunks`` packs pack-wise in float32 and pack the ``chunks`` sums into ``out`` in
+    ``out_fmt`` (default ``fmt``), rounded stochastically with a ``seed``.
 
     ``buf``: uint8, ``groups * chunks`` packs of ``chunk_numel`` elements; pack ``m`` of ``out`` is the sum of
     packs ``i * chunks + m``. Same result as ``reference.reduce_requantize``. A persistent grid: ``SM_CODE_BYTES``
@@ -204,10 +236,14 @@ def reduce_requantize(
     """
     if chunk_numel == 0:
         return
+    out_fmt = fmt if out_fmt is None else out_fmt
     blocks_per_pack = fmt.num_blocks(chunk_numel)
     pack_bytes = fmt.packed_bytes(chunk_numel)
-    shape = requantize_shape(fmt, groups)
-    tiles_per_pack = triton.cdiv(blocks_per_pack, shape.blocks_per_program)
+    out_blocks = out_fmt.num_blocks(chunk_numel)
+    shape = requantize_shape(fmt, groups, out_fmt, seed is not None)
+    # tiles cover the output blocks (past the input's, the sums are 0)
+    tile_elements = shape.blocks_per_program * fmt.block_size
+    tiles_per_pack = triton.cdiv(out_blocks * out_fmt.block_size, tile_elements)
     tiles = chunks * tiles_per_pack
     tile_code_bytes = groups * shape.blocks_per_program * fmt.block_size * fmt.bits // 8
     programs = multiprocessors(buf.device) * max(1, SM_CODE_BYTES // tile_code_bytes)
@@ -227,8 +263,15 @@ def reduce_requantize(
         chunks * pack_bytes,
         tiles_per_pack,
         tiles,
+        out_blocks,
+        out_fmt.packed_bytes(chunk_numel),
+        chunk_numel,
+        0 if seed is None else seed,
         GROUPS=groups,
         STAGES=stages,
+        OUT_BLOCK_SIZE=out_fmt.block_size,
+        OUT_BITS=out_fmt.bits,
+        SEEDED=seed is not None,
     )
 
 
