@@ -291,15 +291,16 @@ def hf_templates(rank: int, world: int, paths: list[str]) -> dict[str, dict[str,
     return out
 
 
-def cuda_tiers(rank: int, world: int, runs: dict[str, dict], nvme: str, steps: int = 3) -> dict[str, dict]:
-    """On CUDA (one process, gloo over CUDA tensors at world size 1): each run's losses, whole masters (on the host)
-    and where the engine keeps its tensors."""
+def cuda_tiers(rank: int, world: int, runs: dict[str, dict], nvme: str, steps: int = 3,
+               dtype: str = "bf16") -> dict[str, dict]:
+    """On CUDA (one process, gloo over CUDA tensors at world size 1), in ``dtype`` ("bf16" or "fp32"): each run's
+    losses, whole masters (on the host) and where the engine keeps its tensors."""
     dev = torch.device("cuda")
     out: dict[str, dict] = {}
     for name, tier in runs.items():
         tier = {k: {kk: (vv.format(nvme=nvme) if isinstance(vv, str) else vv) for kk, vv in v.items()}
                 for k, v in tier.items()}
-        config = _config({"stage": 3}, tier, dtype="bf16", accumulation=1, clipping=1.0)
+        config = _config({"stage": 3}, tier, dtype=dtype, accumulation=1, clipping=1.0)
         engine, _, _, _ = zeropp.initialize(model=GPT(MODEL, seed=0).to(dev), config=config)
         unit = next(u for u in engine.units if u.master.numel())
         placed = {"master": str(unit.master.device), "grad_shard": str(unit.grad_shard.device),
