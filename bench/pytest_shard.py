@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 
 def shard_bounds(spec: str, count: int) -> tuple[int, int]:
     """``(start, stop)`` of shard ``spec`` (``"i/k"``) among ``count`` items."""
@@ -21,6 +23,7 @@ def shard_bounds(spec: str, count: int) -> tuple[int, int]:
     return (i - 1) * count // k, i * count // k
 
 
+@pytest.hookimpl(trylast=True)  # after -k and -m deselect: shard what is left
 def pytest_collection_modifyitems(config, items) -> None:
     spec = os.environ.get("PYTEST_SHARD")
     if not spec:
