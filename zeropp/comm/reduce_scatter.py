@@ -39,9 +39,10 @@ rotated slices is the rotated sum); step 5 sums, unrotates by ``H / R`` and divi
 traffic is unchanged. Error bound: the bound above holds in the rotated space, with the scales of the rotated
 blocks; unrotating maps an error ``e`` of a rotation block to ``H e / R``, each element of which is the mean of
 ``R`` terms ``+-e_j``, so an element-wise bound carries over unchanged (and the block's 2-norm error shrinks by
-``sqrt(R)``, since ``H / R`` has norm ``1 / sqrt(R)``). What it buys: a block's scale follows its largest rotated
-value, and an outlier spread over ``R`` rotated values raises it about ``sqrt(R)`` times less, so the other values
-of a heavy-tailed block keep more of their bits.
+``sqrt(R)``, since ``H / R`` has norm ``1 / sqrt(R)``). What it buys: a block's scale follows its largest value;
+after the rotation an outlier ``M`` contributes ``+-M`` to each of ``R`` values whose typical size has grown by
+``sqrt(R)``, so it dominates the scale ``sqrt(R)`` times less and the other values of a heavy-tailed block keep
+more of their bits.
 """
 
 from __future__ import annotations
@@ -119,8 +120,8 @@ class ErrorFeedback:
     partial sums it forwards). With a rotation both live in the rotated space (what the quantization dropped of
     the rotated values): ``P * S'`` and ``n * S'`` elements, ``S' = rotated_numel(S, R)``. Use one object per
     buffer; the accumulated error of repeated reductions then stays bounded instead of growing with the number of
-    steps. Off unless passed to ``reduce_scatter``. A step whose
-    gradient holds a NaN or Inf (an fp16 overflow the optimizer will skip) leaves zeros, not NaNs, in the residual.
+    steps. Off unless passed to ``reduce_scatter``. A step whose gradient holds a NaN or Inf (an fp16 overflow the
+    optimizer will skip) leaves zeros, not NaNs, in the residual.
     CUDA streams: ``residual`` is updated on the stream that issues a reduction, ``partial_residual`` on the one
     that ``wait()``s for it; wait for successive reductions of one buffer on one stream (or order the streams).
     """
