@@ -244,8 +244,9 @@ def reduce_scatter(
         rotation=rotation or 0,
     )
     verify_agreement(topo.verified_calls, topo.group, full.device, record)
-    what = (f"reduce_scatter(bits={bits}, op={reduce_op.value}, rotation={rotation}) of {numel} {full.dtype} "
-            f"elements over ranks {topo.ranks}")
+    rotated = f", rotation={rotation}" if rotation else ""
+    what = (f"reduce_scatter(bits={bits}, op={reduce_op.value}{rotated}) of {numel} {full.dtype} elements over ranks "
+            f"{topo.ranks}")
     divisor = size if reduce_op is ReduceOp.AVG else 1
     flat = full.view(-1)
     if size == 1 or numel == 0:
