@@ -37,7 +37,8 @@ class ZeroppCallback(TrainerCallback):
     training begins.
 
     Its keyword arguments are ``zeropp.fsdp.enable``'s (``weight_bits``, ``gradient_bits``, ``hpz``,
-    ``block_size``, ``error_feedback``, ``topology``, ``ranks_per_node``), checked when the callback is made.
+    ``block_size``, ``error_feedback``, ``gradient_rotation``, ``topology``, ``ranks_per_node``), checked when the
+    callback is made.
     ``enable`` runs once per model: a second ``train()`` on the same Trainer keeps the comms (and their
     error-feedback state) installed by the first. ``topology`` holds the ``zeropp.comm.Topology`` used, after
     training began.

@@ -89,10 +89,10 @@ def configure(config: Any, **enable_kwargs: Any) -> Any:
     """A copy of torchtitan's ``Trainer.Config`` (or a subclass's) whose Trainer runs FSDP2 on zeropp's comms.
 
     Its keyword arguments are ``zeropp.fsdp.enable``'s (``weight_bits``, ``gradient_bits``, ``hpz``,
-    ``block_size``, ``error_feedback``, ``topology``, ``ranks_per_node``), checked now; ``enable`` runs on every
-    rank in ``Trainer.__init__`` through the model spec's ``post_optimizer_build_fn``. The copy also sets
-    ``parallelism.spmd_backend = "partial_dtensor"`` and ``training.disable_cuda_graphs = True`` (see the module
-    docstring); ``config`` itself is not changed.
+    ``block_size``, ``error_feedback``, ``gradient_rotation``, ``topology``, ``ranks_per_node``), checked now;
+    ``enable`` runs on every rank in ``Trainer.__init__`` through the model spec's ``post_optimizer_build_fn``. The
+    copy also sets ``parallelism.spmd_backend = "partial_dtensor"`` and ``training.disable_cuda_graphs = True`` (see
+    the module docstring); ``config`` itself is not changed.
 
     Raises:
         TypeError: a keyword ``zeropp.fsdp.enable`` does not take.

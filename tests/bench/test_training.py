@@ -288,6 +288,8 @@ def test_helpers():
     assert training.zero_config("zero3@off", args, 2)["zero_optimization"] == {"stage": 3, "overlap_comm": False}
     ef = training.zero_config("zeropp-ef", args, 2)["zero_optimization"]
     assert ef["overlap_comm"] and ef["zeropp"] == {"error_feedback": True, "block_size": 256}
+    rot = training.zero_config("zeropp-rot", args, 2)["zero_optimization"]
+    assert rot["zeropp"] == {"gradient_rotation": "hadamard", "block_size": 256} and rot["zero_quantized_gradients"]
     with pytest.raises(SystemExit):
         training.parse_args(["--configs", "zero3@maybe"])
     # two dtypes: every config in each, named NAME:DTYPE; bf16 turns bf16.enabled on; DeepSpeed only when installed

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from zeropp import comm
 from zeropp.comm import ReduceOp, Topology
+from zeropp.quant import DEFAULT_BLOCK_SIZE
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 HALF_ULP = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -184,6 +185,123 @@ def check_reduce_scatter(topo: Topology, nodes, numel, dtype, bits, op, seed) ->
     return rel
 
 
+def hadamard64(values: torch.Tensor, size: int) -> torch.Tensor:
+    """float64 ``values`` (a multiple of ``size`` elements) with each block of ``size`` multiplied by the
+    unnormalized Hadamard matrix, by the matrix itself (not a butterfly)."""
+    i = torch.arange(size)
+    bits_and = i[:, None] & i[None, :]
+    parity = torch.zeros_like(bits_and)
+    for b in range(size.bit_length()):
+        parity ^= (bits_and >> b) & 1
+    h = (1 - 2 * parity).double()
+    return (values.view(-1, size) @ h.T).reshape(-1)
+
+
+def rotated_inputs(xs: torch.Tensor, world: int, size: int) -> torch.Tensor:
+    """``(world, world * S')`` float64: every rank's padded input (``padded_inputs``), each slice zero-padded to
+    ``S' = rotated_numel(S, size)`` and rotated exactly."""
+    s = xs.shape[1] // world
+    width = -(-s // size) * size
+    rows = torch.zeros(world, world, width, dtype=torch.float64)
+    rows[:, :, :s] = xs.view(world, world, s)
+    return hadamard64(rows.reshape(-1), size).view(world, world * width)
+
+
+def composed_rotated(topo: Topology, numel: int, dtype, bits: int, size: int, op, seed: int) -> torch.Tensor:
+    """This rank's slice of rotated qgZ computed in this process from every rank's input with the zeropp.quant
+    ops, pack by pack in the order of the collective's sums: each rank's rotated slices quantized
+    (``rotate_slices``, ``quantize_chunks``), summed and requantized per node in local-index order
+    (``reduce_requantize``), then summed over the nodes in the order of this rank's inter-node group and
+    unrotated (``reduce_dequantize_rotated``)."""
+    from zeropp.quant import (BlockFormat, quantize_chunks, reduce_dequantize_rotated, reduce_requantize,
+                              rotate_slices, rotated_numel)
+
+    world, r = topo.world_size, topo.rank
+    fmt = BlockFormat(bits, BLOCK)
+    s = -(-numel // world)
+    width = rotated_numel(s, size)
+    pack = fmt.packed_bytes(width)
+    group = topo.ranks
+
+    def hop1(g: int) -> torch.Tensor:  # global rank g's pack of slice r
+        x = make_input(g, numel, dtype, seed)
+        return quantize_chunks(rotate_slices(x, world, size), fmt, world)[r * pack : (r + 1) * pack]
+
+    n, d = topo.num_nodes, topo.ranks_per_node
+    node_of = {g: next(nd for nd in topo.nodes if g in nd) for g in group}
+    if n == 1:
+        buf = torch.cat([hop1(g) for g in topo.intra_ranks])
+    elif d == 1:
+        buf = torch.cat([hop1(g) for g in topo.inter_ranks])
+    else:
+        buf = torch.cat([reduce_requantize(torch.cat([hop1(g) for g in node_of[p]]), fmt, d, 1, width)
+                         for p in topo.inter_ranks])
+    start, stop = comm.shard_range(numel, world, r)
+    out = torch.empty(stop - start, dtype=dtype)
+    return reduce_dequantize_rotated(buf, fmt, len(buf) // pack, s, out, size,
+                                     divisor=world if op is ReduceOp.AVG else 1)
+
+
+def check_rotated_reduce_scatter(topo: Topology, nodes, numel, dtype, bits, size, op, seed) -> None:
+    """Rotated qgZ: bit-identical to ``composed_rotated``; within the bound of the rotated space mapped back
+    (below) of the float64 mean; the byte counters those of unrotated qgZ.
+
+    Bound: ``qgz_bound`` of the exactly rotated inputs is an element-wise bound ``B`` on the error ``e`` of the
+    rotated sum; the unrotation ``H / R`` maps ``e`` to ``H e / R``, whose elements are means of ``+-e_j`` over the
+    rotation block, so an element's error is at most the mean of ``B`` over its block. Float32 rounding: the
+    forward butterfly errs by at most ``g * S_q`` per element (``g = (1 + 2^-24)^log2(R) - 1``, ``S_q`` the sum of
+    the block's magnitudes in rank ``q``'s input), the inverse by ``g`` times the sum of its inputs' magnitudes /
+    R, together below ``2^-20 * sum_q S_q`` for R <= 128; then one rounding to ``dtype``."""
+    world, rank = topo.world_size, topo.rank
+    x = make_input(dist.get_rank(), numel, dtype, seed)
+    divisor = world if op is ReduceOp.AVG else 1
+    comm.reset_stats()
+    out = comm.reduce_scatter(x, bits, op=op, topology=topo, block_size=BLOCK, rotation=size)
+    st = comm.stats()["reduce_scatter"]
+    comm.reset_stats()
+    comm.reduce_scatter(x, bits, op=op, topology=topo, block_size=BLOCK)
+    assert comm.stats()["reduce_scatter"] == st, "rotation changed the byte counters"
+    expect = composed_rotated(topo, numel, dtype, bits, size, op, seed)
+    assert torch.equal(out, expect), float((out.double() - expect.double()).abs().max())
+    start, stop = comm.shard_range(numel, world, rank)
+    xs = padded_inputs(world, numel, dtype, seed)
+    s = xs.shape[1] // world
+    width = -(-s // size) * size
+    true = xs.sum(0)[rank * s : rank * s + stop - start] / divisor
+    rot_bound = qgz_bound(rotated_inputs(xs, world, size), nodes, bits)[rank * width : (rank + 1) * width]
+    mags = torch.zeros(width, dtype=torch.float64)
+    mags[:s] = xs.abs().sum(0)[rank * s : rank * s + s]
+    per_block = lambda v: v.view(-1, size).mean(1, keepdim=True).expand(-1, size).reshape(-1)  # noqa: E731
+    bound = (per_block(rot_bound) + 2.0**-20 * size * per_block(mags))[: stop - start] / divisor
+    bound = bound + HALF_ULP[dtype] * (true.abs() + bound) * 1.01
+    err = (out.double() - true).abs()
+    assert bool((err <= bound).all()), (
+        f"rotated qgZ bits={bits} R={size} {dtype} numel={numel} nodes={nodes}: error exceeds the bound by "
+        f"{float((err - bound).max())}"
+    )
+
+
+def outlier_input(rank: int, numel: int, seed: int) -> torch.Tensor:
+    """Gaussian with one planted outlier (30x) in every 64 elements: heavy-tailed gradients."""
+    g = torch.Generator().manual_seed(seed * 7919 + rank)
+    x = torch.randn(numel, generator=g, dtype=torch.float64)
+    x[torch.randint(0, 64, (1,), generator=g).item() :: 64] *= 30
+    return x.float()
+
+
+def rotation_gain(topo: Topology, seed: int) -> float:
+    """Relative RMS error of int4 qgZ on heavy-tailed inputs, rotated (R=32) over unrotated (the mean of the
+    ranks' inputs in float64 the reference)."""
+    world = topo.world_size
+    numel = 64 * 8 * world
+    x = outlier_input(dist.get_rank(), numel, seed)
+    start, stop = comm.shard_range(numel, world, topo.rank)
+    true = sum(outlier_input(q, numel, seed).double() for q in range(world))[start:stop] / world
+    errs = [float((comm.reduce_scatter(x, 4, topology=topo, block_size=BLOCK, rotation=r).double() - true)
+                  .square().mean().sqrt()) for r in (32, None)]
+    return errs[0] / errs[1]
+
+
 def check_async(topo: Topology, bits: int, seed: int) -> None:
     """Two collectives in flight at once give the same results as synchronous calls."""
     rank = dist.get_rank()
@@ -228,6 +346,11 @@ def collectives(rank: int, world: int, layouts: list[dict]) -> dict:
                     for nm in (numel, world * numel) if numel == 1000 else (numel,):
                         rel = check_reduce_scatter(topo, nodes, nm, dtype, bits, op, seed)
                         rels[f"{dtype}-{bits}-{nm}"] = rel
+        rotated = ((1000, torch.float32, 4, 32), (4096 + 13, torch.bfloat16, 8, 16), (77, torch.float16, 4, 64))
+        for i, (numel, dtype, bits, size) in enumerate(rotated):
+            check_rotated_reduce_scatter(topo, nodes, numel, dtype, bits, size, ReduceOp.AVG if i % 2 else
+                                         ReduceOp.SUM, 4000 + 10 * li + i)
+        rels["rotation_gain"] = rotation_gain(topo, 50 + li)
         check_async(topo, 4, 5)
         check_async(topo, None, 6)
         summary[f"d={d}{'-hosts' if hosts else ''}"] = rels
@@ -318,6 +441,12 @@ def errors(rank: int, world: int) -> dict:
     _raises(ValueError, "op=", comm.reduce_scatter, x, 8, topology=topo, op="max")
     _raises(ValueError, "error_feedback", comm.reduce_scatter, x, None, topology=topo,
             error_feedback=comm.ErrorFeedback())
+    messages["rotation_exact"] = _raises(ValueError, "rotation=32 applies to quantized", comm.reduce_scatter, x,
+                                         None, topology=topo, rotation=32)
+    messages["rotation_size"] = _raises(ValueError, "rotation size=24", comm.reduce_scatter, x, 4, topology=topo,
+                                        rotation=24)
+    messages["rotation_block"] = _raises(ValueError, "must divide block_size=48", comm.reduce_scatter, x, 4,
+                                         topology=topo, rotation=32, block_size=48)
     # exact all-gather of integers is fine
     ints = torch.arange(4, dtype=torch.int64) + 10 * rank
     assert comm.all_gather(ints, topology=topo).tolist() == [i + 10 * r for r in range(world) for i in range(4)]
@@ -364,6 +493,17 @@ def error_feedback(rank: int, world: int, d: int, steps: int) -> dict:
     assert bool(ef.residual.isfinite().all()) and bool(ef.partial_residual.isfinite().all())
     again = comm.reduce_scatter(x, 4, topology=topo, error_feedback=ef)
     assert bool(again.isfinite().all())
+    # with a rotation the residuals live in the rotated space and are keyed by the rotation: bounded too
+    ef = comm.ErrorFeedback()
+    acc = torch.zeros(stop - start, dtype=torch.float64)
+    for _ in range(steps):
+        acc += comm.reduce_scatter(x, 4, topology=topo, error_feedback=ef, rotation=32).double()
+    result["feedback_rotated"] = float((acc - steps * true).abs().max() / (steps * true.abs().max()))
+    assert result["feedback_rotated"] * 4 < result["plain"], result
+    width = -(-s // 32) * 32
+    assert ef.key == (numel, 4, DEFAULT_BLOCK_SIZE, world, 32), ef.key
+    assert ef.residual.numel() == world * width and ef.partial_residual.numel() == topo.num_nodes * width
+    _raises(ValueError, "rotation) and now gets", comm.reduce_scatter, x, 4, topology=topo, error_feedback=ef)
     return result
 
 

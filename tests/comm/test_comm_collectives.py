@@ -33,6 +33,8 @@ def test_collectives(tmp_path, world, layouts):
     # int4, both far from useless.
     for summary in results:
         for layout, rels in summary.items():
+            # heavy-tailed inputs (an outlier in every block): the rotation lowers int4's error
+            assert rels.pop("rotation_gain") < 0.7, (layout, rels)
             for key, rel in rels.items():
                 if "-8-" in key:
                     assert rel < 0.03, (layout, key, rel)
@@ -52,13 +54,16 @@ def test_errors(tmp_path):
     assert ".contiguous()" in messages["noncontig"]
     assert "[1, 2, 3] must be distinct members of the group [0, 1, 2, 3] and include this rank (0)" in \
         messages["subgroup"]
+    assert "pass bits=8 or 4, or rotation=None" in messages["rotation_exact"]
+    assert "(16, 32, 64, 128)" in messages["rotation_size"]
+    assert "use a smaller rotation" in messages["rotation_block"]
 
 
 @pytest.mark.parametrize("d", [1, 2])
 def test_error_feedback_lowers_accumulated_error(tmp_path, d):
     results = launch("comm_workers:error_feedback", 4, tmp_path, d=d, steps=16)
     for r in results:
-        assert r["feedback"] * 4 < r["plain"]
+        assert r["feedback"] * 4 < r["plain"] and r["feedback_rotated"] * 4 < r["plain"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

@@ -178,10 +178,17 @@ def reshard(rank: int, world: int, root: str, load: str, save: str | None, cfg: 
 
 def all_checks(rank: int, world: int, root: str, runs: dict[str, dict], stage1: dict, zeropp3: dict) -> dict:
     """Everything in one process group of 4 (process start-up dominates the cost): ``resume`` of ``runs``,
-    ``consolidated_and_errors``, then resharding: the checkpoint of the run ``"zeropp"`` (world 4) loads into a
+    ``consolidated_and_errors``, the rotated residuals of ``"zeropp"`` left out of an unrotated engine, then
+    resharding: the checkpoint of the run ``"zeropp"`` (world 4) loads into a
     world-2 engine of config ``stage1`` on ranks 0 and 1 (a subgroup), whose checkpoint loads back into a world-4
     engine of config ``zeropp3``."""
     out = {"resume": resume(rank, world, root, runs), "consolidated": consolidated_and_errors(rank, world, root)}
+    # the run "zeropp" saved rotated residuals: an engine without the rotation loads the rest and starts from none
+    zero = runs["zeropp"]["zero"]
+    unrotated = make_engine(config(3, {**zero, "zeropp": {**zero["zeropp"], "gradient_rotation": None}}, 2))
+    unrotated.load_checkpoint(Path(root) / "zeropp")
+    assert all(u.error_feedback is not None and u.error_feedback.residual is None for u in unrotated.units)
+    del unrotated
     pair = torch.distributed.new_group([0, 1])  # every rank takes part in creating it
     if rank < 2:
         out["two"] = reshard(rank, world, root, "zeropp", "two", stage1, zeropp.comm.Topology(group=pair))

@@ -395,6 +395,8 @@ def zeropp_runs(rank: int, world: int, runs: dict[str, dict], steps: int = 10) -
             "units": [{"name": u.name, "numel": u.numel, "shard": u.shard_numel, "align": u.align,
                        "offsets": list(u.offsets), "sizes": [s.numel() for s in u.shapes]} for u in engine.units],
             "hpz": hpz,
+            "rotation": engine.comm.gradient_rotation,
+            "ef_keys": [u.error_feedback.key for u in engine.units if u.error_feedback is not None],
         }
         if reference is None:
             reference = masters

@@ -29,8 +29,9 @@ ENV4 = {"ZEROPP_RANKS_PER_NODE": "2"}
 SGD = {"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}}
 FP16 = {"fp16": {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2}}
 RUNS = {
-    "zeropp": {"zero": {"zero_quantized_weights": True, "zero_hpz_partition_size": 2,
-                        "zero_quantized_gradients": True, "zeropp": {"error_feedback": True}}, "accum": 2},
+    # error feedback with qgZ's rotation: its residuals (in the rotated space) resume bit for bit too
+    "zeropp": {"zero": {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True,
+                        "zeropp": {"error_feedback": True, "gradient_rotation": "hadamard"}}, "accum": 2},
     "stage2-fp16": {"stage": 2, "extra": FP16},
     "stage1-sgd-groups": {"stage": 1, "optimizer": SGD, "groups": True},
 }

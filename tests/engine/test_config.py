@@ -187,6 +187,15 @@ def err(config, world: int = 1) -> str:
         ({**BASE, "zero_optimization": {"zeropp": {"block_size": 100}}}, 1, ["block_size=100", "power of two"]),
         ({**BASE, "zero_optimization": {"zeropp": {"error_feedback": True}}}, 1,
          ["error_feedback", "zero_quantized_gradients"]),
+        ({**BASE, "zero_optimization": {"zeropp": {"gradient_rotation": "hadamard"}}}, 1,
+         ["gradient_rotation='hadamard'", "zero_quantized_gradients=true"]),
+        ({**BASE, "zero_optimization": {"zeropp": {"gradient_rotation": "walsh"}}}, 1,
+         ["gradient_rotation='walsh'", "null (off) or one of 'hadamard'"]),
+        ({**BASE, "zero_optimization": {"zeropp": {"gradient_rotation_size": 24}}}, 1,
+         ["gradient_rotation_size=24", "16, 32, 64, 128"]),
+        ({**BASE, "zero_optimization": {"zero_quantized_gradients": True, "zeropp": {
+            "gradient_rotation": "hadamard", "gradient_rotation_size": 64, "block_size": 32}}}, 1,
+         ["gradient_rotation_size=64 is larger than zero_optimization.zeropp.block_size=32"]),
         ({**BASE, "zero_optimization": {"zeropp": {"nonfinite_gradients": "ignore"}}}, 1,
          ["zero_optimization.zeropp.nonfinite_gradients='ignore'", "'skip', 'raise'"]),
         ({**BASE, "zero_optimization": {"zeropp": {"entry_check_timeout": 0}}}, 1,
@@ -466,6 +475,7 @@ def test_round_trip_keeps_every_field():
             "offload_param": {"device": "nvme", "nvme_path": "/nvme/p", "pin_memory": False, "buffer_count": 7,
                               "buffer_size": 19, "max_in_cpu": 0},
             "zeropp": {"weight_bits": 4, "gradient_bits": 8, "block_size": 64, "error_feedback": True,
+                       "gradient_rotation": "hadamard", "gradient_rotation_size": 16,
                        "nonfinite_gradients": "raise", "entry_check_timeout": 12.5,
                        "memory_budget": {"device": 4e9, "cpu": 8e9}, "delta_bits": 8,
                        "delta_refresh_interval": 5,
@@ -587,3 +597,21 @@ def test_entry_check_timeout_rejects_what_is_not_positive_seconds(given, needles
         assert needle in message, (needle, message)
     assert message.count("entry_check_timeout") == 1 or given == "auto", message  # one line, no follow-on problem
 
+
+
+def test_gradient_rotation():
+    """``zeropp.gradient_rotation`` reaches the engine as the rotation's block size, with qgZ only; its sizes are
+    zeropp.quant's."""
+    from zeropp.config.blocks import GRADIENT_ROTATION_SIZES
+    from zeropp.quant import ROTATION_SIZES
+
+    assert GRADIENT_ROTATION_SIZES == ROTATION_SIZES
+    qgz = {"zero_quantized_gradients": True}
+    assert cfg(zero_optimization=qgz).zero.gradient_rotation is None
+    on = {**qgz, "zeropp": {"gradient_rotation": "hadamard"}}
+    assert cfg(zero_optimization=on).zero.gradient_rotation == 32
+    sized = {**qgz, "zeropp": {"gradient_rotation": "hadamard", "gradient_rotation_size": 128}}
+    assert cfg(zero_optimization=sized).zero.gradient_rotation == 128
+    # the size alone (rotation off) is not checked against a small block size
+    small = {**qgz, "zeropp": {"gradient_rotation": None, "block_size": 16}}
+    assert cfg(zero_optimization=small).zero.gradient_rotation is None

@@ -8,7 +8,8 @@ exact run's own displacement ``||theta_exact - theta_0||``: a quantized run is c
 / ||theta_exact - theta_0||`` (fp32 master weights). Measured (torch 2.13 CPU): qwZ int8 0.050, hpZ 0
 (bit-identical: secondaries are exact copies of the gathered values), qgZ int4 0.264, with error feedback 0.206, all
 three 0.275, all three with error feedback and 2 accumulation steps 0.155, stage 2 with qwZ and qgZ 0.264, all three
-on interleaved nodes ({0, 2}, {1, 3}) 0.261, int4 weights with int8 gradients (and hpZ) 0.381. int4 codes carry ~12%
+on interleaved nodes ({0, 2}, {1, 3}) 0.261, int4 weights with int8 gradients (and hpZ) 0.381, qgZ int4 with the
+32-element Hadamard rotation 0.241, all three rotated with error feedback 0.210. int4 codes carry ~12%
 relative error per block, and Adam turns the error of small gradient elements into O(lr) steps, hence the larger qgZ
 figure; int4 weights perturb every forward and backward too. An unrelated update would give ~1.4. Bounds: 0.1 for
 qwZ alone, 0.35 with int4 qgZ, 0.5 with int4 qwZ, 0 for hpZ alone; losses within 1% of the exact run's at every
@@ -44,6 +45,8 @@ RUNS = {
     "stage2-qwz-qgz": {"stage": 2, "zero": {**QW, **QG}},
     "all-interleaved": {"interleaved": True, "zero": {**QW, **HPZ, **QG}},  # nodes {0, 2} and {1, 3}
     "all-w4-g8": {"zero": {**QW, **HPZ, **QG, "zeropp": {"weight_bits": 4, "gradient_bits": 8}}},
+    "qgz-rot": {"zero": {**QG, "zeropp": {"gradient_rotation": "hadamard"}}},
+    "all-rot-ef": {"zero": {**QW, **HPZ, **QG, "zeropp": {"gradient_rotation": "hadamard", "error_feedback": True}}},
 }
 EVERY_GATHER = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
 for _run in RUNS.values():
@@ -111,6 +114,11 @@ def test_zeropp_flags_accuracy_and_cross_node_bytes(tmp_path):
         inter[name] = got
     assert res["hpz"]["losses"] == exact and res["hpz"]["rel_to_update"] == 0.0  # hpZ is exact
     assert res["qgz-ef"]["rel_to_update"] < res["qgz"]["rel_to_update"]  # error feedback helps
+    # the rotation (R = 32) is on where asked, keys the residuals, changes the numbers and moves the same bytes
+    assert [res[k]["rotation"] for k in ("qgz", "qgz-rot", "all-rot-ef")] == [None, 32, 32]
+    assert res["all-rot-ef"]["ef_keys"] and all(key[4] == 32 for key in res["all-rot-ef"]["ef_keys"])
+    assert res["qgz-rot"]["rel_to_update"] < res["qgz"]["rel_to_update"]  # and helps here (0.241 against 0.264)
+    assert inter["qgz-rot"] == inter["qgz"] and inter["all-rot-ef"] == inter["all"]
 
     total = {name: sum(v.values()) for name, v in inter.items()}
     e = inter["exact"]

@@ -126,13 +126,15 @@ def _grad_inputs(step: int, world: int, numel: int) -> list[torch.Tensor]:
 
 
 def ef_hook_runs(rank: int, world: int, steps: int, shard: int) -> dict[str, Any]:
-    """The qgZ int4 reduce-scatter hook fed the same per-step inputs with and without error feedback, as FSDP2
+    """The qgZ int4 reduce-scatter hook fed the same per-step inputs with and without error feedback (and with it
+    and a 32-element rotation), as FSDP2
     calls it (flat input of world * shard, AVG): the running sum of this rank's outputs in float64 after every
     step, and the float64 reference (mean over ranks of the same inputs, this rank's slice)."""
     topo = comm.Topology()
     hooks = {
         "ef": zeropp.fsdp.ZeroppReduceScatter(topo, 4, 128, error_feedback=True),
         "plain": zeropp.fsdp.ZeroppReduceScatter(topo, 4, 128),
+        "rot_ef": zeropp.fsdp.ZeroppReduceScatter(topo, 4, 128, error_feedback=True, gradient_rotation=32),
     }
     sums = {name: torch.zeros(shard, dtype=torch.float64) for name in (*hooks, "reference")}
     history: dict[str, list[torch.Tensor]] = {name: [] for name in sums}

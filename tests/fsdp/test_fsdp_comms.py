@@ -223,3 +223,9 @@ def test_refuses_error_feedback_without_bits_before_any_collective() -> None:
     # no process group exists here: the error must come before enable makes a topology
     with pytest.raises(ValueError, match="error_feedback=True needs quantized gradients"):
         zeropp.fsdp.enable(nn.Linear(2, 2), gradient_bits=None, error_feedback=True)
+    with pytest.raises(ValueError, match="gradient_rotation=32 needs quantized gradients"):
+        zeropp.fsdp.enable(nn.Linear(2, 2), gradient_bits=None, gradient_rotation=32)
+    with pytest.raises(ValueError, match="gradient_rotation=64 must divide block_size=32"):
+        zeropp.fsdp.enable(nn.Linear(2, 2), block_size=32, gradient_rotation=64)
+    with pytest.raises(ValueError, match="rotation size=24"):
+        zeropp.fsdp.enable(nn.Linear(2, 2), gradient_rotation=24)

@@ -152,6 +152,11 @@ def test_error_feedback_keeps_the_summed_error_bounded(ef_hook: list[dict]) -> N
         final_plain, final_ef = _rel(plain[-1], ref[-1]), _rel(ef[-1], ref[-1])
         assert final_ef < 0.35 * final_plain, (final_ef, final_plain)  # seen: 0.008 against 0.037
         assert (ef[-1] - ref[-1]).norm() < 2 * (ef[0] - ref[0]).norm()
+        # the same with the rotation (gradient_rotation=32): residuals in the rotated space, as bounded
+        rot = r["rot_ef"]
+        assert _rel(rot[0], ref[0]) == pytest.approx(one_step, rel=0.3)
+        assert _rel(rot[-1], ref[-1]) < 0.35 * final_plain
+        assert (rot[-1] - ref[-1]).norm() < 2 * (rot[0] - ref[0]).norm()
 
 
 @pytest.fixture(scope="module")

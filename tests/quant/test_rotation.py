@@ -217,3 +217,15 @@ def test_rotated_qgz_steps(monkeypatch, gen):
 def test_rotated_steps_refuse_a_rotation_larger_than_the_block():
     with pytest.raises(ValueError, match="larger than the quantization block size 16"):
         zq.swizzle_quantize_rotated(torch.ones(64), zq.BlockFormat(4, 16), 1, 2, 32)
+
+
+@pytest.mark.parametrize("numel", [4 * 64, 4 * 64 + 3, 250, 1])
+def test_rotate_slices_rotates_each_padded_slice(numel, gen):
+    """``rotate_slices`` (qgZ's first step, the aligned shortcut included): each of the 4 slices of
+    ``ceil(numel / 4)`` elements, zero-padded to whole rotation blocks and rotated on its own, bit for bit."""
+    x = torch.randn(numel, generator=gen)
+    plain = -(-numel // 4)
+    width = rotation.rotated_numel(plain, 32)
+    want = torch.cat([reference(torch.cat([x[i * plain : (i + 1) * plain], torch.zeros(width)])[:width], 32)
+                      for i in range(4)])
+    assert_same_floats(zq.rotate_slices(x, 4, 32), want)

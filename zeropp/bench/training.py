@@ -53,6 +53,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "zero_quantized_gradients": True,
         "zeropp": {"error_feedback": True},
     },
+    "zeropp-rot": {
+        "zero_quantized_weights": True,
+        "zero_hpz_partition_size": "rpn",
+        "zero_quantized_gradients": True,
+        "zeropp": {"gradient_rotation": "hadamard"},
+    },
     "zeropp-deltas": {
         "zero_quantized_weights": True,
         "zero_hpz_partition_size": "rpn",
@@ -76,6 +82,7 @@ LABELS = {
     "zeropp-w4": "ZeRO++, int4 weights",
     "zeropp-g8": "ZeRO++, int8 grads",
     "zeropp-ef": "ZeRO++, qgZ error feedback",
+    "zeropp-rot": "ZeRO++, qgZ Hadamard rotation (32)",
     "zeropp-deltas": "ZeRO++, int4 weight deltas",
     "fsdp2": "FSDP2 (torch fully_shard)",
     "hsdp": "HSDP (FSDP2, replicated across nodes)",

@@ -79,7 +79,7 @@ def dtype_code(dtype: torch.dtype) -> int:
 
 
 RECORD_FIELDS = (
-    "kind", "numel", "dtype", "bits", "block_size", "op", "out_dtype", "reduce_dtype", "wire_dtype"
+    "kind", "numel", "dtype", "bits", "block_size", "op", "out_dtype", "reduce_dtype", "wire_dtype", "rotation"
 )
 """The fields of the record each rank sends in an agreement check: the same for every collective kind, so that a
 rank calling one kind while another calls a different one still exchanges records of the same size (gloo aborts

@@ -30,6 +30,19 @@ its subnormal range.
 Error bound (per element of the result, before the division by ``P``): the sum over the ``P`` ranks of their
 hop-1 errors (each at most half the scale of its block) plus the hop-2 requantization error of each partial sum
 (at most half the scale of the partial-sum block).
+
+Rotation (``rotation=R``, ``zeropp.quant.rotation``): step 1 zero-pads each rank's slice to ``S' =
+rotated_numel(S, R)`` elements and rotates its blocks of ``R`` by the Hadamard matrix ``H`` before packing
+(``swizzle_quantize_rotated``); steps 2-4 move and sum the rotated packs unchanged (``H`` is linear, so the sum of
+rotated slices is the rotated sum); step 5 sums, unrotates by ``H / R`` and divides (``reduce_dequantize_rotated``).
+``R`` divides the block size, so a pack of ``S'`` rotated values has the bytes of a pack of ``S`` plain ones: the
+traffic is unchanged. Error bound: the bound above holds in the rotated space, with the scales of the rotated
+blocks; unrotating maps an error ``e`` of a rotation block to ``H e / R``, each element of which is the mean of
+``R`` terms ``+-e_j``, so an element-wise bound carries over unchanged (and the block's 2-norm error shrinks by
+``sqrt(R)``, since ``H / R`` has norm ``1 / sqrt(R)``). What it buys: a block's scale follows its largest value;
+after the rotation an outlier ``M`` contributes ``+-M`` to each of ``R`` values whose typical size has grown by
+``sqrt(R)``, so it dominates the scale ``sqrt(R)`` times less and the other values of a heavy-tailed block keep
+more of their bits.
 """
 
 from __future__ import annotations
@@ -48,10 +61,15 @@ from ..quant import (
     dequantize_chunks,
     quantize_chunks,
     reduce_dequantize,
+    reduce_dequantize_rotated,
     reduce_requantize,
+    rotate_slices,
+    rotated_numel,
     swizzle_quantize,
+    swizzle_quantize_rotated,
     swizzle_source,
 )
+from ..quant.rotation import check_rotation_size
 from . import accounting
 from ._dist import reduce_scatter_flat
 from .checks import (
@@ -99,9 +117,11 @@ class ErrorFeedback:
 
     Keeps, in float32, what quantization dropped last time and adds it back next time: the residual of this
     rank's hop-1 quantization (``numel`` elements) and of its hop-2 requantization (``n * S`` elements of the
-    partial sums it forwards). Use one object per buffer; the accumulated error of repeated reductions then stays
-    bounded instead of growing with the number of steps. Off unless passed to ``reduce_scatter``. A step whose
-    gradient holds a NaN or Inf (an fp16 overflow the optimizer will skip) leaves zeros, not NaNs, in the residual.
+    partial sums it forwards). With a rotation both live in the rotated space (what the quantization dropped of
+    the rotated values): ``P * S'`` and ``n * S'`` elements, ``S' = rotated_numel(S, R)``. Use one object per
+    buffer; the accumulated error of repeated reductions then stays bounded instead of growing with the number of
+    steps. Off unless passed to ``reduce_scatter``. A step whose gradient holds a NaN or Inf (an fp16 overflow the
+    optimizer will skip) leaves zeros, not NaNs, in the residual.
     CUDA streams: ``residual`` is updated on the stream that issues a reduction, ``partial_residual`` on the one
     that ``wait()``s for it; wait for successive reductions of one buffer on one stream (or order the streams).
     """
@@ -118,8 +138,9 @@ class ErrorFeedback:
 
     @property
     def key(self) -> tuple[Any, ...] | None:
-        """``(numel, bits, block_size, group size)`` of the reduce-scatter the residuals belong to (``None``: no
-        residuals yet). The residuals' layout depends on all four and on the node layout."""
+        """``(numel, bits, block_size, group size, rotation size or 0)`` of the reduce-scatter the residuals belong
+        to (``None``: no residuals yet). The residuals' layout and space depend on all five and on the node
+        layout."""
         return self._key
 
     def allocate(self, key: tuple[Any, ...], numel: int, partial: int, device: torch.device) -> None:
@@ -133,7 +154,7 @@ class ErrorFeedback:
         elif self._key != key:
             raise ValueError(
                 f"this ErrorFeedback was used for a reduce_scatter of {self._key} (numel, bits, block_size, group "
-                f"size) and now gets {key}; use one ErrorFeedback per buffer, or reset() it"
+                f"size, rotation) and now gets {key}; use one ErrorFeedback per buffer, or reset() it"
             )
 
 
@@ -149,6 +170,7 @@ def reduce_scatter(
     reduce_dtype: torch.dtype | None = None,
     wire_dtype: torch.dtype | None = None,
     error_feedback: ErrorFeedback | None = None,
+    rotation: int | None = None,
 ) -> torch.Tensor | CollectiveWork:
     """Sum or average ``full`` over the data-parallel group of ``topology``; rank ``r`` gets slice ``r``.
 
@@ -172,6 +194,9 @@ def reduce_scatter(
             sum nor loses low bits to it (see the module docstring); values not already of ``wire_dtype`` are
             rounded to it once, on the sender.
         error_feedback: qgZ only: an ``ErrorFeedback`` holding this buffer's residuals (default: none).
+        rotation: qgZ only: the block size ``R`` of a Hadamard rotation of every rank's slice before it is
+            quantized, undone after the reduction (see the module docstring); one of
+            ``zeropp.quant.ROTATION_SIZES`` dividing ``block_size``. ``None`` (default): no rotation.
 
     Returns:
         ``out`` (or a ``CollectiveWork`` when ``async_op``).
@@ -202,15 +227,25 @@ def reduce_scatter(
             raise TypeError(f"reduce_dtype={reduce_dtype} must be a floating point dtype")
     if error_feedback is not None and bits is None:
         raise ValueError("error_feedback applies to quantized reduce_scatter; pass bits=8 or 4")
+    if rotation is not None:
+        if bits is None:
+            raise ValueError(f"rotation={rotation} applies to quantized reduce_scatter; pass bits=8 or 4, or "
+                             "rotation=None")
+        check_rotation_size(rotation)
+        if block_size % rotation:
+            raise ValueError(f"rotation={rotation} must divide block_size={block_size} (each rotation block inside "
+                             "one quantization block); use a smaller rotation or a larger block size")
     fmt = BlockFormat(bits, block_size) if bits is not None else None
     record = call_record(
         "reduce_scatter", numel=numel, dtype=dtype_code(full.dtype), bits=bits or 0, block_size=block_size,
         op=0 if reduce_op is ReduceOp.SUM else 1, out_dtype=dtype_code(out.dtype),
         reduce_dtype=dtype_code(reduce_dtype) if reduce_dtype is not None else UNUSED,
         wire_dtype=dtype_code(wire_dtype) if wire_dtype is not None else UNUSED,
+        rotation=rotation or 0,
     )
     verify_agreement(topo.verified_calls, topo.group, full.device, record)
-    what = (f"reduce_scatter(bits={bits}, op={reduce_op.value}) of {numel} {full.dtype} elements over ranks "
+    rotated = f", rotation={rotation}" if rotation else ""
+    what = (f"reduce_scatter(bits={bits}, op={reduce_op.value}{rotated}) of {numel} {full.dtype} elements over ranks "
             f"{topo.ranks}")
     divisor = size if reduce_op is ReduceOp.AVG else 1
     flat = full.view(-1)
@@ -221,7 +256,7 @@ def reduce_scatter(
     elif fmt is None:
         steps = _exact_steps(flat, out, topo, divisor, reduce_dtype or full.dtype)
     else:
-        steps = _qgz_steps(flat, out, fmt, topo, divisor, error_feedback)
+        steps = _qgz_steps(flat, out, fmt, topo, divisor, error_feedback, rotation)
     return run(steps, async_op, (full, out), what)
 
 
@@ -292,16 +327,19 @@ def _qgz_steps(
     topo: Topology,
     divisor: int,
     ef: ErrorFeedback | None,
+    rot: int | None,
 ) -> Generator[Pending, None, torch.Tensor]:
     size, n, d = topo.world_size, topo.num_nodes, topo.ranks_per_node
     numel = flat.numel()
     s = chunk_numel(numel, size) if numel else 0
-    pack = fmt.packed_bytes(s)
+    width = rotated_numel(s, rot) if rot else s  # values per pack: rotated slices are padded to whole blocks of rot
+    pack = fmt.packed_bytes(width)
     device = flat.device
     order = topo.qgz_send_order()
     swizzled = order == [swizzle_source(p, n, d) for p in range(size)]
     if ef is not None:
-        ef.allocate((numel, fmt.bits, fmt.block_size, size), numel, n * s, device)
+        ef.allocate((numel, fmt.bits, fmt.block_size, size, rot or 0), size * width if rot else numel, n * width,
+                    device)
     traffic = accounting.Traffic()
     if d > 1:
         same = topo.same_node_count(topo.intra_group) - 1
@@ -313,15 +351,15 @@ def _qgz_steps(
 
     # Step 1: pack the P slices in hop-1 order.
     if ef is None and swizzled:
-        send = swizzle_quantize(flat, fmt, n, d)
+        send = swizzle_quantize_rotated(flat, fmt, n, d, rot) if rot else swizzle_quantize(flat, fmt, n, d)
     else:
-        x = flat
+        x = rotate_slices(flat, size, rot) if rot else flat
         if ef is not None:
             assert ef.residual is not None
-            x = flat.float() + ef.residual
+            x = x.float() + ef.residual
         packs = quantize_chunks(x, fmt, size)
         if ef is not None:
-            dequantize_chunks(packs, fmt, size, s, ef.residual)  # residual <- what the packs hold ...
+            dequantize_chunks(packs, fmt, size, width, ef.residual)  # residual <- what the packs hold ...
             torch.sub(x, ef.residual, out=ef.residual)  # ... then x minus that
             ef.residual.nan_to_num_(0.0, 0.0, 0.0)  # a NaN/Inf step (fp16 overflow) must not poison later ones
         if order == list(range(size)):
@@ -336,17 +374,17 @@ def _qgz_steps(
         yield (dist.all_to_all_single(recv, send, group=topo.intra_group, async_op=True), kept,
                f" at hop 1 (intra-node all-to-all over ranks {topo.intra_ranks})")
         if n == 1:
-            reduce_dequantize(recv, fmt, d, s, out.view(-1), divisor=divisor)
+            _final_reduce(recv, fmt, d, s, out, divisor, rot)
             return out
         if ef is None:
-            mid = reduce_requantize(recv, fmt, d, n, s)
+            mid = reduce_requantize(recv, fmt, d, n, width)
         else:
             assert ef.partial_residual is not None
-            values = torch.empty(d * n * s, dtype=torch.float32, device=device)
-            dequantize_chunks(recv, fmt, d * n, s, values)
-            partial = values.view(d, n * s).sum(0).add_(ef.partial_residual)
+            values = torch.empty(d * n * width, dtype=torch.float32, device=device)
+            dequantize_chunks(recv, fmt, d * n, width, values)
+            partial = values.view(d, n * width).sum(0).add_(ef.partial_residual)
             mid = quantize_chunks(partial, fmt, n)
-            dequantize_chunks(mid, fmt, n, s, ef.partial_residual)
+            dequantize_chunks(mid, fmt, n, width, ef.partial_residual)
             torch.sub(partial, ef.partial_residual, out=ef.partial_residual)
             ef.partial_residual.nan_to_num_(0.0, 0.0, 0.0)
     else:
@@ -356,5 +394,15 @@ def _qgz_steps(
     recv2 = torch.empty(n * pack, dtype=torch.uint8, device=device)
     yield (dist.all_to_all_single(recv2, mid, group=topo.inter_group, async_op=True), (mid, recv2),
            f" at hop 2 (inter-node all-to-all over ranks {topo.inter_ranks})")
-    reduce_dequantize(recv2, fmt, n, s, out.view(-1), divisor=divisor)
+    _final_reduce(recv2, fmt, n, s, out, divisor, rot)
     return out
+
+
+def _final_reduce(buf: torch.Tensor, fmt: BlockFormat, groups: int, s: int, out: torch.Tensor, divisor: int,
+                  rot: int | None) -> None:
+    """qgZ's last step: sum the ``groups`` packs of slices of ``s`` elements (rotated by ``rot``, then unrotated)
+    and divide, into ``out``."""
+    if rot:
+        reduce_dequantize_rotated(buf, fmt, groups, s, out.view(-1), rot, divisor=divisor)
+    else:
+        reduce_dequantize(buf, fmt, groups, s, out.view(-1), divisor=divisor)

@@ -118,6 +118,11 @@ NONFINITE_GRADIENTS = ("skip", "raise")
 # zero_optimization.zeropp.delta_bits: code widths of the weight deltas (zeropp.engine.weight_deltas)
 DELTA_BITS = (8, 4)
 
+# zero_optimization.zeropp.gradient_rotation: the rotations qgZ offers, and their block sizes (zeropp.quant.rotation's
+# ROTATION_SIZES, kept here so that the config imports without torch; a test pins the two together)
+GRADIENT_ROTATIONS = ("hadamard",)
+GRADIENT_ROTATION_SIZES = (16, 32, 64, 128)
+
 # zero_optimization.zeropp.entry_check_timeout, seconds: the largest value (about 11.6 days; past any torch timeout)
 MAX_ENTRY_CHECK_TIMEOUT = 1e6
 
@@ -194,6 +199,8 @@ class ZeroppConfig:
     gradient_bits: int = 4
     block_size: int = 128
     error_feedback: bool = False
+    gradient_rotation: str | None = None
+    gradient_rotation_size: int = 32
     nonfinite_gradients: str = "skip"
     entry_check_timeout: float = 300.0
     memory_budget: MemoryBudget | None = None
@@ -209,8 +216,9 @@ class ZeroppConfig:
         defaults a rule's left-out key takes."""
         w = "zero_optimization.zeropp"
         check_keys(p, block, w, ["weight_bits", "gradient_bits", "block_size", "error_feedback",
-                                 "nonfinite_gradients", "entry_check_timeout", "memory_budget", "weight_deltas",
-                                 "delta_bits", "delta_refresh_interval", "rules"])
+                                 "gradient_rotation", "gradient_rotation_size", "nonfinite_gradients",
+                                 "entry_check_timeout", "memory_budget", "weight_deltas", "delta_bits",
+                                 "delta_refresh_interval", "rules"])
         d = cls()
         values: dict[str, Any] = {}
         for key in ("weight_bits", "gradient_bits"):
@@ -225,6 +233,22 @@ class ZeroppConfig:
             size = d.block_size
         values["block_size"] = size
         values["error_feedback"] = get_bool(p, block, "error_feedback", w, False)
+        rotation = block.get("gradient_rotation")
+        if rotation is not None and rotation not in GRADIENT_ROTATIONS:
+            p.add(f"{w}.gradient_rotation", f"{w}.gradient_rotation={rotation!r} must be null (off) or one of "
+                                            f"{', '.join(map(repr, GRADIENT_ROTATIONS))}")
+        elif rotation is not None:
+            values["gradient_rotation"] = rotation
+        rsize = get_int(p, block, "gradient_rotation_size", w, d.gradient_rotation_size)
+        if rsize not in GRADIENT_ROTATION_SIZES:
+            p.add(f"{w}.gradient_rotation_size", f"{w}.gradient_rotation_size={rsize} must be one of "
+                                                 f"{', '.join(map(str, GRADIENT_ROTATION_SIZES))}")
+        elif rsize > size and "gradient_rotation" in values:
+            p.add(f"{w}.gradient_rotation_size", f"{w}.gradient_rotation_size={rsize} is larger than {w}.block_size="
+                                                 f"{size}: a rotation block lies inside one quantization block; "
+                                                 "lower it or raise block_size")
+        else:
+            values["gradient_rotation_size"] = rsize
         mode = block.get("nonfinite_gradients", d.nonfinite_gradients)
         name = f"{w}.nonfinite_gradients"
         if not is_auto(p, mode, name):
@@ -349,6 +373,13 @@ class ZeroConfig:
         return self.zeropp.gradient_bits if self.zero_quantized_gradients else None
 
     @property
+    def gradient_rotation(self) -> int | None:
+        """Block size of qgZ's Hadamard rotation: ``zeropp.gradient_rotation_size`` with qgZ and
+        ``zeropp.gradient_rotation`` on, else ``None`` (no rotation)."""
+        on = self.zero_quantized_gradients and self.zeropp.gradient_rotation is not None
+        return self.zeropp.gradient_rotation_size if on else None
+
+    @property
     def hpz(self) -> bool:
         return self.zero_hpz_partition_size > 1
 
@@ -396,6 +427,10 @@ class ZeroConfig:
         if zeropp.error_feedback and not qg and p.ok(f"{w}.zero_quantized_gradients"):
             p.add(f"{w}.zeropp.error_feedback",
                   f"{w}.zeropp.error_feedback=true needs {w}.zero_quantized_gradients=true")
+        if zeropp.gradient_rotation is not None and not qg and p.ok(f"{w}.zero_quantized_gradients"):
+            p.add(f"{w}.zeropp.gradient_rotation",
+                  f"{w}.zeropp.gradient_rotation={zeropp.gradient_rotation!r} rotates qgZ's quantized gradients and "
+                  f"needs {w}.zero_quantized_gradients=true (or gradient_rotation null)")
         gather_key = "stage3_gather_16bit_weights_on_model_save"
         old_key = "stage3_gather_fp16_weights_on_model_save"  # DeepSpeed's older spelling of the same key
         if gather_key in block and old_key in block:

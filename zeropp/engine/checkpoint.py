@@ -602,24 +602,29 @@ def _check_compatible(engine: ZeroEngine, metadata: dict[str, Any], saved: dict[
 
 def _error_feedback_targets(engine: ZeroEngine, info: dict[str, Any] | None) -> dict[str, torch.Tensor]:
     """Reset every unit's qgZ residuals; when ``info`` (this rank's saved description) says they were saved in this
-    engine's layout (world size, node of every rank, each unit's padded size, bits and block size), allocate them
+    engine's layout (world size, node of every rank, each unit's padded size, bits, block size and gradient
+    rotation: residuals of one rotation are never reused under another), allocate them
     in that layout and return them by DCP key, to be read in place."""
     for unit in engine.units:
         if unit.error_feedback is not None:
             unit.error_feedback.reset()
     if info is None or info["world_size"] != engine.comm.world_size or info["nodes"] != _layout_of_nodes(engine):
         return {}
+    keys = []
     for entry in info["units"]:
-        u, (numel, bits, block, _) = entry["unit"], entry["key"]
+        key = (*entry["key"], 0)[:5]  # checkpoints from before the rotation saved 4 fields: no rotation
+        u, (numel, bits, block, _, rotation) = entry["unit"], key
         if (u >= len(engine.units) or engine.units[u].error_feedback is None or numel != engine.units[u].full.numel()
-                or (bits, block) != (engine.units[u].comm.gradient_bits, engine.comm.block_size)):
+                or (bits, block, rotation) != (engine.units[u].comm.gradient_bits, engine.comm.block_size,
+                                               engine.units[u].comm.gradient_rotation or 0)):
             return {}
+        keys.append(key)
     prefix = _error_feedback_key(engine)
     out = {}
-    for entry in info["units"]:
+    for entry, key in zip(info["units"], keys):
         u, unit = entry["unit"], engine.units[entry["unit"]]
         ef = unit.error_feedback
-        ef.allocate(tuple(entry["key"]), entry["numel"], entry["partial_numel"], unit.full.device)
+        ef.allocate(key, entry["numel"], entry["partial_numel"], unit.full.device)
         out[f"{prefix}.{u}.residual"] = ef.residual
         out[f"{prefix}.{u}.partial_residual"] = ef.partial_residual
     return out

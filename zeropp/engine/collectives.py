@@ -32,6 +32,8 @@ class Collectives:
         block_size: elements per quantization block.
         hpz: hpZ partition size (1: off), a divisor of ``topology.ranks_per_node``; its group is created here.
         error_feedback: whether units keep a qgZ ``ErrorFeedback`` (needs ``gradient_bits``).
+        gradient_rotation: ``None``, or the block size of qgZ's Hadamard rotation (``comm.reduce_scatter``'s
+            ``rotation``; needs ``gradient_bits``).
         delta_bits: ``None``, or 8/4 for the weight deltas of ``zeropp.engine.weight_deltas`` (``exchange``).
         communication_dtype: the dtype of the exact gradient reduce-scatter (``communication_data_type``):
             float32 sums in fp32 on the wire (``comm.reduce_scatter``'s plain exact path); bfloat16/float16 send
@@ -53,6 +55,7 @@ class Collectives:
         block_size: int = DEFAULT_BLOCK_SIZE,
         hpz: int = 1,
         error_feedback: bool = False,
+        gradient_rotation: int | None = None,
         delta_bits: int | None = None,
         communication_dtype: torch.dtype = torch.float32,
         onebit: bool = False,
@@ -60,12 +63,15 @@ class Collectives:
     ) -> None:
         if error_feedback and gradient_bits is None:
             raise ValueError("error_feedback needs quantized gradients (gradient_bits 8 or 4)")
+        if gradient_rotation is not None and gradient_bits is None:
+            raise ValueError(f"gradient_rotation={gradient_rotation} needs quantized gradients (gradient_bits 8 or 4)")
         self.topology = topology
         self.weight_bits = weight_bits
         self.gradient_bits = gradient_bits
         self.block_size = block_size
         self.hpz = hpz
         self.error_feedback = error_feedback
+        self.gradient_rotation = gradient_rotation
         self.delta_bits = delta_bits
         self.communication_dtype = communication_dtype
         self.onebit = onebit
@@ -82,13 +88,15 @@ class Collectives:
 
     def for_format(self, weight_bits: int | None, gradient_bits: int | None) -> Collectives:
         """These collectives with other bits (``zero_optimization.zeropp.rules``: the units of one format): the same
-        groups, block size and dtypes; ``error_feedback`` where it is on and ``gradient_bits`` quantizes. One object
+        groups, block size and dtypes; ``error_feedback`` and ``gradient_rotation`` where they are on and
+        ``gradient_bits`` quantizes. One object
         per format (``self`` for this one's), so units of one format can share a bucket."""
         other = self._formats.get((weight_bits, gradient_bits))
         if other is None:
             other = copy.copy(self)
             other.weight_bits, other.gradient_bits = weight_bits, gradient_bits
             other.error_feedback = self.error_feedback and gradient_bits is not None
+            other.gradient_rotation = self.gradient_rotation if gradient_bits is not None else None
             self._formats[(weight_bits, gradient_bits)] = other
         return other
 
@@ -163,13 +171,15 @@ class Collectives:
         self, full: torch.Tensor, out: torch.Tensor, error_feedback: comm.ErrorFeedback | None = None
     ) -> comm.CollectiveWork:
         """Start averaging the flat gradient ``full`` (of ``gradient_dtype``) over the ranks, this rank's slice
-        (``comm.shard_range``) into the fp32 ``out`` (qgZ when ``gradient_bits`` is set, with ``error_feedback``'s
-        residuals when given; exact in ``communication_dtype`` otherwise). Handles must be waited on in the order
-        they were started, the same on every rank (qgZ's second hop runs inside ``wait()``)."""
+        (``comm.shard_range``) into the fp32 ``out`` (qgZ when ``gradient_bits`` is set, rotated when
+        ``gradient_rotation`` is, with ``error_feedback``'s residuals when given; exact in ``communication_dtype``
+        otherwise). Handles must be waited on in the order they were started, the same on every rank (qgZ's second
+        hop runs inside ``wait()``)."""
         wire = None if self.gradient_bits is not None or full.dtype == torch.float32 else full.dtype
         return comm.reduce_scatter(
             full, bits=self.gradient_bits, op=comm.ReduceOp.AVG, topology=self.topology, out=out,
             block_size=self.block_size, error_feedback=error_feedback, wire_dtype=wire, async_op=True,
+            rotation=self.gradient_rotation,
         )
 
     def reduce_scatter_onebit(self, x: torch.Tensor, out: torch.Tensor, error: torch.Tensor) -> None:

@@ -16,7 +16,7 @@ from .. import comm
 from ..quant import DEFAULT_BLOCK_SIZE, BlockFormat
 from .all_gather import ZeroppAllGather
 from .hpz import check_hpz, install_check
-from .reduce_scatter import ZeroppReduceScatter, check_error_feedback
+from .reduce_scatter import ZeroppReduceScatter, check_error_feedback, check_gradient_rotation
 from .segments import fsdp_group, shard_numels
 
 
@@ -28,6 +28,7 @@ def enable(
     hpz: int | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
     error_feedback: bool = False,
+    gradient_rotation: int | None = None,
     topology: comm.Topology | None = None,
     ranks_per_node: int | None = None,
 ) -> comm.Topology:
@@ -59,6 +60,9 @@ def enable(
             residuals (``zeropp.comm.ErrorFeedback``: float32, the module's whole flat gradient, ``P`` shards,
             plus one shard per node) and adds them to its next reduction, so the error summed over steps stays
             bounded instead of growing with the number of steps.
+        gradient_rotation: with ``gradient_bits``: the block size (16, 32, 64 or 128, dividing ``block_size``)
+            of a Hadamard rotation of each rank's gradient slice before qgZ quantizes it, undone after the
+            reduction (``zeropp.comm.reduce_scatter``'s ``rotation``; ``docs/rotation.md``); ``None``: off.
         topology: the ``zeropp.comm.Topology`` of the modules' shard group (default: made here from that group,
             with ``ranks_per_node`` or ``$ZEROPP_RANKS_PER_NODE`` / ``$LOCAL_WORLD_SIZE``, checked against hosts).
         ranks_per_node: ranks per node when the topology is made here.
@@ -70,13 +74,15 @@ def enable(
         ValueError: unsupported bits or block size, no FSDP2 module, a mesh that is not 1-D (HSDP, or FSDP
             inside a 2-D mesh: refused, not served wrongly), modules on different meshes, a ``topology`` whose
             ranks are not the shard group's, an ``hpz`` that does not divide the ranks per node or whose FSDP2
-            groups would span nodes, or ``error_feedback`` without ``gradient_bits``.
+            groups would span nodes, or ``error_feedback`` or ``gradient_rotation`` without ``gradient_bits``, or a
+            ``gradient_rotation`` that is no rotation size dividing ``block_size``.
     """
     for name, bits in (("weight_bits", weight_bits), ("gradient_bits", gradient_bits)):
         if bits is not None and (isinstance(bits, bool) or bits not in (8, 4)):
             raise ValueError(f"{name}={bits!r} is not supported; use 8, 4 or None (exact)")
     BlockFormat(8, block_size)  # raises naming a bad block size
     check_error_feedback(error_feedback, gradient_bits)
+    check_gradient_rotation(gradient_rotation, gradient_bits, block_size)
     roots = [modules] if isinstance(modules, nn.Module) else list(modules)
     fsdp_modules: list[FSDPModule] = []
     for root in roots:
@@ -111,7 +117,8 @@ def enable(
         # group's gradient buffer's error-feedback residuals
         first: FSDPModule = group[0]  # type: ignore[assignment]
         first.set_custom_all_gather(ZeroppAllGather(topology, weight_bits, block_size, shard_numels(first)))
-        first.set_custom_reduce_scatter(ZeroppReduceScatter(topology, gradient_bits, block_size, error_feedback))
+        first.set_custom_reduce_scatter(ZeroppReduceScatter(topology, gradient_bits, block_size, error_feedback,
+                                                            gradient_rotation))
     if hpz is not None:
         install_check(groups, hpz)
     return topology

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..quant.rotation import check_rotation_size
 from .._torch_internals import FSDPReduceScatter
 from .hook import FlatBufferHook
 
@@ -44,14 +45,19 @@ class ZeroppReduceScatter(FlatBufferHook, FSDPReduceScatter):
         block_size: elements per quantization block (each rank's slice is packed on its own).
         error_feedback: keep the quantization residuals of this buffer and add them back at the next reduction
             (qgZ only: ``ValueError`` with ``bits=None``).
+        gradient_rotation: qgZ only: the block size of a Hadamard rotation of each rank's slice before it is
+            quantized, undone after the reduction (``zeropp.comm.reduce_scatter``'s ``rotation``); ``None``: off.
     """
 
     def __init__(
-        self, topology: comm.Topology, bits: int | None, block_size: int, error_feedback: bool = False
+        self, topology: comm.Topology, bits: int | None, block_size: int, error_feedback: bool = False,
+        gradient_rotation: int | None = None,
     ) -> None:
         check_error_feedback(error_feedback, bits)
+        check_gradient_rotation(gradient_rotation, bits, block_size)
         super().__init__(topology, bits, block_size)
         self.error_feedback: comm.ErrorFeedback | None = comm.ErrorFeedback() if error_feedback else None
+        self.gradient_rotation = gradient_rotation
 
     def __call__(
         self,
@@ -81,7 +87,8 @@ class ZeroppReduceScatter(FlatBufferHook, FSDPReduceScatter):
         if ef is not None and ef.key is not None and ef.key[0] != input_tensor.numel():
             ef.reset()  # the residuals (keyed by the input's numel first) describe another buffer layout
         comm.reduce_scatter(input_tensor, self.bits, op=reduce_op, topology=self.topology, out=output_tensor,
-                            block_size=self.block_size, error_feedback=self.error_feedback)
+                            block_size=self.block_size, error_feedback=self.error_feedback,
+                            rotation=self.gradient_rotation)
         return None
 
 
@@ -92,3 +99,17 @@ def check_error_feedback(error_feedback: bool, bits: int | None) -> None:
             "error_feedback=True needs quantized gradients: pass gradient_bits=8 or 4 (exact reduce-scatters "
             "drop nothing to feed back)"
         )
+
+
+def check_gradient_rotation(gradient_rotation: int | None, bits: int | None, block_size: int) -> None:
+    """Raise unless ``gradient_rotation`` is ``None`` or a rotation size dividing ``block_size`` that comes with
+    quantized gradients (``bits`` 8 or 4)."""
+    if gradient_rotation is None:
+        return
+    if bits is None:
+        raise ValueError(f"gradient_rotation={gradient_rotation} needs quantized gradients: pass gradient_bits=8 or 4 "
+                         "(an exact reduce-scatter has no quantization to protect)")
+    check_rotation_size(gradient_rotation)
+    if block_size % gradient_rotation:
+        raise ValueError(f"gradient_rotation={gradient_rotation} must divide block_size={block_size}; use a smaller "
+                         "rotation or a larger block size")

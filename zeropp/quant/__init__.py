@@ -22,6 +22,7 @@ from .rotation import (
     hadamard_rotate,
     hadamard_unrotate,
     reduce_dequantize_rotated,
+    rotate_slices,
     rotated_numel,
     swizzle_quantize_rotated,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "reduce_dequantize",
     "reduce_dequantize_rotated",
     "reduce_requantize",
+    "rotate_slices",
     "rotated_numel",
     "swizzle_quantize",
     "swizzle_quantize_rotated",

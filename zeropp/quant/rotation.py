@@ -155,16 +155,25 @@ def swizzle_quantize_rotated(x: torch.Tensor, fmt: BlockFormat, nodes: int, rank
     (``ceil(numel / world)`` elements) zero-padded to a multiple of ``size`` and rotated first. Returns the uint8
     packs (``out`` if given), the same number of bytes as ``swizzle_quantize`` writes; each pack holds
     ``rotated_numel(slice, size)`` rotated values. ``size`` must not exceed ``fmt.block_size``."""
-    check_float_tensor(x)
     _check_fits(fmt, size)
-    world = nodes * ranks_per_node
+    return ops.swizzle_quantize(rotate_slices(x, nodes * ranks_per_node, size), fmt, nodes, ranks_per_node, out=out)
+
+
+def rotate_slices(x: torch.Tensor, slices: int, size: int = DEFAULT_ROTATION_SIZE) -> torch.Tensor:
+    """Flattened ``x`` cut into ``slices`` slices of ``ceil(numel / slices)`` elements (the chunked layout: the last
+    ones short or empty), each zero-padded to ``rotated_numel(slice, size)`` and rotated on its own: a flat float32
+    tensor of ``slices * rotated_numel(slice, size)`` elements, slice after slice (what ``swizzle_quantize_rotated``
+    packs)."""
+    check_float_tensor(x)
     flat = x.detach().reshape(-1)
-    plain = slice_numel(flat.numel(), world)
-    padded = torch.zeros(world * plain, dtype=flat.dtype, device=flat.device)
+    plain = slice_numel(flat.numel(), slices)
+    if flat.numel() == slices * plain and plain % size == 0:  # no padding (the engine's block-aligned shards)
+        return hadamard_rotate(flat, size)
+    padded = torch.zeros(slices * plain, dtype=flat.dtype, device=flat.device)
     padded[: flat.numel()] = flat
-    slices = torch.zeros(world, rotated_numel(plain, size), dtype=flat.dtype, device=flat.device)
-    slices[:, :plain] = padded.view(world, plain)
-    return ops.swizzle_quantize(hadamard_rotate(slices, size), fmt, nodes, ranks_per_node, out=out)
+    rows = torch.zeros(slices, rotated_numel(plain, size), dtype=flat.dtype, device=flat.device)
+    rows[:, :plain] = padded.view(slices, plain)
+    return hadamard_rotate(rows, size)
 
 
 def reduce_dequantize_rotated(buf: torch.Tensor, fmt: BlockFormat, groups: int, chunk_numel: int, out: torch.Tensor,
