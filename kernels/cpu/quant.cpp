@@ -949,24 +949,7 @@ void reduce_dequantize_jobs(const uint8_t* buf, const Layout& f, int groups, int
     }
 }
 
-// Runs body(first_job, end_job) over [0, jobs) on `threads` OpenMP threads, in contiguous ranges.
-template <typename Body>
-void parallel(int64_t jobs, int threads, Body body) {
-    if (jobs <= 0) return;
-    if (threads <= 1 || jobs < 2) {
-        body(int64_t(0), jobs);
-        return;
-    }
-#pragma omp parallel num_threads(threads)
-    {
-#ifdef _OPENMP
-        const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
-#else
-        const int64_t t = 0, n = 1;
-#endif
-        body(jobs * t / n, jobs * (t + 1) / n);
-    }
-}
+#include "parallel.h"
 
 // Each op with the kernels of one instruction set, for compile-time bits and dtype (run<Bits, D>).
 template <class Isa>
