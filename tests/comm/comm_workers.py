@@ -281,6 +281,46 @@ def check_rotated_reduce_scatter(topo: Topology, nodes, numel, dtype, bits, size
     )
 
 
+def check_hop_bits(topo: Topology, numel: int, intra: int, inter: int, seed: int) -> float:
+    """qgZ with its own bits per hop (``intra_bits``): bit-identical to the composition in this process (every
+    rank's slices packed in ``intra`` bits, each node's runs summed in local-index order and requantized to
+    ``inter`` bits by ``reduce_requantize(out_fmt=)``, summed over the nodes in this rank's inter-node group's
+    order); the byte counters ``(d - 1) n B1`` inside the node and ``(n - 1) B2`` across it, ``B1``/``B2`` one pack
+    of a slice in each format. Returns the relative RMS error against the float64 mean."""
+    from zeropp.quant import BlockFormat, quantize_chunks, reduce_dequantize, reduce_requantize
+
+    world, r = topo.world_size, topo.rank
+    n, d = topo.num_nodes, topo.ranks_per_node
+    x = make_input(dist.get_rank(), numel, torch.float32, seed)
+    comm.reset_stats()
+    out = comm.reduce_scatter(x, inter, topology=topo, block_size=BLOCK, intra_bits=intra)
+    st = comm.stats()["reduce_scatter"]
+    f1, f2 = BlockFormat(intra, BLOCK), BlockFormat(inter, BLOCK)
+    s = -(-numel // world)
+    first = f1 if d > 1 else f2
+    b1, b2 = first.packed_bytes(s), f2.packed_bytes(s)
+    assert (st["sent_intra"], st["sent_inter"]) == ((d - 1) * n * b1 if d > 1 else 0, (n - 1) * b2), (st, b1, b2)
+
+    def hop1(g: int) -> torch.Tensor:  # global rank g's pack of slice r
+        return quantize_chunks(make_input(g, numel, torch.float32, seed), first, world)[r * b1 : (r + 1) * b1]
+
+    node_of = {g: next(nd for nd in topo.nodes if g in nd) for g in topo.ranks}
+    if n == 1:
+        buf, fmt = torch.cat([hop1(g) for g in topo.intra_ranks]), first
+    elif d == 1:
+        buf, fmt = torch.cat([hop1(g) for g in topo.inter_ranks]), f2
+    else:
+        buf = torch.cat([reduce_requantize(torch.cat([hop1(g) for g in node_of[p]]), f1, d, 1, s, out_fmt=f2)
+                         for p in topo.inter_ranks])
+        fmt = f2
+    start, stop = comm.shard_range(numel, world, r)
+    expect = torch.empty(stop - start)
+    reduce_dequantize(buf, fmt, len(buf) // fmt.packed_bytes(s), s, expect, divisor=world)
+    assert torch.equal(out, expect), float((out - expect).abs().max())
+    true = sum(make_input(q, numel, torch.float32, seed).double() for q in range(world))[start:stop] / world
+    return float((out.double() - true).square().mean().sqrt() / true.square().mean().sqrt())
+
+
 def outlier_input(rank: int, numel: int, seed: int) -> torch.Tensor:
     """Gaussian with one planted outlier (30x) in every 64 elements: heavy-tailed gradients."""
     g = torch.Generator().manual_seed(seed * 7919 + rank)
@@ -351,6 +391,9 @@ def collectives(rank: int, world: int, layouts: list[dict]) -> dict:
             check_rotated_reduce_scatter(topo, nodes, numel, dtype, bits, size, ReduceOp.AVG if i % 2 else
                                          ReduceOp.SUM, 4000 + 10 * li + i)
         rels["rotation_gain"] = rotation_gain(topo, 50 + li)
+        hops = {(i, b): check_hop_bits(topo, 4096 + 13, i, b, 60 + li) for i, b in ((8, 4), (4, 4), (8, 2), (2, 2))}
+        rels["hop_gain"] = hops[8, 4] / hops[4, 4]  # int8 inside the node: less error than int4 on both hops
+        rels["int2_vs_int4"] = hops[2, 2] / hops[4, 4]
         check_async(topo, 4, 5)
         check_async(topo, None, 6)
         summary[f"d={d}{'-hosts' if hosts else ''}"] = rels
@@ -447,6 +490,10 @@ def errors(rank: int, world: int) -> dict:
                                         rotation=24)
     messages["rotation_block"] = _raises(ValueError, "must divide block_size=48", comm.reduce_scatter, x, 4,
                                          topology=topo, rotation=32, block_size=48)
+    messages["intra_exact"] = _raises(ValueError, "intra_bits=8 applies to quantized", comm.reduce_scatter, x, None,
+                                      topology=topo, intra_bits=8)
+    messages["intra_bits"] = _raises(ValueError, "bits=3 is not supported", comm.reduce_scatter, x, 4,
+                                     topology=topo, intra_bits=3)
     # exact all-gather of integers is fine
     ints = torch.arange(4, dtype=torch.int64) + 10 * rank
     assert comm.all_gather(ints, topology=topo).tolist() == [i + 10 * r for r in range(world) for i in range(4)]
@@ -501,9 +548,9 @@ def error_feedback(rank: int, world: int, d: int, steps: int) -> dict:
     result["feedback_rotated"] = float((acc - steps * true).abs().max() / (steps * true.abs().max()))
     assert result["feedback_rotated"] * 4 < result["plain"], result
     width = -(-s // 32) * 32
-    assert ef.key == (numel, 4, DEFAULT_BLOCK_SIZE, world, 32), ef.key
+    assert ef.key == (numel, 4, DEFAULT_BLOCK_SIZE, world, 32, 4), ef.key
     assert ef.residual.numel() == world * width and ef.partial_residual.numel() == topo.num_nodes * width
-    _raises(ValueError, "rotation) and now gets", comm.reduce_scatter, x, 4, topology=topo, error_feedback=ef)
+    _raises(ValueError, "intra_bits) and now gets", comm.reduce_scatter, x, 4, topology=topo, error_feedback=ef)
     return result
 
 

@@ -35,6 +35,14 @@ def test_collectives(tmp_path, world, layouts):
         for layout, rels in summary.items():
             # heavy-tailed inputs (an outlier in every block): the rotation lowers int4's error
             assert rels.pop("rotation_gain") < 0.7, (layout, rels)
+            # int8 on the intra-node hop: less error than int4 on both hops; with one rank per node there is no
+            # intra-node hop and intra_bits changes nothing
+            gain = rels.pop("hop_gain")
+            if layout == "d=1":
+                assert gain == 1.0, (layout, gain)
+            else:
+                assert gain < 0.95, (layout, gain)
+            assert rels.pop("int2_vs_int4") > 1.5, (layout, rels)  # int2 codes are coarser than int4
             for key, rel in rels.items():
                 if "-8-" in key:
                     assert rel < 0.03, (layout, key, rel)
@@ -57,6 +65,8 @@ def test_errors(tmp_path):
     assert "pass bits=8 or 4, or rotation=None" in messages["rotation_exact"]
     assert "(16, 32, 64, 128)" in messages["rotation_size"]
     assert "use a smaller rotation" in messages["rotation_block"]
+    assert "pass bits=8, 4 or 2, or intra_bits=None" in messages["intra_exact"]
+    assert "use None (exact), 8, 4 or 2" in messages["intra_bits"]
 
 
 @pytest.mark.parametrize("d", [1, 2])

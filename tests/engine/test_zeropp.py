@@ -9,11 +9,14 @@ exact run's own displacement ``||theta_exact - theta_0||``: a quantized run is c
 (bit-identical: secondaries are exact copies of the gathered values), qgZ int4 0.264, with error feedback 0.206, all
 three 0.275, all three with error feedback and 2 accumulation steps 0.155, stage 2 with qwZ and qgZ 0.264, all three
 on interleaved nodes ({0, 2}, {1, 3}) 0.261, int4 weights with int8 gradients (and hpZ) 0.381, qgZ int4 with the
-32-element Hadamard rotation 0.241, all three rotated with error feedback 0.210. int4 codes carry ~12%
+32-element Hadamard rotation 0.241, all three rotated with error feedback 0.210, qgZ with int8 inside the node and
+int4 across 0.200, int8 inside and int2 across 0.819 (0.585 with error feedback: int2 gradients learn markedly slower
+here, their losses up to 15% above exact and the loss drop 73% of exact's). int4 codes carry ~12%
 relative error per block, and Adam turns the error of small gradient elements into O(lr) steps, hence the larger qgZ
 figure; int4 weights perturb every forward and backward too. An unrelated update would give ~1.4. Bounds: 0.1 for
 qwZ alone, 0.35 with int4 qgZ, 0.5 with int4 qwZ, 0 for hpZ alone; losses within 1% of the exact run's at every
-step, and the final loss drop at least 97% of the exact run's (measured: worst 98.7%, all three flags).
+step, and the final loss drop at least 97% of the exact run's (measured: worst 98.7%, all three flags); int2
+gradients: 1.0, 20% and 60%.
 
 Bytes. Per step (forward, backward, step; ``comm.stats()`` of the last step) the cross-node bytes are compared
 with the formulas of ``zeropp.comm.accounting`` evaluated by hand from each unit's shard size ``S`` (elements, a
@@ -47,6 +50,9 @@ RUNS = {
     "all-w4-g8": {"zero": {**QW, **HPZ, **QG, "zeropp": {"weight_bits": 4, "gradient_bits": 8}}},
     "qgz-rot": {"zero": {**QG, "zeropp": {"gradient_rotation": "hadamard"}}},
     "all-rot-ef": {"zero": {**QW, **HPZ, **QG, "zeropp": {"gradient_rotation": "hadamard", "error_feedback": True}}},
+    "qgz-8-4": {"zero": {**QG, "zeropp": {"gradient_bits_intra": 8}}},  # int8 inside the node, int4 across
+    "qgz-8-2": {"zero": {**QG, "zeropp": {"gradient_bits_intra": 8, "gradient_bits": 2}}},
+    "qgz-8-2-ef": {"zero": {**QG, "zeropp": {"gradient_bits_intra": 8, "gradient_bits": 2, "error_feedback": True}}},
 }
 EVERY_GATHER = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
 for _run in RUNS.values():
@@ -100,10 +106,12 @@ def test_zeropp_flags_accuracy_and_cross_node_bytes(tmp_path):
         assert all(u["align"] == (BLOCK if quantized else 1) for u in r["units"]), name
         # accuracy against the exact run
         if name != "exact":
+            int2 = name.startswith("qgz-8-2")
+            slack, keep = (0.2, 0.6) if int2 else (0.01, 0.97)  # int2 codes learn slower
             for got, want in zip(r["losses"], exact):
-                assert abs(got - want) <= 0.01 * want, (name, r["losses"], exact)
-            assert r["losses"][0] - r["losses"][-1] >= 0.97 * drop, (name, r["losses"], exact)
-            bound = {"hpz": 0.0, "qwz": 0.1, "all-w4-g8": 0.5}.get(name, 0.35)
+                assert abs(got - want) <= slack * want, (name, r["losses"], exact)
+            assert r["losses"][0] - r["losses"][-1] >= keep * drop, (name, r["losses"], exact)
+            bound = 1.0 if int2 else {"hpz": 0.0, "qwz": 0.1, "all-w4-g8": 0.5}.get(name, 0.35)
             assert r["rel_to_update"] <= bound, (name, r["rel_to_update"])
         # bytes against the formulas
         t = r["traffic"]
@@ -119,6 +127,9 @@ def test_zeropp_flags_accuracy_and_cross_node_bytes(tmp_path):
     assert res["all-rot-ef"]["ef_keys"] and all(key[4] == 32 for key in res["all-rot-ef"]["ef_keys"])
     assert res["qgz-rot"]["rel_to_update"] < res["qgz"]["rel_to_update"]  # and helps here (0.241 against 0.264)
     assert inter["qgz-rot"] == inter["qgz"] and inter["all-rot-ef"] == inter["all"]
+    # int8 inside the node and int4 across (gradient_bits_intra): the cross-node bytes of int4, less error
+    assert inter["qgz-8-4"] == inter["qgz"] and res["qgz-8-4"]["rel_to_update"] < res["qgz"]["rel_to_update"]
+    assert inter["qgz-8-2"]["reduce_scatter"] < 0.6 * inter["qgz"]["reduce_scatter"]  # int2 across: about half
 
     total = {name: sum(v.values()) for name, v in inter.items()}
     e = inter["exact"]

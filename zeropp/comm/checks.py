@@ -19,7 +19,7 @@ from ..quant.format import FLOAT_DTYPES
 from ._dist import all_gather_flat
 from .work import wait_backend
 
-SUPPORTED_BITS = (None, 8, 4)
+SUPPORTED_BITS = (None, 8, 4, 2)
 _DTYPE_CODES = {
     dt: i
     for i, dt in enumerate(
@@ -37,7 +37,7 @@ def debug_enabled() -> bool:
 
 def check_bits(bits: int | None) -> None:
     if isinstance(bits, bool) or bits not in SUPPORTED_BITS:
-        raise ValueError(f"bits={bits!r} is not supported; use None (exact), 8 or 4")
+        raise ValueError(f"bits={bits!r} is not supported; use None (exact), 8, 4 or 2")
 
 
 def check_input(t: torch.Tensor, name: str, *, quantized: bool) -> None:
@@ -79,7 +79,8 @@ def dtype_code(dtype: torch.dtype) -> int:
 
 
 RECORD_FIELDS = (
-    "kind", "numel", "dtype", "bits", "block_size", "op", "out_dtype", "reduce_dtype", "wire_dtype", "rotation"
+    "kind", "numel", "dtype", "bits", "block_size", "op", "out_dtype", "reduce_dtype", "wire_dtype", "rotation",
+    "intra_bits",
 )
 """The fields of the record each rank sends in an agreement check: the same for every collective kind, so that a
 rank calling one kind while another calls a different one still exchanges records of the same size (gloo aborts

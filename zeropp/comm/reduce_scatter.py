@@ -15,8 +15,10 @@ qgZ with ``n`` nodes of ``d`` ranks, every slice packed on its own (``B = fmt.pa
 5. ``reduce_dequantize``: sum the ``n`` packs in float32, divide by ``P`` for a mean (once), write ``out``.
 
 One node skips 3–4 (step 5 sums the ``d`` packs of hop 1); one rank per node skips 2–3; one rank copies.
-Bytes per rank: hop 1 sends and receives ``(d - 1) * n * B`` intra-node, hop 2 ``(n - 1) * B`` inter-node;
-with int4 that is about ``numel / (2 d) * (n - 1) / n`` bytes across nodes, plus the scales.
+Bytes per rank: hop 1 sends and receives ``(d - 1) * n * B1`` intra-node, hop 2 ``(n - 1) * B`` inter-node;
+with int4 that is about ``numel / (2 d) * (n - 1) / n`` bytes across nodes, plus the scales. ``B1 = B`` unless
+``intra_bits`` gives the intra-node hop its own width (SDP4Bit's 8 bits inside the node, 4 across): step 1 then
+packs in ``intra_bits`` and step 3 requantizes the partial sums to ``bits`` (``reduce_requantize``'s ``out_fmt``).
 
 Exact path with ``wire_dtype`` (the engine's ``communication_data_type`` bf16/fp16): an ``all_to_all_single`` in
 that dtype moves the same bytes as a reduce-scatter in it, but the sum happens at the receiver in float64, not on
@@ -138,9 +140,9 @@ class ErrorFeedback:
 
     @property
     def key(self) -> tuple[Any, ...] | None:
-        """``(numel, bits, block_size, group size, rotation size or 0)`` of the reduce-scatter the residuals belong
-        to (``None``: no residuals yet). The residuals' layout and space depend on all five and on the node
-        layout."""
+        """``(numel, bits, block_size, group size, rotation size or 0, intra-node hop's bits)`` of the reduce-scatter
+        the residuals belong to (``None``: no residuals yet). The residuals' layout and space depend on all six and
+        on the node layout."""
         return self._key
 
     def allocate(self, key: tuple[Any, ...], numel: int, partial: int, device: torch.device) -> None:
@@ -154,7 +156,7 @@ class ErrorFeedback:
         elif self._key != key:
             raise ValueError(
                 f"this ErrorFeedback was used for a reduce_scatter of {self._key} (numel, bits, block_size, group "
-                f"size, rotation) and now gets {key}; use one ErrorFeedback per buffer, or reset() it"
+                f"size, rotation, intra_bits) and now gets {key}; use one ErrorFeedback per buffer, or reset() it"
             )
 
 
@@ -171,13 +173,15 @@ def reduce_scatter(
     wire_dtype: torch.dtype | None = None,
     error_feedback: ErrorFeedback | None = None,
     rotation: int | None = None,
+    intra_bits: int | None = None,
 ) -> torch.Tensor | CollectiveWork:
     """Sum or average ``full`` over the data-parallel group of ``topology``; rank ``r`` gets slice ``r``.
 
     Args:
         full: this rank's contiguous float tensor (any shape, any numel); every rank passes the same numel and
             dtype. qgZ takes fp32, bf16 and fp16; the exact path any floating point dtype.
-        bits: ``None`` for an exact reduce-scatter (``reduce_scatter_tensor``), 8 or 4 for qgZ.
+        bits: ``None`` for an exact reduce-scatter (``reduce_scatter_tensor``), 8, 4 or 2 for qgZ (the bits of
+            the inter-node hop, and of both hops unless ``intra_bits`` says otherwise).
         op: ``ReduceOp.AVG`` (default; divides by the group size exactly once) or ``ReduceOp.SUM``.
         topology: node layout and data-parallel group (default: ``get_default_topology()``).
         out: contiguous tensor of ``stop - start`` elements (``shard_range``) on ``full``'s device, any float
@@ -197,6 +201,8 @@ def reduce_scatter(
         rotation: qgZ only: the block size ``R`` of a Hadamard rotation of every rank's slice before it is
             quantized, undone after the reduction (see the module docstring); one of
             ``zeropp.quant.ROTATION_SIZES`` dividing ``block_size``. ``None`` (default): no rotation.
+        intra_bits: qgZ only: the bits of the intra-node hop (step 1's packs; step 3 requantizes them to ``bits``
+            for the inter-node hop), e.g. 8 inside the node and 4 across as SDP4Bit. ``None`` (default): ``bits``.
 
     Returns:
         ``out`` (or a ``CollectiveWork`` when ``async_op``).
@@ -235,16 +241,23 @@ def reduce_scatter(
         if block_size % rotation:
             raise ValueError(f"rotation={rotation} must divide block_size={block_size} (each rotation block inside "
                              "one quantization block); use a smaller rotation or a larger block size")
+    if intra_bits is not None:
+        if bits is None:
+            raise ValueError(f"intra_bits={intra_bits} applies to quantized reduce_scatter; pass bits=8, 4 or 2, or "
+                             "intra_bits=None")
+        check_bits(intra_bits)
     fmt = BlockFormat(bits, block_size) if bits is not None else None
+    hop1 = BlockFormat(intra_bits, block_size) if intra_bits is not None else fmt
     record = call_record(
         "reduce_scatter", numel=numel, dtype=dtype_code(full.dtype), bits=bits or 0, block_size=block_size,
         op=0 if reduce_op is ReduceOp.SUM else 1, out_dtype=dtype_code(out.dtype),
         reduce_dtype=dtype_code(reduce_dtype) if reduce_dtype is not None else UNUSED,
         wire_dtype=dtype_code(wire_dtype) if wire_dtype is not None else UNUSED,
-        rotation=rotation or 0,
+        rotation=rotation or 0, intra_bits=intra_bits or 0,
     )
     verify_agreement(topo.verified_calls, topo.group, full.device, record)
     rotated = f", rotation={rotation}" if rotation else ""
+    rotated += f", intra_bits={intra_bits}" if intra_bits is not None else ""
     what = (f"reduce_scatter(bits={bits}, op={reduce_op.value}{rotated}) of {numel} {full.dtype} elements over ranks "
             f"{topo.ranks}")
     divisor = size if reduce_op is ReduceOp.AVG else 1
@@ -256,7 +269,7 @@ def reduce_scatter(
     elif fmt is None:
         steps = _exact_steps(flat, out, topo, divisor, reduce_dtype or full.dtype)
     else:
-        steps = _qgz_steps(flat, out, fmt, topo, divisor, error_feedback, rotation)
+        steps = _qgz_steps(flat, out, fmt, hop1, topo, divisor, error_feedback, rotation)
     return run(steps, async_op, (full, out), what)
 
 
@@ -324,6 +337,7 @@ def _qgz_steps(
     flat: torch.Tensor,
     out: torch.Tensor,
     fmt: BlockFormat,
+    hop1: BlockFormat,
     topo: Topology,
     divisor: int,
     ef: ErrorFeedback | None,
@@ -333,17 +347,18 @@ def _qgz_steps(
     numel = flat.numel()
     s = chunk_numel(numel, size) if numel else 0
     width = rotated_numel(s, rot) if rot else s  # values per pack: rotated slices are padded to whole blocks of rot
-    pack = fmt.packed_bytes(width)
+    first = hop1 if d > 1 else fmt  # step 1's format: the intra-node hop's, or the inter-node one's when it is first
+    pack1, pack = first.packed_bytes(width), fmt.packed_bytes(width)
     device = flat.device
     order = topo.qgz_send_order()
     swizzled = order == [swizzle_source(p, n, d) for p in range(size)]
     if ef is not None:
-        ef.allocate((numel, fmt.bits, fmt.block_size, size, rot or 0), size * width if rot else numel, n * width,
-                    device)
+        ef.allocate((numel, fmt.bits, fmt.block_size, size, rot or 0, hop1.bits), size * width if rot else numel,
+                    n * width, device)
     traffic = accounting.Traffic()
     if d > 1:
         same = topo.same_node_count(topo.intra_group) - 1
-        traffic += accounting.all_to_all_traffic(n * pack, same, d - 1 - same)
+        traffic += accounting.all_to_all_traffic(n * pack1, same, d - 1 - same)
     if n > 1:
         same = topo.same_node_count(topo.inter_group) - 1
         traffic += accounting.all_to_all_traffic(pack, same, n - 1 - same)
@@ -351,37 +366,37 @@ def _qgz_steps(
 
     # Step 1: pack the P slices in hop-1 order.
     if ef is None and swizzled:
-        send = swizzle_quantize_rotated(flat, fmt, n, d, rot) if rot else swizzle_quantize(flat, fmt, n, d)
+        send = swizzle_quantize_rotated(flat, first, n, d, rot) if rot else swizzle_quantize(flat, first, n, d)
     else:
         x = rotate_slices(flat, size, rot) if rot else flat
         if ef is not None:
             assert ef.residual is not None
             x = x.float() + ef.residual
-        packs = quantize_chunks(x, fmt, size)
+        packs = quantize_chunks(x, first, size)
         if ef is not None:
-            dequantize_chunks(packs, fmt, size, width, ef.residual)  # residual <- what the packs hold ...
+            dequantize_chunks(packs, first, size, width, ef.residual)  # residual <- what the packs hold ...
             torch.sub(x, ef.residual, out=ef.residual)  # ... then x minus that
             ef.residual.nan_to_num_(0.0, 0.0, 0.0)  # a NaN/Inf step (fp16 overflow) must not poison later ones
         if order == list(range(size)):
             send = packs
         else:
-            send = packs.view(size, pack).index_select(0, topo.qgz_send_index(device)).view(-1)
+            send = packs.view(size, pack1).index_select(0, topo.qgz_send_index(device)).view(-1)
 
     # Steps 2-3: intra-node all-to-all, fused sum and requantization.
     if d > 1:
-        recv = torch.empty(size * pack, dtype=torch.uint8, device=device)
+        recv = torch.empty(size * pack1, dtype=torch.uint8, device=device)
         kept = (send, recv) if ef is None else (send, recv, ef.residual, ef.partial_residual)
         yield (dist.all_to_all_single(recv, send, group=topo.intra_group, async_op=True), kept,
                f" at hop 1 (intra-node all-to-all over ranks {topo.intra_ranks})")
         if n == 1:
-            _final_reduce(recv, fmt, d, s, out, divisor, rot)
+            _final_reduce(recv, first, d, s, out, divisor, rot)
             return out
         if ef is None:
-            mid = reduce_requantize(recv, fmt, d, n, width)
+            mid = reduce_requantize(recv, first, d, n, width, out_fmt=None if first == fmt else fmt)
         else:
             assert ef.partial_residual is not None
             values = torch.empty(d * n * width, dtype=torch.float32, device=device)
-            dequantize_chunks(recv, fmt, d * n, width, values)
+            dequantize_chunks(recv, first, d * n, width, values)
             partial = values.view(d, n * width).sum(0).add_(ef.partial_residual)
             mid = quantize_chunks(partial, fmt, n)
             dequantize_chunks(mid, fmt, n, width, ef.partial_residual)

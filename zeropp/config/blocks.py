@@ -118,6 +118,8 @@ NONFINITE_GRADIENTS = ("skip", "raise")
 # zero_optimization.zeropp.delta_bits: code widths of the weight deltas (zeropp.engine.weight_deltas)
 DELTA_BITS = (8, 4)
 
+# zero_optimization.zeropp.gradient_bits / gradient_bits_intra: qgZ's code widths (weight_bits: 8 or 4)
+GRADIENT_BITS = (8, 4, 2)
 # zero_optimization.zeropp.gradient_rotation: the rotations qgZ offers, and their block sizes (zeropp.quant.rotation's
 # ROTATION_SIZES, kept here so that the config imports without torch; a test pins the two together)
 GRADIENT_ROTATIONS = ("hadamard",)
@@ -199,6 +201,7 @@ class ZeroppConfig:
     gradient_bits: int = 4
     block_size: int = 128
     error_feedback: bool = False
+    gradient_bits_intra: int | None = None
     gradient_rotation: str | None = None
     gradient_rotation_size: int = 32
     nonfinite_gradients: str = "skip"
@@ -215,18 +218,25 @@ class ZeroppConfig:
         """``quantized_weights`` / ``quantized_gradients``: ``zero_quantized_weights`` / ``_gradients``, the global
         defaults a rule's left-out key takes."""
         w = "zero_optimization.zeropp"
-        check_keys(p, block, w, ["weight_bits", "gradient_bits", "block_size", "error_feedback",
+        check_keys(p, block, w, ["weight_bits", "gradient_bits", "gradient_bits_intra", "block_size", "error_feedback",
                                  "gradient_rotation", "gradient_rotation_size", "nonfinite_gradients",
                                  "entry_check_timeout", "memory_budget", "weight_deltas", "delta_bits",
                                  "delta_refresh_interval", "rules"])
         d = cls()
         values: dict[str, Any] = {}
-        for key in ("weight_bits", "gradient_bits"):
+        for key, allowed in (("weight_bits", (8, 4)), ("gradient_bits", GRADIENT_BITS)):
             bits = get_int(p, block, key, w, getattr(d, key))
-            if bits not in (4, 8):
-                p.add(f"{w}.{key}", f"{w}.{key}={bits} must be 8 or 4")
+            if bits not in allowed:
+                p.add(f"{w}.{key}", f"{w}.{key}={bits} must be {' or '.join(map(str, allowed))}")
                 bits = getattr(d, key)
             values[key] = bits
+        if block.get("gradient_bits_intra") is not None:
+            bits = get_int(p, block, "gradient_bits_intra", w, values["gradient_bits"])
+            if bits not in GRADIENT_BITS:
+                p.add(f"{w}.gradient_bits_intra", f"{w}.gradient_bits_intra={bits} must be null (the inter-node "
+                                                  f"gradient_bits) or {' or '.join(map(str, GRADIENT_BITS))}")
+            else:
+                values["gradient_bits_intra"] = bits
         size = get_int(p, block, "block_size", w, d.block_size)
         if size not in _POW2_BLOCKS:
             p.add(f"{w}.block_size", f"{w}.block_size={size} must be a power of two from 16 to 8192")
@@ -373,6 +383,12 @@ class ZeroConfig:
         return self.zeropp.gradient_bits if self.zero_quantized_gradients else None
 
     @property
+    def gradient_bits_intra(self) -> int | None:
+        """Bits of qgZ's intra-node hop when they differ from ``gradient_bits``: ``zeropp.gradient_bits_intra`` with
+        qgZ on, else ``None`` (both hops in ``gradient_bits``)."""
+        return self.zeropp.gradient_bits_intra if self.zero_quantized_gradients else None
+
+    @property
     def gradient_rotation(self) -> int | None:
         """Block size of qgZ's Hadamard rotation: ``zeropp.gradient_rotation_size`` with qgZ and
         ``zeropp.gradient_rotation`` on, else ``None`` (no rotation)."""
@@ -427,6 +443,10 @@ class ZeroConfig:
         if zeropp.error_feedback and not qg and p.ok(f"{w}.zero_quantized_gradients"):
             p.add(f"{w}.zeropp.error_feedback",
                   f"{w}.zeropp.error_feedback=true needs {w}.zero_quantized_gradients=true")
+        if zeropp.gradient_bits_intra is not None and not qg and p.ok(f"{w}.zero_quantized_gradients"):
+            p.add(f"{w}.zeropp.gradient_bits_intra",
+                  f"{w}.zeropp.gradient_bits_intra={zeropp.gradient_bits_intra} sets the bits of qgZ's intra-node hop "
+                  f"and needs {w}.zero_quantized_gradients=true (or gradient_bits_intra null)")
         if zeropp.gradient_rotation is not None and not qg and p.ok(f"{w}.zero_quantized_gradients"):
             p.add(f"{w}.zeropp.gradient_rotation",
                   f"{w}.zeropp.gradient_rotation={zeropp.gradient_rotation!r} rotates qgZ's quantized gradients and "

@@ -602,8 +602,8 @@ def _check_compatible(engine: ZeroEngine, metadata: dict[str, Any], saved: dict[
 
 def _error_feedback_targets(engine: ZeroEngine, info: dict[str, Any] | None) -> dict[str, torch.Tensor]:
     """Reset every unit's qgZ residuals; when ``info`` (this rank's saved description) says they were saved in this
-    engine's layout (world size, node of every rank, each unit's padded size, bits, block size and gradient
-    rotation: residuals of one rotation are never reused under another), allocate them
+    engine's layout (world size, node of every rank, each unit's padded size, bits of both hops, block size and
+    gradient rotation: residuals of one rotation are never reused under another), allocate them
     in that layout and return them by DCP key, to be read in place."""
     for unit in engine.units:
         if unit.error_feedback is not None:
@@ -612,11 +612,16 @@ def _error_feedback_targets(engine: ZeroEngine, info: dict[str, Any] | None) -> 
         return {}
     keys = []
     for entry in info["units"]:
-        key = (*entry["key"], 0)[:5]  # checkpoints from before the rotation saved 4 fields: no rotation
-        u, (numel, bits, block, _, rotation) = entry["unit"], key
-        if (u >= len(engine.units) or engine.units[u].error_feedback is None or numel != engine.units[u].full.numel()
-                or (bits, block, rotation) != (engine.units[u].comm.gradient_bits, engine.comm.block_size,
-                                               engine.units[u].comm.gradient_rotation or 0)):
+        key = tuple(entry["key"])
+        key += (0,) * (len(key) < 5)  # saved before the rotation (4 fields): no rotation
+        key += (key[1],) * (len(key) < 6)  # saved before intra_bits (5 fields): both hops in the same bits
+        u, (numel, bits, block, _, rotation, intra) = entry["unit"], key
+        if u >= len(engine.units) or engine.units[u].error_feedback is None:
+            return {}
+        comm = engine.units[u].comm
+        if (numel != engine.units[u].full.numel()
+                or (bits, block, rotation, intra) != (comm.gradient_bits, engine.comm.block_size,
+                                                      comm.gradient_rotation or 0, comm.hop1_bits)):
             return {}
         keys.append(key)
     prefix = _error_feedback_key(engine)

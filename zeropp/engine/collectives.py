@@ -28,7 +28,9 @@ class Collectives:
     Args:
         topology: the data-parallel group and its node layout.
         weight_bits: ``None`` (exact) or 8/4 for the qwZ weight all-gather.
-        gradient_bits: ``None`` (exact) or 8/4 for the qgZ gradient reduce-scatter.
+        gradient_bits: ``None`` (exact) or 8/4/2 for the qgZ gradient reduce-scatter (its inter-node hop).
+        gradient_bits_intra: ``None`` (both hops in ``gradient_bits``) or 8/4/2: the bits of qgZ's intra-node hop
+            (``comm.reduce_scatter``'s ``intra_bits``; needs ``gradient_bits``).
         block_size: elements per quantization block.
         hpz: hpZ partition size (1: off), a divisor of ``topology.ranks_per_node``; its group is created here.
         error_feedback: whether units keep a qgZ ``ErrorFeedback`` (needs ``gradient_bits``).
@@ -56,6 +58,7 @@ class Collectives:
         hpz: int = 1,
         error_feedback: bool = False,
         gradient_rotation: int | None = None,
+        gradient_bits_intra: int | None = None,
         delta_bits: int | None = None,
         communication_dtype: torch.dtype = torch.float32,
         onebit: bool = False,
@@ -65,6 +68,8 @@ class Collectives:
             raise ValueError("error_feedback needs quantized gradients (gradient_bits 8 or 4)")
         if gradient_rotation is not None and gradient_bits is None:
             raise ValueError(f"gradient_rotation={gradient_rotation} needs quantized gradients (gradient_bits 8 or 4)")
+        if gradient_bits_intra is not None and gradient_bits is None:
+            raise ValueError(f"gradient_bits_intra={gradient_bits_intra} needs quantized gradients (gradient_bits)")
         self.topology = topology
         self.weight_bits = weight_bits
         self.gradient_bits = gradient_bits
@@ -72,6 +77,7 @@ class Collectives:
         self.hpz = hpz
         self.error_feedback = error_feedback
         self.gradient_rotation = gradient_rotation
+        self.gradient_bits_intra = gradient_bits_intra
         self.delta_bits = delta_bits
         self.communication_dtype = communication_dtype
         self.onebit = onebit
@@ -88,8 +94,8 @@ class Collectives:
 
     def for_format(self, weight_bits: int | None, gradient_bits: int | None) -> Collectives:
         """These collectives with other bits (``zero_optimization.zeropp.rules``: the units of one format): the same
-        groups, block size and dtypes; ``error_feedback`` and ``gradient_rotation`` where they are on and
-        ``gradient_bits`` quantizes. One object
+        groups, block size and dtypes; ``error_feedback``, ``gradient_rotation`` and ``gradient_bits_intra`` where
+        they are on and ``gradient_bits`` quantizes. One object
         per format (``self`` for this one's), so units of one format can share a bucket."""
         other = self._formats.get((weight_bits, gradient_bits))
         if other is None:
@@ -97,8 +103,14 @@ class Collectives:
             other.weight_bits, other.gradient_bits = weight_bits, gradient_bits
             other.error_feedback = self.error_feedback and gradient_bits is not None
             other.gradient_rotation = self.gradient_rotation if gradient_bits is not None else None
+            other.gradient_bits_intra = self.gradient_bits_intra if gradient_bits is not None else None
             self._formats[(weight_bits, gradient_bits)] = other
         return other
+
+    @property
+    def hop1_bits(self) -> int | None:
+        """Bits of qgZ's intra-node hop: ``gradient_bits_intra`` when set, else ``gradient_bits`` (``None``: exact)."""
+        return self.gradient_bits_intra if self.gradient_bits_intra is not None else self.gradient_bits
 
     @property
     def alignment(self) -> int:
@@ -179,7 +191,7 @@ class Collectives:
         return comm.reduce_scatter(
             full, bits=self.gradient_bits, op=comm.ReduceOp.AVG, topology=self.topology, out=out,
             block_size=self.block_size, error_feedback=error_feedback, wire_dtype=wire, async_op=True,
-            rotation=self.gradient_rotation,
+            rotation=self.gradient_rotation, intra_bits=self.gradient_bits_intra,
         )
 
     def reduce_scatter_onebit(self, x: torch.Tensor, out: torch.Tensor, error: torch.Tensor) -> None:

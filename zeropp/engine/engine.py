@@ -99,6 +99,7 @@ class ZeroEngine:
             hpz=zero.zero_hpz_partition_size if self.stage == 3 else 1,
             error_feedback=zero.zeropp.error_feedback,
             gradient_rotation=zero.gradient_rotation,
+            gradient_bits_intra=zero.gradient_bits_intra,
             delta_bits=zero.zeropp.delta_bits if zero.zeropp.weight_deltas else None,
             communication_dtype=communication_dtype(config),
             onebit=config.optimizer is not None and config.optimizer.type == "OneBitAdam",
