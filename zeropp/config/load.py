@@ -78,6 +78,7 @@ def read_json(path: str) -> Any:
 
 
 def _plain(value: Any) -> Any:
+    """A tuple as a list (JSON's arrays), e.g. ``zeropp.rules``."""
     return list(value) if isinstance(value, tuple) else value
 
 
@@ -91,7 +92,7 @@ def to_dict(config: Config) -> dict[str, Any]:
         "gradient_clipping": config.gradient_clipping,
         "bf16": {"enabled": config.bf16.enabled},
         "fp16": {f.name: getattr(config.fp16, f.name) for f in fields(config.fp16)},
-        "zero_optimization": asdict(z),
+        "zero_optimization": asdict(z, dict_factory=lambda items: {k: _plain(v) for k, v in items}),
         "communication_data_type": config.communication_data_type,
         "steps_per_print": config.steps_per_print,
         "wall_clock_breakdown": config.wall_clock_breakdown,
