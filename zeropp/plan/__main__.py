@@ -1,0 +1,115 @@
+"""``python -m zeropp.plan``: rank the partition plans of a model on a cluster (see docs/planner.md).
+
+    python -m zeropp.plan --model gpt2 --nodes 2 --ranks-per-node 8 --inter 100gbit
+    python -m zeropp.plan --model path/to/config.json --nodes 16 --ranks-per-node 8 --inter 400gbit --json
+    python -m zeropp.plan --params 7000000000 --layers 32 --hidden 4096 --seq 4096 --nodes 16 --ranks-per-node 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..bench.report import parse_size
+from ..cluster.rates import parse_rate
+from .cluster import Cluster
+from .model import ModelSpec, from_hf_config, from_preset, from_sizes
+from .report import as_json, text
+from .search import Batch, rank
+from .space import LOSSY, OFFLOAD_TIERS
+
+
+def _parser() -> argparse.ArgumentParser:
+    a = argparse.ArgumentParser(prog="python -m zeropp.plan", description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    m = a.add_argument_group("model (a preset or config.json, or --params/--layers/--hidden)")
+    m.add_argument("--model", help="a zeropp.models preset (tiny, mini, small, gpt2, ...; ':nobias' for no biases) "
+                                   "or a Hugging Face config.json")
+    m.add_argument("--params", type=int, help="parameter count")
+    m.add_argument("--layers", type=int, help="transformer blocks")
+    m.add_argument("--hidden", type=int, help="hidden size")
+    c = a.add_argument_group("cluster")
+    c.add_argument("--cluster-file", help="a JSON file of Cluster fields (SI units), e.g. from a calibration run; "
+                                          "the options below are then ignored")
+    c.add_argument("--nodes", type=int, default=2)
+    c.add_argument("--ranks-per-node", type=int, default=8)
+    c.add_argument("--intra", default="3.6tbit", help="intra-node bandwidth per rank")
+    c.add_argument("--inter", default="100gbit", help="inter-node bandwidth per node (all its NICs)")
+    c.add_argument("--intra-latency-us", type=float, default=5.0)
+    c.add_argument("--inter-latency-us", type=float, default=20.0)
+    c.add_argument("--memory", default="80G", help="memory per rank (bytes; K, M, G suffixes are binary)")
+    c.add_argument("--flops", type=float, default=400e12, help="achieved training FLOP/s per rank")
+    c.add_argument("--mem-bw", type=float, default=2.966e12, help="memory bandwidth per rank, bytes/s")
+    c.add_argument("--overlap", type=float, default=1.0, help="fraction of compute that hides communication")
+    b = a.add_argument_group("batch")
+    b.add_argument("--micro", type=int, default=1, help="micro-batch per rank (sequences)")
+    b.add_argument("--seq", type=int, help="sequence length (default: the model's context)")
+    b.add_argument("--accum", type=int, default=1, help="gradient accumulation steps")
+    b.add_argument("--dtype-bytes", type=int, default=2, help="compute dtype size: 2 (bf16/fp16) or 4 (fp32)")
+    o = a.add_argument_group("output")
+    o.add_argument("--offload", default=",".join(OFFLOAD_TIERS), help="optimizer offload tiers to consider")
+    o.add_argument("--lossy", choices=LOSSY, default="standard",
+                   help="lossy options to consider: none, standard (qwZ, qgZ int4, deltas), all (+ int2 gradients)")
+    o.add_argument("--runnable", action="store_true", help="only plans the engine runs today")
+    o.add_argument("--top", type=int, default=15, help="plans to show")
+    o.add_argument("--json", action="store_true", help="JSON instead of a table")
+    return a
+
+
+def model_from_args(args: argparse.Namespace) -> ModelSpec:
+    """The model of the command line: ``--model`` (a preset name or a ``.json`` path) or the three sizes."""
+    sizes = (args.params, args.layers, args.hidden)
+    if args.model is not None:
+        if any(v is not None for v in sizes):
+            raise ValueError("give --model or --params/--layers/--hidden, not both")
+        if args.model.endswith(".json"):
+            return from_hf_config(args.model, args.seq)
+        return from_preset(args.model, args.seq)
+    if any(v is None for v in sizes):
+        raise ValueError("no model: give --model (a preset or a config.json) or all of --params, --layers, --hidden")
+    return from_sizes(args.params, args.layers, args.hidden, args.seq or 2048)
+
+
+def cluster_from_args(args: argparse.Namespace) -> Cluster:
+    if args.cluster_file:
+        return Cluster.from_json(args.cluster_file)
+    try:
+        memory = parse_size(args.memory)
+    except ValueError:
+        raise ValueError(f"--memory={args.memory!r} is not a size; use bytes or K, M, G (binary), e.g. 80G") from None
+    rates = []
+    for flag, value in (("--intra", args.intra), ("--inter", args.inter)):
+        try:
+            rates.append(parse_rate(value) / 8)
+        except ValueError as e:
+            raise ValueError(f"{flag}: {e}") from None
+    return Cluster(args.nodes, args.ranks_per_node, rates[0], rates[1],
+                   args.intra_latency_us * 1e-6, args.inter_latency_us * 1e-6, float(memory),
+                   args.flops, args.mem_bw, overlap=args.overlap)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        model = model_from_args(args)
+        cluster = cluster_from_args(args)
+        batch = Batch(args.micro, args.seq or model.seq, args.accum, args.dtype_bytes)
+        tiers = tuple(t.strip() for t in args.offload.split(",") if t.strip())
+        bad = [t for t in tiers if t not in OFFLOAD_TIERS]
+        if bad or not tiers:
+            raise ValueError(f"--offload={args.offload!r}: tiers must be among {list(OFFLOAD_TIERS)}")
+        if args.top < 1:
+            raise ValueError(f"--top={args.top} must be at least 1")
+        if cluster.world < 2:
+            raise ValueError(f"{cluster.nodes} node(s) x {cluster.ranks_per_node} rank(s): one rank has nothing to "
+                             f"shard; give at least 2 ranks")
+    except ValueError as e:
+        print(f"python -m zeropp.plan: {e}", file=sys.stderr)
+        return 2
+    ranked = rank(model, cluster, batch, tiers, args.runnable, args.lossy)
+    print((as_json if args.json else text)(model, cluster, batch, ranked, args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

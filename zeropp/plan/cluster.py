@@ -1,0 +1,79 @@
+"""``Cluster``: the machine the planner plans for: nodes, ranks per node, the two link classes, memory and rates.
+
+Link classes: *intra* (between ranks of one node: NVLink, or the loopback of an emulated node) with a bandwidth per
+rank, and *inter* (between nodes) with a bandwidth per **node** that the node's ranks share (the emulated cluster
+shapes one link per node, ``zeropp.cluster``; a DGX node's 8 NICs of 400 Gbit/s are one 3.2 Tbit/s node link).
+Bandwidths are in bits per second on the command line (``zeropp.cluster.rates``) and bytes per second here; each
+class has a latency ``alpha`` per message (seconds).
+
+Rates: ``flops`` is the dense training throughput one rank reaches (FLOP/s, achieved, not peak), ``mem_bw`` its
+memory bandwidth (bytes/s: the quantization kernels and the optimizer step are memory-bound, ``bench/cost_model.py``
+predicts the rewritten kernels at floor/time 1.0), ``host_bw`` the device-host link per rank and ``nvme_bw`` the
+NVMe bandwidth per rank (offload tiers), ``host_mem_bw`` the host memory bandwidth per rank (a CPU optimizer step).
+``overlap`` is the fraction of compute time that can hide communication (1: every prefetched gather and every
+bucketed reduce-scatter runs under compute; 0: nothing overlaps).
+
+A calibration run (``--calibrate``, a later slice) writes these fields as JSON; ``Cluster.from_json`` reads them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``nodes`` nodes of ``ranks_per_node`` ranks; see the module docstring for the units."""
+
+    nodes: int
+    ranks_per_node: int
+    intra_bw: float
+    inter_bw: float
+    intra_latency: float
+    inter_latency: float
+    memory: float
+    flops: float
+    mem_bw: float
+    host_bw: float = 25e9
+    host_mem_bw: float = 20e9
+    nvme_bw: float = 3e9
+    overlap: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "ranks_per_node"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"cluster {name}={v!r} must be a positive integer")
+        for name in ("intra_bw", "inter_bw", "memory", "flops", "mem_bw", "host_bw", "host_mem_bw", "nvme_bw"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and v > 0 and not math.isnan(v)):
+                raise ValueError(f"cluster {name}={v!r} must be a positive number")
+        for name in ("intra_latency", "inter_latency"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and 0 <= v < math.inf):
+                raise ValueError(f"cluster {name}={v!r} s must be a finite number >= 0")
+        if not 0.0 <= self.overlap <= 1.0:
+            raise ValueError(f"cluster overlap={self.overlap!r} must be in [0, 1]")
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> Cluster:
+        """A cluster written by ``to_json`` (or by hand): every field by name, SI units as above."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read the cluster file {str(path)!r}: {e}") from e
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"cluster file {str(path)!r} has unknown fields {unknown}; known: {sorted(known)}")
+        return cls(**data)

@@ -1,0 +1,48 @@
+"""Time of one collective call on a ``Cluster``: alpha-beta costs of the algorithms gloo and NCCL run, and the cost of
+the quantization kernels.
+
+* ring (all-gather, reduce-scatter; all-reduce = both): ``group - 1`` steps (twice that for an all-reduce), each
+  moving one ``chunk`` per rank to its ring neighbour. Inside a node a step costs ``alpha_intra + chunk /
+  intra_bw``. A ring that spans nodes (ranks ordered node by node) crosses each node's link once per step in each
+  direction, and the ``groups_per_node`` rings that have ranks on one node cross it at the same time, so a step
+  costs ``alpha_inter + max(chunk / intra_bw, groups_per_node * chunk / inter_bw)``. (The ring carries ``(group -
+  1) * chunk`` over each node link; ``zeropp.comm.accounting`` counts ``(group - same_node) * chunk`` per rank, the
+  volume any bandwidth-optimal algorithm moves between nodes: both are reported, the time uses the ring's.)
+* pairwise (all-to-all, exchange): every rank sends its bytes straight to each peer at once; the node link carries
+  the inter-node bytes of all the node's ranks: ``alpha + max(intra bytes / intra_bw, node's inter bytes /
+  inter_bw)``, one latency (the sends are posted together).
+* kernels (qwZ/qgZ quantize, dequantize, fused reduce): memory-bound, ``bytes read and written / mem_bw``
+  (``bench/cost_model.py`` predicts the rewritten kernels at floor/time 1.0 on an H100).
+
+Each call's time is attributed to the link class that bounds it ("intra" or "inter").
+"""
+
+from __future__ import annotations
+
+from .cluster import Cluster
+from .traffic import Collective
+
+
+def call_time(c: Collective, cluster: Cluster) -> tuple[float, str]:
+    """Seconds of one call of ``c`` and the link class ("intra" or "inter") that bounds it."""
+    if c.group <= 1:
+        return 0.0, "intra"
+    crosses = c.group > c.same_node
+    if c.algorithm == "ring":
+        steps = (c.group - 1) * (2 if c.kind == "all_reduce" else 1)
+        intra = c.chunk / cluster.intra_bw
+        if not crosses:
+            return steps * (cluster.intra_latency + intra), "intra"
+        inter = c.groups_per_node * c.chunk / cluster.inter_bw
+        return steps * (cluster.inter_latency + max(intra, inter)), "inter" if inter >= intra else "intra"
+    if c.algorithm == "pairwise":
+        intra = c.traffic.sent_intra / cluster.intra_bw
+        inter = cluster.ranks_per_node * c.traffic.sent_inter / cluster.inter_bw
+        alpha = cluster.inter_latency if crosses else cluster.intra_latency
+        return alpha + max(intra, inter), "inter" if inter > intra else "intra"
+    raise ValueError(f"unknown collective algorithm {c.algorithm!r}")
+
+
+def kernel_time(c: Collective, cluster: Cluster) -> float:
+    """Seconds of one call's quantization kernels (memory-bound)."""
+    return c.kernel_bytes / cluster.mem_bw

@@ -1,0 +1,52 @@
+"""Memory per rank of a plan, in bytes, by what holds it.
+
+* ``params``: the compute-dtype parameters a rank keeps between uses: its P shard (``S_p`` elements per unit) when
+  parameters are sharded, else the whole padded flat buffer (stages 1 and 2 keep ``o S_o`` elements per unit);
+* ``gathered``: stage 3's working set of whole units, the two largest (the one computing and the one prefetched);
+* ``secondary``: hpZ's secondary partition (``p S_p / h`` per unit, held from the first gather to the step), plus
+  weight deltas' reconstruction (``S_p``, kept for good);
+* ``grads``: the float32 gradient shards the optimizer reads (``S_o`` per unit; ``zeropp.engine.unit``'s
+  ``grad_shard``), and with gradients sharded finer than the optimizer (never in this space) nothing more;
+* ``grad_accum``: ZeRO-1's whole gradients (compute dtype) kept unreduced through the accumulation window;
+* ``optimizer``: the float32 master (``S_o``) and AdamW's two moments (``2 S_o``) per unit: 0 on the device when
+  offloaded (``offload_optimizer`` cpu or nvme);
+* ``activations``: ``ModelSpec.activation_bytes`` of one micro-batch.
+
+The first five and ``optimizer`` are what the engine allocates; tests/plan compares them with a real engine's tensors.
+"""
+
+from __future__ import annotations
+
+from .model import ModelSpec
+from .space import Plan
+from .traffic import alignment, shard_numel
+
+OPTIMIZER_STATES = 2
+"""AdamW's float32 states per element (``exp_avg``, ``exp_avg_sq``)."""
+
+
+def memory(model: ModelSpec, plan: Plan, world: int, micro: int, seq: int, dtype_bytes: int) -> dict[str, int]:
+    """Bytes per rank by holder (see the module docstring)."""
+    part = plan.partition
+    align = alignment(plan)
+    b = dtype_bytes
+    out = dict.fromkeys(("params", "gathered", "secondary", "grads", "grad_accum", "optimizer", "activations"), 0)
+    whole = []
+    for unit in model.units:
+        so = shard_numel(unit, align, part.optimizer)
+        sp = shard_numel(unit, align, part.params)
+        if part.params > 1:
+            out["params"] += sp * b
+            whole.append(part.params * sp * b)
+            if plan.hpz > 1:
+                out["secondary"] += part.params * sp // plan.hpz * b + (sp * b if plan.weight_deltas else 0)
+        else:
+            out["params"] += part.optimizer * so * b
+        out["grads"] += 4 * so
+        if part.grads == 1:
+            out["grad_accum"] += unit.numel * b
+        if plan.offload == "none":
+            out["optimizer"] += 4 * so * (1 + OPTIMIZER_STATES)
+    out["gathered"] = sum(sorted(whole)[-2:])
+    out["activations"] = model.activation_bytes(micro, seq, b)
+    return out

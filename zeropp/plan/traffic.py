@@ -1,0 +1,247 @@
+"""The collectives a plan runs in one optimizer step and the bytes each moves, per rank and per link class.
+
+Bytes come from the formulas the engine's counters record and its tests check (``zeropp.comm.accounting``:
+``gather_traffic`` for ring all-gathers and exact reduce-scatters, ``all_to_all_traffic`` for qgZ's two hops; pack
+sizes from ``zeropp.quant.BlockFormat.packed_bytes``), applied to the engine's unit layout (``shard_numel``, the
+layout of ``zeropp.engine.unit.flat_layout``). For the partitions the engine runs (stages 1-3, hpZ, weight deltas)
+the totals per kind equal ``zeropp.comm.stats()`` after one step (tests/plan); the other points of the space use
+the same formulas on their groups.
+
+Per step with ``A`` micro-batches, ``P`` ranks, ``d`` per node, ``n`` nodes, each unit of shard ``S`` elements:
+
+* stage 3: every unit is gathered before its forward and (all but the root, which stays whole) again before its
+  backward, every micro-batch, over the P group (qwZ bits when on). hpZ (``h``): the first gather of a step goes
+  over the data-parallel group and keeps a secondary of ``P S / h`` elements, the others gather the secondaries
+  exactly inside the node; weight deltas keep the secondaries across steps (one ``exchange`` of int4 deltas per
+  step, no data-parallel gather);
+* gradients: one reduce-scatter per unit per micro-batch (stage 2, 3: G sharded), or per step (stage 1: G whole);
+  exact (ring, in the compute dtype) or qgZ (an all-to-all inside the node of ``n`` packs per peer, then one across
+  nodes of one pack per peer);
+* stages 1 and 2 gather the stepped shards after the optimizer step (qwZ bits when on);
+* partitions not in the engine: gradients reduced within the G group and all-reduced across the ``P / g`` groups
+  once per step (MiCS), the stepped OS shards gathered into the P layout.
+
+Persistent units (``stage3_param_persistence_threshold``) and reuse (``stage3_max_reuse_distance``) are not modelled:
+every unit is gathered at each use, as with a threshold of 0 (units of large models are far above DeepSpeed's 1e5).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..comm.accounting import Traffic, all_to_all_traffic, gather_traffic
+from ..quant.format import DEFAULT_BLOCK_SIZE, BlockFormat
+from .model import ModelSpec, UnitSpec
+from .space import Plan
+
+PHASES = ("forward", "backward", "boundary", "step")
+"""When a collective runs: under the forward or backward compute (overlappable), at the end of the accumulation
+window, or after the optimizer step (exposed)."""
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of a step, ``calls`` times per step.
+
+    Attributes:
+        kind: the ``zeropp.comm.stats()`` kind that counts it ("all_gather", "reduce_scatter", "exchange"), or
+            "all_reduce" for the cross-group reduction of partitions the engine does not run yet.
+        what: what it moves, for reports.
+        unit: the unit's name.
+        phase: one of ``PHASES``.
+        algorithm: "ring" (gloo and NCCL all-gather and reduce-scatter: ``group - 1`` steps of ``chunk`` bytes;
+            an all-reduce twice that) or "pairwise" (all-to-all and exchange: ``chunk`` bytes straight to each peer).
+        group: ranks in the group.
+        same_node: ranks of the group on this rank's node, itself included.
+        groups_per_node: groups that have ranks on one node and run at the same time (they share its link).
+        chunk: bytes per ring step (ring) or per peer (pairwise).
+        calls: calls per optimizer step.
+        traffic: this rank's bytes per call (``zeropp.comm.accounting``).
+        kernel_bytes: memory traffic of the call's quantization kernels (bytes read and written).
+    """
+
+    kind: str
+    what: str
+    unit: str
+    phase: str
+    algorithm: str
+    group: int
+    same_node: int
+    groups_per_node: int
+    chunk: int
+    calls: int
+    traffic: Traffic
+    kernel_bytes: float = 0.0
+
+
+def shard_numel(unit: UnitSpec, align: int, ranks: int) -> int:
+    """Elements of one rank's shard of ``unit`` sharded over ``ranks`` with every parameter starting on a multiple of
+    ``align`` (``zeropp.engine.unit.flat_layout``'s ``S``)."""
+    end = 0
+    for n in unit.numels:
+        end = -(-end // align) * align + n
+    return -(-end // (ranks * align)) * align if end else 0
+
+
+def pack_bytes(numel: int, bits: int | None, dtype_bytes: int) -> int:
+    """Bytes of ``numel`` elements on the wire: a qwZ/qgZ pack of ``bits`` (codes and float32 block scales), or the
+    values in the compute dtype."""
+    return BlockFormat(bits, DEFAULT_BLOCK_SIZE).packed_bytes(numel) if bits else numel * dtype_bytes
+
+
+def alignment(plan: Plan) -> int:
+    """``zeropp.engine.Collectives.alignment``: the block size when anything is quantized, else 1."""
+    return DEFAULT_BLOCK_SIZE if plan.weight_bits or plan.gradient_bits or plan.weight_deltas else 1
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where rank ``rank`` of ``world`` (``ranks_per_node`` per node, node-contiguous) sits."""
+
+    world: int
+    ranks_per_node: int
+    rank: int = 0
+
+    @property
+    def nodes(self) -> int:
+        return self.world // self.ranks_per_node
+
+    def same_node(self, group: int, stride: int = 1) -> int:
+        """Members of this rank's node in a group of ``group`` ranks ``stride`` apart (node-aligned)."""
+        return max(1, min(group, self.ranks_per_node // stride)) if stride < self.ranks_per_node else 1
+
+    def groups_per_node(self, group: int, stride: int = 1) -> int:
+        return self.ranks_per_node // self.same_node(group, stride)
+
+
+def _gather(what: str, unit: str, phase: str, calls: int, group: int, same: int, per_node: int, numel: int,
+            bits: int | None, dtype_bytes: int) -> Collective:
+    chunk = pack_bytes(numel, bits, dtype_bytes)
+    kernel = (numel * (dtype_bytes + chunk / numel) * (1 + group)) if bits and numel else 0.0
+    return Collective("all_gather", what, unit, phase, "ring", group, same, per_node, chunk, calls,
+                      gather_traffic(chunk, group, same), kernel)
+
+
+def _reduce(unit: str, phase: str, calls: int, group: int, layout: Layout, numel: int, plan: Plan,
+            dtype_bytes: int) -> list[Collective]:
+    """A reduce-scatter of ``group * numel`` elements to ``numel`` per rank over a node-aligned group."""
+    d = min(group, layout.ranks_per_node)
+    nodes = group // d
+    if not plan.gradient_bits or nodes == 1:
+        chunk = numel * dtype_bytes
+        return [Collective("reduce_scatter", "gradient reduce-scatter", unit, phase, "ring", group, d,
+                           layout.ranks_per_node // d, chunk, calls, gather_traffic(chunk, group, d))]
+    fmt = BlockFormat(plan.gradient_bits, DEFAULT_BLOCK_SIZE)
+    first = BlockFormat(plan.gradient_bits_intra or plan.gradient_bits, DEFAULT_BLOCK_SIZE) if d > 1 else fmt
+    pack1, pack = first.packed_bytes(numel), fmt.packed_bytes(numel)
+    out = []
+    if d > 1:  # hop 1 (swizzled quantize of all P slices, then the fused reduce-requantize of d runs)
+        kernel = group * numel * dtype_bytes + group * pack1 + d * nodes * pack1 + nodes * pack
+        out.append(Collective("reduce_scatter", "qgZ hop 1 (intra-node)", unit, phase, "pairwise", d, d, 1,
+                              nodes * pack1, calls, all_to_all_traffic(nodes * pack1, d - 1, 0), kernel))
+    kernel = nodes * pack + numel * 4 + (0 if d > 1 else group * numel * dtype_bytes + group * pack)
+    out.append(Collective("reduce_scatter", "qgZ hop 2 (inter-node)", unit, phase, "pairwise", nodes, 1,
+                          layout.ranks_per_node, pack, calls, all_to_all_traffic(pack, 0, nodes - 1), kernel))
+    return out
+
+
+def _all_reduce(unit: str, numel: int, replicas: int, layout: Layout, stride: int, dtype_bytes: int) -> Collective:
+    """Ring all-reduce of ``numel`` elements over ``replicas`` ranks ``stride`` apart: a reduce-scatter and an
+    all-gather of ``numel / replicas`` each, so twice a gather's bytes."""
+    chunk = -(-numel // replicas) * dtype_bytes
+    same = layout.same_node(replicas, stride)
+    t = gather_traffic(chunk, replicas, same)
+    return Collective("all_reduce", "cross-group gradient all-reduce", unit, "boundary", "ring", replicas,
+                      same, layout.groups_per_node(replicas, stride), chunk, 1, t + t)
+
+
+def _delta_exchange(model: ModelSpec, plan: Plan, layout: Layout, align: int) -> Collective:
+    """Weight deltas: one exchange per step of every unit's int4 delta pack to the holders of this rank's shard
+    (``zeropp.engine.weight_deltas``: positions are local indices modulo ``h``; the secondary at position ``i``
+    holds the shards of ranks ``i G .. (i + 1) G - 1``, ``G = P / h``)."""
+    world, d, h = layout.world, layout.ranks_per_node, plan.hpz
+    fmt = BlockFormat(4, DEFAULT_BLOCK_SIZE)
+    nbytes = sum(fmt.packed_bytes(shard_numel(u, align, world)) for u in model.units)
+    group = world // h
+
+    def position(r: int) -> int:
+        return (r % d) % h
+
+    def node(r: int) -> int:
+        return r // d
+
+    me = layout.rank
+    holders = [j for j in range(world) if position(j) == me // group and j != me]
+    owners = [j for j in range(position(me) * group, (position(me) + 1) * group) if j != me]
+    sent_intra = sum(node(j) == node(me) for j in holders)
+    recv_intra = sum(node(j) == node(me) for j in owners)
+    t = Traffic(sent_intra * nbytes, (len(holders) - sent_intra) * nbytes, recv_intra * nbytes,
+                (len(owners) - recv_intra) * nbytes)
+    return Collective("exchange", "weight-delta exchange", "(all)", "step", "pairwise", len(holders) + 1,
+                      sent_intra + 1, d, nbytes, 1, t, 2.0 * nbytes * (1 + len(holders)))
+
+
+def collectives(model: ModelSpec, plan: Plan, layout: Layout, accum: int, dtype_bytes: int) -> list[Collective]:
+    """Every collective of one optimizer step of ``plan`` for rank ``layout.rank`` (see the module docstring);
+    ``dtype_bytes`` is the compute dtype's size (the exact gathers and reduce-scatters move it)."""
+    world, d = layout.world, layout.ranks_per_node
+    if accum < 1:
+        raise ValueError(f"gradient accumulation steps {accum!r} must be at least 1")
+    part = plan.partition
+    p, g, o = part.params, part.grads, part.optimizer
+    align = alignment(plan)
+    h = plan.hpz
+    out: list[Collective] = []
+    for unit in model.units:
+        if unit.numel == 0:
+            continue
+        name = unit.name
+        if p > 1:
+            sp = shard_numel(unit, align, p)
+            backward = 0 if name == "" else accum  # the root unit stays whole from its forward to its backward
+            same, per_node = layout.same_node(p), layout.groups_per_node(p)
+            secondary = p * sp // h
+            if h > 1 and not plan.weight_deltas:  # the step's first gather makes the secondaries
+                out.append(_gather("parameter gather", name, "forward", 1, p, same, per_node, sp, plan.weight_bits,
+                                   dtype_bytes))
+            if h > 1:
+                for phase, calls in (("forward", accum - (not plan.weight_deltas)), ("backward", backward)):
+                    if calls:
+                        out.append(_gather("hpZ secondary gather", name, phase, calls, h, h, d // h, secondary,
+                                           None, dtype_bytes))
+            else:
+                for phase, calls in (("forward", accum), ("backward", backward)):
+                    if calls:
+                        out.append(_gather("parameter gather", name, phase, calls, p, same, per_node, sp,
+                                           plan.weight_bits, dtype_bytes))
+        if g > 1:
+            sg = shard_numel(unit, align, g)
+            out += _reduce(name, "backward", accum, g, layout, sg, plan, dtype_bytes)
+            if g < world:
+                out.append(_all_reduce(name, sg, world // g, layout, g, dtype_bytes))
+        else:
+            so = shard_numel(unit, align, o)
+            out += _reduce(name, "boundary", 1, o, layout, so, plan, dtype_bytes)
+            if o < world:
+                out.append(_all_reduce(name, so, world // o, layout, o, dtype_bytes))
+        if o > p:
+            so = shard_numel(unit, align, o)
+            group = o // p
+            out.append(_gather("stepped-shard gather", name, "step", 1, group, layout.same_node(group, p),
+                               layout.groups_per_node(group, p), so, plan.weight_bits, dtype_bytes))
+    if plan.weight_deltas:
+        out.append(_delta_exchange(model, plan, layout, align))
+    return out
+
+
+def totals(colls: list[Collective]) -> dict[str, dict[str, int]]:
+    """Bytes per step by ``zeropp.comm.stats()`` kind: ``{kind: {"sent_intra", "sent_inter", "recv_intra",
+    "recv_inter"}}`` (this rank, summed over calls)."""
+    out: dict[str, dict[str, int]] = {}
+    for c in colls:
+        t = out.setdefault(c.kind, dict.fromkeys(("sent_intra", "sent_inter", "recv_intra", "recv_inter"), 0))
+        t["sent_intra"] += c.calls * c.traffic.sent_intra
+        t["sent_inter"] += c.calls * c.traffic.sent_inter
+        t["recv_intra"] += c.calls * c.traffic.recv_intra
+        t["recv_inter"] += c.calls * c.traffic.recv_inter
+    return out
