@@ -337,6 +337,30 @@ def text_batches(steps: int, batch: int, seed: int = 4321) -> list[tuple[torch.T
     return out
 
 
+def state_bytes(engine) -> dict[str, int]:
+    """Bytes of the engine's resident states on this rank after a step, by what ``zeropp.plan.memory`` calls them:
+    ``params`` (the units' compute buffers and shards), ``grads`` (the fp32 gradient shards), ``optimizer`` (fp32
+    masters and the optimizer's states); each storage counted once, freed (resized to 0) ones not at all."""
+    seen: set[int] = set()
+    out = {"params": 0, "grads": 0, "optimizer": 0}
+
+    def add(key: str, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        if storage.nbytes() and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            out[key] += storage.nbytes()
+
+    for u in engine.units:
+        add("params", u.full)
+        add("params", u.shard)
+        add("grads", u.grad_shard)
+        add("optimizer", u.master)
+    for tensors in engine.optimizer.state.values():
+        for t in tensors:
+            add("optimizer", t)
+    return out
+
+
 def zeropp_runs(rank: int, world: int, runs: dict[str, dict], steps: int = 10) -> dict[str, dict]:
     """Train each run (ZeRO++ flags on top of a stage, micro batch, accumulation, clipping) ``steps`` steps from the
     same weights and data; the first run is the exact reference. Per run return the losses, the bytes of the last
@@ -397,6 +421,7 @@ def zeropp_runs(rank: int, world: int, runs: dict[str, dict], steps: int = 10) -
             "hpz": hpz,
             "rotation": engine.comm.gradient_rotation,
             "ef_keys": [u.error_feedback.key for u in engine.units if u.error_feedback is not None],
+            "memory": state_bytes(engine),
         }
         if reference is None:
             reference = masters

@@ -32,6 +32,10 @@ from __future__ import annotations
 
 from engine_launch import launch
 
+from zeropp.plan import Partition, Plan, from_preset
+from zeropp.plan.memory import memory
+from zeropp.plan.traffic import Layout, collectives, totals
+
 P, D, N, BLOCK = 4, 2, 2, 128
 QW = {"zero_quantized_weights": True}
 QG = {"zero_quantized_gradients": True}
@@ -46,6 +50,7 @@ RUNS = {
     "all": {"zero": {**QW, **HPZ, **QG}},
     "all-ef-accum2": {"micro": 1, "accum": 2, "zero": {**QW, **HPZ, **QG, **EF}},
     "stage2-qwz-qgz": {"stage": 2, "zero": {**QW, **QG}},
+    "stage1": {"stage": 1},
     "all-interleaved": {"interleaved": True, "zero": {**QW, **HPZ, **QG}},  # nodes {0, 2} and {1, 3}
     "all-w4-g8": {"zero": {**QW, **HPZ, **QG, "zeropp": {"weight_bits": 4, "gradient_bits": 8}}},
     "qgz-rot": {"zero": {**QG, "zeropp": {"gradient_rotation": "hadamard"}}},
@@ -90,15 +95,41 @@ def expected_inter(run: dict, units: list[dict]) -> dict[str, int]:
     return {"all_gather": ag, "reduce_scatter": rs}
 
 
+def planned(run: dict) -> Plan:
+    """The ``zeropp.plan`` plan of one run."""
+    zero, stage = run.get("zero", {}), run.get("stage", 3)
+    bits = zero.get("zeropp", {})
+    part = {1: Partition(1, 1, P), 2: Partition(1, P, P), 3: Partition(P, P, P)}[stage]
+    return Plan(part, weight_bits=bits.get("weight_bits", 8) if zero.get("zero_quantized_weights") else None,
+                gradient_bits=bits.get("gradient_bits", 4) if zero.get("zero_quantized_gradients") else None,
+                gradient_bits_intra=bits.get("gradient_bits_intra"), hpz=zero.get("zero_hpz_partition_size", 1))
+
+
+def check_planner(res: dict) -> None:
+    """``zeropp.plan`` predicts, from the preset alone, every byte the counters saw (all four fields of each kind)
+    and the bytes of the parameters, gradient shards and optimizer states the engine holds (fp32 here)."""
+    model = from_preset("tiny:nobias")
+    for name, run in RUNS.items():
+        plan = planned(run)
+        want = totals(collectives(model, plan, Layout(P, D), run.get("accum", 1), 4))
+        got = {k: {f: v for f, v in res[name]["traffic"][k].items() if f != "calls"} for k in want}
+        assert got == want and all(not res[name]["traffic"][k]["calls"] for k in set(res[name]["traffic"]) - set(want)
+                                   ), (name, got, want)
+        mem = memory(model, plan, P, run.get("micro", 2), 64, 4)
+        assert res[name]["memory"] == {"params": mem["params"], "grads": mem["grads"], "optimizer": mem["optimizer"]}, (
+            name, res[name]["memory"], mem)
+
+
 def test_zeropp_flags_accuracy_and_cross_node_bytes(tmp_path):
     results = launch("engine_workers:zeropp_runs", P, tmp_path, env={"ZEROPP_RANKS_PER_NODE": str(D)},
-                     timeout=300, runs=RUNS)
+                     timeout=420, runs=RUNS)
     for r in results[1:]:  # the losses are all-reduced, the layouts and the symmetric byte counts are the same
         assert r == results[0] or all(r[k]["losses"] == results[0][k]["losses"] for k in RUNS)
     res = results[0]
     exact = res["exact"]["losses"]
     drop = exact[0] - exact[-1]
     assert drop > 1.5, exact  # the job learns
+    check_planner(res)
     inter = {}
     for name, run in RUNS.items():
         r = res[name]

@@ -1,7 +1,9 @@
 """Memory per rank of a plan, in bytes, by what holds it.
 
 * ``params``: the compute-dtype parameters a rank keeps between uses: its P shard (``S_p`` elements per unit) when
-  parameters are sharded, else the whole padded flat buffer (stages 1 and 2 keep ``o S_o`` elements per unit);
+  parameters are sharded, else the whole padded flat buffer and a copy of the rank's own shard (stages 1 and 2
+  keep ``(o + 1) S_o`` elements per unit: the optimizer step writes the shard, the post-step gather fills the
+  buffer);
 * ``gathered``: stage 3's working set of whole units, the two largest (the one computing and the one prefetched);
 * ``secondary``: hpZ's secondary partition (``p S_p / h`` per unit, held from the first gather to the step), plus
   weight deltas' reconstruction (``S_p``, kept for good);
@@ -32,21 +34,21 @@ def memory(model: ModelSpec, plan: Plan, world: int, micro: int, seq: int, dtype
     b = dtype_bytes
     out = dict.fromkeys(("params", "gathered", "secondary", "grads", "grad_accum", "optimizer", "activations"), 0)
     whole = []
-    for unit in model.units:
+    for unit, count in model.groups():  # identical units once, times their count
         so = shard_numel(unit, align, part.optimizer)
         sp = shard_numel(unit, align, part.params)
         if part.params > 1:
-            out["params"] += sp * b
-            whole.append(part.params * sp * b)
+            out["params"] += count * sp * b
+            whole += [part.params * sp * b] * min(count, 2)
             if plan.hpz > 1:
-                out["secondary"] += part.params * sp // plan.hpz * b + (sp * b if plan.weight_deltas else 0)
+                out["secondary"] += count * (part.params * sp // plan.hpz * b + (sp * b if plan.weight_deltas else 0))
         else:
-            out["params"] += part.optimizer * so * b
-        out["grads"] += 4 * so
+            out["params"] += count * (part.optimizer + 1) * so * b
+        out["grads"] += count * 4 * so
         if part.grads == 1:
-            out["grad_accum"] += unit.numel * b
+            out["grad_accum"] += count * unit.numel * b
         if plan.offload == "none":
-            out["optimizer"] += 4 * so * (1 + OPTIMIZER_STATES)
+            out["optimizer"] += count * 4 * so * (1 + OPTIMIZER_STATES)
     out["gathered"] = sum(sorted(whole)[-2:])
     out["activations"] = model.activation_bytes(micro, seq, b)
     return out

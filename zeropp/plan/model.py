@@ -62,6 +62,17 @@ class ModelSpec:
         if not self.units or any(n < 0 for u in self.units for n in u.numels):
             raise ValueError(f"model {self.name!r} needs units with non-negative parameter counts")
 
+    def groups(self) -> list[tuple[UnitSpec, int]]:
+        """The distinct units with how many times each occurs, in order of first occurrence (the root first): a
+        model's identical blocks are planned once."""
+        counts: dict[tuple[str, tuple[int, ...]], int] = {}
+        first: dict[tuple[str, tuple[int, ...]], UnitSpec] = {}
+        for u in self.units:
+            key = ("root" if u.name == "" else "block", u.numels)
+            counts[key] = counts.get(key, 0) + 1
+            first.setdefault(key, u)
+        return [(first[k], counts[k]) for k in first]
+
     @property
     def params(self) -> int:
         """Trainable parameters."""

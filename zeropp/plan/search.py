@@ -104,7 +104,7 @@ def predict(model: ModelSpec, plan: Plan, cluster: Cluster, batch: Batch) -> Pre
     parts = [_phase([c for c in colls if c.phase == "forward"], cluster, compute / 3, unhidden_f),
              _phase([c for c in colls if c.phase == "backward"], cluster, 2 * compute / 3, unhidden_b),
              _phase([c for c in colls if c.phase in ("boundary", "step")], cluster, 0.0, 0.0)]
-    so = sum(shard_numel(u, alignment(plan), plan.partition.optimizer) for u in model.units)
+    so = sum(count * shard_numel(u, alignment(plan), plan.partition.optimizer) for u, count in model.groups())
     b = batch.dtype_bytes
     on_host = plan.offload != "none"
     optimizer = so * (28 + b) / (cluster.host_mem_bw if on_host else cluster.mem_bw)
@@ -134,17 +134,19 @@ def _bits(plan: Plan) -> int:
 def rank(model: ModelSpec, cluster: Cluster, batch: Batch, offload: tuple[str, ...] = ("none", "cpu", "nvme"),
          runnable_only: bool = False, lossy: str = "standard") -> list[Prediction]:
     """Every plan of the cluster's space (``zeropp.plan.space.plans``), predicted and sorted: plans that fit in
-    memory first, then by step time, then fewer collective calls, then fewer lossy options (exact first), then
-    less memory."""
-    out = [predict(model, p, cluster, batch) for p in plans(cluster.world, cluster.ranks_per_node, offload, lossy)]
-    if runnable_only:
-        out = [p for p in out if p.unsupported is None]
-    return sorted(out, key=lambda p: (not p.fits, p.step_time, p.calls, _bits(p.plan), p.memory_total))
+    memory first, then by step time (to 6 significant digits: closer times are ties), then fewer collective calls,
+    then fewer lossy options (exact first), then less memory."""
+    world, d = cluster.world, cluster.ranks_per_node
+    out = [predict(model, p, cluster, batch) for p in plans(world, d, offload, lossy)
+           if not (runnable_only and p.unsupported(world, d))]
+    return sorted(out, key=lambda p: (not p.fits, float(f"{p.step_time:.6g}"), p.calls, _bits(p.plan),
+                                      p.memory_total))
 
 
 def why(ranked: list[Prediction]) -> str:
     """One paragraph: why the first plan wins over the first plan more than 0.5% slower (the component with the
-    largest gap), which plans tie with it, and which plan that runs today is best when the winner does not."""
+    largest gap), which plans tie with it, what a lossy winner saves against the best exact plan, and which plan
+    that runs today is best when the winner does not."""
     if not ranked:
         return "no plan: the cluster has a single rank"
     best = ranked[0]
@@ -170,6 +172,12 @@ def why(ranked: list[Prediction]) -> str:
         ties = [p.label for p in ranked[1:] if p.step_time <= 1.005 * best.step_time]
         if ties:
             lines.append(f"Within 0.5% of it: {', '.join(ties[:3])}{' ...' if len(ties) > 3 else ''}.")
+    exact = next((p for p in ranked if not _bits(p.plan)), None)
+    if _bits(best.plan) and exact is not None:
+        gaps = {k: exact.breakdown[k] - best.breakdown[k] for k in COMPONENTS}
+        key = max(gaps, key=lambda k: gaps[k])
+        lines.append(f"Against the best exact plan, {exact.label} at {exact.step_time:.4g} s, it saves "
+                     f"{gaps[key]:.3g} s of {key.replace('_', ' ')}.")
     if best.unsupported:
         today = next((p for p in ranked if p.unsupported is None), None)
         lines.append(f"It does not run today ({best.unsupported})." + (

@@ -122,8 +122,9 @@ class Plan:
             return "weight deltas need stage 3"
         return None
 
-    def zero_config(self, world: int) -> dict[str, Any]:
-        """The ``zero_optimization`` section that runs this plan (DeepSpeed's keys, ``zeropp`` for the rest).
+    def zero_config(self, world: int, nvme_path: str = "/local_nvme") -> dict[str, Any]:
+        """The ``zero_optimization`` section that runs this plan (DeepSpeed's keys, ``zeropp`` for the rest);
+        ``nvme_path`` is the swap directory of the NVMe tier (DeepSpeed's example path: put your drive's there).
 
         Raises:
             ValueError: for a partition the engine does not have yet.
@@ -147,7 +148,8 @@ class Plan:
         if self.weight_deltas:
             extra["weight_deltas"] = True
         if self.offload != "none":
-            zero["offload_optimizer"] = {"device": self.offload}
+            zero["offload_optimizer"] = {"device": self.offload, **({"nvme_path": nvme_path}
+                                                                     if self.offload == "nvme" else {})}
         if extra:
             zero["zeropp"] = extra
         return zero

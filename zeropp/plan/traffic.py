@@ -27,7 +27,7 @@ every unit is gathered at each use, as with a threshold of 0 (units of large mod
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..comm.accounting import Traffic, all_to_all_traffic, gather_traffic
 from ..quant.format import DEFAULT_BLOCK_SIZE, BlockFormat
@@ -161,7 +161,7 @@ def _delta_exchange(model: ModelSpec, plan: Plan, layout: Layout, align: int) ->
     holds the shards of ranks ``i G .. (i + 1) G - 1``, ``G = P / h``)."""
     world, d, h = layout.world, layout.ranks_per_node, plan.hpz
     fmt = BlockFormat(4, DEFAULT_BLOCK_SIZE)
-    nbytes = sum(fmt.packed_bytes(shard_numel(u, align, world)) for u in model.units)
+    nbytes = sum(count * fmt.packed_bytes(shard_numel(u, align, world)) for u, count in model.groups())
     group = world // h
 
     def position(r: int) -> int:
@@ -192,9 +192,10 @@ def collectives(model: ModelSpec, plan: Plan, layout: Layout, accum: int, dtype_
     align = alignment(plan)
     h = plan.hpz
     out: list[Collective] = []
-    for unit in model.units:
+    for unit, count in model.groups():
         if unit.numel == 0:
             continue
+        start = len(out)
         name = unit.name
         if p > 1:
             sp = shard_numel(unit, align, p)
@@ -229,6 +230,7 @@ def collectives(model: ModelSpec, plan: Plan, layout: Layout, accum: int, dtype_
             group = o // p
             out.append(_gather("stepped-shard gather", name, "step", 1, group, layout.same_node(group, p),
                                layout.groups_per_node(group, p), so, plan.weight_bits, dtype_bytes))
+        out[start:] = [replace(c, calls=c.calls * count) for c in out[start:]]  # identical units: planned once
     if plan.weight_deltas:
         out.append(_delta_exchange(model, plan, layout, align))
     return out

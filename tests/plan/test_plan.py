@@ -1,0 +1,165 @@
+"""``zeropp.plan``: the model description against the engine's units and Hugging Face's models, a step's
+communication time worked out by hand, ranking sanity at the two ends of the bandwidth range, memory order, the
+configs the planner emits against the config loader, and the command line with each kind of input and bad values.
+
+The byte and memory predictions against a real engine's counters and tensors are checked in
+tests/engine/test_zeropp.py (``check_planner``: 16 runs at world 4 as 2 x 2, one shared launch)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from zeropp.config import load_config
+from zeropp.engine.policy import plan_units
+from zeropp.engine.unit import flat_layout
+from zeropp.models import GPT, GPTConfig
+from zeropp.plan import Batch, Cluster, ModelSpec, Partition, Plan, UnitSpec, from_hf_config, from_preset, predict
+from zeropp.plan import rank as rank_plans
+from zeropp.plan import why
+from zeropp.plan.__main__ import main
+from zeropp.plan.traffic import shard_numel
+
+GIB = 2**30
+
+
+def cluster(inter: float, *, nodes: int = 2, per_node: int = 2, intra: float | None = None, latency: float = 1e-6,
+            memory: float = 64 * GIB, overlap: float = 1.0) -> Cluster:
+    return Cluster(nodes, per_node, intra or 100 * inter, inter, latency, latency, memory, 1e12, 1e10,
+                   overlap=overlap)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny:nobias", "mini"])
+def test_preset_units_are_the_engines(preset: str) -> None:
+    name, _, flag = preset.partition(":")
+    model = GPT(GPTConfig.preset(name, bias=not flag), seed=0)
+    engine = [(u.name, tuple(p.numel() for _, p in u.params)) for u in plan_units(model)]
+    spec = from_preset(preset)
+    assert [(u.name, u.numels) for u in spec.units] == engine
+    assert spec.params == sum(p.numel() for p in model.parameters())
+    for unit in spec.units:
+        for align in (1, 128):
+            for world in (3, 4, 8):
+                assert shard_numel(unit, align, world) == flat_layout(list(unit.numels), align, world)[2]
+
+
+def test_hf_configs_count_the_parameters_by_hand(tmp_path) -> None:
+    # Llama: embedding and untied head V h, per layer q and o h^2, k and v h * kv (kv = 2 heads of 16), gate, up
+    # and down h I, two RMSNorms h; a final norm h
+    h, v, i, kv, layers = 64, 100, 96, 32, 2
+    llama = {"model_type": "llama", "hidden_size": h, "num_hidden_layers": layers, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "intermediate_size": i, "vocab_size": v, "max_position_embeddings": 128,
+             "tie_word_embeddings": False}
+    want_llama = 2 * v * h + h + layers * (2 * h * h + 2 * h * kv + 3 * h * i + 2 * h)
+    # GPT-2: token and position embeddings, per layer two LayerNorms (2 h each), QKV 3 h^2 + 3 h, projection
+    # h^2 + h, MLP 4 h^2 + 4 h and 4 h^2 + h; a final LayerNorm 2 h; tied head
+    h, v, p, layers = 32, 90, 48, 3
+    gpt2 = {"model_type": "gpt2", "n_embd": h, "n_layer": layers, "n_head": 4, "vocab_size": v, "n_positions": p}
+    want_gpt2 = v * h + p * h + 2 * h + layers * (4 * h + 3 * h * h + 3 * h + h * h + h + 8 * h * h + 5 * h)
+    for config, want in ((llama, want_llama), (gpt2, want_gpt2)):
+        path = tmp_path / config["model_type"] / "config.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps(config))
+        spec = from_hf_config(path)
+        assert spec.params == want, config["model_type"]
+        assert len(spec.units) == 1 + spec.layers and spec.name == config["model_type"]
+        assert spec.gated == (config["model_type"] == "llama")
+    (tmp_path / "bad.json").write_text(json.dumps({"model_type": "t5", "d_model": 8}))
+    with pytest.raises(ValueError, match="bad.json.*num_hidden_layers"):
+        from_hf_config(tmp_path / "bad.json")
+
+
+def test_zero1_step_communication_by_hand() -> None:
+    # 2 nodes of 1 rank, one unit of N fp32 elements: ZeRO-1 reduce-scatters at the boundary and gathers after the
+    # step, each one ring step of N / 2 * 4 bytes over the node link: 2 (alpha + 2 N / bw), nothing hidden
+    n, bw, alpha = 1_000_000, 1e8, 1e-3
+    model = ModelSpec("one", (UnitSpec("", (n,)),), 1, 64, 64, 64, 256)
+    c = Cluster(2, 1, 1e12, bw, alpha, alpha, 64 * GIB, 1e12, 1e10)
+    p = predict(model, Plan(Partition(1, 1, 2)), c, Batch(1, 64, 1, 4))
+    assert p.breakdown["comm_inter"] == pytest.approx(2 * (alpha + 2 * n / bw))
+    assert p.breakdown["comm_intra"] == 0 and p.breakdown["quant"] == 0
+    assert p.traffic["reduce_scatter"]["sent_inter"] == p.traffic["all_gather"]["sent_inter"] == 2 * n
+    # the same at stage 3 over 8 accumulation steps: forward gathers of the (root) unit every micro-batch, its
+    # gradient every micro-batch; with no compute to hide under (overlap 0) all of it shows
+    c0 = Cluster(2, 1, 1e12, bw, alpha, alpha, 64 * GIB, 1e12, 1e10, overlap=0.0)
+    p3 = predict(model, Plan(Partition(2, 2, 2)), c0, Batch(1, 64, 8, 4))
+    assert p3.breakdown["comm_inter"] == pytest.approx(16 * (alpha + 2 * n / bw))
+
+
+def test_at_infinite_bandwidth_exact_zero1_wins_and_at_100mbit_quantized_plans_win() -> None:
+    model, batch = from_preset("gpt2"), Batch(1, 1024, 1, 2)
+    # no latency, no bandwidth cost: every exact plan communicates for free and ties (ZeRO-1 with them); lossy
+    # plans pay their kernels
+    fast = rank_plans(model, cluster(1e18, latency=0.0), batch, ("none",))
+    best = fast[0]
+    zero1 = next(p for p in fast if p.label == "ZeRO-1")
+    assert not (best.plan.weight_bits or best.plan.gradient_bits) and best.unsupported is None, best.label
+    assert zero1.step_time == pytest.approx(best.step_time, rel=1e-6)
+    lossy = [p for p in fast if p.plan.weight_bits or p.plan.gradient_bits or p.plan.weight_deltas]
+    assert lossy and all(p.step_time > 1.001 * zero1.step_time for p in lossy)
+    slow = rank_plans(model, cluster(100e6 / 8), batch, ("none",))
+    exact = {p.label: p for p in slow if not (p.plan.weight_bits or p.plan.gradient_bits)}
+    assert slow[0].plan.gradient_bits and slow[0].step_time < 0.5 * min(p.step_time for p in exact.values())
+    reason = why(slow)
+    assert f"{slow[0].label} wins" in reason and "Against the best exact plan" in reason, reason
+    assert re.search(r"Against the best exact plan, .+? at [0-9.e+-]+ s, it saves [0-9.e+-]+ s of comm inter\.",
+                     reason), reason
+
+
+def test_memory_order_offload_and_what_runs_today() -> None:
+    model, batch, c = from_preset("gpt2"), Batch(1, 1024, 1, 2), cluster(1e9)
+    world = c.world
+    mem = {k: predict(model, Plan(Partition(*f)), c, batch).memory for k, f in
+           (("z1", (1, 1, world)), ("z2", (1, world, world)), ("z3", (world, world, world)))}
+    params = lambda k: sum(v for n, v in mem[k].items() if n != "activations")  # noqa: E731
+    assert params("z3") < params("z2") < params("z1")
+    off = predict(model, Plan(Partition(world, world, world), offload="cpu"), c, batch)
+    assert off.memory["optimizer"] == 0 and off.breakdown["io"] > 0
+    mics = predict(model, Plan(Partition(2, 2, 2)), c, batch)
+    assert mics.label == "MiCS-2" and "issue 25" in mics.unsupported and mics.config is None
+    tight = rank_plans(model, cluster(1e9, memory=1e6), batch, ("none",))
+    assert not tight[0].fits and "No plan fits" in why(tight)
+    # every plan that runs today has a zero_optimization the config loader takes
+    for p in rank_plans(model, c, batch, lossy="all"):
+        if p.unsupported is None:
+            cfg = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": p.config}, world_size=world)
+            assert cfg.zero_optimization.stage == p.config["stage"]
+
+
+def test_cli_each_input_kind(tmp_path, capsys) -> None:
+    assert main(["--model", "tiny", "--nodes", "2", "--ranks-per-node", "2", "--inter", "1gbit", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "| rank | plan" in out and "wins" in out and "zero_optimization of the best plan" in out
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 4,
+                                  "num_attention_heads": 8, "intermediate_size": 512, "vocab_size": 1000}))
+    assert main(["--model", str(config), "--nodes", "4", "--ranks-per-node", "2", "--json", "--seq", "128"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"]["layers"] == 4 and report["plans"][0]["step_time_s"] > 0 and report["why"]
+    assert {"compute", "quant", "comm_intra", "comm_inter", "optimizer", "io"} == set(report["plans"][0]["breakdown_s"])
+    assert main(["--params", "7000000000", "--layers", "32", "--hidden", "4096", "--seq", "4096", "--nodes", "16",
+                 "--ranks-per-node", "8", "--inter", "400gbit", "--runnable", "--json", "--top", "2"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert all(p["runs_today"] for p in report["plans"]) and report["model"]["params"] == 7_000_000_000
+    file = tmp_path / "cluster.json"
+    file.write_text(cluster(1e9).to_json())
+    assert main(["--model", "tiny", "--cluster-file", str(file), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cluster"]["inter_bw"] == 1e9
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--model", "gpt5"], "'gpt5'"),
+    (["--inter", "1gbps", "--model", "tiny"], "1gbps"),
+    (["--memory", "lots", "--model", "tiny"], "--memory='lots'"),
+    (["--nodes", "0", "--model", "tiny"], "nodes=0"),
+    (["--params", "1000", "--layers", "2", "--hidden", "64"], "--params=1000"),
+    (["--layers", "2"], "no model"),
+    (["--model", "tiny", "--offload", "gpu"], "--offload='gpu'"),
+    (["--model", "tiny", "--accum", "0"], "accum=0"),
+    (["--model", "missing.json"], "missing.json"),
+])
+def test_cli_errors_name_the_bad_value(argv: list[str], needle: str, capsys) -> None:
+    assert main(argv) == 2
+    assert needle in capsys.readouterr().err
