@@ -26,6 +26,10 @@ multiple of the block size when anything is quantized): an exact gather or reduc
 node). Stage 3 gathers the root unit once per micro-batch (it stays whole through backward), the others twice:
 every run frees every unit after its use (``EVERY_GATHER``: no persistent units, reuse distance 0; the tiny GPT's
 units would all persist under DeepSpeed's defaults, see ``test_reuse``).
+
+Planner (issue 25). ``check_planner``: ``zeropp.plan`` predicts from the preset alone every field of the counters
+(sent and received, intra and inter, per kind) and the bytes of the engine's parameter buffers, fp32 gradient
+shards and optimizer states (masters and AdamW moments) of every run, stage 1 included.
 """
 
 from __future__ import annotations
