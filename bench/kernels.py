@@ -179,7 +179,8 @@ def row_names(world: int, nodes: int, rpn: int) -> list[str]:
             f"hadamard_unrotate s={ROTATION_SIZE}", f"swizzle_quantize int4 {nodes}x{rpn}",
             f"swizzle_quantize int2 {nodes}x{rpn}", *(f"reduce_requantize int4 d={d}" for d in (2, 4, 8)),
             "reduce_requantize int2 d=2", "reduce_requantize int8->int4 d=2", "reduce_requantize int8->int4 d=2 seeded",
-            "reduce_requantize int8->int2 d=2", f"reduce_dequantize int4 g={nodes}", f"reduce_dequantize int2 g={nodes}",
+            "reduce_requantize int8->int2 d=2", f"reduce_dequantize int4 g={nodes}",
+            f"reduce_dequantize int2 g={nodes}",
             f"swizzle_quantize_rotated int4 {nodes}x{rpn} s={ROTATION_SIZE}",
             f"reduce_dequantize_rotated int4 g={nodes} s={ROTATION_SIZE}"]
 
