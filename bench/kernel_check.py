@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from zeropp import quant
-from zeropp.quant import BlockFormat, reference
+from zeropp.quant import BlockFormat, reference, rotation
 
 FAR_NUMEL = (1 << 31) + (1 << 22)
 """Elements of the input of ``far_checks`` on a GPU: past 2^31, divisible by 4 packs of whole 2048-blocks."""
@@ -120,6 +120,34 @@ class Reference:
         out = torch.empty(numel, dtype=dtype)
         reference.reduce_dequantize(self.cpu(buf), fmt, groups, chunk_numel, out, float(divisor))
         return out
+
+    def swizzle_quantize_rotated(self, x: torch.Tensor, fmt: BlockFormat, nodes: int, ranks_per_node: int,
+                                 size: int) -> torch.Tensor:
+        """The spec of the fused rotated quantize: each slice zero-padded to whole rotation blocks, rotated
+        (``rotation.hadamard``), then packed (``reference.quantize_chunks``)."""
+        x = self.cpu(x).reshape(-1)
+        chunks = nodes * ranks_per_node
+        plain = quant.chunk_numel(x.numel(), chunks)
+        padded = torch.zeros(chunks * plain, dtype=torch.float32)
+        padded[: x.numel()] = x
+        rows = torch.zeros(chunks, rotation.rotated_numel(plain, size))
+        rows[:, :plain] = padded.view(chunks, plain)
+        rotated = torch.empty(rows.numel())
+        rotation.hadamard(rows.view(-1), size, False, rotated)
+        return self.quantize(rotated, fmt, chunks, nodes)
+
+    def reduce_dequantize_rotated(self, buf: torch.Tensor, fmt: BlockFormat, groups: int, chunk_numel: int,
+                                  numel: int, dtype: torch.dtype, divisor: float, size: int) -> torch.Tensor:
+        """The spec of the fused rotated final reduce: the fused sum (divisor 1) of the padded slices, the inverse
+        rotation, the float32 division, the conversion, the padding dropped."""
+        width = rotation.rotated_numel(chunk_numel, size)
+        summed = self.reduce_dequantize(buf, fmt, groups, width, width, torch.float32, 1.0)
+        values = torch.empty(width)
+        rotation.hadamard(summed, size, True, values)
+        values = values[:numel]
+        if divisor != 1.0:
+            values = values / torch.tensor(float(divisor), dtype=torch.float32)
+        return values.to(dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------

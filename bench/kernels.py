@@ -28,7 +28,10 @@ are timed on the same inputs and shown beside ours.
 **Rotation rows.** ``hadamard_rotate s=32`` and ``hadamard_unrotate s=32`` time the block Hadamard rotation of
 ``zeropp.quant.rotation`` (32-element blocks), forward (the row's dtype in, float32 out: the Triton kernel widens
 a bfloat16 or float16 input as it loads it, the native CPU library has torch widen it first, inside the timed call)
-and inverse (float32 in and out).
+and inverse (float32 in and out). ``swizzle_quantize_rotated int4 NxR s=32`` and ``reduce_dequantize_rotated int4
+g=N s=32`` time qgZ's first and last steps with the rotation fused (the row's dtype in, int4 packs out; int4 packs
+in, the row's dtype out): beside ``swizzle_quantize int4`` and ``reduce_dequantize int4``, the difference is what
+the fused rotation costs, against the two ``hadamard`` rows it replaces.
 
 **--check.** Every row's output, on the inputs the row is timed on, is compared with the torch reference run on
 CPU copies of those inputs: codes and scales the same bytes, values the same floats (``bench/kernel_check.py``).
@@ -176,7 +179,10 @@ def row_names(world: int, nodes: int, rpn: int) -> list[str]:
             f"hadamard_unrotate s={ROTATION_SIZE}", f"swizzle_quantize int4 {nodes}x{rpn}",
             f"swizzle_quantize int2 {nodes}x{rpn}", *(f"reduce_requantize int4 d={d}" for d in (2, 4, 8)),
             "reduce_requantize int2 d=2", "reduce_requantize int8->int4 d=2", "reduce_requantize int8->int4 d=2 seeded",
-            "reduce_requantize int8->int2 d=2", f"reduce_dequantize int4 g={nodes}", f"reduce_dequantize int2 g={nodes}"]
+            "reduce_requantize int8->int2 d=2", f"reduce_dequantize int4 g={nodes}",
+            f"reduce_dequantize int2 g={nodes}",
+            f"swizzle_quantize_rotated int4 {nodes}x{rpn} s={ROTATION_SIZE}",
+            f"reduce_dequantize_rotated int4 g={nodes} s={ROTATION_SIZE}"]
 
 
 def build_cases(n: int, dtype: torch.dtype, block_size: int, world: int, nodes: int, rpn: int, device: torch.device,
@@ -340,6 +346,31 @@ def build_cases(n: int, dtype: torch.dtype, block_size: int, world: int, nodes: 
 
     for fmt in (fmt4, fmt2):
         rows[f"reduce_dequantize int{fmt.bits} g={nodes}"] = lambda fmt=fmt: final_row(fmt)
+
+    def rotated_swizzle_row() -> Case:
+        """qgZ step 1 with the rotation fused: each slice rotated in ROTATION_SIZE blocks as it is quantized."""
+        sw_out = torch.empty(fmt4.chunked_bytes(n, sw_world), dtype=torch.uint8, device=device)
+        width = quant.rotated_numel(quant.chunk_numel(n, sw_world), ROTATION_SIZE)
+        return Case(f"swizzle_quantize_rotated int4 {nodes}x{rpn} s={ROTATION_SIZE}", "quantize", 4, n,
+                    n * item + sw_out.numel(),
+                    lambda: quant.swizzle_quantize_rotated(x, fmt4, nodes, rpn, ROTATION_SIZE, out=sw_out), sw_out,
+                    lambda: ref.swizzle_quantize_rotated(x, fmt4, nodes, rpn, ROTATION_SIZE),
+                    PackLayout(fmt4, sw_world, width))
+
+    def rotated_final_row() -> Case:
+        """qgZ step 5 with the inverse rotation fused: `nodes` packs of rotated values in, the mean slice out."""
+        fcn = quant.chunk_numel(n, nodes)
+        fbuf = quant.quantize_chunks(quant.rotate_slices(x, nodes, ROTATION_SIZE), fmt4, nodes)  # any backend
+        fout = torch.empty(fcn, dtype=dtype, device=device)
+        return Case(f"reduce_dequantize_rotated int4 g={nodes} s={ROTATION_SIZE}", "reduce_dequantize", 4, n,
+                    fbuf.numel() + fcn * item,
+                    lambda: quant.reduce_dequantize_rotated(fbuf, fmt4, nodes, fcn, fout, ROTATION_SIZE,
+                                                            divisor=sw_world), fout,
+                    lambda: ref.reduce_dequantize_rotated(fbuf, fmt4, nodes, fcn, fcn, dtype, sw_world,
+                                                          ROTATION_SIZE))
+
+    rows[f"swizzle_quantize_rotated int4 {nodes}x{rpn} s={ROTATION_SIZE}"] = rotated_swizzle_row
+    rows[f"reduce_dequantize_rotated int4 g={nodes} s={ROTATION_SIZE}"] = rotated_final_row
     return [rows[name]() for name in row_names(world, nodes, rpn) if keep(name)]
 
 

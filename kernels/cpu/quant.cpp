@@ -949,6 +949,80 @@ void reduce_dequantize_jobs(const uint8_t* buf, const Layout& f, int groups, int
     }
 }
 
+#include "hadamard.h"
+
+// Blocks [0, count) of Size floats of v in place through the butterfly (hadamard.h), by AVX2 where this CPU has it.
+template <int Size, bool Inverse>
+void rotate(float* v, int64_t count) {
+#if ZEROPP_X86_KERNELS
+    if (avx2_usable()) return avx2_butterflies<Size, Inverse>(v, count);
+#endif
+    butterflies<Size, Inverse>(v, count);
+}
+
+// body(std::integral_constant<int, size>) for the runtime rotation size (16, 32, 64 or 128).
+template <class Body>
+void with_size(int size, Body body) {
+    switch (size) {
+        case 16: return body(std::integral_constant<int, 16>());
+        case 32: return body(std::integral_constant<int, 32>());
+        case 64: return body(std::integral_constant<int, 64>());
+        default: return body(std::integral_constant<int, 128>());
+    }
+}
+
+// Elements a fused rotated op holds in float32 at a time (whole blocks, at least one).
+constexpr int kRotatedBatch = 2048;
+
+// quantize_jobs with the rotation fused (rotation.py's swizzle_quantize_rotated): each run's blocks are widened to
+// float32 with the slice's zero padding, their Size-element sub-blocks rotated, then quantized as float32. A rotation
+// block never crosses a slice's end (Size divides the block), so this is the rotation of each slice zero-padded to a
+// multiple of Size, quantized.
+template <class Isa, int Bits, int D, int Size>
+void quantize_rotated_jobs(const Storage<D>* x, int64_t numel, const Layout& f, int64_t chunks, int64_t nodes,
+                           uint8_t* out, int64_t first_job, int64_t end_job) {
+    const int64_t slice = (numel + chunks - 1) / chunks, blocks = f.blocks(slice), per_node = chunks / nodes;
+    const int64_t batch = std::max<int64_t>(1, kRotatedBatch / f.block);
+    float v[std::max(kMaxBlock, kRotatedBatch)];
+    for_each_run(first_job, end_job, blocks, [&](int64_t p, int64_t b, int64_t count) {
+        const int64_t source = (p % nodes) * per_node + p / nodes;  // format.swizzle_source
+        const int64_t start = source * slice + b * f.block;
+        const int64_t n = present(std::min((source + 1) * slice, numel) - start, count, f.block);
+        uint8_t* pack = out + p * f.pack_bytes(slice);
+        for (int64_t k = 0; k < count; k += batch) {
+            const int64_t c = std::min(batch, count - k), elements = c * f.block;
+            const int64_t m = std::clamp<int64_t>(n - k * f.block, 0, elements);
+            for (int64_t i = 0; i < m; ++i) v[i] = to_float<D>(x[start + k * f.block + i]);
+            std::fill(v + m, v + elements, 0.0f);
+            rotate<Size, false>(v, elements / Size);
+            Isa::template quantize<Bits, kFloat32>(v, f.block, f.run(pack, blocks, b + k, c));
+        }
+    });
+}
+
+// reduce_dequantize_jobs with the inverse rotation fused (rotation.py's reduce_dequantize_rotated): the fused sum
+// of each block (the kernels' reduce-dequantize with divisor 1, which leaves it unchanged), the inverse butterfly
+// (times 1 / Size), the division by `divisor` (skipped for 1, where it is the identity) and the conversion to D.
+template <class Isa, int Bits, int D, int Size>
+void reduce_dequantize_rotated_jobs(const uint8_t* buf, const Layout& f, int groups, int64_t chunk_numel,
+                                    Storage<D>* out, int64_t out_numel, float divisor, int64_t first_job,
+                                    int64_t end_job) {
+    const int64_t blocks = f.blocks(chunk_numel), pack_bytes = f.pack_bytes(chunk_numel);
+    const int64_t batch = std::max<int64_t>(1, kRotatedBatch / f.block);
+    float v[std::max(kMaxBlock, kRotatedBatch)];
+    for (int64_t b = first_job; b < end_job; b += batch) {
+        const int64_t c = std::min(batch, end_job - b), first = b * f.block;
+        Isa::template reduce_dequantize<Bits, kFloat32>(f.run(buf, blocks, b, c), pack_bytes, groups, f.block, 1.0f,
+                                                        v);
+        rotate<Size, true>(v, c * f.block / Size);
+        const int64_t n = std::min(out_numel - first, c * f.block);
+        if (divisor != 1.0f) {
+            for (int64_t i = 0; i < n; ++i) v[i] /= divisor;
+        }
+        for (int64_t i = 0; i < n; ++i) out[first + i] = from_float<D>(v[i]);
+    }
+}
+
 #include "parallel.h"
 
 // Each op with the kernels of one instruction set, for compile-time bits and dtype (run<Bits, D>).
@@ -995,6 +1069,38 @@ struct ReduceDequantize {
             reduce_dequantize_jobs<Isa, Bits, D>(buf, f, groups, chunk_numel, static_cast<Storage<D>*>(out),
                                                  out_numel, divisor, a, e);
         });
+    }
+};
+
+// The rotated ops for the runtime rotation size (16, 32, 64 or 128).
+template <class Isa>
+struct QuantizeRotated {
+    template <int Bits, int D>
+    static void run(const void* x, int64_t numel, const Layout& f, int64_t chunks, int64_t nodes, int size,
+                    uint8_t* out, int threads) {
+        const int64_t jobs = chunks * f.blocks((numel + chunks - 1) / chunks);
+        auto body = [&](auto s) {
+            parallel(jobs, threads, [&](int64_t a, int64_t e) {
+                quantize_rotated_jobs<Isa, Bits, D, decltype(s)::value>(static_cast<const Storage<D>*>(x), numel, f,
+                                                                        chunks, nodes, out, a, e);
+            });
+        };
+        with_size(size, body);
+    }
+};
+
+template <class Isa>
+struct ReduceDequantizeRotated {
+    template <int Bits, int D>
+    static void run(const uint8_t* buf, const Layout& f, int groups, int64_t chunk_numel, int size, void* out,
+                    int64_t out_numel, float divisor, int threads) {
+        auto body = [&](auto s) {
+            parallel(f.blocks(out_numel), threads, [&](int64_t a, int64_t e) {
+                reduce_dequantize_rotated_jobs<Isa, Bits, D, decltype(s)::value>(
+                    buf, f, groups, chunk_numel, static_cast<Storage<D>*>(out), out_numel, divisor, a, e);
+            });
+        };
+        with_size(size, body);
     }
 };
 
@@ -1066,6 +1172,12 @@ int check(int bits, int block, int dtype) {
     return 0;
 }
 
+// 0 for a rotation size of 16, 32, 64 or 128 that divides the block, else 5.
+int check_rotation(int size, int block) {
+    if (size != 16 && size != 32 && size != 64 && size != kMaxRotation) return 5;
+    return block % size ? 5 : 0;
+}
+
 }  // namespace
 
 extern "C" {
@@ -1130,6 +1242,31 @@ int zeropp_reduce_dequantize(const uint8_t* buf, int bits, int block, int groups
     if (groups < 1) return 4;
     dispatch<ReduceDequantize>(bits, dtype, buf, Layout{bits, block}, groups, chunk_numel, out, out_numel, divisor,
                                threads);
+    return 0;
+}
+
+// zeropp_quantize_chunks (unseeded) of the rotation of each slice (rotation.py's swizzle_quantize_rotated): each
+// slice's blocks are zero-padded and their `size`-element sub-blocks rotated before they are quantized. size is 16,
+// 32, 64 or 128 and divides block.
+int zeropp_quantize_chunks_rotated(const void* x, int dtype, int64_t numel, int bits, int block, int64_t chunks,
+                                   int64_t nodes, int size, uint8_t* out, int threads) {
+    if (int bad = check(bits, block, dtype)) return bad;
+    if (chunks < 1 || nodes < 1 || chunks % nodes) return 4;
+    if (int bad = check_rotation(size, block)) return bad;
+    if (numel == 0) return 0;
+    dispatch<QuantizeRotated>(bits, dtype, x, numel, Layout{bits, block}, chunks, nodes, size, out, threads);
+    return 0;
+}
+
+// zeropp_reduce_dequantize of packs of rotated values with the inverse rotation fused (rotation.py's
+// reduce_dequantize_rotated): the fused sum, unrotated, divided by `divisor`, into the first out_numel elements.
+int zeropp_reduce_dequantize_rotated(const uint8_t* buf, int bits, int block, int groups, int64_t chunk_numel,
+                                     int size, void* out, int dtype, int64_t out_numel, float divisor, int threads) {
+    if (int bad = check(bits, block, dtype)) return bad;
+    if (groups < 1) return 4;
+    if (int bad = check_rotation(size, block)) return bad;
+    dispatch<ReduceDequantizeRotated>(bits, dtype, buf, Layout{bits, block}, groups, chunk_numel, size, out,
+                                      out_numel, divisor, threads);
     return 0;
 }
 

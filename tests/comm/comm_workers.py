@@ -211,9 +211,10 @@ def composed_rotated(topo: Topology, numel: int, dtype, bits: int, size: int, op
     """This rank's slice of rotated qgZ computed in this process from every rank's input with the zeropp.quant
     ops, pack by pack in the order of the collective's sums: each rank's rotated slices quantized
     (``rotate_slices``, ``quantize_chunks``), summed and requantized per node in local-index order
-    (``reduce_requantize``), then summed over the nodes in the order of this rank's inter-node group and
-    unrotated (``reduce_dequantize_rotated``)."""
-    from zeropp.quant import (BlockFormat, quantize_chunks, reduce_dequantize_rotated, reduce_requantize,
+    (``reduce_requantize``), then summed over the nodes in the order of this rank's inter-node group
+    (``reduce_dequantize``), unrotated (``hadamard_unrotate``), divided and converted: the unfused ops, where the
+    collective runs the fused ``swizzle_quantize_rotated`` and ``reduce_dequantize_rotated``."""
+    from zeropp.quant import (BlockFormat, hadamard_unrotate, quantize_chunks, reduce_dequantize, reduce_requantize,
                               rotate_slices, rotated_numel)
 
     world, r = topo.world_size, topo.rank
@@ -237,9 +238,11 @@ def composed_rotated(topo: Topology, numel: int, dtype, bits: int, size: int, op
         buf = torch.cat([reduce_requantize(torch.cat([hop1(g) for g in node_of[p]]), fmt, d, 1, width)
                          for p in topo.inter_ranks])
     start, stop = comm.shard_range(numel, world, r)
-    out = torch.empty(stop - start, dtype=dtype)
-    return reduce_dequantize_rotated(buf, fmt, len(buf) // pack, s, out, size,
-                                     divisor=world if op is ReduceOp.AVG else 1)
+    summed = reduce_dequantize(buf, fmt, len(buf) // pack, width, torch.empty(width))
+    values = hadamard_unrotate(summed, size)[: stop - start]
+    if op is ReduceOp.AVG:
+        values = values / torch.tensor(float(world))
+    return values.to(dtype)
 
 
 def check_rotated_reduce_scatter(topo: Topology, nodes, numel, dtype, bits, size, op, seed) -> None:

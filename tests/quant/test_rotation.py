@@ -10,8 +10,17 @@ import torch
 
 import zeropp.quant as zq
 from conftest import native_library
-from test_kernels import DTYPES, NATIVE_BUILDS, assert_same_floats, gen, implementation, random_values  # noqa: F401
-from zeropp.quant import rotation
+from test_kernels import (  # noqa: F401
+    DTYPES,
+    NATIVE_BUILDS,
+    assert_same_floats,
+    assert_same_packs,
+    gen,
+    implementation,
+    random_values,
+)
+from zeropp.quant import native_cuda, rotation
+from zeropp.quant import reference as reference_ops
 
 SIZES = list(rotation.ROTATION_SIZES)
 U = 2.0**-24
@@ -229,3 +238,99 @@ def test_rotate_slices_rotates_each_padded_slice(numel, gen):
     want = torch.cat([reference(torch.cat([x[i * plain : (i + 1) * plain], torch.zeros(width)])[:width], 32)
                       for i in range(4)])
     assert_same_floats(zq.rotate_slices(x, 4, 32), want)
+
+
+
+def composed_quantize(x: torch.Tensor, fmt: zq.BlockFormat, nodes: int, per_node: int, size: int) -> torch.Tensor:
+    """The spec of the fused quantize in the reference alone: each slice zero-padded to whole rotation blocks and
+    rotated (``rotation.hadamard``), then packed in the swizzled order (``reference.quantize_chunks``)."""
+    chunks, numel = nodes * per_node, x.numel()
+    plain = -(-numel // chunks)
+    padded = torch.zeros(chunks * plain, dtype=x.dtype)
+    padded[:numel] = x
+    rows = torch.zeros(chunks, rotation.rotated_numel(plain, size), dtype=x.dtype)
+    rows[:, :plain] = padded.view(chunks, plain)
+    rotated = reference(rows.view(-1), size)
+    out = torch.empty(fmt.chunked_bytes(rotated.numel(), chunks), dtype=torch.uint8)
+    reference_ops.quantize_chunks(rotated, fmt, chunks, nodes, out)
+    return out
+
+
+def composed_reduce(buf: torch.Tensor, fmt: zq.BlockFormat, groups: int, chunk_numel: int, size: int,
+                    out_numel: int, dtype: torch.dtype, divisor: float) -> torch.Tensor:
+    """The spec of the fused final reduce in the reference alone: the fused sum (divisor 1) of the padded slices,
+    the inverse rotation, the float32 division, the conversion, the padding dropped."""
+    summed = torch.empty(rotation.rotated_numel(chunk_numel, size))
+    reference_ops.reduce_dequantize(buf, fmt, groups, summed.numel(), summed, 1.0)
+    values = reference(summed, size, inverse=True)[:out_numel]
+    if divisor != 1.0:
+        values = values / torch.tensor(divisor, dtype=torch.float32)
+    return values.to(dtype)
+
+
+# (bits, block, rotation size, dtype, nodes, ranks per node, numel): every code width, input dtype and rotation
+# size; slices that are not whole rotation blocks, a short last slice and empty ones (numel 37 over 8 ranks)
+FUSED_CASES = [
+    (4, 64, 32, torch.float32, 2, 2, 4 * 1001 - 5),
+    (8, 128, 128, torch.bfloat16, 2, 2, 4 * 300 + 1),
+    (2, 64, 16, torch.float16, 1, 4, 4 * 77),
+    (4, 32, 16, torch.bfloat16, 4, 2, 37),
+    (8, 64, 64, torch.float32, 2, 4, 8 * 64),
+    (2, 128, 32, torch.float32, 2, 2, 1003),
+]
+
+
+@pytest.mark.parametrize("param", ["triton", *NATIVE_BUILDS])
+def test_fused_kernels_match_the_composition(param, kernel_device, gen):
+    """The fused kernels (rotation inside the swizzled quantize, inverse rotation inside the final reduce) write
+    the bits of the unfused composition of the reference ops, for int8, int4 and int2, fp32, bf16 and fp16 inputs
+    and outputs, every rotation size, padded, short and empty slices, special values (Inf, NaN, subnormals), and
+    divisors 1, 4 (multiplied by its exact reciprocal) and 3 (divided)."""
+    kernels = implementation(param, kernel_device)
+    cases = FUSED_CASES if param != "triton" else FUSED_CASES[3:4]  # empty slices, size 16 (interpreter cost)
+    for i, (bits, block, size, dtype, nodes, per_node, numel) in enumerate(cases):
+        fmt, chunks = zq.BlockFormat(bits, block), nodes * per_node
+        x = random_values(numel, torch.float32, gen)
+        x[numel // 2: numel // 2 + 3] = torch.tensor([float("inf"), 1e-40, float("nan")])[: numel - numel // 2]
+        x = x.to(dtype)
+        want = composed_quantize(x, fmt, nodes, per_node, size)
+        got = torch.full_like(want, 0xA5, device=kernels.device)
+        kernels.ops.quantize_chunks_rotated(x.to(kernels.device), fmt, chunks, nodes, size, got)
+        plain = -(-numel // chunks)
+        assert_same_packs(got, want, fmt, chunks, chunks * rotation.rotated_numel(plain, size))
+        groups = (2, 4, 3)[i % 3]
+        packs = [composed_quantize(random_values(numel, torch.float32, gen), fmt, nodes, per_node, size)
+                 for _ in range(groups)]
+        buf = torch.cat([p[: fmt.packed_bytes(plain)] for p in packs])  # pack 0 of each: the first slice
+        for divisor, out_numel in ((1.0, plain), (4.0, plain - 3), (3.0, max(plain - size - 1, 0))):
+            want = composed_reduce(buf, fmt, groups, plain, size, out_numel, dtype, divisor)
+            got = torch.full((out_numel,), 7.0, dtype=dtype, device=kernels.device)
+            kernels.ops.reduce_dequantize_rotated(buf.to(kernels.device), fmt, groups, plain, size, got, divisor)
+            assert_same_floats(got, want)
+
+
+@pytest.mark.parametrize("quant_backend", ["torch", "native"], indirect=True)  # Triton: the test above
+def test_public_fused_ops_dispatch(quant_backend, gen):
+    """``swizzle_quantize_rotated`` and ``reduce_dequantize_rotated`` on the CPU backends (the fused kernels on the
+    native one, the composition on torch) give the same bytes and values as the unfused ops composed on that
+    backend (``rotate_slices``, ``swizzle_quantize``; ``reduce_dequantize``, ``hadamard_unrotate``)."""
+    fmt, world, numel = zq.BlockFormat(4, 64), 4, 4 * 250 - 3
+    x = random_values(numel, torch.float32, gen).to(quant_backend)
+    packs = zq.swizzle_quantize_rotated(x, fmt, 2, 2, 32)
+    assert torch.equal(packs, zq.swizzle_quantize(zq.rotate_slices(x, world, 32), fmt, 2, 2))
+    plain = -(-numel // world)
+    width = rotation.rotated_numel(plain, 32)
+    buf = packs[: 2 * fmt.packed_bytes(width)]
+    out = torch.empty(plain - 1, dtype=torch.bfloat16, device=quant_backend)
+    zq.reduce_dequantize_rotated(buf, fmt, 2, plain, out, 32, divisor=4)
+    summed = zq.reduce_dequantize(buf, fmt, 2, width, torch.empty(width, device=quant_backend))
+    unrotated = zq.hadamard_unrotate(summed, 32)[: plain - 1] / torch.tensor(4.0, device=quant_backend)
+    assert_same_floats(out, unrotated.to(torch.bfloat16).cpu())
+
+
+def test_native_cuda_refuses_the_fused_rotation():
+    """The native CUDA kernels have no fused rotation: they refuse, naming the Triton kernels."""
+    with pytest.raises(native_cuda.NativeCudaError, match="Hadamard rotation .*Triton"):
+        native_cuda.quantize_chunks_rotated(torch.ones(64), zq.BlockFormat(4), 2, 1, 32, torch.empty(0))
+    with pytest.raises(native_cuda.NativeCudaError, match="Hadamard rotation .*Triton"):
+        native_cuda.reduce_dequantize_rotated(torch.empty(0), zq.BlockFormat(4), 2, 64, 32, torch.empty(0), 1.0)

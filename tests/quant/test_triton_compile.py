@@ -133,6 +133,16 @@ CASES: list[dict] = [
          out_block_size=16),
     dict(op="reduce_dequantize", bits=2, block_size=2048, dtype="float16", groups=2, chunk_numel=2**20,
          out_numel=2**20, divisor=16.0),
+    # qgZ's first and last steps with the Hadamard rotation fused (``rotation``): each size among them, unaligned
+    # slices and outputs, int64 offsets, a divisor that divides
+    dict(op="quantize", bits=4, block_size="default", dtype="float32", numel=1_000_003, chunks=8, nodes=2,
+         rotation=32),
+    dict(op="quantize", bits=8, block_size=2048, dtype="bfloat16", numel=_BIG, chunks=2, nodes=2, rotation=128),
+    dict(op="quantize", bits=2, block_size=16, dtype="float16", numel=2**20, chunks=4, nodes=1, rotation=16),
+    dict(op="reduce_dequantize", bits=4, block_size="default", dtype="bfloat16", groups=2, chunk_numel=2**20,
+         out_numel=2**20, divisor=16.0, rotation=32),
+    dict(op="reduce_dequantize", bits=8, block_size=64, dtype="float32", groups=4, chunk_numel=1001,
+         out_numel=1001, divisor=3.0, offset=1, rotation=64),
 ]
 # The block Hadamard rotation (``rotation.py``): each size, both directions, each input dtype, a partial last block,
 # a misaligned input and int64 offsets.
@@ -178,6 +188,7 @@ def case_id(case: dict) -> str:
     parts += [f"to-int{case.get('out_bits', case['bits'])}-bs{case.get('out_block_size', case['block_size'])}"
               for k in ("out_bits", "out_block_size") if k in case][:1]
     parts += ["seeded"] if "seed" in case else []
+    parts += [f"rot{case['rotation']}"] if "rotation" in case else []
     parts += [case[k] for k in ("dtype",) if k in case]
     parts += [f"{k}{case[k]}" for k in ("groups", "chunks") if k in case]
     parts += ["i64"] if _BIG in (case.get("numel"), case.get("chunk_numel")) else []

@@ -1,4 +1,5 @@
-"""The native CPU backend: ``kernels/cpu/quant.cpp`` (and ``rotation.cpp``, the Hadamard rotation) built into
+"""The native CPU backend: ``kernels/cpu/quant.cpp`` (with qgZ's swizzled quantize and final reduce fused with the
+Hadamard rotation, ``hadamard.h``) and ``rotation.cpp`` (the standalone rotation) built into
 ``libzeropp_cpu.so``, called through ctypes.
 
 The functions take the arguments of ``zeropp.quant.reference`` (validated by ``zeropp.quant.ops``), write into
@@ -63,6 +64,8 @@ class Library:
             "zeropp_reduce_requantize": [ptr, i32, i32, i32, i64, i64, ptr, i32, i32, i32, u32, i32],
             "zeropp_reduce_dequantize": [ptr, i32, i32, i32, i64, ptr, i32, i64, f32, i32],
             "zeropp_hadamard": [ptr, i64, i32, i32, ptr, i32],
+            "zeropp_quantize_chunks_rotated": [ptr, i32, i64, i32, i32, i64, i64, i32, ptr, i32],
+            "zeropp_reduce_dequantize_rotated": [ptr, i32, i32, i32, i64, i32, ptr, i32, i64, f32, i32],
         }
         for name, argtypes in signatures.items():
             if not hasattr(lib, name):
@@ -111,6 +114,20 @@ class Library:
         x = x.contiguous()
         self._call("zeropp_hadamard", x.data_ptr(), x.numel(), size, int(inverse), out.data_ptr())
 
+    def quantize_chunks_rotated(self, x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, size: int,
+                                out: torch.Tensor) -> None:
+        """As ``rotation.quantize_chunks_rotated`` (the rotation fused into the quantize)."""
+        x = x.contiguous()
+        self._call("zeropp_quantize_chunks_rotated", x.data_ptr(), _DTYPES[x.dtype], x.numel(), fmt.bits,
+                   fmt.block_size, chunks, nodes, size, out.data_ptr())
+
+    def reduce_dequantize_rotated(self, buf: torch.Tensor, fmt: BlockFormat, groups: int, chunk_numel: int,
+                                  size: int, out: torch.Tensor, divisor: float) -> None:
+        """As ``rotation.reduce_dequantize_rotated`` (the inverse rotation fused into the final reduce;
+        ``divisor`` rounded to float32, as the reference's tensor is)."""
+        self._call("zeropp_reduce_dequantize_rotated", buf.data_ptr(), fmt.bits, fmt.block_size, groups,
+                   chunk_numel, size, out.data_ptr(), _DTYPES[out.dtype], out.numel(), divisor)
+
 
 _backend = NativeBackend("ZEROPP_NATIVE_LIB", DEFAULT_PATH, Library, NativeLibraryError)
 library_path = _backend.path
@@ -127,3 +144,15 @@ reduce_dequantize = _backend.reduce_dequantize
 def hadamard(x: torch.Tensor, size: int, inverse: bool, out: torch.Tensor) -> None:
     """As ``rotation.hadamard``, with the library at ``library_path()``."""
     library().hadamard(x, size, inverse, out)
+
+
+def quantize_chunks_rotated(x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, size: int,
+                            out: torch.Tensor) -> None:
+    """As ``rotation.quantize_chunks_rotated``, with the library at ``library_path()``."""
+    library().quantize_chunks_rotated(x, fmt, chunks, nodes, size, out)
+
+
+def reduce_dequantize_rotated(buf: torch.Tensor, fmt: BlockFormat, groups: int, chunk_numel: int, size: int,
+                              out: torch.Tensor, divisor: float) -> None:
+    """As ``rotation.reduce_dequantize_rotated``, with the library at ``library_path()``."""
+    library().reduce_dequantize_rotated(buf, fmt, groups, chunk_numel, size, out, divisor)

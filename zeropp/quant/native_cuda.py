@@ -82,10 +82,13 @@ class NativeCudaError(RuntimeError):
     """The CUDA fatbin, CuPy or a CUDA device is missing, or the fatbin is of another ABI version."""
 
 
-def check_supported(fmt: BlockFormat, out_fmt: BlockFormat | None = None, seed: int | None = None) -> None:
+def check_supported(fmt: BlockFormat, out_fmt: BlockFormat | None = None, seed: int | None = None,
+                    rotation: int | None = None) -> None:
     """Raise ``NativeCudaError`` for what these kernels lack: int2 codes, a reduce into another format, stochastic
-    rounding (the Triton kernels have them all)."""
+    rounding, the Hadamard rotation fused into qgZ's quantize and final reduce (the Triton kernels have them all)."""
     wanted = []
+    if rotation is not None:
+        wanted.append(f"Hadamard rotation (size {rotation}) fused into the quantize or the final reduce")
     if 2 in (fmt.bits, (out_fmt or fmt).bits):
         wanted.append("int2 codes")
     if out_fmt is not None and out_fmt != fmt:
@@ -272,3 +275,15 @@ quantize_chunks = _backend.quantize_chunks
 dequantize_chunks = _backend.dequantize_chunks
 reduce_requantize = _backend.reduce_requantize
 reduce_dequantize = _backend.reduce_dequantize
+
+
+def quantize_chunks_rotated(x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, size: int,
+                            out: torch.Tensor) -> None:
+    """Refuses (``check_supported``): these kernels have no fused rotation."""
+    check_supported(fmt, rotation=size)
+
+
+def reduce_dequantize_rotated(buf: torch.Tensor, fmt: BlockFormat, groups: int, chunk_numel: int, size: int,
+                              out: torch.Tensor, divisor: float) -> None:
+    """Refuses (``check_supported``): these kernels have no fused rotation."""
+    check_supported(fmt, rotation=size)

@@ -39,14 +39,16 @@ zero-padded to ``rotated_numel(S, size)`` and rotated on its own, then packed as
 since ``size`` divides the quantization block size, the packs have exactly the bytes of the unrotated ones. The
 final step sums the packs in float32 (``reduce_dequantize``'s fused sum, divisor 1, padding included), unrotates,
 divides by ``divisor`` in float32 and converts to ``out``'s dtype, dropping the padding last: the padding of a
-rotated slice holds part of its last block. These compositions are the spec of the fused kernels to come, which will
-rotate inside the quantize and unrotate inside the final reduce and save the two extra passes
-(``docs/rotation.md``).
+rotated slice holds part of its last block. These compositions are the spec of the fused kernels (native CPU and
+Triton), which rotate each block inside the quantize and unrotate it inside the final reduce, saving the two extra
+passes over the gradient (``docs/rotation.md``); the torch backend runs the compositions themselves.
 
 **Backends**, as for the quantization ops (``ops.backend_name``): the native CPU library
-(``kernels/cpu/rotation.cpp``) for CPU tensors where it is built, else this reference; the Triton kernel
-(``zeropp.quant._triton.rotation``) for CUDA tensors (with ``ZEROPP_QUANT_BACKEND=native`` too: the native CUDA
-kernels have no rotation) and for CPU tensors under ``TRITON_INTERPRET=1``. The Triton kernel widens a bfloat16 or
+(``kernels/cpu/rotation.cpp``, and ``quant.cpp`` for the fused steps) for CPU tensors where it is built, else this
+reference; the Triton kernels (``zeropp.quant._triton.rotation``, and the quantize and reduce kernels for the fused
+steps) for CUDA tensors and for CPU tensors under ``TRITON_INTERPRET=1``. The standalone rotation runs the Triton
+kernel with ``ZEROPP_QUANT_BACKEND=native`` too (the native CUDA kernels have no rotation); the fused steps are
+refused there with a ``NativeCudaError`` that names the Triton kernels. The Triton kernel widens a bfloat16 or
 float16 input as it loads it; the native library takes float32, so torch widens such an input first (one more pass).
 """
 
@@ -54,7 +56,7 @@ from __future__ import annotations
 
 import torch
 
-from . import native, ops
+from . import native, native_cuda, ops
 from .format import BlockFormat, check_float_tensor, check_has_data, check_out_dtype
 from .format import chunk_numel as slice_numel
 from .ops import backend_name
@@ -154,9 +156,33 @@ def swizzle_quantize_rotated(x: torch.Tensor, fmt: BlockFormat, nodes: int, rank
     """qgZ's first step with the rotation: ``ops.swizzle_quantize`` of flattened ``x`` with each rank's slice
     (``ceil(numel / world)`` elements) zero-padded to a multiple of ``size`` and rotated first. Returns the uint8
     packs (``out`` if given), the same number of bytes as ``swizzle_quantize`` writes; each pack holds
-    ``rotated_numel(slice, size)`` rotated values. ``size`` must not exceed ``fmt.block_size``."""
+    ``rotated_numel(slice, size)`` rotated values. ``size`` must not exceed ``fmt.block_size``.
+
+    The spec is that composition, ``swizzle_quantize(rotate_slices(x, world, size), ...)``, which the torch backend
+    runs; the native CPU and Triton kernels rotate each block as they load it (one pass), bit for bit the same."""
     _check_fits(fmt, size)
-    return ops.swizzle_quantize(rotate_slices(x, nodes * ranks_per_node, size), fmt, nodes, ranks_per_node, out=out)
+    check_float_tensor(x)
+    ops._check_counts(nodes=nodes, ranks_per_node=ranks_per_node)
+    flat = x.detach().reshape(-1)
+    chunks = nodes * ranks_per_node
+    nbytes = fmt.chunked_bytes(flat.numel(), chunks)
+    if out is None:
+        out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+    ops._check_buffer(out, nbytes, "out")
+    if out.device != x.device:
+        raise ValueError(f"out is on {out.device} but x is on {x.device}")
+    if flat.numel() == 0:
+        return out
+    name = backend_name(flat)
+    if name == "torch":
+        ops.swizzle_quantize(rotate_slices(flat, chunks, size), fmt, nodes, ranks_per_node, out=out)
+    elif name == "native":
+        (native_cuda if flat.is_cuda else native).quantize_chunks_rotated(flat, fmt, chunks, nodes, size, out)
+    else:
+        from . import _triton
+
+        _triton.quantize_chunks_rotated(flat, fmt, chunks, nodes, size, out)
+    return out
 
 
 def rotate_slices(x: torch.Tensor, slices: int, size: int = DEFAULT_ROTATION_SIZE) -> torch.Tensor:
@@ -181,8 +207,14 @@ def reduce_dequantize_rotated(buf: torch.Tensor, fmt: BlockFormat, groups: int, 
     """qgZ's last step with the rotation: the float32 sum of ``groups`` packs of rotated values (of slices of
     ``chunk_numel`` plain elements, as ``swizzle_quantize_rotated`` packs them), unrotated, divided by ``divisor``
     (float32 division), the first ``out.numel()`` values (at most ``chunk_numel``) written into flat-contiguous
-    ``out`` in its dtype. Returns ``out``."""
+    ``out`` in its dtype. Returns ``out``.
+
+    The spec is the composition that the torch backend runs: ``reduce_dequantize`` (divisor 1) into a float32
+    buffer of ``rotated_numel(chunk_numel, size)`` elements, ``hadamard_unrotate``, the division, the conversion
+    to ``out``'s dtype, the padding dropped. The native CPU and Triton kernels unrotate each block of sums in
+    place before dividing (one pass), bit for bit the same."""
     _check_fits(fmt, size)
+    ops._check_counts(groups=groups)
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
     check_out_dtype(out.dtype)
@@ -191,10 +223,23 @@ def reduce_dequantize_rotated(buf: torch.Tensor, fmt: BlockFormat, groups: int, 
                          f"{out.numel()}")
     if not divisor > 0:
         raise ValueError(f"divisor={divisor} must be positive")
-    summed = torch.empty(rotated_numel(chunk_numel, size), dtype=torch.float32, device=buf.device)
-    ops.reduce_dequantize(buf, fmt, groups, summed.numel(), summed)
-    values = hadamard_unrotate(summed, size)[: out.numel()]
-    if divisor != 1.0:
-        values = values / torch.tensor(divisor, dtype=torch.float32, device=values.device)
-    out.view(-1).copy_(values)
+    ops._check_buffer(buf, groups * fmt.packed_bytes(chunk_numel), "buf")
+    ops._check_out(out, None, buf.device)
+    if out.numel() == 0:
+        return out
+    name = backend_name(buf)
+    if name == "torch":
+        summed = torch.empty(rotated_numel(chunk_numel, size), dtype=torch.float32, device=buf.device)
+        ops.reduce_dequantize(buf, fmt, groups, summed.numel(), summed)
+        values = hadamard_unrotate(summed, size)[: out.numel()]
+        if divisor != 1.0:
+            values = values / torch.tensor(divisor, dtype=torch.float32, device=values.device)
+        out.view(-1).copy_(values)
+    elif name == "native":
+        (native_cuda if buf.is_cuda else native).reduce_dequantize_rotated(buf, fmt, groups, chunk_numel, size,
+                                                                          out.view(-1), float(divisor))
+    else:
+        from . import _triton
+
+        _triton.reduce_dequantize_rotated(buf, fmt, groups, chunk_numel, size, out.view(-1), float(divisor))
     return out

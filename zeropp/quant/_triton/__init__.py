@@ -6,8 +6,16 @@ Triton's interpreter (``TRITON_INTERPRET=1``). ``common.TILE_ELEMENTS`` is the t
 """
 
 from .dequantize import dequantize_chunks
-from .quantize import quantize_chunks
-from .reduce import reduce_dequantize, reduce_requantize
+from .quantize import quantize_chunks, quantize_chunks_rotated
+from .reduce import reduce_dequantize, reduce_dequantize_rotated, reduce_requantize
 from .rotation import hadamard
 
-__all__ = ["dequantize_chunks", "hadamard", "quantize_chunks", "reduce_dequantize", "reduce_requantize"]
+__all__ = [
+    "dequantize_chunks",
+    "hadamard",
+    "quantize_chunks",
+    "quantize_chunks_rotated",
+    "reduce_dequantize",
+    "reduce_dequantize_rotated",
+    "reduce_requantize",
+]

@@ -8,8 +8,10 @@ Used by ``tests/quant/test_triton_compile.py`` (the compiler's rules checked on 
 ``chunks``, ``chunk_numel`` and ``out_numel`` (dequantize), ``groups``, ``chunks`` and ``chunk_numel``
 (reduce_requantize), ``groups``, ``chunk_numel``, ``out_numel`` and ``divisor`` (reduce_dequantize); optionally
 ``dtype`` (the float tensor's, a ``torch`` dtype name, default ``float32``), ``offset`` (elements that misalign
-the float tensor's pointer), ``seed`` (stochastic rounding: quantize, reduce_requantize) and ``out_bits`` and
-``out_block_size`` (reduce_requantize's output format, default the input's).
+the float tensor's pointer), ``seed`` (stochastic rounding: quantize, reduce_requantize), ``out_bits`` and
+``out_block_size`` (reduce_requantize's output format, default the input's) and ``rotation`` (quantize and
+reduce_dequantize with the Hadamard rotation of that size fused: ``quantize_chunks_rotated``,
+``reduce_dequantize_rotated``).
 
 How: ``triton.jit`` picks the interpreter when ``triton`` is imported, so the compilation runs in a fresh process
 (``compile_in_subprocess`` starts ``python -m zeropp.quant._triton.aot``) with ``TRITON_INTERPRET`` and
@@ -154,7 +156,11 @@ def launch_case(case: Mapping[str, Any]) -> None:
     if op == "quantize":
         numel, chunks = case["numel"], case["chunks"]
         x = meta(numel, dtype, offset)
-        kernels.quantize_chunks(x, fmt, chunks, case["nodes"], meta(fmt.chunked_bytes(numel, chunks), u8), seed)
+        out = meta(fmt.chunked_bytes(numel, chunks), u8)
+        if "rotation" in case:
+            kernels.quantize_chunks_rotated(x, fmt, chunks, case["nodes"], case["rotation"], out)
+        else:
+            kernels.quantize_chunks(x, fmt, chunks, case["nodes"], out, seed)
     elif op == "dequantize":
         chunks, chunk_numel = case["chunks"], case["chunk_numel"]
         buf = meta(chunks * fmt.packed_bytes(chunk_numel), u8)
@@ -167,8 +173,11 @@ def launch_case(case: Mapping[str, Any]) -> None:
     elif op == "reduce_dequantize":
         groups, chunk_numel = case["groups"], case["chunk_numel"]
         buf = meta(groups * fmt.packed_bytes(chunk_numel), u8)
-        kernels.reduce_dequantize(buf, fmt, groups, chunk_numel, meta(case["out_numel"], dtype, offset),
-                                  case["divisor"])
+        out = meta(case["out_numel"], dtype, offset)
+        if "rotation" in case:
+            kernels.reduce_dequantize_rotated(buf, fmt, groups, chunk_numel, case["rotation"], out, case["divisor"])
+        else:
+            kernels.reduce_dequantize(buf, fmt, groups, chunk_numel, out, case["divisor"])
     else:
         raise ValueError(f"unknown op {op!r}")
 

@@ -24,6 +24,7 @@ from .common import (
     row_counts,
     scale_ptrs,
 )
+from .rotation import butterfly
 
 
 @triton.jit(do_not_specialize=["seed"])  # a seed of 1 must not become a constant
@@ -41,12 +42,16 @@ def _quantize_kernel(
     BLOCKS: tl.constexpr,
     INTERPRET: tl.constexpr,
     SEEDED: tl.constexpr,
+    ROTATION: tl.constexpr = 0,
+    LOG_ROTATION: tl.constexpr = 0,
 ):
     """Quantize ``BLOCKS`` blocks of one pack per program.
 
     ``x_ptr``: ``numel`` elements of any float dtype; elements past a slice's end or past ``numel`` read as 0.
     ``out_ptr``: uint8 packs of ``pack_bytes`` bytes, ``blocks_per_pack`` blocks each. ``SEEDED``: stochastic
-    rounding for ``seed``, element ``i`` of ``x`` taking the noise of index ``i``.
+    rounding for ``seed``, element ``i`` of ``x`` taking the noise of index ``i``. ``ROTATION`` (0: none): the
+    blocks of ``ROTATION`` elements of the loaded tile (the slice's zero padding included) go through the Hadamard
+    butterfly before they are quantized (not with ``SEEDED``).
     """
     WORDS: tl.constexpr = BLOCK_SIZE * BITS // 32
     first_block = tl.program_id(0) * BLOCKS
@@ -64,6 +69,8 @@ def _quantize_kernel(
     else:
         count = row_counts(available, BLOCKS, BLOCK_SIZE)
         v = tl.load(x, mask=tl.arange(0, BLOCK_SIZE)[None, :] < count[:, None], other=0.0).to(tl.float32)
+    if ROTATION:
+        v = butterfly(v, BLOCKS, BLOCK_SIZE, ROTATION, LOG_ROTATION, False)
     codes, scale = quantize_rows(v, seed, tile_start, BITS, SEEDED)
     words = encode_words(codes, BITS)
     pack_offset = pack.to(tl.int64) * pack_bytes
@@ -110,3 +117,20 @@ def quantize_chunks(
         0 if seed is None else seed,
         SEEDED=seed is not None,
     )
+
+
+def quantize_chunks_rotated(x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, size: int,
+                            out: torch.Tensor) -> None:
+    """``quantize_chunks`` (unseeded) with the rotation fused: each loaded tile's blocks of ``size`` elements,
+    padding included, go through the butterfly before they are quantized. Same result as
+    ``rotation.swizzle_quantize_rotated``'s composition."""
+    numel = x.numel()
+    if numel == 0:
+        return
+    slice_numel = triton.cdiv(numel, chunks)
+    blocks_per_pack = fmt.num_blocks(slice_numel)
+    shape = launch_shape("quantize", fmt.block_size, is_aligned(x, slice_numel))
+    grid = (triton.cdiv(blocks_per_pack, shape.blocks_per_program), nodes, chunks // nodes)
+    launch(_quantize_kernel, grid, shape, fmt, x.device, x, out, numel, slice_numel, chunks // nodes,
+           blocks_per_pack, fmt.packed_bytes(slice_numel), 0, SEEDED=False, ROTATION=size,
+           LOG_ROTATION=size.bit_length() - 1)

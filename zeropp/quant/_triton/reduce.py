@@ -34,6 +34,7 @@ from .common import (
     scale_ptrs,
     to_output,
 )
+from .rotation import butterfly
 
 PIPELINE_STAGES = 3
 """Tiles in flight per program of the persistent reduce-requantize (``tl.range``'s ``num_stages``)."""
@@ -169,12 +170,16 @@ def _reduce_dequantize_kernel(
     BITS: tl.constexpr,
     BLOCKS: tl.constexpr,
     INTERPRET: tl.constexpr,
+    ROTATION: tl.constexpr = 0,
+    LOG_ROTATION: tl.constexpr = 0,
 ):
     """Sum ``BLOCKS`` blocks over ``GROUPS`` packs, divide by ``divisor`` (float32) and store per program.
 
     ``buf_ptr``: ``GROUPS`` packs of ``blocks_per_pack`` blocks in ``pack_bytes`` bytes; ``out_ptr``: the first
     ``out_numel`` values. ``reciprocal`` is ``1 / divisor`` correctly rounded (float32); ``DIVIDE`` says how
-    to divide (``DIVIDE_BY_MULTIPLY``, ``DIVIDE_FAST``, ``DIVIDE_EXACT``).
+    to divide (``DIVIDE_BY_MULTIPLY``, ``DIVIDE_FAST``, ``DIVIDE_EXACT``). ``ROTATION`` (0: none): the sums'
+    blocks of ``ROTATION`` elements go through the inverse butterfly (times ``1 / ROTATION``) before the division,
+    which is then never ``DIVIDE_FAST`` (its exactness check reads the scales, not the unrotated values).
     """
     WORDS: tl.constexpr = BLOCK_SIZE * BITS // 32
     first_block = tl.program_id(0) * BLOCKS
@@ -184,6 +189,8 @@ def _reduce_dequantize_kernel(
     rows = first_block + tl.arange(0, BLOCKS) < blocks_per_pack
     acc = _sum_groups(buf_ptr, 0, pack_bytes, blocks_per_pack, first_block, rows, full, GROUPS, BLOCKS, WORDS,
                       BITS)
+    if ROTATION:
+        acc = butterfly(acc, BLOCKS, BLOCK_SIZE, ROTATION, LOG_ROTATION, True)
     if DIVIDE == 0:
         v = acc * reciprocal
     elif DIVIDE == 1:
@@ -313,3 +320,20 @@ def reduce_dequantize(
         GROUPS=groups,
         DIVIDE=mode,
     )
+
+
+def reduce_dequantize_rotated(buf: torch.Tensor, fmt: BlockFormat, groups: int, chunk_numel: int, size: int,
+                              out: torch.Tensor, divisor: float) -> None:
+    """``reduce_dequantize`` with the inverse rotation fused: each tile's sums through the inverse butterfly of
+    ``size``, then divided (by the exact reciprocal of a power of two, else by IEEE division) and stored. Same
+    result as ``rotation.reduce_dequantize_rotated``'s composition."""
+    out_numel = out.numel()
+    if out_numel == 0:
+        return
+    blocks = fmt.num_blocks(out_numel)
+    shape = launch_shape("reduce_dequantize", fmt.block_size, is_aligned(out))
+    mode, reciprocal = divide_mode(divisor)
+    launch(_reduce_dequantize_kernel, (triton.cdiv(blocks, shape.blocks_per_program),), shape, fmt, buf.device,
+           buf, out, out_numel, fmt.num_blocks(chunk_numel), fmt.packed_bytes(chunk_numel), divisor, reciprocal,
+           GROUPS=groups, DIVIDE=DIVIDE_EXACT if mode == DIVIDE_FAST else mode, ROTATION=size,
+           LOG_ROTATION=size.bit_length() - 1)
