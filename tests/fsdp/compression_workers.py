@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from fsdp_workers import error_message, varied_gpt
+from gpt_units import gpt_units, padded_shard_numel
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -21,6 +22,7 @@ BATCH, SEQ, BLOCK = 2, 32, 128
 HOP_SHARD = 1000  # elements of each rank's slice in the hook-level cases (not a multiple of BLOCK)
 HOP_CASES = ((4, 8), (2, 8), (2, None))  # (gradient_bits, gradient_bits_intra)
 WEIGHT_RULES = [{"match": r"^(wte|wpe)\.|ln_", "weight_bits": None}, {"match": r"\.mlp\.", "weight_bits": 4}]
+HPZ, DELTA_BITS, DELTA_STEPS = 2, 4, 6
 GRADIENT_RULES = [{"match": r"^(wte|wpe)\.|ln_", "gradient_bits": None}, {"match": r"\.mlp\.", "gradient_bits": 8}]
 
 
@@ -57,8 +59,8 @@ def _step(model: nn.Module, rank: int) -> dict[str, Any]:
     for h in handles:
         h.remove()
     grads = {name: p.grad.full_tensor().clone() for name, p in model.named_parameters()}
-    return {"weights": seen, "grads": grads, "all_gather": gathers, "reduce_scatter": dict(comm.stats()["reduce_scatter"]),
-            "loss": loss.item()}
+    return {"weights": seen, "grads": grads, "all_gather": gathers,
+            "reduce_scatter": dict(comm.stats()["reduce_scatter"]), "loss": loss.item()}
 
 
 def _local_grads(rank: int) -> dict[str, torch.Tensor]:
@@ -168,6 +170,7 @@ def misuse(rank: int, world: int) -> dict[str, str]:
         "intra_exact": error_message(lambda: zeropp.fsdp.enable(_model(mesh), gradient_bits=None,
                                                                 gradient_bits_intra=8)),
         "bits3": error_message(lambda: zeropp.fsdp.enable(_model(mesh), gradient_bits=3)),
+        "deltas_no_hpz": error_message(lambda: zeropp.fsdp.enable(_model(mesh), weight_deltas=True)),
     }
     model = _TwoHeads()
     fully_shard(model, mesh=mesh)
@@ -178,7 +181,92 @@ def misuse(rank: int, world: int) -> dict[str, str]:
     return out
 
 
+def _hpz_model(mesh: Any) -> nn.Module:
+    """``varied_gpt`` with every block wrapped with ``reshard_after_forward=HPZ`` (hpZ), the root left as is."""
+    model = varied_gpt()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=HPZ)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _compute_shard(unit: list[tuple[str, torch.Tensor]], world: int) -> torch.Tensor:
+    """This rank's flat all-gather input of a unit (gpt_units' order): each parameter's local rows, zero-padded to
+    its padded shard."""
+    parts = []
+    for _, p in unit:
+        local = p.to_local().detach().reshape(-1)
+        parts.append(torch.cat([local, local.new_zeros(padded_shard_numel(p, world) - local.numel())]))
+    return torch.cat(parts)
+
+
+def _delta_train(model: nn.Module, rank: int, world: int, deltas: bool) -> dict[str, Any]:
+    """DELTA_STEPS AdamW steps on random bytes: the losses, the byte counters of each step's forward gathers,
+    backward gathers and exchanges; with ``deltas``, per step and unit the worst excess of ``|w - r|`` over its
+    bound (``<= 0``: within) and the largest error, and at steps 1 and DELTA_STEPS - 1 every unit's secondary and
+    reconstruction; then an explicit refresh and one more forward."""
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    gen = torch.Generator().manual_seed(500 + rank)
+    units = gpt_units(model)
+    hooks = zeropp.fsdp.weight_delta_hooks(model) if deltas else []
+    hooks = hooks[1:] + hooks[:1]  # gpt_units' order: blocks, then the root (found first by modules())
+    qmax = BlockFormat(DELTA_BITS, BLOCK).qmax
+    out: dict[str, Any] = {"losses": [], "fwd": [], "bwd": [], "exchange": [], "excess": [], "err": [], "held": {}}
+    for step in range(DELTA_STEPS):
+        before = [h.reconstruction.clone() if h.reconstruction is not None else None for h in hooks]
+        idx = torch.randint(0, 256, (BATCH, SEQ + 1), generator=gen)
+        comm.reset_stats()
+        _, loss = model(idx[:, :-1], idx[:, 1:])
+        out["fwd"].append(dict(comm.stats()["all_gather"]))
+        out["exchange"].append(dict(comm.stats()["exchange"]))
+        excess, errs = [], []
+        for unit, hook, r_old in zip(units, hooks, before):
+            w, r = _compute_shard(unit, world), hook.reconstruction
+            if r_old is None:  # the exact refresh
+                excess.append(float((w - r).abs().max()))
+                errs.append(0.0)
+                continue
+            d = w - r_old
+            blocks = torch.nn.functional.pad(d, (0, -d.numel() % BLOCK)).view(-1, BLOCK)
+            bound = (blocks.abs().amax(1) / qmax / 2).repeat_interleave(BLOCK)[: d.numel()]
+            err = (w - r).abs()
+            excess.append(float((err - bound * (1 + 1e-6) - w.abs() * 2.0**-23).max()))
+            errs.append(float(err.max()))
+        out["excess"].append(excess)
+        out["err"].append(errs)
+        if step in (1, DELTA_STEPS - 1) and hooks:
+            out["held"][step] = [(h.secondary.clone(), h.reconstruction.clone(), h.resident_bytes) for h in hooks]
+        comm.reset_stats()
+        loss.backward()
+        out["bwd"].append(dict(comm.stats()["all_gather"]))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        out["losses"].append(loss.item())
+    if deltas:
+        zeropp.fsdp.refresh_weight_deltas(model)
+        comm.reset_stats()
+        with torch.no_grad():
+            model(idx[:, :-1], idx[:, 1:])
+        out["refresh"] = {"fwd": dict(comm.stats()["all_gather"]), "exchange": dict(comm.stats()["exchange"]),
+                          "exact": all(torch.equal(_compute_shard(u, world), h.reconstruction)
+                                       for u, h in zip(units, hooks))}
+    return out
+
+
+def delta_runs(rank: int, world: int) -> dict[str, Any]:
+    """Plain FSDP2 with hpZ, and FSDP2 + zeropp with hpZ and int4 weight deltas (exact refresh, exact gradients),
+    trained alike (``_delta_train``)."""
+    mesh = init_device_mesh("cpu", (world,))
+    out = {"plain": _delta_train(_hpz_model(mesh), rank, world, False)}
+    model = _hpz_model(mesh)
+    zeropp.fsdp.enable(model, weight_bits=None, gradient_bits=None, hpz=HPZ, weight_deltas=True,
+                       delta_bits=DELTA_BITS, block_size=BLOCK)
+    out["deltas"] = _delta_train(model, rank, world, True)
+    return out
+
+
 def all_runs(rank: int, world: int) -> dict[str, Any]:
     """Everything test_fsdp_compression.py checks, in one launch (the misuses last: they leave a backward
     half-done)."""
-    return {"rules": rules_runs(rank, world), "hops": hop_runs(rank, world), "misuse": misuse(rank, world)}
+    return {"rules": rules_runs(rank, world), "hops": hop_runs(rank, world), "deltas": delta_runs(rank, world),
+            "misuse": misuse(rank, world)}

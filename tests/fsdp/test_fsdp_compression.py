@@ -2,6 +2,9 @@
 
 * qgZ bits per hop (``gradient_bits_intra``) and int2 gradients: the reduce-scatter hook is bit-identical to the
   in-process composition of the format's steps, and its bytes per hop equal the formula, also through ``enable``;
+* weight deltas on hpZ: every holder's secondary equals the owner's reconstruction bit for bit, the error stays
+  within half a delta step, the forward gathers move no cross-node bytes after the first, the exchanges equal the
+  formula, training tracks plain FSDP2 with hpZ, and a refresh is exact;
 * per-parameter rules: exact parts bit-identical to plain FSDP2, quantized weights bit-identical to each
   parameter's shard quantized alone (so within half a step of its block scale), quantized gradients within the
   qgZ bound, bytes equal to the sum of each part's formula; a rule set giving every parameter the global formats
@@ -15,7 +18,7 @@ import re
 
 import pytest
 import torch
-from compression_workers import BLOCK, GRADIENT_RULES, HOP_CASES, HOP_SHARD, WEIGHT_RULES
+from compression_workers import BLOCK, DELTA_BITS, DELTA_STEPS, GRADIENT_RULES, HOP_CASES, HOP_SHARD, HPZ, WEIGHT_RULES
 from fsdp_launch import launch
 from fsdp_workers import varied_gpt
 from gpt_units import gpt_units, padded_shard_numel
@@ -205,3 +208,68 @@ def test_misuse_refused_naming_the_fix(runs: list[dict]) -> None:
         assert "gradient_bits=3 is not supported; use 8, 4, 2 or None" in m["bits3"]
         assert "some of them got no gradient this backward" in m["no_grad"]
         assert "trunk.weight" in m["no_grad"] and "own fully_shard" in m["no_grad"]
+        assert "weight_deltas=True needs hpz=N" in m["deltas_no_hpz"]
+
+
+# ---- weight deltas ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def deltas(runs: list[dict]) -> list[dict]:
+    return [r["deltas"] for r in runs]
+
+
+def _unit_widths() -> list[int]:
+    """Per-rank elements of each unit's flat shard, in gpt_units' order."""
+    return [sum(padded_shard_numel(p, WORLD) for _, p in unit) for unit in gpt_units(varied_gpt())]
+
+
+def test_weight_deltas_holders_equal_owner_reconstruction_bit_for_bit(deltas: list[dict]) -> None:
+    group = WORLD // HPZ
+    widths = _unit_widths()
+    for step in (1, DELTA_STEPS - 1):
+        held = [r["deltas"]["held"][step] for r in deltas]
+        for u, n in enumerate(widths):
+            for m in range(WORLD):
+                secondary, reconstruction, resident = held[m][u]
+                assert secondary.numel() == group * n and reconstruction.numel() == n
+                assert resident == (group + 1) * n * 4  # fp32 compute dtype
+                for k in range(group):
+                    owner = m % HPZ * group + k
+                    assert torch.equal(secondary[k * n:(k + 1) * n], held[owner][u][1]), (step, u, m, owner)
+
+
+def test_weight_deltas_error_within_half_a_step(deltas: list[dict]) -> None:
+    for r in deltas:
+        d = r["deltas"]
+        assert d["excess"][0] == [0.0] * 3  # the exact refresh: the reconstruction is the weights
+        for step in range(1, DELTA_STEPS):
+            assert all(e <= 0 for e in d["excess"][step]), (step, d["excess"][step])
+            assert all(e > 0 for e in d["err"][step]), step  # the weights changed and were quantized
+
+
+def test_weight_deltas_bytes(deltas: list[dict]) -> None:
+    group = WORLD // HPZ
+    pack = sum(BlockFormat(DELTA_BITS, BLOCK).packed_bytes(n) for n in _unit_widths())
+    for m, r in enumerate(deltas):
+        d = r["deltas"]
+        assert d["fwd"][0]["sent_inter"] > 0 and d["exchange"][0]["calls"] == 0  # the first forward: refresh
+        holders = [j for j in range(WORLD) if j % HPZ == m // group and j != m]
+        cross = sum(1 for j in holders if j // D != m // D)
+        local = len(holders) - cross
+        assert cross == (WORLD - D) // HPZ
+        for step in range(1, DELTA_STEPS):
+            fwd, ex, bwd = d["fwd"][step], d["exchange"][step], d["bwd"][step]
+            assert fwd["calls"] == 3 and fwd["sent_inter"] == fwd["recv_inter"] == 0 and fwd["sent_intra"] > 0
+            assert bwd["sent_inter"] == bwd["recv_inter"] == 0
+            assert ex["calls"] == 3 and (ex["sent_inter"], ex["sent_intra"]) == (cross * pack, local * pack)
+
+
+def test_weight_deltas_train_like_plain_hpz_and_refresh_exactly(deltas: list[dict]) -> None:
+    for r in deltas:
+        plain, got = r["plain"]["losses"], r["deltas"]["losses"]
+        assert got[0] == plain[0]  # the first forward gathers exactly
+        assert all(abs(a - b) <= 0.02 * b for a, b in zip(got, plain)), (got, plain)
+        assert got != plain  # the deltas are quantized
+        refresh = r["deltas"]["refresh"]
+        assert refresh["exact"] and refresh["exchange"]["calls"] == 0 and refresh["fwd"]["sent_inter"] > 0

@@ -104,11 +104,11 @@ def enable(
             raise ValueError(f"{name}={bits!r} is not supported; use {', '.join(map(str, allowed))} or None (exact)")
     BlockFormat(8, block_size)  # raises naming a bad block size
     resolved = resolve_rules(rules, (weight_bits, gradient_bits))
-    quantized = gradient_bits if gradient_bits is not None else next(
-        (r.gradient_bits for r in resolved if r.gradient_bits is not None), None)
-    check_error_feedback(error_feedback, quantized)
-    check_gradient_rotation(gradient_rotation, quantized, block_size)
-    check_intra_bits(gradient_bits_intra, quantized)
+    some_bits = gradient_bits if gradient_bits is not None else next(
+        (r.gradient_bits for r in resolved if r.gradient_bits is not None), None)  # any quantized gradients at all
+    check_error_feedback(error_feedback, some_bits)
+    check_gradient_rotation(gradient_rotation, some_bits, block_size)
+    check_intra_bits(gradient_bits_intra, some_bits)
     if weight_deltas:
         if hpz is None:
             raise ValueError("weight_deltas=True needs hpz=N (and fully_shard(..., reshard_after_forward=N) for every "
@@ -164,9 +164,11 @@ def enable(
         else:
             gather = ZeroppAllGather(topology, wbits, block_size, segments)
         first.set_custom_all_gather(gather)
+        quantized = _quantizes(gbits)  # a group whose gradients are all exact takes no qgZ options
         first.set_custom_reduce_scatter(ZeroppReduceScatter(
-            topology, gbits, block_size, error_feedback and _quantizes(gbits), gradient_rotation if
-            _quantizes(gbits) else None, gradient_bits_intra if _quantizes(gbits) else None, segments, names))
+            topology, gbits, block_size, error_feedback=error_feedback and quantized,
+            gradient_rotation=gradient_rotation if quantized else None,
+            intra_bits=gradient_bits_intra if quantized else None, segments=segments, names=names))
     if hpz is not None:
         install_check(groups, hpz)
     return topology

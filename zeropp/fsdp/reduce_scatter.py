@@ -166,7 +166,7 @@ def check_error_feedback(error_feedback: bool, bits: int | None) -> None:
     """Raise unless ``error_feedback`` comes with quantized gradients (``bits`` 8, 4 or 2)."""
     if error_feedback and bits is None:
         raise ValueError(
-            "error_feedback=True needs quantized gradients: pass gradient_bits=8, 4 or 2 (exact reduce-scatters "
+            "error_feedback=True needs quantized gradients: pass gradient_bits=8 or 4 (or 2; exact reduce-scatters "
             "drop nothing to feed back)"
         )
 
@@ -189,8 +189,8 @@ def check_gradient_rotation(gradient_rotation: int | None, bits: int | None, blo
     if gradient_rotation is None:
         return
     if bits is None:
-        raise ValueError(f"gradient_rotation={gradient_rotation} needs quantized gradients: pass gradient_bits=8, 4 or 2 "
-                         "(an exact reduce-scatter has no quantization to protect)")
+        raise ValueError(f"gradient_rotation={gradient_rotation} needs quantized gradients: pass gradient_bits=8, 4 "
+                         "or 2 (an exact reduce-scatter has no quantization to protect)")
     check_rotation_size(gradient_rotation)
     if block_size % gradient_rotation:
         raise ValueError(f"gradient_rotation={gradient_rotation} must divide block_size={block_size}; use a smaller "
