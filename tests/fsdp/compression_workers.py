@@ -76,23 +76,20 @@ def rules_runs(rank: int, world: int) -> dict[str, Any]:
     exact); gradient rules with error feedback (twice: the residuals of each format part are kept); this rank's
     local gradients."""
     mesh = init_device_mesh("cpu", (world,))
+    topo = comm.Topology(mesh.get_group())  # one for every run: fewer process groups to create
     out: dict[str, Any] = {"plain": _step(_model(mesh), rank), "local": _local_grads(rank)}
-    model = _model(mesh)
-    zeropp.fsdp.enable(model, weight_bits=8, gradient_bits=None, rules=WEIGHT_RULES)
-    out["weights"] = _step(model, rank)
-    model = _model(mesh)
-    zeropp.fsdp.enable(model, weight_bits=None, gradient_bits=4, rules=GRADIENT_RULES)
-    out["grads"] = _step(model, rank)
-    model = _model(mesh)
-    zeropp.fsdp.enable(model, weight_bits=None, gradient_bits=4, rules=GRADIENT_RULES, error_feedback=True,
-                       gradient_bits_intra=8)
-    out["ef"] = [_step(model, rank), _step(model, rank)]
-    model = _model(mesh)
-    zeropp.fsdp.enable(model, weight_bits=8, gradient_bits=4, rules=[{"match": "."}])  # every parameter: global
-    out["global_rule"] = _step(model, rank)
-    model = _model(mesh)
-    zeropp.fsdp.enable(model, weight_bits=8, gradient_bits=4)
-    out["global"] = _step(model, rank)
+    runs: dict[str, dict[str, Any]] = {
+        "weights": {"weight_bits": 8, "gradient_bits": None, "rules": WEIGHT_RULES},
+        "grads": {"weight_bits": None, "gradient_bits": 4, "rules": GRADIENT_RULES},
+        "ef": {"weight_bits": None, "gradient_bits": 4, "rules": GRADIENT_RULES, "error_feedback": True,
+               "gradient_bits_intra": 8},
+        "global_rule": {"weight_bits": 8, "gradient_bits": 4, "rules": [{"match": "."}]},  # every parameter: global
+        "global": {"weight_bits": 8, "gradient_bits": 4},
+    }
+    for name, kwargs in runs.items():
+        model = _model(mesh)
+        zeropp.fsdp.enable(model, topology=topo, **kwargs)
+        out[name] = [_step(model, rank), _step(model, rank)] if name == "ef" else _step(model, rank)
     return out
 
 
@@ -134,7 +131,8 @@ def hop_runs(rank: int, world: int) -> dict[str, Any]:
         out[bits, intra] = {"got": got, "expect": _composition(topo, numel, bits, intra),
                             "stats": dict(comm.stats()["reduce_scatter"])}
     model = _model(init_device_mesh("cpu", (world,)))
-    zeropp.fsdp.enable(model, weight_bits=None, gradient_bits=4, gradient_bits_intra=8, block_size=BLOCK)
+    zeropp.fsdp.enable(model, weight_bits=None, gradient_bits=4, gradient_bits_intra=8, block_size=BLOCK,
+                       topology=topo)
     out["enable"] = _step(model, rank)["reduce_scatter"]
     return out
 
@@ -161,9 +159,11 @@ def misuse(rank: int, world: int) -> dict[str, str]:
     ``gradient_bits_intra`` without quantized gradients, an unsupported ``gradient_bits``; and what the first
     backward says when a group with several gradient formats has a parameter with no gradient."""
     mesh = init_device_mesh("cpu", (world,))
+    topo = comm.Topology(mesh.get_group())
     out = {
-        "no_param": error_message(lambda: zeropp.fsdp.enable(_model(mesh), rules=[{"match": "^lm_head_typo"}])),
-        "shadowed": error_message(lambda: zeropp.fsdp.enable(_model(mesh), rules=[
+        "no_param": error_message(lambda: zeropp.fsdp.enable(_model(mesh), rules=[{"match": "^lm_head_typo"}],
+                                                             topology=topo)),
+        "shadowed": error_message(lambda: zeropp.fsdp.enable(_model(mesh), topology=topo, rules=[
             {"match": "ln_", "weight_bits": None}, {"match": "ln_1", "weight_bits": 4}])),
         "bad_bits": error_message(lambda: zeropp.fsdp.enable(_model(mesh), rules=[
             {"match": "ln_", "weight_bits": 3}])),
@@ -174,7 +174,7 @@ def misuse(rank: int, world: int) -> dict[str, str]:
     }
     model = _TwoHeads()
     fully_shard(model, mesh=mesh)
-    zeropp.fsdp.enable(model, gradient_bits=4, rules=[{"match": "^spare", "gradient_bits": None}])
+    zeropp.fsdp.enable(model, gradient_bits=4, rules=[{"match": "^spare", "gradient_bits": None}], topology=topo)
     x = torch.randn(2, 8, generator=torch.Generator().manual_seed(rank))
     model(x, True).square().sum().backward()  # every parameter has a gradient: fine
     out["no_grad"] = error_message(lambda: model(x, False).square().sum().backward())

@@ -31,7 +31,8 @@ ENV = {"ZEROPP_RANKS_PER_NODE": str(D)}
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return launch("compression_workers:all_runs", WORLD, tmp_path_factory.mktemp("compression"), env=ENV, timeout=300)
+    return launch("compression_workers:all_runs", WORLD, tmp_path_factory.mktemp("compression"), env=ENV,
+                  timeout=600)
 
 
 def _format(name: str, rules: list[dict], key: str, default: int | None) -> int | None:
