@@ -4,7 +4,8 @@ A rule (``zeropp.config.Rule``) gives the parameters whose qualified name its re
 (``re.search``, the name as ``model.named_parameters()`` gives it first: a tied parameter by its first name) a
 weight format and a gradient format, ``None`` meaning exact; the first rule that matches wins, and a parameter no
 rule matches keeps the global format (``zero_quantized_weights`` / ``zero_quantized_gradients`` with
-``zeropp.weight_bits`` / ``gradient_bits``).
+``zeropp.weight_bits`` / ``gradient_bits``). The matching itself (``parameter_formats``) lives in
+``zeropp.config.rules``, shared with ``zeropp.fsdp``.
 
 Where formats differ inside a unit, the unit is split: one ``Unit`` per format, ``(weight_bits, gradient_bits)``,
 of the unit module's parameters (in the order their formats first appear, parameters in model order inside each),
@@ -32,19 +33,16 @@ parameters meant to be exact quantized without a word.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
 
-from ..config import Problems, Rule
+from ..config import Rule
+from ..config.rules import Format, parameter_formats
 from .policy import UnitPlan
 
-Format = tuple[int | None, int | None]
-"""``(weight_bits, gradient_bits)`` of a parameter; ``None`` is exact."""
-
-_KEY = "zero_optimization.zeropp.rules"
+__all__ = ["Format", "UnitPart", "parameter_formats", "split_plans"]
 
 
 @dataclass
@@ -54,39 +52,6 @@ class UnitPart:
     format: Format
     params: list[tuple[str, nn.Parameter]]
     frozen: list[tuple[str, nn.Parameter]]
-
-
-def parameter_formats(names: Sequence[str], rules: Sequence[Rule], default: Format) -> list[Format]:
-    """The format of each parameter of ``names`` (qualified names): the first rule whose pattern ``re.search``
-    finds in the name, else ``default``.
-
-    Raises:
-        ConfigError: a rule takes no parameter (its pattern finds no name, or earlier rules took every name it
-            finds); the message names the rule, its pattern and some of the names.
-    """
-    patterns = [re.compile(rule.match) for rule in rules]
-    taken = [0] * len(rules)
-    found = [0] * len(rules)
-    out = []
-    for name in names:
-        chosen = None
-        for i, pattern in enumerate(patterns):
-            if pattern.search(name):
-                found[i] += 1
-                if chosen is None:
-                    chosen = i
-                    taken[i] += 1
-        out.append(default if chosen is None else (rules[chosen].weight_bits, rules[chosen].gradient_bits))
-    p = Problems()
-    for i, rule in enumerate(rules):
-        if taken[i]:
-            continue
-        why = ("earlier rules take every parameter it matches" if found[i] else
-               "no parameter's qualified name contains a match (re.search)")
-        p.add(f"{_KEY}[{i}]", f"{_KEY}[{i}] (match {rule.match!r}) takes no parameter: {why}; fix its pattern or "
-                              f"remove the rule (parameter names look like: {', '.join(list(names)[:6])})")
-    p.raise_if_any()
-    return out
 
 
 def split_plans(plans: Sequence[UnitPlan], rules: Sequence[Rule], default: Format, *,

@@ -26,8 +26,9 @@ import torch.distributed as dist
 
 from .. import comm
 from .._torch_internals import FSDPAllGather
-from ..quant.format import FLOAT_DTYPES, ceil_div
+from ..quant.format import FLOAT_DTYPES
 from .hook import FlatBufferHook
+from .segments import format_parts, staging
 
 
 class ZeroppAllGather(FlatBufferHook, FSDPAllGather):
@@ -55,21 +56,36 @@ class ZeroppAllGather(FlatBufferHook, FSDPAllGather):
     always completes before returning and returns ``None``: FSDP2 then treats it as a synchronous collective (it
     waits on the stream event it records after the call), which is correct for ``async_op`` either way.
 
+    Per-parameter formats (``bits`` a sequence, one per segment, from ``enable(rules=...)``): when they differ, the
+    group's segments are split by format (``zeropp.fsdp.segments.format_parts``) and each part is gathered by its
+    own collective over the shard group, in order of first appearance: an exact part is its segments back to back
+    (gathered exactly: bit for bit the values plain FSDP2 gathers), a quantized part is staged with each segment at
+    a block boundary as above. Every part is staged before any collective writes ``output_tensor``. Bytes: each
+    part's, as if it were a group of its own; the cost is one collective per extra format (its latency).
+
     Args:
         topology: the ``zeropp.comm.Topology`` of FSDP2's shard group (byte accounting, node layout).
-        bits: 8 or 4 for qwZ, ``None`` for exact.
+        bits: 8, 4 or 2 for qwZ, ``None`` for exact; or a sequence of those, one per segment (per-parameter
+            formats).
         block_size: elements per quantization block.
         segments: per-rank elements of each parameter's padded shard in the module's flat input, in order
             (``zeropp.fsdp.segments.shard_numels(module)``: the module's whole group); ``enable`` installs one hook
             per group with its own.
     """
 
-    def __init__(self, topology: comm.Topology, bits: int | None, block_size: int, segments: Sequence[int]) -> None:
-        super().__init__(topology, bits, block_size)
+    def __init__(self, topology: comm.Topology, bits: int | None | Sequence[int | None], block_size: int,
+                 segments: Sequence[int]) -> None:
         self.segments = tuple(int(s) for s in segments)
         if any(s < 0 for s in self.segments):
             raise ValueError(f"segments={list(self.segments)} must be element counts >= 0")
-        self.staged_numel, self.runs = _staging(self.segments, block_size)
+        self.parts = None
+        if isinstance(bits, Sequence):
+            parts = format_parts(self.segments, bits, block_size, align=True)
+            if len(parts) > 1:
+                self.parts = parts
+            bits = parts[0].bits if parts else None
+        super().__init__(topology, bits, block_size)
+        self.staged_numel, self.runs = staging(self.segments, block_size)
         self._warned = False
 
     def __call__(
@@ -80,16 +96,15 @@ class ZeroppAllGather(FlatBufferHook, FSDPAllGather):
         async_op: bool = False,
     ) -> dist.Work | None:
         if self.is_shard_group(group):
+            if self.parts is not None:
+                self._gather_parts(output_tensor, input_tensor, group)
+                return None
             bits = self.bits
         else:  # hpZ's post-forward group; zeropp's of the same ranks has the topology's timeout (FSDP2's: 30 min)
             bits = None
             group = self.topology.subgroup(dist.get_process_group_ranks(group))
-        if bits is not None and input_tensor.dtype not in FLOAT_DTYPES:
-            raise TypeError(
-                f"zeropp.fsdp: FSDP2 all-gathers {input_tensor.dtype} parameters (e.g. a tensor subclass with "
-                f"fsdp_pre_all_gather, such as float8); qwZ quantizes {', '.join(map(str, FLOAT_DTYPES))} only: "
-                "enable with weight_bits=None for these modules"
-            )
+        if bits is not None:
+            _check_dtype(input_tensor)
         n = input_tensor.numel()
         if bits is None or self._flat_blocks(n):
             comm.all_gather(input_tensor, bits, group=group, topology=self.topology, out=output_tensor,
@@ -112,6 +127,34 @@ class ZeroppAllGather(FlatBufferHook, FSDPAllGather):
             out[:, dst:dst + length].copy_(gathered[:, src:src + length])
         return None
 
+    def _gather_parts(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup) -> None:
+        """The per-format path: stage every part (the input is a view of the output), then gather each."""
+        assert self.parts is not None
+        n, size = input_tensor.numel(), dist.get_world_size(group)
+        if n != sum(self.segments) or output_tensor.numel() != size * n or not output_tensor.is_contiguous():
+            raise ValueError(
+                f"zeropp.fsdp: FSDP2 all-gathers {n} elements per rank into {output_tensor.numel()} (contiguous: "
+                f"{output_tensor.is_contiguous()}), but this group's parameters have per-parameter formats and "
+                f"padded shards of {list(self.segments)} elements: its input must be exactly those shards (no "
+                "tensor subclass with fsdp_pre_all_gather); give the group's parameters one weight format"
+            )
+        if any(part.bits is not None for part in self.parts):
+            _check_dtype(input_tensor)
+        flat = input_tensor.reshape(-1)
+        staged = []
+        for part in self.parts:
+            buf = flat.new_zeros(part.numel)
+            for src, dst, length in part.runs:
+                buf[dst:dst + length].copy_(flat[src:src + length])
+            staged.append(buf)
+        out = output_tensor.view(size, n)
+        for part, buf in zip(self.parts, staged):
+            gathered = torch.empty(size, part.numel, dtype=output_tensor.dtype, device=output_tensor.device)
+            comm.all_gather(buf, part.bits, group=group, topology=self.topology, out=gathered,
+                            block_size=self.block_size)
+            for dst, src, length in part.runs:
+                out[:, dst:dst + length].copy_(gathered[:, src:src + length])
+
     def _flat_blocks(self, numel: int) -> bool:
         """Whether to cut blocks from the flat input: it needs no gap, or does not hold ``segments`` (warned)."""
         if numel == sum(self.segments):
@@ -128,21 +171,10 @@ class ZeroppAllGather(FlatBufferHook, FSDPAllGather):
         return True
 
 
-def _staging(segments: tuple[int, ...], block_size: int) -> tuple[int, list[tuple[int, int, int]]]:
-    """The staged layout of ``segments``: each non-empty segment starts at a multiple of ``block_size``, the last
-    one is not padded. Returns the staged numel and the copy runs ``(flat offset, staged offset, length)``, each
-    run a maximal stretch of consecutive segments that is contiguous in both layouts."""
-    runs: list[tuple[int, int, int]] = []
-    flat = staged = end = 0
-    for length in segments:
-        if length == 0:
-            continue
-        if runs and runs[-1][0] + runs[-1][2] == flat and runs[-1][1] + runs[-1][2] == staged:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + length)
-        else:
-            runs.append((flat, staged, length))
-        flat += length
-        staged += length
-        end = staged
-        staged = ceil_div(staged, block_size) * block_size
-    return end, runs
+def _check_dtype(input_tensor: torch.Tensor) -> None:
+    if input_tensor.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"zeropp.fsdp: FSDP2 all-gathers {input_tensor.dtype} parameters (e.g. a tensor subclass with "
+            f"fsdp_pre_all_gather, such as float8); qwZ quantizes {', '.join(map(str, FLOAT_DTYPES))} only: "
+            "enable with weight_bits=None for these modules"
+        )

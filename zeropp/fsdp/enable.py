@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch.distributed as dist
@@ -13,11 +13,15 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from .. import comm
+from ..config import Rule
 from ..quant import DEFAULT_BLOCK_SIZE, BlockFormat
+from ..quant.format import SUPPORTED_BITS
 from .all_gather import ZeroppAllGather
 from .hpz import check_hpz, install_check
-from .reduce_scatter import ZeroppReduceScatter, check_error_feedback, check_gradient_rotation
+from .reduce_scatter import ZeroppReduceScatter, check_error_feedback, check_gradient_rotation, check_intra_bits
+from .rules import group_formats, resolve_rules
 from .segments import fsdp_group, shard_numels
+from .weight_deltas import DeltaAllGather, register
 
 
 def enable(
@@ -29,6 +33,10 @@ def enable(
     block_size: int = DEFAULT_BLOCK_SIZE,
     error_feedback: bool = False,
     gradient_rotation: int | None = None,
+    gradient_bits_intra: int | None = None,
+    rules: Sequence[Rule | Mapping[str, Any]] | None = None,
+    weight_deltas: bool = False,
+    delta_bits: int = 4,
     topology: comm.Topology | None = None,
     ranks_per_node: int | None = None,
 ) -> comm.Topology:
@@ -50,7 +58,8 @@ def enable(
         modules: a module (searched for FSDP2 modules) or several.
         weight_bits: 8 or 4: parameter all-gathers over the shard group are block-quantized (qwZ), each
             parameter's shard on its own (blocks never span two parameters); ``None``: exact.
-        gradient_bits: 8 or 4: gradient reduce-scatters run the two-hop qgZ; ``None``: exact.
+        gradient_bits: 8, 4 or 2: gradient reduce-scatters run the two-hop qgZ (the bits of the inter-node hop,
+            and of both unless ``gradient_bits_intra``); ``None``: exact.
         hpz: ranks of a secondary (post-forward) partition, usually the ranks per node; must divide the ranks per
             node and equal the modules' ``reshard_after_forward``. Checked now (divisibility, FSDP2's post-forward
             groups inside nodes) and at each module's first forward (how it was wrapped). ``None``: no check;
@@ -63,6 +72,15 @@ def enable(
         gradient_rotation: with ``gradient_bits``: the block size (16, 32, 64 or 128, dividing ``block_size``)
             of a Hadamard rotation of each rank's gradient slice before qgZ quantizes it, undone after the
             reduction (``zeropp.comm.reduce_scatter``'s ``rotation``; ``docs/rotation.md``); ``None``: off.
+        gradient_bits_intra: with quantized gradients: 8, 4 or 2 bits for qgZ's intra-node hop (e.g. 8 inside
+            the node, ``gradient_bits=4`` across, as SDP4Bit; ``zeropp.comm.reduce_scatter``'s ``intra_bits``);
+            ``None``: ``gradient_bits``. Applies to every quantized gradient part, rules' included.
+        rules: per-parameter formats (``zeropp.fsdp.rules``): an ordered list of ``{"match": <regex>,
+            "weight_bits": ..., "gradient_bits": ...}`` (or ``zeropp.config.Rule``), the schema and matching of
+            ``zero_optimization.zeropp.rules`` (``docs/rules.md``): the first rule whose pattern ``re.search`` finds
+            in a parameter's qualified name (from ``modules``' ``named_parameters()``) gives its formats, ``None``
+            exact, a left-out key ``weight_bits`` / ``gradient_bits``. A group whose parameters get several
+            formats runs one collective per format. ``None`` or ``[]``: every parameter has the global formats.
         topology: the ``zeropp.comm.Topology`` of the modules' shard group (default: made here from that group,
             with ``ranks_per_node`` or ``$ZEROPP_RANKS_PER_NODE`` / ``$LOCAL_WORLD_SIZE``, checked against hosts).
         ranks_per_node: ranks per node when the topology is made here.
@@ -71,18 +89,32 @@ def enable(
         The topology used.
 
     Raises:
+        ConfigError: a bad rule, or a rule that takes no parameter (a ``ValueError``).
         ValueError: unsupported bits or block size, no FSDP2 module, a mesh that is not 1-D (HSDP, or FSDP
             inside a 2-D mesh: refused, not served wrongly), modules on different meshes, a ``topology`` whose
             ranks are not the shard group's, an ``hpz`` that does not divide the ranks per node or whose FSDP2
-            groups would span nodes, or ``error_feedback`` or ``gradient_rotation`` without ``gradient_bits``, or a
-            ``gradient_rotation`` that is no rotation size dividing ``block_size``.
+            groups would span nodes, or ``error_feedback``, ``gradient_rotation`` or ``gradient_bits_intra``
+            without quantized gradients, a ``gradient_rotation`` that is no rotation size dividing
+            ``block_size``, rules giving one group several weight formats where it holds a tensor subclass
+            that cannot be split (``zeropp.fsdp.rules``), or ``weight_deltas`` without ``hpz`` or with
+            unsupported ``delta_bits`` or a mesh not in ascending rank order.
     """
-    for name, bits in (("weight_bits", weight_bits), ("gradient_bits", gradient_bits)):
-        if bits is not None and (isinstance(bits, bool) or bits not in (8, 4)):
-            raise ValueError(f"{name}={bits!r} is not supported; use 8, 4 or None (exact)")
+    for name, bits, allowed in (("weight_bits", weight_bits, (8, 4)), ("gradient_bits", gradient_bits, (8, 4, 2))):
+        if bits is not None and (isinstance(bits, bool) or bits not in allowed):
+            raise ValueError(f"{name}={bits!r} is not supported; use {', '.join(map(str, allowed))} or None (exact)")
     BlockFormat(8, block_size)  # raises naming a bad block size
-    check_error_feedback(error_feedback, gradient_bits)
-    check_gradient_rotation(gradient_rotation, gradient_bits, block_size)
+    resolved = resolve_rules(rules, (weight_bits, gradient_bits))
+    some_bits = gradient_bits if gradient_bits is not None else next(
+        (r.gradient_bits for r in resolved if r.gradient_bits is not None), None)  # any quantized gradients at all
+    check_error_feedback(error_feedback, some_bits)
+    check_gradient_rotation(gradient_rotation, some_bits, block_size)
+    check_intra_bits(gradient_bits_intra, some_bits)
+    if weight_deltas:
+        if hpz is None:
+            raise ValueError("weight_deltas=True needs hpz=N (and fully_shard(..., reshard_after_forward=N) for every "
+                             "module but the root): the deltas refresh hpZ's secondary partition")
+        if isinstance(delta_bits, bool) or delta_bits not in SUPPORTED_BITS:
+            raise ValueError(f"delta_bits={delta_bits!r} is not supported; use one of {SUPPORTED_BITS}")
     roots = [modules] if isinstance(modules, nn.Module) else list(modules)
     fsdp_modules: list[FSDPModule] = []
     for root in roots:
@@ -111,17 +143,40 @@ def enable(
         start = order.index(topology.global_rank) // hpz * hpz
         topology.subgroup(order[start : start + hpz])
     groups = list(dict.fromkeys(fsdp_group(m) for m in fsdp_modules))  # type: ignore[arg-type]
-    for group in groups:
+    formats = group_formats(roots, groups, resolved, (weight_bits, gradient_bits)) if resolved else None
+    for k, group in enumerate(groups):
         # one per group (fully_shard call; setting a comm on one of its modules sets it for the group): the
         # all-gather knows the group's parameter segments (blocks never span two), the reduce-scatter holds the
         # group's gradient buffer's error-feedback residuals
         first: FSDPModule = group[0]  # type: ignore[assignment]
-        first.set_custom_all_gather(ZeroppAllGather(topology, weight_bits, block_size, shard_numels(first)))
-        first.set_custom_reduce_scatter(ZeroppReduceScatter(topology, gradient_bits, block_size, error_feedback,
-                                                            gradient_rotation))
+        segments = shard_numels(first)
+        wbits: int | None | list[int | None] = weight_bits
+        gbits: int | None | list[int | None] = gradient_bits
+        names: list[str] = []
+        if formats is not None:
+            names = [name for name, _ in formats[k]]
+            wbits, gbits = [fmt[0] for _, fmt in formats[k]], [fmt[1] for _, fmt in formats[k]]
+        if weight_deltas:
+            assert hpz is not None
+            gather = DeltaAllGather(topology, wbits, block_size, segments, hpz=hpz, order=mesh.mesh.flatten().tolist(),
+                                    delta_bits=delta_bits)
+            register(first, gather)  # type: ignore[arg-type]
+        else:
+            gather = ZeroppAllGather(topology, wbits, block_size, segments)
+        first.set_custom_all_gather(gather)
+        quantized = _quantizes(gbits)  # a group whose gradients are all exact takes no qgZ options
+        first.set_custom_reduce_scatter(ZeroppReduceScatter(
+            topology, gbits, block_size, error_feedback=error_feedback and quantized,
+            gradient_rotation=gradient_rotation if quantized else None,
+            intra_bits=gradient_bits_intra if quantized else None, segments=segments, names=names))
     if hpz is not None:
         install_check(groups, hpz)
     return topology
+
+
+def _quantizes(bits: int | None | list[int | None]) -> bool:
+    """Whether a group's gradient bits (one value, or one per parameter) quantize any of them."""
+    return any(b is not None for b in bits) if isinstance(bits, list) else bits is not None
 
 
 def _shard_mesh(fsdp_modules: list[FSDPModule]) -> DeviceMesh:

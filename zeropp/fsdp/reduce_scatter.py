@@ -15,13 +15,17 @@ and/or after the call itself), or ``PREMUL_SUM(1 / factor)`` (``set_gradient_div
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 
 from .. import comm
-from ..quant.rotation import check_rotation_size
 from .._torch_internals import FSDPReduceScatter
+from ..quant.format import SUPPORTED_BITS
+from ..quant.rotation import check_rotation_size
 from .hook import FlatBufferHook
+from .segments import FormatPart, format_parts
 
 
 class ZeroppReduceScatter(FlatBufferHook, FSDPReduceScatter):
@@ -39,25 +43,59 @@ class ZeroppReduceScatter(FlatBufferHook, FSDPReduceScatter):
     got a gradient; when that set changes, the buffer's size changes and the residuals are dropped (reset), since
     they describe another layout.
 
+    ``intra_bits``: qgZ's intra-node hop in its own width (``zeropp.comm.reduce_scatter``'s ``intra_bits``: e.g.
+    8 inside the node, ``bits`` 4 across, as SDP4Bit); the inter-node bytes are those of ``bits``.
+
+    Per-parameter formats (``bits`` a sequence, one per segment of ``segments``, from ``enable(rules=...)``): when
+    they differ, FSDP2's ``P x S`` buffer is split by columns into one ``P x S_f`` buffer per format
+    (``zeropp.fsdp.segments.format_parts``: each format's segments back to back, in order of first appearance),
+    each reduce-scattered by its own ``zeropp.comm.reduce_scatter`` (exact, or qgZ with this hook's rotation,
+    ``intra_bits`` and one ``ErrorFeedback`` per quantized part), and the slices are copied back to their columns.
+    An exact part is reduced as FSDP2 reduces it: its values are plain FSDP2's bit for bit. It needs the whole
+    buffer: FSDP2 reduces only the parameters that got a gradient, and when some did not, the buffer no longer
+    says which columns are whose, so the call raises, naming the fix.
+
     Args:
         topology: the ``zeropp.comm.Topology`` of FSDP2's shard group.
-        bits: 8 or 4 for qgZ, ``None`` for exact.
+        bits: 8, 4 or 2 for qgZ, ``None`` for exact; or a sequence of those, one per segment (needs ``segments``).
         block_size: elements per quantization block (each rank's slice is packed on its own).
         error_feedback: keep the quantization residuals of this buffer and add them back at the next reduction
             (qgZ only: ``ValueError`` with ``bits=None``).
         gradient_rotation: qgZ only: the block size of a Hadamard rotation of each rank's slice before it is
             quantized, undone after the reduction (``zeropp.comm.reduce_scatter``'s ``rotation``); ``None``: off.
+        intra_bits: qgZ only: 8, 4 or 2 bits for the intra-node hop; ``None``: ``bits``.
+        segments: per-rank elements of each parameter's padded gradient shard, in FSDP2's order
+            (``zeropp.fsdp.segments.shard_numels``), for per-parameter ``bits``.
+        names: the parameters' qualified names, one per segment (messages only).
     """
 
     def __init__(
-        self, topology: comm.Topology, bits: int | None, block_size: int, error_feedback: bool = False,
-        gradient_rotation: int | None = None,
+        self, topology: comm.Topology, bits: int | None | Sequence[int | None], block_size: int,
+        error_feedback: bool = False, gradient_rotation: int | None = None, intra_bits: int | None = None,
+        segments: Sequence[int] = (), names: Sequence[str] = (),
     ) -> None:
-        check_error_feedback(error_feedback, bits)
-        check_gradient_rotation(gradient_rotation, bits, block_size)
+        self.parts: list[FormatPart] | None = None
+        self.segments = tuple(int(s) for s in segments)
+        self.names = tuple(names)
+        if isinstance(bits, Sequence):
+            parts = format_parts(self.segments, bits, block_size, align=False)
+            quantized = [part.bits for part in parts if part.bits is not None]
+            if len(parts) > 1:
+                self.parts = parts
+            bits = parts[0].bits if len(parts) == 1 else None
+        else:
+            quantized = [bits] if bits is not None else []
+        any_bits = quantized[0] if quantized else None
+        check_error_feedback(error_feedback, any_bits)
+        check_gradient_rotation(gradient_rotation, any_bits, block_size)
+        check_intra_bits(intra_bits, any_bits)
         super().__init__(topology, bits, block_size)
-        self.error_feedback: comm.ErrorFeedback | None = comm.ErrorFeedback() if error_feedback else None
+        self.error_feedback: comm.ErrorFeedback | None = (comm.ErrorFeedback() if error_feedback and self.parts is None
+                                                          else None)
+        self.part_feedback = [comm.ErrorFeedback() if error_feedback and part.bits is not None else None
+                              for part in self.parts or []]
         self.gradient_rotation = gradient_rotation
+        self.intra_bits = intra_bits
 
     def __call__(
         self,
@@ -83,22 +121,66 @@ class ZeroppReduceScatter(FlatBufferHook, FSDPReduceScatter):
                 "set_gradient_divide_factor); its factor is not readable through a public API. Call "
                 "module.set_force_sum_reduction_for_comms(True) as well: FSDP2 then passes SUM and divides itself"
             )
+        if self.parts is not None:
+            self._reduce_parts(output_tensor, input_tensor, reduce_op)
+            return None
         ef = self.error_feedback
         if ef is not None and ef.key is not None and ef.key[0] != input_tensor.numel():
             ef.reset()  # the residuals (keyed by the input's numel first) describe another buffer layout
-        comm.reduce_scatter(input_tensor, self.bits, op=reduce_op, topology=self.topology, out=output_tensor,
-                            block_size=self.block_size, error_feedback=self.error_feedback,
-                            rotation=self.gradient_rotation)
+        self._reduce(input_tensor, self.bits, reduce_op, output_tensor, ef)
         return None
+
+    def _reduce(self, full: torch.Tensor, bits: int | None, op: comm.ReduceOp, out: torch.Tensor,
+                ef: comm.ErrorFeedback | None) -> None:
+        quantized = bits is not None
+        comm.reduce_scatter(full, bits, op=op, topology=self.topology, out=out, block_size=self.block_size,
+                            error_feedback=ef, rotation=self.gradient_rotation if quantized else None,
+                            intra_bits=self.intra_bits if quantized else None)
+
+    def _reduce_parts(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, op: comm.ReduceOp) -> None:
+        """The per-format path: one reduce-scatter per format part of the ``P x S`` buffer's columns."""
+        assert self.parts is not None
+        size, width = self.topology.world_size, sum(self.segments)
+        if input_tensor.numel() != size * width:
+            names = ", ".join(self.names) or f"segments {list(self.segments)}"
+            raise ValueError(
+                f"zeropp.fsdp: FSDP2 reduce-scatters {input_tensor.numel()} gradient elements for a group whose "
+                f"parameters ({names}) have per-parameter gradient formats and {size} x {width} elements in all: "
+                "some of them got no gradient this backward, and the buffer no longer says which columns are "
+                "whose. Give the group's parameters one gradient format (rules), or wrap the modules whose "
+                "parameters may get no gradient with their own fully_shard"
+            )
+        grid = input_tensor.view(size, width)
+        out = output_tensor.view(-1)
+        for part, ef in zip(self.parts, self.part_feedback):
+            full = torch.empty(size, part.numel, dtype=input_tensor.dtype, device=input_tensor.device)
+            for src, dst, length in part.runs:
+                full[:, dst:dst + length].copy_(grid[:, src:src + length])
+            mine = torch.empty(part.numel, dtype=output_tensor.dtype, device=output_tensor.device)
+            self._reduce(full.view(-1), part.bits, op, mine, ef)
+            for dst, src, length in part.runs:
+                out[dst:dst + length].copy_(mine[src:src + length])
 
 
 def check_error_feedback(error_feedback: bool, bits: int | None) -> None:
-    """Raise unless ``error_feedback`` comes with quantized gradients (``bits`` 8 or 4)."""
+    """Raise unless ``error_feedback`` comes with quantized gradients (``bits`` 8, 4 or 2)."""
     if error_feedback and bits is None:
         raise ValueError(
-            "error_feedback=True needs quantized gradients: pass gradient_bits=8 or 4 (exact reduce-scatters "
+            "error_feedback=True needs quantized gradients: pass gradient_bits=8 or 4 (or 2; exact reduce-scatters "
             "drop nothing to feed back)"
         )
+
+
+def check_intra_bits(intra_bits: int | None, bits: int | None) -> None:
+    """Raise unless ``intra_bits`` is ``None`` or 8, 4 or 2 that comes with quantized gradients."""
+    if intra_bits is None:
+        return
+    if isinstance(intra_bits, bool) or intra_bits not in SUPPORTED_BITS:
+        raise ValueError(f"gradient_bits_intra={intra_bits!r} is not supported; use one of {SUPPORTED_BITS} or None "
+                         "(the intra-node hop in gradient_bits)")
+    if bits is None:
+        raise ValueError(f"gradient_bits_intra={intra_bits} needs quantized gradients: pass gradient_bits=8, 4 or 2 "
+                         "(an exact reduce-scatter has no hops to give bits)")
 
 
 def check_gradient_rotation(gradient_rotation: int | None, bits: int | None, block_size: int) -> None:
@@ -107,8 +189,8 @@ def check_gradient_rotation(gradient_rotation: int | None, bits: int | None, blo
     if gradient_rotation is None:
         return
     if bits is None:
-        raise ValueError(f"gradient_rotation={gradient_rotation} needs quantized gradients: pass gradient_bits=8 or 4 "
-                         "(an exact reduce-scatter has no quantization to protect)")
+        raise ValueError(f"gradient_rotation={gradient_rotation} needs quantized gradients: pass gradient_bits=8, 4 "
+                         "or 2 (an exact reduce-scatter has no quantization to protect)")
     check_rotation_size(gradient_rotation)
     if block_size % gradient_rotation:
         raise ValueError(f"gradient_rotation={gradient_rotation} must divide block_size={block_size}; use a smaller "

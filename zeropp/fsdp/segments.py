@@ -16,17 +16,23 @@ managed module's own parameters (``recurse=False``) in that module order, a shar
 parameters left out. On every rank the input is the concatenation, in that order, of every parameter's padded
 shard: ``ceil(size[d] / P)`` slices of the sharded dim ``d`` (0 by default), zero-padded,
 ``ceil(size[d] / P) * numel / size[d]`` elements, nothing in between.
+
+``staging`` and ``format_parts`` lay segments out for the hooks: block-aligned for qwZ (blocks never span two
+parameters), and split by format where per-parameter rules give one group several (``zeropp.fsdp.rules``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from .._torch_internals import fsdp_group_modules
+from ..quant.format import ceil_div
 
 
 def fsdp_group(module: nn.Module) -> tuple[nn.Module, ...]:
@@ -81,3 +87,55 @@ def shard_numels(module: nn.Module) -> list[int]:
             continue
         sizes.append(math.ceil(length / p.device_mesh.size()) * (p.numel() // length))
     return sizes
+
+
+Run = tuple[int, int, int]
+"""``(flat offset, staged offset, length)``: a stretch of segments contiguous in both layouts."""
+
+
+def staging(segments: Sequence[int], block_size: int, picked: Sequence[bool] | None = None) -> tuple[int, list[Run]]:
+    """The staged layout of the ``picked`` segments (default: all) of a flat buffer laid out as ``segments``: each
+    non-empty picked segment starts at a multiple of ``block_size`` (1: packed back to back), the last one is not
+    padded. Returns the staged numel and the copy runs, each run a maximal stretch of consecutive picked segments
+    that is contiguous in both layouts."""
+    runs: list[Run] = []
+    flat = staged = end = 0
+    for i, length in enumerate(segments):
+        if length == 0 or (picked is not None and not picked[i]):
+            flat += length
+            continue
+        if runs and runs[-1][0] + runs[-1][2] == flat and runs[-1][1] + runs[-1][2] == staged:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + length)
+        else:
+            runs.append((flat, staged, length))
+        flat += length
+        staged += length
+        end = staged
+        staged = ceil_div(staged, block_size) * block_size
+    return end, runs
+
+
+@dataclass(frozen=True)
+class FormatPart:
+    """The segments of one group that share one format (per-parameter rules): moved by one collective of ``bits``
+    (``None``: exact) on a staged buffer of ``numel`` elements per rank, copied to and from the group's flat
+    buffer by ``runs`` (``staging``)."""
+
+    bits: int | None
+    numel: int
+    runs: list[Run]
+
+
+def format_parts(segments: Sequence[int], bits: Sequence[int | None], block_size: int, *,
+                 align: bool) -> list[FormatPart]:
+    """One ``FormatPart`` per distinct value of ``bits`` (one per segment), in order of first appearance among the
+    non-empty segments; with ``align`` a quantized part starts each segment at a block boundary (qwZ: blocks never
+    span two parameters), else (and for exact parts) its segments are packed back to back."""
+    if len(bits) != len(segments):
+        raise ValueError(f"{len(bits)} formats for {len(segments)} segments: give one per segment")
+    formats = list(dict.fromkeys(b for b, s in zip(bits, segments) if s))
+    parts = []
+    for fmt in formats:
+        numel, runs = staging(segments, block_size if align and fmt is not None else 1, [b == fmt for b in bits])
+        parts.append(FormatPart(fmt, numel, runs))
+    return parts
