@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from zeropp.bench import convergence
+from zeropp.config import load_config
 from zeropp.data import TextBatches
 from zeropp.models.gpt import GPT, GPTConfig
 
@@ -127,6 +128,10 @@ def test_config_helpers(tmp_path):
         convergence.check_batches(["exact", str(own)], [convergence.config_dict("exact", args, 2), cfg], 2)
     with pytest.raises(SystemExit):
         convergence.parse_args(["--configs", "no-such-config"])
+    bench_configs = sorted((Path(__file__).parents[2] / "bench" / "configs").glob("*.json"))
+    assert bench_configs, "bench/configs/*.json (the configs of docs/results/accuracy.md) are missing"
+    for spec in [*convergence.NAMED, *map(str, bench_configs)]:  # every named and committed config is valid
+        load_config(convergence.config_dict(spec, args, 2), world_size=4)
     with pytest.raises(SystemExit, match="module:attr"):
         convergence.model_factory("nocolon", args)
     assert isinstance(convergence.model_factory("torch.nn:Identity", args)(), torch.nn.Identity)

@@ -65,6 +65,19 @@ CONFIGS: dict[str, dict[str, Any]] = {
         "zero_quantized_gradients": True,
         "zeropp": {"weight_deltas": True},
     },
+    "zeropp-sdp4": {  # SDP4Bit's recipe on ZeRO-3: int4 weight deltas, gradients int8 in the node, int4 across, rotated
+        "zero_quantized_weights": True,
+        "zero_hpz_partition_size": "rpn",
+        "zero_quantized_gradients": True,
+        "zeropp": {"weight_deltas": True, "gradient_bits_intra": 8, "gradient_rotation": "hadamard"},
+    },
+    "zeropp-g2": {  # the fewest cross-node bytes of qgZ: int2 across nodes (int8 inside), rotated, error feedback
+        "zero_quantized_weights": True,
+        "zero_hpz_partition_size": "rpn",
+        "zero_quantized_gradients": True,
+        "zeropp": {"weight_deltas": True, "gradient_bits": 2, "gradient_bits_intra": 8,
+                   "gradient_rotation": "hadamard", "error_feedback": True},
+    },
 }
 EXTERNAL = ("fsdp2", "hsdp", "deepspeed")  # not zeropp engines, torch's collectives: zeropp.bench.fsdp, DeepSpeed
 FSDP_ZEROPP = ("fsdp2-zeropp", "fsdp2-qwz", "fsdp2-hpz", "fsdp2-qgz")  # FSDP2 with zeropp.fsdp comms (counted)
@@ -84,6 +97,8 @@ LABELS = {
     "zeropp-ef": "ZeRO++, qgZ error feedback",
     "zeropp-rot": "ZeRO++, qgZ Hadamard rotation (32)",
     "zeropp-deltas": "ZeRO++, int4 weight deltas",
+    "zeropp-sdp4": "ZeRO++, int4 deltas, grads int8/int4 rotated",
+    "zeropp-g2": "ZeRO++, int4 deltas, grads int8/int2 rotated + EF",
     "fsdp2": "FSDP2 (torch fully_shard)",
     "hsdp": "HSDP (FSDP2, replicated across nodes)",
     "deepspeed": "DeepSpeed ZeRO-3",
