@@ -38,6 +38,7 @@ def test_preset_units_are_the_engines(preset: str) -> None:
     engine = [(u.name, tuple(p.numel() for _, p in u.params)) for u in plan_units(model)]
     spec = from_preset(preset)
     assert [(u.name, u.numels) for u in spec.units] == engine
+    assert from_preset(f"preset:{preset}").units == spec.units   # the convergence harness's spelling
     assert spec.params == sum(p.numel() for p in model.parameters())
     for unit in spec.units:
         for align in (1, 128):

@@ -104,10 +104,11 @@ def _gpt_block(h: int, ffn: int, bias: bool) -> tuple[int, ...]:
 
 def from_preset(name: str, seq: int | None = None) -> ModelSpec:
     """A ``zeropp.models`` GPT preset (``GPTConfig.PRESETS``: "tiny", "gpt2", ...); ``name`` may end in
-    ``":nobias"`` for the preset without biases (the engine tests' tiny model)."""
+    ``":nobias"`` for the preset without biases (the engine tests' tiny model), and may start with ``"preset:"``
+    as ``python -m zeropp.bench.convergence --model`` spells it."""
     from ..models.gpt import PRESETS, GPTConfig
 
-    base, _, flag = name.partition(":")
+    base, _, flag = name.removeprefix("preset:").partition(":")
     if base not in PRESETS or flag not in ("", "nobias"):
         raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)} (optionally with "
                          f"':nobias'), or pass a Hugging Face config.json or --params/--layers/--hidden")
