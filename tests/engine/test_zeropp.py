@@ -53,6 +53,8 @@ RUNS = {
     "qgz-8-4": {"zero": {**QG, "zeropp": {"gradient_bits_intra": 8}}},  # int8 inside the node, int4 across
     "qgz-8-2": {"zero": {**QG, "zeropp": {"gradient_bits_intra": 8, "gradient_bits": 2}}},
     "qgz-8-2-ef": {"zero": {**QG, "zeropp": {"gradient_bits_intra": 8, "gradient_bits": 2, "error_feedback": True}}},
+    "qgz-sr": {"zero": {**QG, "zeropp": {"gradient_stochastic_rounding": True}}},  # unbiased rounding
+    "qgz-loco": {"zero": {**QG, "zeropp": {"error_feedback": "loco"}}},  # LoCo's 8-bit residuals
 }
 EVERY_GATHER = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
 for _run in RUNS.values():
@@ -130,6 +132,9 @@ def test_zeropp_flags_accuracy_and_cross_node_bytes(tmp_path):
     # int8 inside the node and int4 across (gradient_bits_intra): the cross-node bytes of int4, less error
     assert inter["qgz-8-4"] == inter["qgz"] and res["qgz-8-4"]["rel_to_update"] < res["qgz"]["rel_to_update"]
     assert inter["qgz-8-2"]["reduce_scatter"] < 0.6 * inter["qgz"]["reduce_scatter"]  # int2 across: about half
+    # stochastic rounding changes the numbers, not the bytes; LoCo's 8-bit residuals help as float32 ones do
+    assert res["qgz-sr"]["losses"] != res["qgz"]["losses"] and inter["qgz-sr"] == inter["qgz"]
+    assert res["qgz-loco"]["rel_to_update"] < res["qgz"]["rel_to_update"] and inter["qgz-loco"] == inter["qgz"]
 
     total = {name: sum(v.values()) for name, v in inter.items()}
     e = inter["exact"]
