@@ -263,9 +263,9 @@ class ZeroppConfig:
         else:
             values["error_feedback"] = get_bool(p, block, "error_feedback", w, False)
         beta = get_float(p, block, "error_feedback_beta", w, d.error_feedback_beta, minimum=0.0, below=1.0)
-        if "error_feedback_beta" in block and values.get("error_feedback") != "loco":
-            p.add(f"{w}.error_feedback_beta", f"{w}.error_feedback_beta is LoCo's moving-average coefficient: set "
-                                              f"{w}.error_feedback to \"loco\", or leave it out")
+        if beta != d.error_feedback_beta and values.get("error_feedback") != "loco":
+            p.add(f"{w}.error_feedback_beta", f"{w}.error_feedback_beta={beta} is LoCo's moving-average coefficient: "
+                                              f"set {w}.error_feedback to \"loco\", or leave it out")
         values["error_feedback_beta"] = beta
         values["gradient_stochastic_rounding"] = get_bool(p, block, "gradient_stochastic_rounding", w, False)
         rotation = block.get("gradient_rotation")
