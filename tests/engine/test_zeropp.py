@@ -11,7 +11,9 @@ three 0.275, all three with error feedback and 2 accumulation steps 0.155, stage
 on interleaved nodes ({0, 2}, {1, 3}) 0.261, int4 weights with int8 gradients (and hpZ) 0.381, qgZ int4 with the
 32-element Hadamard rotation 0.241, all three rotated with error feedback 0.210, qgZ with int8 inside the node and
 int4 across 0.200, int8 inside and int2 across 0.819 (0.585 with error feedback: int2 gradients learn markedly slower
-here, their losses up to 15% above exact and the loss drop 73% of exact's). int4 codes carry ~12%
+here, their losses up to 15% above exact and the loss drop 73% of exact's), qgZ int4 with stochastic rounding 0.286
+(unbiased but noisier than round to nearest: a code errs by up to a whole scale; final loss 3.551 against exact's
+3.549), with LoCo's 8-bit moving-average residuals (beta 0.5) 0.204 (float32 residuals: 0.206). int4 codes carry ~12%
 relative error per block, and Adam turns the error of small gradient elements into O(lr) steps, hence the larger qgZ
 figure; int4 weights perturb every forward and backward too. An unrelated update would give ~1.4. Bounds: 0.1 for
 qwZ alone, 0.35 with int4 qgZ, 0.5 with int4 qwZ, 0 for hpZ alone; losses within 1% of the exact run's at every

@@ -595,7 +595,9 @@ def reduce_bucketed(
     averaged over the same ranks' values in the same order as in a reduce-scatter of its unit alone, so the values
     are bit-identical to one collective per unit: exact fp32, the ``communication_data_type`` wire (summed per
     element in float64) and qgZ, whose blocks start at each slice start and, with every ``S_u`` a multiple of the
-    block size, are exactly the units' own blocks. A unit alone goes with its ``ErrorFeedback``; several units
+    block size, are exactly the units' own blocks (with stochastic rounding, ``micro_step`` and the first unit's name
+    seed the bucket's noise, ``Collectives.rounding_seed``: the noise follows the bucket, the rounding stays unbiased).
+    A unit alone goes with its ``ErrorFeedback``; several units
     cannot have one (each keeps residuals of its own layout), nor can units of different formats
     (``zeropp.rules``: one collective has one format): a ``ValueError``."""
     if len(units) > 1 and any(u.error_feedback is not None for u in units):
