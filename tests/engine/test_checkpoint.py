@@ -6,8 +6,8 @@ world size 2 is a subgroup of ranks 0 and 1 (its own ``Topology``).
 * Resume (world 4): a run saved after 3 steps and resumed in a new engine built from a differently seeded model
   continues bit for bit like the uninterrupted run (losses, fp32 masters, optimizer state, qgZ residuals): stage 3
   with qwZ + hpZ + qgZ with error feedback and 2 accumulation steps; stage 3 qgZ with LoCo's 8-bit residuals and
-  stochastic rounding (a fp32-residual checkpoint loads into it with its residuals left out); stage 2 exact in fp16 with the loss scale
-  moved off its initial value; stage 1 SGD with momentum and two parameter groups whose learning rate was changed
+  stochastic rounding (a fp32-residual checkpoint loads into it with its residuals left out); stage 2 exact in fp16
+  with the loss scale moved off its initial value; stage 1 SGD with momentum and two parameter groups whose learning rate was changed
   by hand. The model has dropout 0.1, so this holds only with the RNG restored.
 * Resharding: the stage-3 ZeRO++ checkpoint of world 4 (block-aligned layout) loads at world 2 into stage 1 exact
   (no alignment); that run's checkpoint loads back at world 4 into stage 3 ZeRO++. Masters and optimizer state are

@@ -217,8 +217,9 @@ class Collectives:
         """Start averaging the flat gradient ``full`` (of ``gradient_dtype``) over the ranks, this rank's slice
         (``comm.shard_range``) into the fp32 ``out`` (qgZ when ``gradient_bits`` is set, rotated when
         ``gradient_rotation`` is, with ``error_feedback``'s residuals when given, rounded stochastically from
-        ``seed`` (``rounding_seed``) when given; exact in ``communication_dtype`` otherwise). Handles must be waited on in the order they were started, the same on every rank (qgZ's second
-        hop runs inside ``wait()``)."""
+        ``seed`` (``rounding_seed``) when given; exact in ``communication_dtype`` otherwise). Handles must be
+        waited on in the order they were started, the same on every rank (qgZ's second hop runs inside
+        ``wait()``)."""
         wire = None if self.gradient_bits is not None or full.dtype == torch.float32 else full.dtype
         return comm.reduce_scatter(
             full, bits=self.gradient_bits, op=comm.ReduceOp.AVG, topology=self.topology, out=out,
