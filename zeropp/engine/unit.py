@@ -133,7 +133,7 @@ class Unit:
         self.hpz = comm.hpz if sharded else 1
         self.secondary: torch.Tensor | None = None  # hpZ: this rank's 1/hpz of the gathered values
         self.resident_secondary = False  # kept across steps, updated by zeropp.engine.weight_deltas
-        self.error_feedback = comm.new_error_feedback()
+        self.error_feedback = comm.new_error_feedback() if comm.error_feedback else None
         self.frozen = (FrozenFlat(frozen_floating, comm, hpz=self.hpz, broadcast=broadcast, shard_home=shard_home)
                        if frozen_floating else None)
         self.shard_swap: SwappedShard | None = None
