@@ -218,8 +218,8 @@ class ErrorFeedback:
                                                     device=device)
         elif self._key != key:
             raise ValueError(
-                f"this ErrorFeedback was used for a reduce_scatter of {self._key} (numel, bits, block_size, group "
-                f"size, rotation, intra_bits, store bits) and now gets {key}; use one ErrorFeedback per buffer, or "
+                f"this ErrorFeedback was used for a reduce_scatter of {self._key[:6]} (numel, bits, block_size, "
+                f"group size, rotation, intra_bits) and now gets {key[:6]}; use one ErrorFeedback per buffer, or "
                 "reset() it"
             )
 
