@@ -865,9 +865,10 @@ ROTATION_SIZE = 32
 
 def wide_rows(numel: int = NUMEL) -> list[Row]:
     """The rows of the wider qgZ formats (format.py), at bf16 and blocks of 128: int2 through every op, the seeded
-    (stochastically rounded) quantize and swizzled quantize of int4, and the per-hop reduce-requantize of d = 2 runs
-    (int8 packs in, int4 or int2 out; int8 to int4 also seeded); and the swizzled quantize and final reduce with
-    the Hadamard rotation fused, int4, at fp32 and bf16."""
+    (stochastically rounded) quantize and swizzled quantize of int4 (the swizzled one at fp32 too, the engine's
+    gradient dtype), and the reduce-requantize of d = 2 runs (int4 to int4 seeded; per hop: int8 packs in, int4 or
+    int2 out, int8 to int4 also seeded); and the swizzled quantize and final reduce with the Hadamard rotation
+    fused, int4, at fp32 and bf16."""
     out = []
     bs, dtype, item = 128, *DTYPES["bf16"]
     base = dict(block_size=bs, dtype=dtype)
@@ -881,6 +882,11 @@ def wide_rows(numel: int = NUMEL) -> list[Row]:
         out.append(Row(f"swizzle_quantize {sfx.replace(' bf16', f' {NODES}x{RANKS_PER_NODE} bf16')}",
                        dict(op="quantize", numel=numel, chunks=sw, nodes=NODES, bits=fmt.bits, **base, **extra),
                        numel, numel * item + fmt.chunked_bytes(numel, sw)))
+    # the engine's qgZ packs fp32 gradients: its stochastically rounded first step (zeropp.gradient_stochastic_rounding)
+    fp32, fp32_item = DTYPES["fp32"]
+    out.append(Row(f"swizzle_quantize int4 seeded {NODES}x{RANKS_PER_NODE} fp32 b{bs}",
+                   dict(op="quantize", numel=numel, chunks=sw, nodes=NODES, bits=4, block_size=bs, dtype=fp32,
+                        seed=SEED), numel, numel * fp32_item + f4.chunked_bytes(numel, sw)))
     out.append(Row(f"dequantize int2 bf16 b{bs}", dict(op="dequantize", chunks=1, chunk_numel=numel, out_numel=numel,
                                                        bits=2, **base), numel, f2.packed_bytes(numel) + numel * item))
     out.append(Row(f"reduce_dequantize int2 g=2 bf16 b{bs}",
@@ -889,7 +895,7 @@ def wide_rows(numel: int = NUMEL) -> list[Row]:
                    numel // 2, f2.chunked_bytes(numel, 2) + numel // 2 * item))
     d = 2
     cn = numel // (d * NODES)
-    for fmt, out_fmt, seed in ((f2, f2, None), (f8, f4, None), (f8, f4, SEED), (f8, f2, None)):
+    for fmt, out_fmt, seed in ((f2, f2, None), (f4, f4, SEED), (f8, f4, None), (f8, f4, SEED), (f8, f2, None)):
         name = f"int{fmt.bits}" if fmt == out_fmt else f"int{fmt.bits}->int{out_fmt.bits}"
         case = dict(op="reduce_requantize", bits=fmt.bits, block_size=bs, groups=d, chunks=NODES, chunk_numel=cn,
                     out_bits=out_fmt.bits, **({} if seed is None else {"seed": seed}))

@@ -551,7 +551,7 @@ def error_feedback(rank: int, world: int, d: int, steps: int) -> dict:
     result["feedback_rotated"] = float((acc - steps * true).abs().max() / (steps * true.abs().max()))
     assert result["feedback_rotated"] * 4 < result["plain"], result
     width = -(-s // 32) * 32
-    assert ef.key == (numel, 4, DEFAULT_BLOCK_SIZE, world, 32, 4), ef.key
+    assert ef.key == (numel, 4, DEFAULT_BLOCK_SIZE, world, 32, 4, 0), ef.key  # 0: float32 store
     assert ef.residual.numel() == world * width and ef.partial_residual.numel() == topo.num_nodes * width
     _raises(ValueError, "intra_bits) and now gets", comm.reduce_scatter, x, 4, topology=topo, error_feedback=ef)
     return result

@@ -189,6 +189,12 @@ def all_checks(rank: int, world: int, root: str, runs: dict[str, dict], stage1: 
     unrotated.load_checkpoint(Path(root) / "zeropp")
     assert all(u.error_feedback is not None and u.error_feedback.residual is None for u in unrotated.units)
     del unrotated
+    # and an engine with LoCo's 8-bit residuals leaves out the saved float32 ones
+    if "loco-sr" in runs:
+        loco = make_engine(config(3, runs["loco-sr"]["zero"]))
+        loco.load_checkpoint(Path(root) / "zeropp")
+        assert all(u.error_feedback is not None and u.error_feedback.residual is None for u in loco.units)
+        del loco
     pair = torch.distributed.new_group([0, 1])  # every rank takes part in creating it
     if rank < 2:
         out["two"] = reshard(rank, world, root, "zeropp", "two", stage1, zeropp.comm.Topology(group=pair))

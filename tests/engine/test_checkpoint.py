@@ -5,8 +5,9 @@ world size 2 is a subgroup of ranks 0 and 1 (its own ``Topology``).
 
 * Resume (world 4): a run saved after 3 steps and resumed in a new engine built from a differently seeded model
   continues bit for bit like the uninterrupted run (losses, fp32 masters, optimizer state, qgZ residuals): stage 3
-  with qwZ + hpZ + qgZ with error feedback and 2 accumulation steps; stage 2 exact in fp16 with the loss scale
-  moved off its initial value; stage 1 SGD with momentum and two parameter groups whose learning rate was changed
+  with qwZ + hpZ + qgZ with error feedback and 2 accumulation steps; stage 3 qgZ with LoCo's 8-bit residuals and
+  stochastic rounding (a fp32-residual checkpoint loads into it with its residuals left out); stage 2 exact in fp16
+  with the loss scale moved off its initial value; stage 1 SGD with momentum and two parameter groups whose learning rate was changed
   by hand. The model has dropout 0.1, so this holds only with the RNG restored.
 * Resharding: the stage-3 ZeRO++ checkpoint of world 4 (block-aligned layout) loads at world 2 into stage 1 exact
   (no alignment); that run's checkpoint loads back at world 4 into stage 3 ZeRO++. Masters and optimizer state are
@@ -32,6 +33,9 @@ RUNS = {
     # error feedback with qgZ's rotation: its residuals (in the rotated space) resume bit for bit too
     "zeropp": {"zero": {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True,
                         "zeropp": {"error_feedback": True, "gradient_rotation": "hadamard"}}, "accum": 2},
+    # LoCo's 8-bit residuals and stochastic rounding (seeded by the micro-step: restored, so the noise repeats)
+    "loco-sr": {"zero": {"zero_quantized_gradients": True,
+                         "zeropp": {"error_feedback": "loco", "gradient_stochastic_rounding": True}}},
     "stage2-fp16": {"stage": 2, "extra": FP16},
     "stage1-sgd-groups": {"stage": 1, "optimizer": SGD, "groups": True},
 }
@@ -66,6 +70,7 @@ def test_resume_is_bit_exact(job):
             assert all(torch.equal(a, b) for a, b in zip(r["resumed_residuals"], r["residuals"])), name
     res = results[0]["resume"]
     assert len(res["zeropp"]["residuals"]) >= 2  # residual and partial residual of every unit
+    assert res["loco-sr"]["residuals"] and all(t.dtype == torch.uint8 for t in res["loco-sr"]["residuals"])
     assert res["stage2-fp16"]["scale"] == 512.0  # doubled once (window 2) from 2 ** 8: not the initial scale
     assert res["stage1-sgd-groups"]["lr"] == [1.5e-3, 1e-3]
     assert {n.split(".")[0] for n in res["stage1-sgd-groups"]["saved"]} == {"master", "momentum_buffer"}

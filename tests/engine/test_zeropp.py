@@ -11,7 +11,9 @@ three 0.275, all three with error feedback and 2 accumulation steps 0.155, stage
 on interleaved nodes ({0, 2}, {1, 3}) 0.261, int4 weights with int8 gradients (and hpZ) 0.381, qgZ int4 with the
 32-element Hadamard rotation 0.241, all three rotated with error feedback 0.210, qgZ with int8 inside the node and
 int4 across 0.200, int8 inside and int2 across 0.819 (0.585 with error feedback: int2 gradients learn markedly slower
-here, their losses up to 15% above exact and the loss drop 73% of exact's). int4 codes carry ~12%
+here, their losses up to 15% above exact and the loss drop 73% of exact's), qgZ int4 with stochastic rounding 0.286
+(unbiased but noisier than round to nearest: a code errs by up to a whole scale; final loss 3.551 against exact's
+3.549), with LoCo's 8-bit moving-average residuals (beta 0.5) 0.204 (float32 residuals: 0.206). int4 codes carry ~12%
 relative error per block, and Adam turns the error of small gradient elements into O(lr) steps, hence the larger qgZ
 figure; int4 weights perturb every forward and backward too. An unrelated update would give ~1.4. Bounds: 0.1 for
 qwZ alone, 0.35 with int4 qgZ, 0.5 with int4 qwZ, 0 for hpZ alone; losses within 1% of the exact run's at every
@@ -62,6 +64,8 @@ RUNS = {
     "qgz-8-4": {"zero": {**QG, "zeropp": {"gradient_bits_intra": 8}}},  # int8 inside the node, int4 across
     "qgz-8-2": {"zero": {**QG, "zeropp": {"gradient_bits_intra": 8, "gradient_bits": 2}}},
     "qgz-8-2-ef": {"zero": {**QG, "zeropp": {"gradient_bits_intra": 8, "gradient_bits": 2, "error_feedback": True}}},
+    "qgz-sr": {"zero": {**QG, "zeropp": {"gradient_stochastic_rounding": True}}},  # unbiased rounding
+    "qgz-loco": {"zero": {**QG, "zeropp": {"error_feedback": "loco"}}},  # LoCo's 8-bit residuals
 }
 EVERY_GATHER = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
 for _run in RUNS.values():
@@ -165,6 +169,9 @@ def test_zeropp_flags_accuracy_and_cross_node_bytes(tmp_path):
     # int8 inside the node and int4 across (gradient_bits_intra): the cross-node bytes of int4, less error
     assert inter["qgz-8-4"] == inter["qgz"] and res["qgz-8-4"]["rel_to_update"] < res["qgz"]["rel_to_update"]
     assert inter["qgz-8-2"]["reduce_scatter"] < 0.6 * inter["qgz"]["reduce_scatter"]  # int2 across: about half
+    # stochastic rounding changes the numbers, not the bytes; LoCo's 8-bit residuals help as float32 ones do
+    assert res["qgz-sr"]["losses"] != res["qgz"]["losses"] and inter["qgz-sr"] == inter["qgz"]
+    assert res["qgz-loco"]["rel_to_update"] < res["qgz"]["rel_to_update"] and inter["qgz-loco"] == inter["qgz"]
 
     total = {name: sum(v.values()) for name, v in inter.items()}
     e = inter["exact"]

@@ -32,7 +32,7 @@ from .checks import debug_enabled
 from .deltas import add_delta, pack_delta
 from .exchange import exchange
 from .onebit import onebit_reduce_scatter
-from .reduce_scatter import ErrorFeedback, ReduceOp, reduce_scatter, shard_range
+from .reduce_scatter import ErrorFeedback, ReduceOp, hop_seed, reduce_scatter, shard_range
 from .topology import (
     ENV_RANKS_PER_NODE,
     Topology,
@@ -56,6 +56,7 @@ __all__ = [
     "debug_enabled",
     "exchange",
     "get_default_topology",
+    "hop_seed",
     "onebit_reduce_scatter",
     "pack_delta",
     "reduce_scatter",

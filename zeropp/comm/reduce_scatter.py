@@ -47,10 +47,18 @@ blocks; unrotating maps an error ``e`` of a rotation block to ``H e / R``, each 
 after the rotation an outlier ``M`` contributes ``+-M`` to each of ``R`` values whose typical size has grown by
 ``sqrt(R)``, so it dominates the scale ``sqrt(R)`` times less and the other values of a heavy-tailed block keep
 more of their bits.
+
+Stochastic rounding (``seed=``, QSDP's unbiased rounding): every quantization of steps 1 and 3 rounds its codes
+stochastically (``zeropp.quant.format``), deterministic from ``seed``: rank ``r`` (group rank) rounds step 1 with
+``hop_seed(seed, 1, r)`` and step 3 with ``hop_seed(seed, 2, r)``, so the noise of every hop and rank is its own
+while a run with the same seeds gives the same bytes. Each code is then unbiased (its mean over the noise is the
+value it codes), so the result's expectation is the exact mean; the per-element bound doubles (a code is one of the
+two nearest, within a full scale instead of half of one). The caller gives each call (step, buffer) its own seed.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Generator
 from enum import Enum
 from typing import Any
@@ -116,50 +124,146 @@ def shard_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
     return start, min(start + s, numel)
 
 
+def hop_seed(seed: int, hop: int, rank: int) -> int:
+    """The stochastic-rounding seed (``[0, 2**32)``) of qgZ's hop ``hop`` (1: the slices' packing, 2: the
+    requantization of the partial sums) on group rank ``rank`` for a ``reduce_scatter(seed=seed)``: the first 4
+    bytes, little-endian, of SHA-256 of ``f"{seed}/{hop}/{rank}"``."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{hop}/{rank}".encode()).digest()[:4], "little")
+
+
 class ErrorFeedback:
     """Error-feedback state of one gradient buffer for quantized ``reduce_scatter``.
 
-    Keeps, in float32, what quantization dropped last time and adds it back next time: the residual of this
-    rank's hop-1 quantization (``numel`` elements) and of its hop-2 requantization (``n * S`` elements of the
-    partial sums it forwards). With a rotation both live in the rotated space (what the quantization dropped of
-    the rotated values): ``P * S'`` and ``n * S'`` elements, ``S' = rotated_numel(S, R)``. Use one object per
-    buffer; the accumulated error of repeated reductions then stays bounded instead of growing with the number of
-    steps. Off unless passed to ``reduce_scatter``. A step whose gradient holds a NaN or Inf (an fp16 overflow the
-    optimizer will skip) leaves zeros, not NaNs, in the residual.
-    CUDA streams: ``residual`` is updated on the stream that issues a reduction, ``partial_residual`` on the one
-    that ``wait()``s for it; wait for successive reductions of one buffer on one stream (or order the streams).
+    Keeps what quantization dropped last time and adds it back next time: the residual of this rank's hop-1
+    quantization (``numel`` elements) and of its hop-2 requantization (``n * S`` elements of the partial sums it
+    forwards). With a rotation both live in the rotated space (what the quantization dropped of the rotated
+    values): ``P * S'`` and ``n * S'`` elements, ``S' = rotated_numel(S, R)``. Use one object per buffer; the
+    accumulated error of repeated reductions then stays bounded instead of growing with the number of steps. Off
+    unless passed to ``reduce_scatter``. A step whose gradient holds a NaN or Inf (an fp16 overflow the optimizer
+    will skip) leaves zeros, not NaNs, in the residual.
+
+    Two stores (``store``):
+
+    * ``"fp32"`` (default): the residual in float32, 4 bytes per element; for a value ``x`` (gradient plus
+      residual) packed as ``q``: ``e <- x - dequantize(q)``.
+    * ``"loco"`` (LoCo, arXiv 2407.04480: the error kept as a moving average and stored in 8 bits): the residual
+      is stored as int8 packs of ``block_size`` (``BlockFormat(8, block_size)``, blocks from each slice's start as
+      the gradient's: ``1 + 4 / block_size`` bytes per element, 1.03 at 128), and updated as
+      ``e <- quantize8(beta * e + (1 - beta) * (x - dequantize(q)))`` (``e`` on the right the stored,
+      dequantized residual, ``x = g + e``; ``beta`` the moving-average coefficient, in ``[0, 1)``; rounded to
+      nearest, in float32, NaN/Inf to 0). ``beta = 0`` is the fp32 store's recurrence with its residual rounded to
+      8 bits. For a steady error ``d`` per step the stored residual tends to ``d``, as the fp32 one does; the
+      average damps the step-to-step noise of the error.
+
+    The stores' residuals are ``residual`` and ``partial_residual``: float32 elements, or the uint8 packs of the
+    8-bit store (``values`` reads either as float32). CUDA streams: ``residual`` is updated on the stream that
+    issues a reduction, ``partial_residual`` on the one that ``wait()``s for it; wait for successive reductions of
+    one buffer on one stream (or order the streams).
     """
 
-    def __init__(self) -> None:
+    STORES = ("fp32", "loco")
+
+    def __init__(self, store: str = "fp32", beta: float = 0.0) -> None:
+        if store not in self.STORES:
+            raise ValueError(f"store={store!r} must be one of {self.STORES} (float32 or LoCo's 8-bit residuals)")
+        if not 0.0 <= beta < 1.0 or (store == "fp32" and beta):
+            raise ValueError(f"beta={beta!r} must be in [0, 1), and 0 with the fp32 store (LoCo's moving average "
+                             "needs store='loco')")
+        self.store, self.beta = store, beta
         self.residual: torch.Tensor | None = None
         self.partial_residual: torch.Tensor | None = None
         self._key: tuple[Any, ...] | None = None
+        self._shapes: tuple[tuple[int, int], tuple[int, int]] | None = None  # (elements, slices) of each residual
 
     def reset(self) -> None:
         """Forget the residuals (e.g. after the buffer is reallocated)."""
         self.residual = self.partial_residual = None
-        self._key = None
+        self._key = self._shapes = None
 
     @property
     def key(self) -> tuple[Any, ...] | None:
-        """``(numel, bits, block_size, group size, rotation size or 0, intra-node hop's bits)`` of the reduce-scatter
-        the residuals belong to (``None``: no residuals yet). The residuals' layout and space depend on all six and
-        on the node layout."""
+        """``(numel, bits, block_size, group size, rotation size or 0, intra-node hop's bits, store bits)`` of the
+        reduce-scatter the residuals belong to (``None``: no residuals yet; store bits 0 for fp32, 8 for LoCo). The
+        residuals' layout and space depend on all seven and on the node layout."""
         return self._key
 
-    def allocate(self, key: tuple[Any, ...], numel: int, partial: int, device: torch.device) -> None:
-        """Make zeroed residuals of ``numel`` and ``partial`` float32 elements for the reduce-scatter ``key``, unless
-        residuals for ``key`` exist; raises if they exist for another key. A checkpoint loader calls it to get the
-        tensors to read saved residuals into."""
+    @property
+    def numels(self) -> tuple[int, int]:
+        """Elements of ``residual`` and ``partial_residual`` (``(0, 0)`` before the first reduction)."""
+        return (self._shapes[0][0], self._shapes[1][0]) if self._shapes else (0, 0)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the residuals take: 4 per element with the fp32 store, ``1 + 4 / block_size`` with LoCo's."""
+        return sum(t.numel() * t.element_size() for t in (self.residual, self.partial_residual) if t is not None)
+
+    def _format(self) -> BlockFormat:
+        assert self._key is not None
+        return BlockFormat(8, self._key[2])
+
+    def allocate(self, key: tuple[Any, ...], numel: int, partial: int, device: torch.device,
+                 slices: tuple[int, int] = (1, 1)) -> None:
+        """Make zeroed residuals of ``numel`` and ``partial`` elements (cut into ``slices`` slices each: the packs
+        of the 8-bit store) for the reduce-scatter ``key``, unless residuals for ``key`` exist; raises if they exist
+        for another key. A checkpoint loader calls it to get the tensors to read saved residuals into."""
+        key = (*key[:6], 8 if self.store == "loco" else 0)
         if self._key is None:
-            self.residual = torch.zeros(numel, dtype=torch.float32, device=device)
-            self.partial_residual = torch.zeros(partial, dtype=torch.float32, device=device)
             self._key = key
+            self._shapes = ((numel, slices[0]), (partial, slices[1]))
+            if self.store == "fp32":
+                self.residual = torch.zeros(numel, dtype=torch.float32, device=device)
+                self.partial_residual = torch.zeros(partial, dtype=torch.float32, device=device)
+            else:  # all-zero packs: zero codes and scales, which dequantize to 0
+                fmt = self._format()
+                self.residual = torch.zeros(fmt.chunked_bytes(numel, slices[0]), dtype=torch.uint8, device=device)
+                self.partial_residual = torch.zeros(fmt.chunked_bytes(partial, slices[1]), dtype=torch.uint8,
+                                                    device=device)
         elif self._key != key:
             raise ValueError(
-                f"this ErrorFeedback was used for a reduce_scatter of {self._key} (numel, bits, block_size, group "
-                f"size, rotation, intra_bits) and now gets {key}; use one ErrorFeedback per buffer, or reset() it"
+                f"this ErrorFeedback was used for a reduce_scatter of {self._key[:6]} (numel, bits, block_size, "
+                f"group size, rotation, intra_bits) and now gets {key[:6]}; use one ErrorFeedback per buffer, or "
+                "reset() it"
             )
+
+    def values(self, partial: bool = False) -> torch.Tensor:
+        """The residual (``partial``: the partial sums' one) as float32 elements: the stored tensor itself with
+        the fp32 store, a new dequantized tensor with LoCo's."""
+        stored = self.partial_residual if partial else self.residual
+        assert stored is not None and self._shapes is not None, "allocate() first"
+        if self.store == "fp32":
+            return stored
+        numel, slices = self._shapes[partial]
+        out = torch.empty(numel, dtype=torch.float32, device=stored.device)
+        return dequantize_chunks(stored, self._format(), slices, chunk_numel(numel, slices) if numel else 0, out)
+
+    def update(self, x: torch.Tensor, sent: torch.Tensor, partial: bool = False) -> None:
+        """Record what the quantization of the float32 ``x`` (gradient plus residual, the residual's layout)
+        dropped, ``x - sent`` with ``sent`` what the packs hold (float32, same layout; may be overwritten), into
+        the residual (``partial``: the partial sums' one), by the store's recurrence."""
+        error = torch.sub(x, sent, out=sent).nan_to_num_(0.0, 0.0, 0.0)
+        if self.store == "fp32":
+            (self.partial_residual if partial else self.residual).copy_(error)
+            return
+        assert self._shapes is not None
+        if self.beta:
+            error.mul_(1.0 - self.beta).add_(self.values(partial).mul_(self.beta))
+        slices = self._shapes[partial][1]
+        quantize_chunks(error, self._format(), slices, out=self.partial_residual if partial else self.residual)
+
+    def rescale(self, factor: float) -> None:
+        """Multiply the residuals by ``factor`` (a power of two: exact), e.g. when the loss scale they are in
+        changes: the fp32 values, or the 8-bit packs' scales."""
+        for stored, (numel, slices) in zip((self.residual, self.partial_residual), self._shapes or ()):
+            if stored is None:
+                continue
+            if self.store == "fp32":
+                stored.mul_(factor)
+            else:
+                fmt = self._format()
+                blocks = fmt.num_blocks(chunk_numel(numel, slices) if numel else 0)
+                packs = stored.view(slices, -1)
+                scales = packs[:, blocks * fmt.block_code_bytes :].clone().view(torch.float32).mul_(factor)
+                packs[:, blocks * fmt.block_code_bytes :] = scales.view(torch.uint8)
 
 
 def reduce_scatter(
@@ -176,6 +280,7 @@ def reduce_scatter(
     error_feedback: ErrorFeedback | None = None,
     rotation: int | None = None,
     intra_bits: int | None = None,
+    seed: int | None = None,
 ) -> torch.Tensor | CollectiveWork:
     """Sum or average ``full`` over the data-parallel group of ``topology``; rank ``r`` gets slice ``r``.
 
@@ -205,6 +310,9 @@ def reduce_scatter(
             ``zeropp.quant.ROTATION_SIZES`` dividing ``block_size``. ``None`` (default): no rotation.
         intra_bits: qgZ only: the bits of the intra-node hop (step 1's packs; step 3 requantizes them to ``bits``
             for the inter-node hop), e.g. 8 inside the node and 4 across as SDP4Bit. ``None`` (default): ``bits``.
+        seed: qgZ only: round stochastically (unbiased), each hop and rank with its own seed derived from this one
+            (``hop_seed``; an integer in ``[0, 2**32)``, the same on every rank; see the module docstring).
+            ``None`` (default): round to nearest. Give each call its own seed, or the rounding noise repeats.
 
     Returns:
         ``out`` (or a ``CollectiveWork`` when ``async_op``).
@@ -248,6 +356,12 @@ def reduce_scatter(
             raise ValueError(f"intra_bits={intra_bits} applies to quantized reduce_scatter; pass bits=8, 4 or 2, or "
                              "intra_bits=None")
         check_bits(intra_bits)
+    if seed is not None:
+        if bits is None:
+            raise ValueError(f"seed={seed} (stochastic rounding) applies to quantized reduce_scatter; pass bits=8, 4 "
+                             "or 2, or seed=None")
+        if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32:
+            raise ValueError(f"seed={seed!r} must be an integer in [0, 2**32) (or None: round to nearest)")
     fmt = BlockFormat(bits, block_size) if bits is not None else None
     hop1 = BlockFormat(intra_bits, block_size) if intra_bits is not None else fmt
     record = call_record(
@@ -260,6 +374,7 @@ def reduce_scatter(
     verify_agreement(topo.verified_calls, topo.group, full.device, record)
     rotated = f", rotation={rotation}" if rotation else ""
     rotated += f", intra_bits={intra_bits}" if intra_bits is not None else ""
+    rotated += f", seed={seed}" if seed is not None else ""
     what = (f"reduce_scatter(bits={bits}, op={reduce_op.value}{rotated}) of {numel} {full.dtype} elements over ranks "
             f"{topo.ranks}")
     divisor = size if reduce_op is ReduceOp.AVG else 1
@@ -271,7 +386,7 @@ def reduce_scatter(
     elif fmt is None:
         steps = _exact_steps(flat, out, topo, divisor, reduce_dtype or full.dtype)
     else:
-        steps = _qgz_steps(flat, out, fmt, hop1, topo, divisor, error_feedback, rotation)
+        steps = _qgz_steps(flat, out, fmt, hop1, topo, divisor, error_feedback, rotation, seed)
     return run(steps, async_op, (full, out), what)
 
 
@@ -344,6 +459,7 @@ def _qgz_steps(
     divisor: int,
     ef: ErrorFeedback | None,
     rot: int | None,
+    seed: int | None,
 ) -> Generator[Pending, None, torch.Tensor]:
     size, n, d = topo.world_size, topo.num_nodes, topo.ranks_per_node
     numel = flat.numel()
@@ -354,9 +470,10 @@ def _qgz_steps(
     device = flat.device
     order = topo.qgz_send_order()
     swizzled = order == [swizzle_source(p, n, d) for p in range(size)]
+    seed1, seed2 = (None, None) if seed is None else (hop_seed(seed, 1, topo.rank), hop_seed(seed, 2, topo.rank))
     if ef is not None:
         ef.allocate((numel, fmt.bits, fmt.block_size, size, rot or 0, hop1.bits), size * width if rot else numel,
-                    n * width, device)
+                    n * width, device, (size, n))
     traffic = accounting.Traffic()
     if d > 1:
         same = topo.same_node_count(topo.intra_group) - 1
@@ -367,18 +484,16 @@ def _qgz_steps(
     accounting.record("reduce_scatter", traffic)
 
     # Step 1: pack the P slices in hop-1 order.
-    if ef is None and swizzled:
-        send = swizzle_quantize_rotated(flat, first, n, d, rot) if rot else swizzle_quantize(flat, first, n, d)
+    if ef is None and swizzled and not (rot and seed is not None):
+        send = swizzle_quantize_rotated(flat, first, n, d, rot) if rot else swizzle_quantize(flat, first, n, d,
+                                                                                              seed=seed1)
     else:
         x = rotate_slices(flat, size, rot) if rot else flat
         if ef is not None:
-            assert ef.residual is not None
-            x = x.float() + ef.residual
-        packs = quantize_chunks(x, first, size)
+            x = x.float() + ef.values()
+        packs = quantize_chunks(x, first, size, seed=seed1)
         if ef is not None:
-            dequantize_chunks(packs, first, size, width, ef.residual)  # residual <- what the packs hold ...
-            torch.sub(x, ef.residual, out=ef.residual)  # ... then x minus that
-            ef.residual.nan_to_num_(0.0, 0.0, 0.0)  # a NaN/Inf step (fp16 overflow) must not poison later ones
+            ef.update(x, dequantize_chunks(packs, first, size, width, torch.empty_like(x)))
         if order == list(range(size)):
             send = packs
         else:
@@ -394,16 +509,13 @@ def _qgz_steps(
             _final_reduce(recv, first, d, s, out, divisor, rot)
             return out
         if ef is None:
-            mid = reduce_requantize(recv, first, d, n, width, out_fmt=None if first == fmt else fmt)
+            mid = reduce_requantize(recv, first, d, n, width, out_fmt=None if first == fmt else fmt, seed=seed2)
         else:
-            assert ef.partial_residual is not None
             values = torch.empty(d * n * width, dtype=torch.float32, device=device)
             dequantize_chunks(recv, first, d * n, width, values)
-            partial = values.view(d, n * width).sum(0).add_(ef.partial_residual)
-            mid = quantize_chunks(partial, fmt, n)
-            dequantize_chunks(mid, fmt, n, width, ef.partial_residual)
-            torch.sub(partial, ef.partial_residual, out=ef.partial_residual)
-            ef.partial_residual.nan_to_num_(0.0, 0.0, 0.0)
+            partial = values.view(d, n * width).sum(0).add_(ef.values(partial=True))
+            mid = quantize_chunks(partial, fmt, n, seed=seed2)
+            ef.update(partial, dequantize_chunks(mid, fmt, n, width, values[: n * width]), partial=True)
     else:
         mid = send
 

@@ -3,6 +3,7 @@ key means: the ``zeropp.config`` docstring)."""
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from collections.abc import Mapping
@@ -21,6 +22,11 @@ from .readers import (
     get_int,
     is_auto,
 )
+
+
+def json_value(value: object) -> str:
+    """``value`` as a config file spells it (``true``, ``"loco"``)."""
+    return json.dumps(value)
 
 
 @dataclass(frozen=True)
@@ -125,6 +131,9 @@ GRADIENT_BITS = (8, 4, 2)
 GRADIENT_ROTATIONS = ("hadamard",)
 GRADIENT_ROTATION_SIZES = (16, 32, 64, 128)
 
+# zero_optimization.zeropp.error_feedback_beta: the default moving-average coefficient of LoCo's residuals
+LOCO_BETA = 0.5
+
 # zero_optimization.zeropp.entry_check_timeout, seconds: the largest value (about 11.6 days; past any torch timeout)
 MAX_ENTRY_CHECK_TIMEOUT = 1e6
 
@@ -200,10 +209,12 @@ class ZeroppConfig:
     weight_bits: int = 8
     gradient_bits: int = 4
     block_size: int = 128
-    error_feedback: bool = False
+    error_feedback: bool | str = False
+    error_feedback_beta: float = LOCO_BETA
     gradient_bits_intra: int | None = None
     gradient_rotation: str | None = None
     gradient_rotation_size: int = 32
+    gradient_stochastic_rounding: bool = False
     nonfinite_gradients: str = "skip"
     entry_check_timeout: float = 300.0
     memory_budget: MemoryBudget | None = None
@@ -219,7 +230,9 @@ class ZeroppConfig:
         defaults a rule's left-out key takes."""
         w = "zero_optimization.zeropp"
         check_keys(p, block, w, ["weight_bits", "gradient_bits", "gradient_bits_intra", "block_size", "error_feedback",
-                                 "gradient_rotation", "gradient_rotation_size", "nonfinite_gradients",
+                                 "error_feedback_beta",
+                                 "gradient_rotation", "gradient_rotation_size", "gradient_stochastic_rounding",
+                                 "nonfinite_gradients",
                                  "entry_check_timeout", "memory_budget", "weight_deltas", "delta_bits",
                                  "delta_refresh_interval", "rules"])
         d = cls()
@@ -242,7 +255,19 @@ class ZeroppConfig:
             p.add(f"{w}.block_size", f"{w}.block_size={size} must be a power of two from 16 to 8192")
             size = d.block_size
         values["block_size"] = size
-        values["error_feedback"] = get_bool(p, block, "error_feedback", w, False)
+        if block.get("error_feedback") == "loco":
+            values["error_feedback"] = "loco"
+        elif isinstance(block.get("error_feedback"), str):
+            p.add(f"{w}.error_feedback", f"{w}.error_feedback={block['error_feedback']!r} must be true (float32 "
+                                         "residuals), false or \"loco\" (LoCo's 8-bit moving-average residuals)")
+        else:
+            values["error_feedback"] = get_bool(p, block, "error_feedback", w, False)
+        beta = get_float(p, block, "error_feedback_beta", w, d.error_feedback_beta, minimum=0.0, below=1.0)
+        if beta != d.error_feedback_beta and values.get("error_feedback") != "loco":
+            p.add(f"{w}.error_feedback_beta", f"{w}.error_feedback_beta={beta} is LoCo's moving-average coefficient: "
+                                              f"set {w}.error_feedback to \"loco\", or leave it out")
+        values["error_feedback_beta"] = beta
+        values["gradient_stochastic_rounding"] = get_bool(p, block, "gradient_stochastic_rounding", w, False)
         rotation = block.get("gradient_rotation")
         if rotation is not None and rotation not in GRADIENT_ROTATIONS:
             p.add(f"{w}.gradient_rotation", f"{w}.gradient_rotation={rotation!r} must be null (off) or one of "
@@ -442,7 +467,12 @@ class ZeroConfig:
             _weight_deltas_consistency(p, stage if p.ok(f"{w}.stage") else None, hpz, offload_param)
         if zeropp.error_feedback and not qg and p.ok(f"{w}.zero_quantized_gradients"):
             p.add(f"{w}.zeropp.error_feedback",
-                  f"{w}.zeropp.error_feedback=true needs {w}.zero_quantized_gradients=true")
+                  f"{w}.zeropp.error_feedback={json_value(zeropp.error_feedback)} needs "
+                  f"{w}.zero_quantized_gradients=true")
+        if zeropp.gradient_stochastic_rounding and not qg and p.ok(f"{w}.zero_quantized_gradients"):
+            p.add(f"{w}.zeropp.gradient_stochastic_rounding",
+                  f"{w}.zeropp.gradient_stochastic_rounding=true rounds qgZ's quantized gradients and needs "
+                  f"{w}.zero_quantized_gradients=true (or gradient_stochastic_rounding false)")
         if zeropp.gradient_bits_intra is not None and not qg and p.ok(f"{w}.zero_quantized_gradients"):
             p.add(f"{w}.zeropp.gradient_bits_intra",
                   f"{w}.zeropp.gradient_bits_intra={zeropp.gradient_bits_intra} sets the bits of qgZ's intra-node hop "

@@ -433,8 +433,9 @@ def _state_to_save(engine: ZeroEngine, client_state: dict[str, Any] | None) -> d
             continue
         state[f"{_error_feedback_key(engine)}.{u}.residual"] = ef.residual
         state[f"{_error_feedback_key(engine)}.{u}.partial_residual"] = ef.partial_residual
-        described.append({"unit": u, "key": ef.key, "numel": ef.residual.numel(),
-                          "partial_numel": ef.partial_residual.numel()})
+        numel, partial = ef.numels
+        described.append({"unit": u, "key": ef.key, "numel": numel, "partial_numel": partial,
+                          "slices": [engine.comm.world_size, engine.topology.num_nodes]})
     if described:
         state[_error_feedback_key(engine)] = _pack({"world_size": engine.comm.world_size,
                                                     "nodes": _layout_of_nodes(engine), "units": described})
@@ -602,8 +603,9 @@ def _check_compatible(engine: ZeroEngine, metadata: dict[str, Any], saved: dict[
 
 def _error_feedback_targets(engine: ZeroEngine, info: dict[str, Any] | None) -> dict[str, torch.Tensor]:
     """Reset every unit's qgZ residuals; when ``info`` (this rank's saved description) says they were saved in this
-    engine's layout (world size, node of every rank, each unit's padded size, bits of both hops, block size and
-    gradient rotation: residuals of one rotation are never reused under another), allocate them
+    engine's layout (world size, node of every rank, each unit's padded size, bits of both hops, block size,
+    gradient rotation and store, float32 or LoCo's 8 bits: residuals of one rotation or store are never reused under
+    another), allocate them
     in that layout and return them by DCP key, to be read in place."""
     for unit in engine.units:
         if unit.error_feedback is not None:
@@ -615,13 +617,15 @@ def _error_feedback_targets(engine: ZeroEngine, info: dict[str, Any] | None) -> 
         key = tuple(entry["key"])
         key += (0,) * (len(key) < 5)  # saved before the rotation (4 fields): no rotation
         key += (key[1],) * (len(key) < 6)  # saved before intra_bits (5 fields): both hops in the same bits
-        u, (numel, bits, block, _, rotation, intra) = entry["unit"], key
+        key += (0,) * (len(key) < 7)  # saved before LoCo's 8-bit store (6 fields): float32 residuals
+        u, (numel, bits, block, _, rotation, intra, store) = entry["unit"], key
         if u >= len(engine.units) or engine.units[u].error_feedback is None:
             return {}
         comm = engine.units[u].comm
         if (numel != engine.units[u].full.numel()
-                or (bits, block, rotation, intra) != (comm.gradient_bits, engine.comm.block_size,
-                                                      comm.gradient_rotation or 0, comm.hop1_bits)):
+                or (bits, block, rotation, intra, store) != (comm.gradient_bits, engine.comm.block_size,
+                                                             comm.gradient_rotation or 0, comm.hop1_bits,
+                                                             8 if comm.error_feedback == "loco" else 0)):
             return {}
         keys.append(key)
     prefix = _error_feedback_key(engine)
@@ -629,7 +633,8 @@ def _error_feedback_targets(engine: ZeroEngine, info: dict[str, Any] | None) -> 
     for entry, key in zip(info["units"], keys):
         u, unit = entry["unit"], engine.units[entry["unit"]]
         ef = unit.error_feedback
-        ef.allocate(key, entry["numel"], entry["partial_numel"], unit.full.device)
+        slices = tuple(entry.get("slices", (1, 1)))  # saved before LoCo: float32 residuals, which have no packs
+        ef.allocate(key, entry["numel"], entry["partial_numel"], unit.full.device, slices)
         out[f"{prefix}.{u}.residual"] = ef.residual
         out[f"{prefix}.{u}.partial_residual"] = ef.partial_residual
     return out

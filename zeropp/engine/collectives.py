@@ -12,6 +12,7 @@ group; ``wait_all_arrived`` is ``comm.Arrival``'s check on a gloo side group of 
 from __future__ import annotations
 
 import copy
+import hashlib
 from datetime import timedelta
 
 import torch
@@ -33,9 +34,13 @@ class Collectives:
             (``comm.reduce_scatter``'s ``intra_bits``; needs ``gradient_bits``).
         block_size: elements per quantization block.
         hpz: hpZ partition size (1: off), a divisor of ``topology.ranks_per_node``; its group is created here.
-        error_feedback: whether units keep a qgZ ``ErrorFeedback`` (needs ``gradient_bits``).
+        error_feedback: whether units keep a qgZ ``ErrorFeedback`` (needs ``gradient_bits``): ``True`` with float32
+            residuals, ``"loco"`` with LoCo's 8-bit moving-average ones (``error_feedback_beta``).
+        error_feedback_beta: LoCo's moving-average coefficient (``comm.ErrorFeedback``'s ``beta``).
         gradient_rotation: ``None``, or the block size of qgZ's Hadamard rotation (``comm.reduce_scatter``'s
             ``rotation``; needs ``gradient_bits``).
+        stochastic_rounding: qgZ rounds stochastically, each reduction with its own seed (``rounding_seed``;
+            needs ``gradient_bits``).
         delta_bits: ``None``, or 8/4 for the weight deltas of ``zeropp.engine.weight_deltas`` (``exchange``).
         communication_dtype: the dtype of the exact gradient reduce-scatter (``communication_data_type``):
             float32 sums in fp32 on the wire (``comm.reduce_scatter``'s plain exact path); bfloat16/float16 send
@@ -56,9 +61,11 @@ class Collectives:
         gradient_bits: int | None = None,
         block_size: int = DEFAULT_BLOCK_SIZE,
         hpz: int = 1,
-        error_feedback: bool = False,
+        error_feedback: bool | str = False,
+        error_feedback_beta: float = 0.0,
         gradient_rotation: int | None = None,
         gradient_bits_intra: int | None = None,
+        stochastic_rounding: bool = False,
         delta_bits: int | None = None,
         communication_dtype: torch.dtype = torch.float32,
         onebit: bool = False,
@@ -70,14 +77,18 @@ class Collectives:
             raise ValueError(f"gradient_rotation={gradient_rotation} needs quantized gradients (gradient_bits 8 or 4)")
         if gradient_bits_intra is not None and gradient_bits is None:
             raise ValueError(f"gradient_bits_intra={gradient_bits_intra} needs quantized gradients (gradient_bits)")
+        if stochastic_rounding and gradient_bits is None:
+            raise ValueError("stochastic_rounding needs quantized gradients (gradient_bits 8, 4 or 2)")
         self.topology = topology
         self.weight_bits = weight_bits
         self.gradient_bits = gradient_bits
         self.block_size = block_size
         self.hpz = hpz
         self.error_feedback = error_feedback
+        self.error_feedback_beta = error_feedback_beta
         self.gradient_rotation = gradient_rotation
         self.gradient_bits_intra = gradient_bits_intra
+        self.stochastic_rounding = stochastic_rounding
         self.delta_bits = delta_bits
         self.communication_dtype = communication_dtype
         self.onebit = onebit
@@ -94,18 +105,28 @@ class Collectives:
 
     def for_format(self, weight_bits: int | None, gradient_bits: int | None) -> Collectives:
         """These collectives with other bits (``zero_optimization.zeropp.rules``: the units of one format): the same
-        groups, block size and dtypes; ``error_feedback``, ``gradient_rotation`` and ``gradient_bits_intra`` where
+        groups, block size and dtypes; ``error_feedback``, ``gradient_rotation``, ``gradient_bits_intra`` and
+        ``stochastic_rounding`` where
         they are on and ``gradient_bits`` quantizes. One object
         per format (``self`` for this one's), so units of one format can share a bucket."""
         other = self._formats.get((weight_bits, gradient_bits))
         if other is None:
             other = copy.copy(self)
             other.weight_bits, other.gradient_bits = weight_bits, gradient_bits
-            other.error_feedback = self.error_feedback and gradient_bits is not None
+            other.error_feedback = self.error_feedback if gradient_bits is not None else False
             other.gradient_rotation = self.gradient_rotation if gradient_bits is not None else None
             other.gradient_bits_intra = self.gradient_bits_intra if gradient_bits is not None else None
+            other.stochastic_rounding = self.stochastic_rounding and gradient_bits is not None
             self._formats[(weight_bits, gradient_bits)] = other
         return other
+
+    def new_error_feedback(self) -> comm.ErrorFeedback | None:
+        """A unit's qgZ residuals (``None`` when ``error_feedback`` is off): float32, or LoCo's 8-bit store."""
+        if not self.error_feedback:
+            return None
+        if self.error_feedback == "loco":
+            return comm.ErrorFeedback("loco", self.error_feedback_beta)
+        return comm.ErrorFeedback()
 
     @property
     def hop1_bits(self) -> int | None:
@@ -179,19 +200,31 @@ class Collectives:
         assert isinstance(out, torch.Tensor)
         return out
 
+    def rounding_seed(self, micro_step: int, unit_name: str) -> int | None:
+        """The seed of qgZ's stochastic rounding for the reduction of unit ``unit_name`` (the first unit of a
+        bucket) in micro-step ``micro_step`` (``ZeroEngine.micro_steps``): the first 4 bytes, little-endian, of
+        SHA-256 of ``f"qgz/{micro_step}/{unit_name}"``, so every reduction rounds with its own noise and a run (or a
+        resumed one) repeats its bytes; ``comm.reduce_scatter`` derives each hop's and rank's seed from it.
+        ``None`` (round to nearest) unless ``stochastic_rounding``."""
+        if not self.stochastic_rounding:
+            return None
+        return int.from_bytes(hashlib.sha256(f"qgz/{micro_step}/{unit_name}".encode()).digest()[:4], "little")
+
     def reduce_scatter_grads(
-        self, full: torch.Tensor, out: torch.Tensor, error_feedback: comm.ErrorFeedback | None = None
+        self, full: torch.Tensor, out: torch.Tensor, error_feedback: comm.ErrorFeedback | None = None,
+        seed: int | None = None,
     ) -> comm.CollectiveWork:
         """Start averaging the flat gradient ``full`` (of ``gradient_dtype``) over the ranks, this rank's slice
         (``comm.shard_range``) into the fp32 ``out`` (qgZ when ``gradient_bits`` is set, rotated when
-        ``gradient_rotation`` is, with ``error_feedback``'s residuals when given; exact in ``communication_dtype``
-        otherwise). Handles must be waited on in the order they were started, the same on every rank (qgZ's second
-        hop runs inside ``wait()``)."""
+        ``gradient_rotation`` is, with ``error_feedback``'s residuals when given, rounded stochastically from
+        ``seed`` (``rounding_seed``) when given; exact in ``communication_dtype`` otherwise). Handles must be
+        waited on in the order they were started, the same on every rank (qgZ's second hop runs inside
+        ``wait()``)."""
         wire = None if self.gradient_bits is not None or full.dtype == torch.float32 else full.dtype
         return comm.reduce_scatter(
             full, bits=self.gradient_bits, op=comm.ReduceOp.AVG, topology=self.topology, out=out,
             block_size=self.block_size, error_feedback=error_feedback, wire_dtype=wire, async_op=True,
-            rotation=self.gradient_rotation, intra_bits=self.gradient_bits_intra,
+            rotation=self.gradient_rotation, intra_bits=self.gradient_bits_intra, seed=seed,
         )
 
     def reduce_scatter_onebit(self, x: torch.Tensor, out: torch.Tensor, error: torch.Tensor) -> None:

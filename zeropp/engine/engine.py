@@ -98,8 +98,10 @@ class ZeroEngine:
             block_size=zero.zeropp.block_size,
             hpz=zero.zero_hpz_partition_size if self.stage == 3 else 1,
             error_feedback=zero.zeropp.error_feedback,
+            error_feedback_beta=zero.zeropp.error_feedback_beta if zero.zeropp.error_feedback == "loco" else 0.0,
             gradient_rotation=zero.gradient_rotation,
             gradient_bits_intra=zero.gradient_bits_intra,
+            stochastic_rounding=zero.gradient_bits is not None and zero.zeropp.gradient_stochastic_rounding,
             delta_bits=zero.zeropp.delta_bits if zero.zeropp.weight_deltas else None,
             communication_dtype=communication_dtype(config),
             onebit=config.optimizer is not None and config.optimizer.type == "OneBitAdam",
@@ -315,10 +317,8 @@ class ZeroEngine:
             self.loss_scaler.update(self.overflow)
             if self.loss_scaler.scale != old:  # qgZ residuals are in scaled units: keep them in step with the scale
                 for unit in self.units:
-                    ef = unit.error_feedback
-                    for res in (ef.residual, ef.partial_residual) if ef is not None else ():
-                        if res is not None:
-                            res.mul_(self.loss_scaler.scale / old)
+                    if unit.error_feedback is not None:
+                        unit.error_feedback.rescale(self.loss_scaler.scale / old)
         if self.overflow:
             # skipped: no master, optimizer-state or parameter change (the compute shards, whole parameters and
             # hpZ secondaries still hold the current weights)
@@ -605,7 +605,7 @@ class ZeroEngine:
             self.onebit.take(unit, unit.take_gradients())
             return
         if not self._bucketing:
-            self._start_reduction(unit.reduce_gradients())
+            self._start_reduction(unit.reduce_gradients(self.micro_steps))
             return
         numel = unit.full.numel()
         key = unit.comm
@@ -624,7 +624,7 @@ class ZeroEngine:
             self._bucket_numels.pop(k, None)
             if held:
                 units, grads = zip(*held)
-                self._start_reduction(reduce_bucketed(list(units), list(grads)))
+                self._start_reduction(reduce_bucketed(list(units), list(grads), self.micro_steps))
 
     def _start_reduction(self, reduction: GradientReduction) -> None:
         """Without ``overlap_comm`` wait for ``reduction`` at once; with it, let it run while autograd goes on,

@@ -133,7 +133,7 @@ class Unit:
         self.hpz = comm.hpz if sharded else 1
         self.secondary: torch.Tensor | None = None  # hpZ: this rank's 1/hpz of the gathered values
         self.resident_secondary = False  # kept across steps, updated by zeropp.engine.weight_deltas
-        self.error_feedback = _comm.ErrorFeedback() if comm.error_feedback else None
+        self.error_feedback = comm.new_error_feedback() if comm.error_feedback else None
         self.frozen = (FrozenFlat(frozen_floating, comm, hpz=self.hpz, broadcast=broadcast, shard_home=shard_home)
                        if frozen_floating else None)
         self.shard_swap: SwappedShard | None = None
@@ -344,8 +344,9 @@ class Unit:
 
     # ---- gradients ------------------------------------------------------------------------------------------
 
-    def reduce_gradients(self) -> GradientReduction:
-        """Start the reduce-scatter of the parameters' ``.grad`` (averaged over ranks); the returned handle's
+    def reduce_gradients(self, micro_step: int = 0) -> GradientReduction:
+        """Start the reduce-scatter of the parameters' ``.grad`` (averaged over ranks) of micro-step ``micro_step``
+        (the seed of qgZ's stochastic rounding: ``Collectives.rounding_seed``); the returned handle's
         ``wait()`` adds this rank's slice to ``grad_shard``. The ``.grad`` tensors are dropped at once (their values
         are copied into the flat buffer the collective sends), so a stage-3 unit may be freed before the wait.
 
@@ -359,7 +360,7 @@ class Unit:
                     p.grad = None
             self.comm.count_local_reduce_scatter()
             return GradientReduction(None)
-        return reduce_bucketed([self], [self.take_gradients()])
+        return reduce_bucketed([self], [self.take_gradients()], micro_step)
 
     def take_gradients(self) -> list[torch.Tensor | None]:
         """The parameters' ``.grad`` tensors (``None`` for a parameter without one), which are dropped from the
@@ -580,7 +581,9 @@ def gather_bucketed(units: list[Unit]) -> None:
         at += size
 
 
-def reduce_bucketed(units: list[Unit], grads: list[list[torch.Tensor | None]]) -> GradientReduction:
+def reduce_bucketed(
+    units: list[Unit], grads: list[list[torch.Tensor | None]], micro_step: int = 0
+) -> GradientReduction:
     """Start ONE gradient reduce-scatter for all of ``units`` (more than one rank; the same units in the same order
     on every rank), whose gradients ``grads`` holds (``Unit.take_gradients``, one list per unit; packed here, in one
     copy, into a flat buffer of ``Collectives.gradient_dtype`` from the units' ``ReduceBuffers``). The returned
@@ -592,7 +595,9 @@ def reduce_bucketed(units: list[Unit], grads: list[list[torch.Tensor | None]]) -
     averaged over the same ranks' values in the same order as in a reduce-scatter of its unit alone, so the values
     are bit-identical to one collective per unit: exact fp32, the ``communication_data_type`` wire (summed per
     element in float64) and qgZ, whose blocks start at each slice start and, with every ``S_u`` a multiple of the
-    block size, are exactly the units' own blocks. A unit alone goes with its ``ErrorFeedback``; several units
+    block size, are exactly the units' own blocks (with stochastic rounding, ``micro_step`` and the first unit's name
+    seed the bucket's noise, ``Collectives.rounding_seed``: the noise follows the bucket, the rounding stays unbiased).
+    A unit alone goes with its ``ErrorFeedback``; several units
     cannot have one (each keeps residuals of its own layout), nor can units of different formats
     (``zeropp.rules``: one collective has one format): a ``ValueError``."""
     if len(units) > 1 and any(u.error_feedback is not None for u in units):
@@ -611,7 +616,8 @@ def reduce_bucketed(units: list[Unit], grads: list[list[torch.Tensor | None]]) -
         unit.pack_gradients(unit_grads, rows[:, at : at + unit.shard_numel])
         at += unit.shard_numel
     received = torch.empty(width, dtype=torch.float32, device=flat.device)
-    work = comm.reduce_scatter_grads(flat, received, error_feedback=first.error_feedback if len(units) == 1 else None)
+    work = comm.reduce_scatter_grads(flat, received, error_feedback=first.error_feedback if len(units) == 1 else None,
+                                     seed=comm.rounding_seed(micro_step, first.name))
     return GradientReduction(work, received, [u.grad_shard for u in units], flat, first.reduce_buffers)
 
 
