@@ -11,8 +11,10 @@ refreshes at the save; a non-finite gradient skips the step and leaves secondari
 forward and backward gathers send 0 bytes across nodes (every unit gathered at each use, and the default persistent
 units) and each step's exchange sends exactly ``(P - d) / h * sum S (bits / 8 + 4 / block)`` across nodes (the
 per-rank receive counts worked out by hand); the mean loss over the ranks and the last 10 of 30 steps is within 2%
-of exact ZeRO-3's (measured 2.983 against 3.000); ``zeropp.plan`` predicts each rank's exchange bytes. About 45 s on
-2 cores (85 s at load average 20).
+of exact ZeRO-3's (measured 2.983 against 3.000); ``zeropp.plan`` predicts each rank's exchange bytes. With
+``delta_refresh_bits: 8`` the start is one exchange of int8 packs with exactly the delta formula's bytes at 8 bits,
+each reconstruction within half an int8 step of its weights and consistent with the secondaries. About 45 s on 2
+cores (85 s at load average 20).
 """
 
 from __future__ import annotations
@@ -66,6 +68,12 @@ def test_weight_deltas(tmp_path):
         assert r["skip"]["gather_inter"] == [0] * 4, r["skip"]["gather_inter"]
         full = r["full"]
         assert full["gather_inter"] == [0] * 6 and full["losses"][-1] < full["losses"][0], full
+        # delta_refresh_bits 8: the start is one exchange of int8 packs, to the delta's holders
+        refresh = r["int8_refresh"]
+        pack8 = sum(packed(s, 8) for s in t["shards"])
+        assert refresh["exchange"] == {"calls": 1, **dict(zip(("sent_inter", "sent_intra", "recv_inter", "recv_intra"),
+                                                              (n * pack8 for n in PACKS[rank])))}, refresh["exchange"]
+        assert refresh["within"] and refresh["losses"][-1] < refresh["losses"][0] + 0.5, refresh
         assert r["skip"]["kept"] == [(True, False), (False, True), (True, False), (True, False)], r["skip"]["kept"]
     # the loss: one sample per rank per step is noisy (both runs spike at step 15, by different amounts), so the
     # mean over the ranks and the last 10 steps is compared (measured: 0.4% below exact ZeRO-3's; bound 2%)
@@ -89,6 +97,8 @@ def _zero(**zero) -> dict:
      "delta_bits=3 must be one of 8, 4"),
     ({"stage": 3, "zero_hpz_partition_size": 2, "zeropp": {"weight_deltas": True, "delta_refresh_interval": -1}},
      "delta_refresh_interval"),
+    ({"stage": 3, "zero_hpz_partition_size": 2, "zeropp": {"weight_deltas": True, "delta_refresh_bits": 4}},
+     "delta_refresh_bits=4 must be null (an exact refresh) or 8"),
 ])
 def test_weight_deltas_config_refused(zero, words):
     with pytest.raises(ConfigError, match="weight_deltas|delta_") as info:
@@ -99,7 +109,8 @@ def test_weight_deltas_config_refused(zero, words):
 def test_weight_deltas_config_defaults_and_round_trip():
     config = zeropp.config.load_config(_zero(stage=3, zero_hpz_partition_size=2, zeropp={"weight_deltas": True}), 4)
     zero = config.zero_optimization.zeropp
-    assert (zero.weight_deltas, zero.delta_bits, zero.delta_refresh_interval) == (True, 4, 0)
+    assert (zero.weight_deltas, zero.delta_bits, zero.delta_refresh_interval, zero.delta_refresh_bits) == (True, 4, 0,
+                                                                                                           None)
     again = zeropp.config.load_config(zeropp.config.to_dict(config), 4)
     assert again.zero_optimization.zeropp == zero
 

@@ -214,6 +214,26 @@ def full_zeropp(rank: int, world: int, steps: int) -> dict:
     return {"gather_inter": gather_inter, "losses": losses}
 
 
+def int8_refresh(rank: int, world: int, steps: int) -> dict:
+    """``delta_refresh_bits: 8``: the refresh at construction is one exchange of int8 packs (its bytes returned);
+    after it and after every step the secondaries equal the reconstructions bit for bit, and right after it each
+    reconstruction is within half an int8 step of its weights' block (plus fp32 rounding)."""
+    zeropp.comm.reset_stats()
+    engine = _engine(config(deltas(4, delta_refresh_bits=8)))
+    exchange = dict(zeropp.comm.stats()["exchange"])
+    tier = engine.weight_deltas
+    _check_consistent(engine)
+    within = True
+    for unit in tier.units:
+        w, r = unit.shard, tier.reconstruction(unit)
+        scale = (w.view(-1, 128).abs().amax(dim=1) / 127).repeat_interleave(128)
+        within &= bool(((w - r).abs() <= 0.5 * scale * (1 + 2.0**-20) + 2.0**-23 * (w.abs() + 127 * scale)).all())
+        within &= not torch.equal(w, r)  # quantized, not exact
+    losses = _train(engine, text_batches(steps, world, seed=21), rank)
+    _check_consistent(engine)
+    return {"exchange": exchange, "within": within, "losses": losses}
+
+
 def all_cases(rank: int, world: int, steps: int, path: str) -> dict:
     return {
         "tracked": tracked_run(rank, world, steps),
@@ -223,4 +243,5 @@ def all_cases(rank: int, world: int, steps: int, path: str) -> dict:
         "skip": skip_nonfinite(rank, world),
         "bf16": bf16_run(rank, world, 4),
         "full": full_zeropp(rank, world, 3),
+        "int8_refresh": int8_refresh(rank, world, 2),
     }

@@ -123,6 +123,8 @@ NONFINITE_GRADIENTS = ("skip", "raise")
 
 # zero_optimization.zeropp.delta_bits: code widths of the weight deltas (zeropp.engine.weight_deltas)
 DELTA_BITS = (8, 4)
+# zero_optimization.zeropp.delta_refresh_bits: code widths of a quantized refresh (null: exact)
+DELTA_REFRESH_BITS = (8,)
 
 # zero_optimization.zeropp.gradient_bits / gradient_bits_intra: qgZ's code widths (weight_bits: 8 or 4)
 GRADIENT_BITS = (8, 4, 2)
@@ -221,6 +223,7 @@ class ZeroppConfig:
     weight_deltas: bool = False
     delta_bits: int = 4
     delta_refresh_interval: int = 0
+    delta_refresh_bits: int | None = None
     rules: tuple[Rule, ...] = ()
 
     @classmethod
@@ -234,7 +237,7 @@ class ZeroppConfig:
                                  "gradient_rotation", "gradient_rotation_size", "gradient_stochastic_rounding",
                                  "nonfinite_gradients",
                                  "entry_check_timeout", "memory_budget", "weight_deltas", "delta_bits",
-                                 "delta_refresh_interval", "rules"])
+                                 "delta_refresh_interval", "delta_refresh_bits", "rules"])
         d = cls()
         values: dict[str, Any] = {}
         for key, allowed in (("weight_bits", (8, 4)), ("gradient_bits", GRADIENT_BITS)):
@@ -312,6 +315,13 @@ class ZeroppConfig:
         values["delta_bits"] = bits
         values["delta_refresh_interval"] = get_int(p, block, "delta_refresh_interval", w, d.delta_refresh_interval,
                                                    minimum=0)
+        if block.get("delta_refresh_bits") is not None:
+            bits = get_int(p, block, "delta_refresh_bits", w, DELTA_REFRESH_BITS[0])
+            if bits not in DELTA_REFRESH_BITS:
+                p.add(f"{w}.delta_refresh_bits", f"{w}.delta_refresh_bits={bits} must be null (an exact refresh) or "
+                                                 f"{' or '.join(map(str, DELTA_REFRESH_BITS))}")
+            else:
+                values["delta_refresh_bits"] = bits
         defaults = (values["weight_bits"] if quantized_weights else None,
                     values["gradient_bits"] if quantized_gradients else None)
         values["rules"] = parse_rules(block.get("rules"), p, defaults)

@@ -176,22 +176,24 @@ class Collectives:
         consolidated state dict."""
         comm.all_gather(shard, bits=None, topology=self.topology, out=out)
 
-    def pack_delta(self, target: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-        """The ``delta_bits`` pack of ``target - reference`` (``comm.pack_delta``, this engine's block size)."""
-        return comm.pack_delta(target, reference, self._delta_format())
+    def pack_delta(self, target: torch.Tensor, reference: torch.Tensor, bits: int | None = None) -> torch.Tensor:
+        """The ``bits`` (default ``delta_bits``) pack of ``target - reference`` (``comm.pack_delta``, this engine's
+        block size)."""
+        return comm.pack_delta(target, reference, self._delta_format(bits))
 
-    def add_delta(self, pack: torch.Tensor, into: torch.Tensor) -> None:
-        """Add the dequantized ``pack`` into ``into`` in place (``comm.add_delta``)."""
-        comm.add_delta(pack, into, self._delta_format())
+    def add_delta(self, pack: torch.Tensor, into: torch.Tensor, bits: int | None = None) -> None:
+        """Add the dequantized ``pack`` (of ``bits``, default ``delta_bits``) into ``into`` in place
+        (``comm.add_delta``)."""
+        comm.add_delta(pack, into, self._delta_format(bits))
 
     def delta_pack_bytes(self, numel: int) -> int:
         """Bytes of the delta pack of ``numel`` elements: codes then one float32 scale per block."""
         return self._delta_format().packed_bytes(numel)
 
-    def _delta_format(self) -> BlockFormat:
+    def _delta_format(self, bits: int | None = None) -> BlockFormat:
         if self.delta_bits is None:
             raise ValueError("weight deltas are off (delta_bits is None)")
-        return BlockFormat(self.delta_bits, self.block_size)
+        return BlockFormat(self.delta_bits if bits is None else bits, self.block_size)
 
     def exchange(self, payload: torch.Tensor, send_to: list[int], receive_from: list[int]) -> torch.Tensor:
         """Send the uint8 ``payload`` to the data-parallel ranks ``send_to`` and return the payloads of

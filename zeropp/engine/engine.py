@@ -177,7 +177,8 @@ class ZeroEngine:
             for unit in self.persistent:
                 unit.persistent = True
         self._attach(self.param_offload.nvme, lambda: self.param_offload.attach(self.units))
-        self.weight_deltas = (WeightDeltas(self.units, self.comm, refresh_interval=zero.zeropp.delta_refresh_interval)
+        self.weight_deltas = (WeightDeltas(self.units, self.comm, refresh_interval=zero.zeropp.delta_refresh_interval,
+                                           refresh_bits=zero.zeropp.delta_refresh_bits)
                               if zero.zeropp.weight_deltas else None)
         """``zeropp.weight_deltas``: the tier that keeps the hpZ secondaries and sends each step's quantized weight
         change (``zeropp.engine.weight_deltas``); None when off."""

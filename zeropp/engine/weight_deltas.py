@@ -40,9 +40,15 @@ Refresh. An exact refresh makes every secondary and reconstruction the compute s
 all-gather of the compute shards per unit over the data-parallel group; ``(P - d) S b`` bytes across nodes, counted
 as ``"all_gather"``): at construction, after ``load_checkpoint``/``load_state_dict`` (``ZeroEngine``), every
 ``delta_refresh_interval`` applied steps (0: never; the error does not grow, so no refresh is needed for accuracy),
-and on ``ZeroEngine.refresh_weight_deltas()``. A unit whose secondary was dropped or replaced outside this tier (a
+and on ``ZeroEngine.refresh_weight_deltas()``. With ``delta_refresh_bits: 8`` a refresh is quantized instead
+(SDP4Bit's int8 start): every reconstruction and secondary starts from zero and the owner sends the int8 pack of its
+whole compute shard, the delta against zero, to the holders, by the same ``exchange`` as a step's deltas: ``(P - d)
+/ h * sum S (1 + 4 / block_size)`` bytes across nodes, counted as ``"exchange"`` (against ``(P - d) S b`` for the
+exact all-gather: ``h b / (1 + 4 / block_size)`` times less, 7.8x at ``h = 2`` in fp32). After it ``|w - r| <= scale
+/ 2`` per block with ``scale = absmax(w) / 127`` (plus the rounding of ``r``), and the next steps' deltas carry that
+error away with the weights' change. A unit whose secondary was dropped or replaced outside this tier (a
 ``gathered_parameters(modifier_rank=...)`` write-back, after which the next gather rebuilt it the hpZ way) is
-refreshed exactly at the next step instead of being sent a delta. A skipped step (non-finite gradients) sends
+refreshed (as above) at the next step instead of being sent a delta. A skipped step (non-finite gradients) sends
 nothing: the weights did not change. The reconstruction is not saved in checkpoints: a load refreshes, so a resumed
 run equals an uninterrupted run that refreshes at the step of the save.
 """
@@ -80,7 +86,8 @@ class WeightDeltas:
     Args:
         units: the engine's units (those with a sharded trainable buffer take part).
         comm: the engine's collectives, with ``hpz > 1`` and ``delta_bits`` set.
-        refresh_interval: applied steps between exact refreshes (0: none but the explicit ones).
+        refresh_interval: applied steps between refreshes (0: none but the explicit ones).
+        refresh_bits: ``None`` for exact refreshes, or 8 for int8 ones (module docstring).
 
     Attributes:
         holders: the data-parallel ranks whose secondary holds this rank's shard (this rank possibly among them).
@@ -88,13 +95,15 @@ class WeightDeltas:
         steps_since_refresh: applied steps since the last full refresh.
     """
 
-    def __init__(self, units: list[Unit], comm: Collectives, *, refresh_interval: int = 0) -> None:
+    def __init__(self, units: list[Unit], comm: Collectives, *, refresh_interval: int = 0,
+                 refresh_bits: int | None = None) -> None:
         if comm.hpz <= 1 or comm.delta_bits is None:
             raise ValueError(f"weight deltas need hpZ (hpz={comm.hpz}) and delta_bits (got {comm.delta_bits})")
         if refresh_interval < 0:
             raise ValueError(f"refresh_interval={refresh_interval} must be 0 (no periodic refresh) or positive")
         self.comm = comm
         self.refresh_interval = refresh_interval
+        self.refresh_bits = refresh_bits
         self.units = [u for u in units if u.sharded and u.shard_numel]
         self.holders, self.owners = delta_plan(comm.topology, comm.hpz)
         position = comm.partition_rank
@@ -122,10 +131,19 @@ class WeightDeltas:
 
     @torch.no_grad()
     def refresh(self, units: list[Unit] | None = None) -> None:
-        """Make the secondaries and reconstructions of ``units`` (default: all) the exact compute shards' values: one
-        exact all-gather per unit over the data-parallel group. A collective, at a step boundary (units not in
-        use)."""
+        """Make the secondaries and reconstructions of ``units`` (default: all) the compute shards' values: exact, one
+        exact all-gather per unit over the data-parallel group; with ``refresh_bits``, quantized, one exchange of
+        every picked unit's pack against zero. A collective, at a step boundary (units not in use)."""
         picked = range(len(self.units)) if units is None else [self.units.index(u) for u in units]
+        if self.refresh_bits is not None:
+            self._refresh_quantized(list(picked))
+        else:
+            self._refresh_exact(picked)
+        if units is None:
+            self.steps_since_refresh = 0
+
+    def _refresh_exact(self, picked: range | list[int]) -> None:
+        """The exact refresh of the units ``picked``: one exact all-gather of each's compute shards."""
         for k in picked:
             unit = self.units[k]
             whole = torch.empty(unit.full.numel(), dtype=unit.full.dtype, device=unit.full.device)
@@ -139,14 +157,12 @@ class WeightDeltas:
                 self._reconstruction[k] = own
             else:
                 self._reconstruction.append(own)
-        if units is None:
-            self.steps_since_refresh = 0
 
     @torch.no_grad()
     def after_step(self) -> None:
-        """After an applied optimizer step (the compute shards hold the new weights): an exact refresh when
+        """After an applied optimizer step (the compute shards hold the new weights): a refresh when
         ``refresh_interval`` steps have passed since the last, else each unit's delta to its holders (units whose
-        secondary was replaced outside this tier are refreshed exactly). A collective."""
+        secondary was replaced outside this tier are refreshed). A collective."""
         self.steps_since_refresh += 1
         if self.refresh_interval and self.steps_since_refresh >= self.refresh_interval:
             self.refresh()
@@ -156,11 +172,28 @@ class WeightDeltas:
             self.refresh(stale)
         self._send([k for k, u in enumerate(self.units) if u not in stale])
 
-    def _send(self, picked: list[int]) -> None:
+    def _refresh_quantized(self, picked: list[int]) -> None:
+        """Zero the secondaries and reconstructions of the units ``picked``, then send each its ``refresh_bits``
+        pack against zero."""
+        for k in picked:
+            unit = self.units[k]
+            a, b = unit.secondary_range()
+            unit.secondary = torch.zeros(b - a, dtype=unit.full.dtype, device=unit.full.device)
+            self._installed[k] = unit.secondary
+            zeros = torch.zeros(unit.shard_numel, dtype=unit.full.dtype, device=unit.full.device)
+            if k < len(self._reconstruction):
+                self._reconstruction[k] = zeros
+            else:
+                self._reconstruction.append(zeros)
+        self._send(picked, self.refresh_bits)
+
+    def _send(self, picked: list[int], bits: int | None = None) -> None:
+        """Each unit of ``picked`` sends ``Q(w - r)`` in ``bits`` (default ``delta_bits``) to its holders, which
+        add it to their secondaries, and adds it to its own reconstruction."""
         if not picked:
             return
         comm, me = self.comm, self.comm.rank
-        packs = [comm.pack_delta(self.units[k].device_shard(), self._reconstruction[k]) for k in picked]
+        packs = [comm.pack_delta(self.units[k].device_shard(), self._reconstruction[k], bits) for k in picked]
         for k in picked:
             self.units[k].release_shard()
         payload = torch.cat(packs)
@@ -171,9 +204,9 @@ class WeightDeltas:
         for k, pack in zip(picked, packs):
             unit, size = self.units[k], self.units[k].shard_numel
             nbytes = pack.numel()
-            comm.add_delta(pack, self._reconstruction[k])
+            comm.add_delta(pack, self._reconstruction[k], bits)
             assert unit.secondary is not None
             for o, row in rows.items():
                 start = (o - self._first_owner) * size
-                comm.add_delta(row[at : at + nbytes], unit.secondary[start : start + size])
+                comm.add_delta(row[at : at + nbytes], unit.secondary[start : start + size], bits)
             at += nbytes
