@@ -491,7 +491,7 @@ def test_round_trip_keeps_every_field():
                        "gradient_rotation": "hadamard", "gradient_rotation_size": 16,
                        "nonfinite_gradients": "raise", "entry_check_timeout": 12.5,
                        "memory_budget": {"device": 4e9, "cpu": 8e9}, "delta_bits": 8,
-                       "delta_refresh_interval": 5,
+                       "delta_refresh_interval": 5, "delta_refresh_bits": 8,
                        "rules": [{"match": "ln_", "weight_bits": None}, {"match": "wte", "gradient_bits": 4}]},
         },
         "aio": {"block_size": 4096, "queue_depth": 4, "thread_count": 2, "single_submit": True,
