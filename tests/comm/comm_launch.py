@@ -6,6 +6,12 @@ default group's timeout when given), calls
 ``function(rank, world_size, **kwargs)`` from ``module`` (importable from tests/comm) and saves what it returns.
 It returns the list of per-rank results, or raises with every failing rank's traceback. Workers run with
 ``ZEROPP_QUANT_BACKEND=torch`` unless ``env`` says otherwise.
+
+``launch_cases(target, world_size, tmp_path, cases, **kwargs)`` runs several cases of one worker in ONE launch (each
+launch costs every rank the imports of torch and zeropp, seconds of CPU on a 2-core machine): every rank calls
+``function(rank, world_size, **kwargs, **case)`` for each case in order, on the same process group, and the result
+is each case's list of per-rank results, by case name. The cases share the processes: a worker whose result
+depends on process-wide state (counters read as totals, a cache the previous case filled) is not for this.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import pickle
 import subprocess
 import sys
 import time
+import importlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -121,3 +128,31 @@ def launch(
     if errors:
         raise AssertionError(f"{target} on {world_size} ranks failed:\n" + "\n".join(errors))
     return results
+
+
+def run_cases(rank: int, world: int, *, worker: str, cases: dict[str, dict[str, Any]],
+              common: dict[str, Any]) -> dict[str, Any]:
+    """The worker side of ``launch_cases``: ``worker``'s function (``"module:function"``) called once per case, in
+    order."""
+    module, func = worker.split(":")
+    function = getattr(importlib.import_module(module), func)
+    return {name: function(rank, world, **common, **case) for name, case in cases.items()}
+
+
+def launch_cases(
+    target: str,
+    world_size: int,
+    tmp_path: Path,
+    cases: dict[str, dict[str, Any]],
+    *,
+    env: dict[str, str] | None = None,
+    timeout: float = 120.0,
+    worker_dirs: Sequence[Path] = (),
+    pg_timeout: float | None = None,
+    **kwargs: Any,
+) -> dict[str, list[Any]]:
+    """Run ``target`` once per case of ``cases`` (name -> keyword arguments added to ``kwargs``) in one launch of
+    ``world_size`` gloo ranks; return each case's per-rank results by name. Arguments as for ``launch``."""
+    per_rank = launch("comm_launch:run_cases", world_size, tmp_path, env=env, timeout=timeout,
+                      worker_dirs=worker_dirs, pg_timeout=pg_timeout, worker=target, cases=cases, common=kwargs)
+    return {name: [r[name] for r in per_rank] for name in cases}

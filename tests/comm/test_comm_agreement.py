@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch.distributed as dist
-from comm_launch import launch
+from comm_launch import launch, launch_cases
 
 # the flat all-gather zeropp calls: all_gather_single from torch 2.13, all_gather_into_tensor before (comm/_dist.py)
 GATHER = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
@@ -18,9 +18,17 @@ def test_mismatches_raise_without_debug(tmp_path):
         assert "kind: rank 0=all_gather, rank 1=reduce_scatter" in msg["kind"]
 
 
-@pytest.mark.parametrize("debug", [False, True], ids=["cached", "debug"])
-def test_steady_state_costs_no_extra_collective(tmp_path, debug):
-    results = launch("agreement_workers:steady_state", 4, tmp_path, timeout=120, debug=debug)
+@pytest.fixture(scope="module")
+def steady(tmp_path_factory):
+    """Both modes in one launch, cached first (the debug case sets ``ZEROPP_DEBUG`` for the rest of the process)."""
+    return launch_cases("agreement_workers:steady_state", 4, tmp_path_factory.mktemp("steady"),
+                        {"cached": {"debug": False}, "debug": {"debug": True}}, timeout=120)
+
+
+@pytest.mark.parametrize("mode", ["cached", "debug"])
+def test_steady_state_costs_no_extra_collective(steady, mode):
+    debug = mode == "debug"
+    results = steady[mode]
     # world 4, 2 nodes of 2: qwZ = 1 gather, qgZ = 2 all-to-alls, hpZ = 1 gather per iteration
     data = {GATHER: 2, "all_to_all_single": 2}
     for r in results:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-from comm_launch import launch
+from comm_launch import launch, launch_cases
 from conftest import exact_triton
 
 
@@ -69,11 +69,12 @@ def test_errors(tmp_path):
     assert "use None (exact), 8, 4 or 2" in messages["intra_bits"]
 
 
-@pytest.mark.parametrize("d", [1, 2])
-def test_error_feedback_lowers_accumulated_error(tmp_path, d):
-    results = launch("comm_workers:error_feedback", 4, tmp_path, d=d, steps=16)
-    for r in results:
-        assert r["feedback"] * 4 < r["plain"] and r["feedback_rotated"] * 4 < r["plain"]
+def test_error_feedback_lowers_accumulated_error(tmp_path):
+    """One node of 4 and 2 nodes of 2, in one launch."""
+    runs = launch_cases("comm_workers:error_feedback", 4, tmp_path, {"d1": {"d": 1}, "d2": {"d": 2}}, steps=16)
+    for name, results in runs.items():
+        for r in results:
+            assert r["feedback"] * 4 < r["plain"] and r["feedback_rotated"] * 4 < r["plain"], (name, r)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")

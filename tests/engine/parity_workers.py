@@ -209,3 +209,10 @@ def torch_scheduler(rank: int, world: int) -> dict:
             errors[name] = str(e)
     return {"state_dict": engine.state_dict(), "lrs": lrs, "errors": errors,
             "is_optimizer": isinstance(optimizer, torch.optim.Optimizer)}
+
+
+def suite(rank: int, world: int, root: str) -> dict:
+    """Every worker above in one launch (each launch costs every rank seconds of imports), each on engines of its
+    own: their results by name."""
+    return {"deepspeed_script": deepspeed_script(rank, world, root), "no_sync": no_sync_and_user_scheduler(rank, world),
+            "fp16": fp16_skipped_steps(rank, world), "torch_scheduler": torch_scheduler(rank, world)}

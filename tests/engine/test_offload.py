@@ -42,7 +42,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from engine_launch import launch
+from engine_launch import launch, launch_cases
 
 NODES = {"ZEROPP_RANKS_PER_NODE": "2"}
 BUDGET = 450_000  # bytes per rank: the tiny GPT's root unit in memory, its blocks on NVMe (not all: frozen)
@@ -203,14 +203,27 @@ def test_checkpoints_load_across_tiers_and_world_sizes(tmp_path) -> None:
         assert _same(run["reloaded"], run["masters"])
 
 
-@pytest.mark.parametrize("tier, fault, eval_forward", [
-    ("optimizer", "corrupt", False), ("optimizer", "truncate", False), ("optimizer", "delete", False),
-    ("param", "corrupt", False), ("param", "corrupt", True)])
-def test_a_damaged_swap_file_stops_every_rank(tmp_path, tier, fault, eval_forward) -> None:
-    nvme = tmp_path / "nvme"
-    nvme.mkdir()
-    results = launch("offload_workers:swap_faults", 2, tmp_path, timeout=300, nvme=str(nvme), fault=fault, victim=1,
-                     tier=tier, eval_forward=eval_forward)
+DAMAGED = [("optimizer", "corrupt", False), ("optimizer", "truncate", False), ("optimizer", "delete", False),
+           ("param", "corrupt", False), ("param", "corrupt", True)]
+
+
+@pytest.fixture(scope="module")
+def swap_faults(tmp_path_factory) -> dict[str, list[dict]]:
+    """Every damaged-swap-file case in one launch of 2 ranks, each on a fresh engine with swap files of its own:
+    ``DAMAGED`` by index, and ``"load"`` (a file damaged before a checkpoint load)."""
+    tmp = tmp_path_factory.mktemp("swap_faults")
+    cases = {str(i): {"fault": fault, "tier": tier, "eval_forward": eval_forward}
+             for i, (tier, fault, eval_forward) in enumerate(DAMAGED)}
+    cases["load"] = {"fault": "corrupt", "during": "load", "save_dir": str(tmp / "ckpt")}
+    for name, case in cases.items():
+        case["nvme"] = str(tmp / f"nvme{name}")
+        Path(case["nvme"]).mkdir()
+    return launch_cases("offload_workers:swap_faults", 2, tmp, cases, timeout=600, victim=1)
+
+
+@pytest.mark.parametrize("tier, fault, eval_forward", DAMAGED)
+def test_a_damaged_swap_file_stops_every_rank(swap_faults, tier, fault, eval_forward) -> None:
+    results = swap_faults[str(DAMAGED.index((tier, fault, eval_forward)))]
     said = ("failed reading or writing the NVMe offload's swap files on rank(s) [1]" if tier == "optimizer"
             else "reading or writing the NVMe parameter offload's swap files failed on rank(s) [1]")
     for rank, res in enumerate(results):
@@ -236,15 +249,11 @@ def test_a_missing_nvme_path_on_one_rank_stops_every_rank_at_initialize(tmp_path
     assert not list(tmp_path.glob("zeropp-swap/*")), "rank 0's swap files were left behind"
 
 
-def test_a_swap_file_damaged_before_a_checkpoint_load_stops_every_rank(tmp_path) -> None:
+def test_a_swap_file_damaged_before_a_checkpoint_load_stops_every_rank(swap_faults) -> None:
     """The load reads each group of units from the swap files before loading into them: rank 1's corrupted file
     fails that read, and every rank raises (no rank waits in DCP's collectives); the engine refuses to go on, and
     the checkpoint stays loadable (a new engine loads the saved masters exactly)."""
-    nvme = tmp_path / "nvme"
-    nvme.mkdir()
-    results = launch("offload_workers:swap_faults", 2, tmp_path, timeout=300, nvme=str(nvme), fault="corrupt",
-                     victim=1, during="load", save_dir=str(tmp_path / "ckpt"))
-    for rank, res in enumerate(results):
+    for rank, res in enumerate(swap_faults["load"]):
         assert res["kind"] == "CheckpointError" and res["step"].startswith("loading checkpoint"), res["step"]
         assert "on rank 1" in res["step"] and "CRC-32C" in res["step"], res["step"]
         assert res["later"] is not None and res["later"].startswith("this engine cannot go on"), res["later"]

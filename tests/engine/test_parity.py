@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import math
 import re
+from pathlib import Path
 
+import pytest
 import torch
 from engine_launch import launch
 from parity_workers import CONFIG_A, MICRO, MLP, ONE_CYCLE, SAMPLES, dataset
@@ -56,9 +58,22 @@ def close(a: dict, b: dict, tol: float = 2e-6) -> None:
         torch.testing.assert_close(value.float(), b[key].float(), rtol=tol, atol=tol, msg=key)
 
 
-def test_unmodified_deepspeed_script(tmp_path):
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    """Where the script saves its checkpoint and models."""
+    return tmp_path_factory.mktemp("parity")
+
+
+@pytest.fixture(scope="module")
+def runs(root) -> dict[str, list[dict]]:
+    """``parity_workers.suite``: every test's worker in one launch, results by worker, then rank."""
+    per_rank = launch("parity_workers:suite", WORLD, root, timeout=600, root=str(root))
+    return {name: [r[name] for r in per_rank] for name in per_rank[0]}
+
+
+def test_unmodified_deepspeed_script(runs, root):
     ref = reference_a()
-    results = launch("parity_workers:deepspeed_script", WORLD, tmp_path, timeout=240, root=str(tmp_path))
+    results = runs["deepspeed_script"]
     r0 = results[0]
     sched = CONFIG_A["scheduler"]["params"]
     steps = len(ref["states"])
@@ -80,14 +95,14 @@ def test_unmodified_deepspeed_script(tmp_path):
 
     # save_16bit_model: what torch.load gives back loads into the plain model and holds the reference weights
     assert r0["saved"] is True
-    saved = torch.load(tmp_path / "model" / "pytorch_model.bin", weights_only=True)
+    saved = torch.load(root / "model" / "pytorch_model.bin", weights_only=True)
     plain = MLP(seed=3)
     plain.load_state_dict(saved)
     close(plain.state_dict(), ref["states"][-1])
     if r0["safetensors_installed"]:
         from safetensors.torch import load_file
 
-        close(load_file(tmp_path / "model" / "model.safetensors"), ref["states"][-1])
+        close(load_file(root / "model" / "model.safetensors"), ref["states"][-1])
     else:
         assert "safetensors, which is not installed" in r0["safetensors"] and "pip install safetensors" in r0[
             "safetensors"]
@@ -127,8 +142,8 @@ def one_cycle(t: int) -> tuple[float, float]:
     return p["cycle_min_lr"] / decay, p["cycle_max_mom"]
 
 
-def test_no_sync_user_scheduler_and_errors(tmp_path):
-    results = launch("parity_workers:no_sync_and_user_scheduler", WORLD, tmp_path, timeout=240)
+def test_no_sync_user_scheduler_and_errors(runs):
+    results = runs["no_sync"]
     model = MLP(seed=0)
     x, y = dataset().tensors
     opt = torch.optim.Adam(model.parameters(), lr=0.01, fused=True)
@@ -159,16 +174,16 @@ def test_no_sync_user_scheduler_and_errors(tmp_path):
         assert "lr_scheduler=" in e["both"] and "scheduler block" in e["both"]
 
 
-def test_fp16_skipped_steps_do_not_step_the_scheduler(tmp_path):
-    for r in launch("parity_workers:fp16_skipped_steps", WORLD, tmp_path, timeout=240):
+def test_fp16_skipped_steps_do_not_step_the_scheduler(runs):
+    for r in runs["fp16"]:
         applied = r["applied"]
         assert not applied[0] and applied[-1] and r["skipped"] == applied.count(False) >= 1, applied
         # the scheduler's iteration counts applied steps only (it starts at -1)
         assert r["iterations"] == [sum(applied[:i + 1]) - 1 for i in range(len(applied))]
 
 
-def test_torch_lr_scheduler_drives_the_partitioned_optimizer(tmp_path):
-    results = launch("parity_workers:torch_scheduler", WORLD, tmp_path, timeout=240)
+def test_torch_lr_scheduler_drives_the_partitioned_optimizer(runs):
+    results = runs["torch_scheduler"]
     model = MLP(seed=0)
     x, y = dataset().tensors
     opt = torch.optim.AdamW(model.parameters(), lr=0.02, fused=True)

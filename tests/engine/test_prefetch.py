@@ -13,23 +13,32 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine_launch import launch
+from engine_launch import launch, launch_cases
 
 EVERY_GATHER = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
 FULL = {**EVERY_GATHER, "zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True,
         "zeropp": {"error_feedback": True}}
 
 
-@pytest.mark.parametrize("zero", [EVERY_GATHER, FULL], ids=["exact", "zeropp"])
-def test_prefetch_and_overlap_are_bit_identical(tmp_path, zero) -> None:
+ZEROS = {"exact": EVERY_GATHER, "zeropp": FULL}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, list[dict]]:
+    """Every run of both ``ZEROS`` in one launch."""
     runs = {
         "off": {"stage3_prefetch_bucket_size": 0, "overlap_comm": False},
         "on": {},  # defaults: 5e7-element prefetch bucket, overlap_comm true at stage 3
         "one-unit": {"stage3_prefetch_bucket_size": 1, "reduce_bucket_size": 1},  # waits for each reduction at once
     }
-    results = launch("prefetch_workers:prefetch_runs", 4, tmp_path, env={"ZEROPP_RANKS_PER_NODE": "2"},
-                     timeout=300, zero=zero, runs=runs)
-    for res in results:
+    return launch_cases("prefetch_workers:prefetch_runs", 4, tmp_path_factory.mktemp("prefetch"),
+                        {name: {"zero": zero} for name, zero in ZEROS.items()}, env={"ZEROPP_RANKS_PER_NODE": "2"},
+                        timeout=300, runs=runs)
+
+
+@pytest.mark.parametrize("zero", list(ZEROS))
+def test_prefetch_and_overlap_are_bit_identical(results, zero) -> None:
+    for res in results[zero]:
         off = res["off"]
         assert off["started"] == [0, 0, 0, 0]
         for name in ("on", "one-unit"):
@@ -50,7 +59,7 @@ def test_prefetch_and_overlap_are_bit_identical(tmp_path, zero) -> None:
         sizes = on["unit_numel"]
         block, root = sizes["blocks.0"], sizes[""]
         assert res["one-unit"]["pooled"] == sorted([block, block, root])
-        if zero is EVERY_GATHER:
+        if zero == "exact":
             assert off["pooled"] == on["pooled"] == [2 * block + root]
         else:
             assert off["pooled"] == sorted({block, root})

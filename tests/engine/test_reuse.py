@@ -20,29 +20,42 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_launch import launch
+from engine_launch import launch_cases
 
 EVERY = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
 FULL = {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True,
         "zeropp": {"error_feedback": True}}
 
 
-@pytest.mark.parametrize("zero", [{}, FULL], ids=["exact", "zeropp"])
-def test_kept_units_are_not_gathered_again(tmp_path, zero) -> None:
-    runs = {
-        "every": EVERY,
-        "last": {**EVERY, "stage3_max_reuse_distance": 1},
-        "reuse": {"stage3_param_persistence_threshold": 0},
-        "live": {"stage3_param_persistence_threshold": 0},  # max_live filled in below
-        "default": {},
-    }
-    probe = launch("reuse_workers:reuse_runs", 4, tmp_path / "probe", env={"ZEROPP_RANKS_PER_NODE": "2"},
-                   zero=zero, runs={"every": EVERY}, steps=1)[0]["every"]["numel"]
-    assert all(n < 100_000 for n in probe.values())
-    runs["live"]["stage3_max_live_parameters"] = probe[""] + probe["blocks.1"]
-    results = launch("reuse_workers:reuse_runs", 4, tmp_path, env={"ZEROPP_RANKS_PER_NODE": "2"}, timeout=300,
-                     zero=zero, runs=runs)
-    for res in results:
+ZEROS = {"exact": {}, "zeropp": FULL}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> dict[str, list[dict]]:
+    """Both ``ZEROS`` in one launch, after one launch probing the units' sizes under each."""
+    tmp = tmp_path_factory.mktemp("reuse")
+    env = {"ZEROPP_RANKS_PER_NODE": "2"}
+    by_zero = {name: {"zero": zero} for name, zero in ZEROS.items()}
+    probes = launch_cases("reuse_workers:reuse_runs", 4, tmp / "probe", by_zero, env=env, runs={"every": EVERY}, steps=1)
+    cases = {}
+    for name, zero in ZEROS.items():
+        probe = probes[name][0]["every"]["numel"]
+        assert all(n < 100_000 for n in probe.values())
+        runs = {
+            "every": EVERY,
+            "last": {**EVERY, "stage3_max_reuse_distance": 1},
+            "reuse": {"stage3_param_persistence_threshold": 0},
+            "live": {"stage3_param_persistence_threshold": 0,
+                     "stage3_max_live_parameters": probe[""] + probe["blocks.1"]},
+            "default": {},
+        }
+        cases[name] = {"zero": zero, "runs": runs}
+    return launch_cases("reuse_workers:reuse_runs", 4, tmp, cases, env=env, timeout=300)
+
+
+@pytest.mark.parametrize("zero", list(ZEROS))
+def test_kept_units_are_not_gathered_again(results, zero) -> None:
+    for res in results[zero]:
         every = res["every"]
         for name, run in res.items():
             assert run["losses"] == every["losses"], name
