@@ -12,6 +12,12 @@ launch costs every rank the imports of torch and zeropp, seconds of CPU on a 2-c
 ``function(rank, world_size, **kwargs, **case)`` for each case in order, on the same process group, and the result
 is each case's list of per-rank results, by case name. The cases share the processes: a worker whose result
 depends on process-wide state (counters read as totals, a cache the previous case filled) is not for this.
+
+The ranks are forked from a zygote: one process per pytest session that has imported torch (and its distributed
+and dynamo packages, ~5 CPU-seconds per interpreter) but nothing of zeropp, so each rank starts in milliseconds with
+its own environment and ``sys.path`` and imports zeropp and its worker fresh. A launch whose environment changes a
+variable torch or Triton read at import (``TORCH*``, ``TRITON*``, ``OMP*``, ...) from the zygote's, or any launch
+under ``ZEROPP_TEST_FRESH_PROCESSES=1``, starts fresh interpreters instead.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import subprocess
 import sys
 import time
 import importlib
+import json
+import signal
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -63,6 +71,95 @@ os._exit(0)
 """
 
 
+_ZYGOTE = r"""
+import json, os, signal, sys
+import torch, torch.distributed, torch._dynamo  # the imports every rank would pay
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel; the launcher polls their pids
+for line in sys.stdin:
+    request = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        sys.stdout, sys.stderr = os.fdopen(1, "w", buffering=1), os.fdopen(2, "w", buffering=1)
+        os.chdir(request["cwd"])
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.path[:0] = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+        torch.set_num_threads(int(request["env"].get("OMP_NUM_THREADS", "1")))
+        sys.argv = ["-c", *request["argv"]]
+        exec(compile(request["code"], "<rank>", "exec"), {"__name__": "__main__"})
+        os._exit(0)
+    sys.stdout.write(f"{pid}\n")
+    sys.stdout.flush()
+"""
+
+_IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH", "TRITON", "OMP", "MKL", "KMP", "CUDA", "NCCL", "GLOO", "LD_")
+
+
+class _Zygote:
+    """The session's forking parent (``_ZYGOTE``), started at the first launch that can use it."""
+
+    process: subprocess.Popen | None = None
+    env: dict[str, str] = {}
+
+    @classmethod
+    def serves(cls, env: dict[str, str]) -> bool:
+        if os.environ.get("ZEROPP_TEST_FRESH_PROCESSES") == "1":
+            return False
+        if cls.process is None or cls.process.poll() is not None:
+            cls.env = {**os.environ, "OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")}
+            cls.env.pop("PYTHONPATH", None)
+            cls.process = subprocess.Popen([sys.executable, "-c", _ZYGOTE], env=cls.env, stdin=subprocess.PIPE,
+                                           stdout=subprocess.PIPE, text=True)
+        keys = {k for k in (*env, *cls.env) if k.startswith(_IMPORT_TIME_PREFIXES)}
+        return all(env.get(k) == cls.env.get(k) for k in keys)
+
+    @classmethod
+    def fork(cls, argv: list[str], env: dict[str, str], log: Path) -> int:
+        assert cls.process is not None and cls.process.stdin is not None and cls.process.stdout is not None
+        cls.process.stdin.write(json.dumps({"argv": argv, "env": env, "log": str(log), "code": _CHILD,
+                                            "cwd": os.getcwd()}) + "\n")
+        cls.process.stdin.flush()
+        line = cls.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the launch zygote exited (status {cls.process.poll()}); rerun with "
+                               "ZEROPP_TEST_FRESH_PROCESSES=1 to launch fresh interpreters")
+        return int(line)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _run_forked(argvs: list[list[str]], env: dict[str, str], run_dir: Path, timeout: float) -> tuple[list[str], bool]:
+    """Fork one rank per ``argvs`` entry from the zygote; wait until all have exited or ``timeout`` seconds passed
+    (then kill them); return each rank's output and whether it timed out."""
+    logs = [run_dir / f"output{r}.log" for r in range(len(argvs))]
+    pids = [_Zygote.fork(argv, env, log) for argv, log in zip(argvs, logs)]
+    deadline = time.monotonic() + timeout
+    pause = 0.005
+    while any(map(_alive, pids)):
+        if time.monotonic() > deadline:
+            for pid in pids:
+                try:
+                    os.killpg(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            break
+        time.sleep(pause)
+        pause = min(pause * 1.5, 0.1)
+    timed_out = time.monotonic() > deadline
+    return [log.read_text(errors="replace") if log.exists() else "" for log in logs], timed_out
+
+
 def launch(
     target: str,
     world_size: int,
@@ -90,29 +187,12 @@ def launch(
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         if env is None or var not in env:
             child_env.pop(var, None)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _CHILD, str(r), str(world_size), str(run_dir), target,
-             *([] if pg_timeout is None else [repr(pg_timeout)])],
-            env=child_env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )
-        for r in range(world_size)
-    ]
-    deadline = time.monotonic() + timeout
-    outputs: list[str] = []
-    timed_out = False
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            for q in procs:
-                if q.poll() is None:
-                    q.kill()
-            out, _ = p.communicate()
-        outputs.append(out.decode(errors="replace"))
+    argvs = [[str(r), str(world_size), str(run_dir), target, *([] if pg_timeout is None else [repr(pg_timeout)])]
+             for r in range(world_size)]
+    if _Zygote.serves(child_env):
+        outputs, timed_out = _run_forked(argvs, child_env, run_dir, timeout)
+    else:
+        outputs, timed_out = _run_fresh(argvs, child_env, timeout)
     results, errors = [], []
     for r in range(world_size):
         path = run_dir / f"result{r}.pkl"
@@ -128,6 +208,26 @@ def launch(
     if errors:
         raise AssertionError(f"{target} on {world_size} ranks failed:\n" + "\n".join(errors))
     return results
+
+
+def _run_fresh(argvs: list[list[str]], env: dict[str, str], timeout: float) -> tuple[list[str], bool]:
+    """One fresh interpreter per ``argvs`` entry; their outputs and whether they timed out."""
+    procs = [subprocess.Popen([sys.executable, "-c", _CHILD, *argv], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT) for argv in argvs]
+    deadline = time.monotonic() + timeout
+    outputs: list[str] = []
+    timed_out = False
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            for q in procs:
+                if q.poll() is None:
+                    q.kill()
+            out, _ = p.communicate()
+        outputs.append(out.decode(errors="replace"))
+    return outputs, timed_out
 
 
 def run_cases(rank: int, world: int, *, worker: str, cases: dict[str, dict[str, Any]],
