@@ -86,13 +86,16 @@ def _quantize_kernel(
 
 
 def quantize_chunks(
-    x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, out: torch.Tensor, seed: int | None = None
+    x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, out: torch.Tensor, seed: int | None = None,
+    rotation: int = 0,
 ) -> None:
     """Pack flat ``x`` as ``chunks`` slices of ``ceil(numel / chunks)`` elements into the uint8 ``out``.
 
     ``out`` holds ``chunks`` packs of ``fmt.packed_bytes(chunk_numel)`` bytes; with ``nodes > 1`` pack ``p``
     holds slice ``swizzle_source(p, nodes, chunks // nodes)``; with a ``seed``, rounded stochastically. Same
-    result as ``reference.quantize_chunks``.
+    result as ``reference.quantize_chunks``. ``rotation`` (unseeded only): the rotation fused, each loaded tile's
+    blocks of ``rotation`` elements, padding included, through the butterfly before they are quantized; same result
+    as ``rotation.swizzle_quantize_rotated``'s composition.
     """
     numel = x.numel()
     if numel == 0:
@@ -101,36 +104,13 @@ def quantize_chunks(
     blocks_per_pack = fmt.num_blocks(slice_numel)
     shape = launch_shape("quantize", fmt.block_size, is_aligned(x, slice_numel))
     grid = (triton.cdiv(blocks_per_pack, shape.blocks_per_program), nodes, chunks // nodes)
-    launch(
-        _quantize_kernel,
-        grid,
-        shape,
-        fmt,
-        x.device,
-        x,
-        out,
-        numel,
-        slice_numel,
-        chunks // nodes,
-        blocks_per_pack,
-        fmt.packed_bytes(slice_numel),
-        0 if seed is None else seed,
-        SEEDED=seed is not None,
-    )
+    rotated = {"ROTATION": rotation, "LOG_ROTATION": rotation.bit_length() - 1} if rotation else {}
+    launch(_quantize_kernel, grid, shape, fmt, x.device, x, out, numel, slice_numel, chunks // nodes,
+           blocks_per_pack, fmt.packed_bytes(slice_numel), 0 if seed is None else seed, SEEDED=seed is not None,
+           **rotated)
 
 
 def quantize_chunks_rotated(x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, size: int,
                             out: torch.Tensor) -> None:
-    """``quantize_chunks`` (unseeded) with the rotation fused: each loaded tile's blocks of ``size`` elements,
-    padding included, go through the butterfly before they are quantized. Same result as
-    ``rotation.swizzle_quantize_rotated``'s composition."""
-    numel = x.numel()
-    if numel == 0:
-        return
-    slice_numel = triton.cdiv(numel, chunks)
-    blocks_per_pack = fmt.num_blocks(slice_numel)
-    shape = launch_shape("quantize", fmt.block_size, is_aligned(x, slice_numel))
-    grid = (triton.cdiv(blocks_per_pack, shape.blocks_per_program), nodes, chunks // nodes)
-    launch(_quantize_kernel, grid, shape, fmt, x.device, x, out, numel, slice_numel, chunks // nodes,
-           blocks_per_pack, fmt.packed_bytes(slice_numel), 0, SEEDED=False, ROTATION=size,
-           LOG_ROTATION=size.bit_length() - 1)
+    """``quantize_chunks`` (unseeded) with the rotation of ``size`` fused."""
+    quantize_chunks(x, fmt, chunks, nodes, out, rotation=size)

@@ -294,46 +294,31 @@ def divide_mode(divisor: float) -> tuple[int, float]:
 
 
 def reduce_dequantize(
-    buf: torch.Tensor, fmt: BlockFormat, groups: int, chunk_numel: int, out: torch.Tensor, divisor: float
+    buf: torch.Tensor, fmt: BlockFormat, groups: int, chunk_numel: int, out: torch.Tensor, divisor: float,
+    rotation: int = 0,
 ) -> None:
     """Sum ``groups`` packs of ``chunk_numel`` elements in float32, divide by ``divisor`` and write the first
-    ``out.numel()`` values into flat ``out`` in its dtype. Same result as ``reference.reduce_dequantize``."""
+    ``out.numel()`` values into flat ``out`` in its dtype. Same result as ``reference.reduce_dequantize``.
+    ``rotation``: the inverse rotation fused, each tile's sums through the inverse butterfly of ``rotation``, then
+    divided (by the exact reciprocal of a power of two, else by IEEE division: the fast division's exactness check
+    reads the scales, not the unrotated values) and stored; same result as ``rotation.reduce_dequantize_rotated``'s
+    composition."""
     out_numel = out.numel()
     if out_numel == 0:
         return
     blocks = fmt.num_blocks(out_numel)
     shape = launch_shape("reduce_dequantize", fmt.block_size, is_aligned(out))
     mode, reciprocal = divide_mode(divisor)
-    launch(
-        _reduce_dequantize_kernel,
-        (triton.cdiv(blocks, shape.blocks_per_program),),
-        shape,
-        fmt,
-        buf.device,
-        buf,
-        out,
-        out_numel,
-        fmt.num_blocks(chunk_numel),
-        fmt.packed_bytes(chunk_numel),
-        divisor,
-        reciprocal,
-        GROUPS=groups,
-        DIVIDE=mode,
-    )
+    rotated = {}
+    if rotation:
+        mode = DIVIDE_EXACT if mode == DIVIDE_FAST else mode
+        rotated = {"ROTATION": rotation, "LOG_ROTATION": rotation.bit_length() - 1}
+    launch(_reduce_dequantize_kernel, (triton.cdiv(blocks, shape.blocks_per_program),), shape, fmt, buf.device,
+           buf, out, out_numel, fmt.num_blocks(chunk_numel), fmt.packed_bytes(chunk_numel), divisor, reciprocal,
+           GROUPS=groups, DIVIDE=mode, **rotated)
 
 
 def reduce_dequantize_rotated(buf: torch.Tensor, fmt: BlockFormat, groups: int, chunk_numel: int, size: int,
                               out: torch.Tensor, divisor: float) -> None:
-    """``reduce_dequantize`` with the inverse rotation fused: each tile's sums through the inverse butterfly of
-    ``size``, then divided (by the exact reciprocal of a power of two, else by IEEE division) and stored. Same
-    result as ``rotation.reduce_dequantize_rotated``'s composition."""
-    out_numel = out.numel()
-    if out_numel == 0:
-        return
-    blocks = fmt.num_blocks(out_numel)
-    shape = launch_shape("reduce_dequantize", fmt.block_size, is_aligned(out))
-    mode, reciprocal = divide_mode(divisor)
-    launch(_reduce_dequantize_kernel, (triton.cdiv(blocks, shape.blocks_per_program),), shape, fmt, buf.device,
-           buf, out, out_numel, fmt.num_blocks(chunk_numel), fmt.packed_bytes(chunk_numel), divisor, reciprocal,
-           GROUPS=groups, DIVIDE=DIVIDE_EXACT if mode == DIVIDE_FAST else mode, ROTATION=size,
-           LOG_ROTATION=size.bit_length() - 1)
+    """``reduce_dequantize`` with the inverse rotation of ``size`` fused."""
+    reduce_dequantize(buf, fmt, groups, chunk_numel, out, divisor, rotation=size)
