@@ -4,6 +4,7 @@ unsharded copy of the model, and the misuses ``enable`` refuses. One launch runs
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import torch
@@ -134,6 +135,45 @@ def hop_runs(rank: int, world: int) -> dict[str, Any]:
     zeropp.fsdp.enable(model, weight_bits=None, gradient_bits=4, gradient_bits_intra=8, block_size=BLOCK,
                        topology=topo)
     out["enable"] = _step(model, rank)["reduce_scatter"]
+    out["options"] = option_runs(topo, numel)
+    model = _model(init_device_mesh("cpu", (world,)))
+    zeropp.fsdp.enable(model, weight_bits=None, gradient_bits=4, gradient_bits_intra=8, block_size=BLOCK,
+                       topology=topo, error_feedback="loco", stochastic_rounding=True)
+    out["enable_options"] = _step(model, rank)["reduce_scatter"]
+    return out
+
+
+def option_runs(topo: comm.Topology, numel: int) -> dict[str, Any]:
+    """The hook with stochastic rounding (two calls, and a second hook with the same seed) and with LoCo's error
+    feedback (three calls), beside ``comm.reduce_scatter`` given what the hook should pass it: the seed of each
+    call, one ``ErrorFeedback("loco", beta)`` for the buffer."""
+    rank, avg = dist.get_rank(), dist.ReduceOp.AVG
+    out: dict[str, Any] = {}
+    sr = zeropp.fsdp.ZeroppReduceScatter(topo, 4, BLOCK, intra_bits=8, stochastic_rounding=True, seed=3)
+    again = zeropp.fsdp.ZeroppReduceScatter(topo, 4, BLOCK, intra_bits=8, stochastic_rounding=True, seed=3)
+    x = _hop_input(rank, numel, 0)
+    for call in (1, 2):
+        got = torch.empty(HOP_SHARD)
+        sr(got, x.clone(), topo.group, avg)
+        expect = comm.reduce_scatter(x.clone(), 4, topology=topo, block_size=BLOCK, intra_bits=8,
+                                     seed=int.from_bytes(hashlib.sha256(f"3/{call}/0".encode()).digest()[:4], "little"))
+        out[f"sr{call}"] = (got, expect)
+    out["sr_again"] = torch.empty(HOP_SHARD)
+    again(out["sr_again"], x.clone(), topo.group, avg)
+    out["rtn"] = comm.reduce_scatter(x.clone(), 4, topology=topo, block_size=BLOCK, intra_bits=8)
+    loco = zeropp.fsdp.ZeroppReduceScatter(topo, 4, BLOCK, error_feedback="loco", error_feedback_beta=0.25)
+    reference = comm.ErrorFeedback("loco", 0.25)
+    out["loco"] = []
+    for step in range(3):
+        x = _hop_input(rank, numel, step)
+        got = torch.empty(HOP_SHARD)
+        loco(got, x.clone(), topo.group, avg)
+        expect = comm.reduce_scatter(x.clone(), 4, topology=topo, block_size=BLOCK, error_feedback=reference)
+        out["loco"].append((got, expect))
+    ef = loco.error_feedback
+    assert ef is not None and ef.residual is not None and reference.residual is not None
+    out["loco_store"] = (ef.store, ef.residual.dtype, ef.nbytes, reference.nbytes, ef.numels,
+                         torch.equal(ef.residual, reference.residual))
     return out
 
 

@@ -96,6 +96,27 @@ def test_hop_bits_through_enable_bytes_equal_formula(runs: list[dict]) -> None:
         assert st["sent_inter"] == sum((N - 1) * f2.packed_bytes(s) for s in widths)
 
 
+def test_stochastic_rounding_and_loco_pass_through_to_comm(runs: list[dict]) -> None:
+    """``ZeroppReduceScatter(stochastic_rounding=True, seed=...)`` gives each call its own seed and equals
+    ``comm.reduce_scatter`` with that seed (tested against the seeded composition and for unbiasedness in
+    tests/comm/test_qgz_options.py); ``error_feedback="loco"`` equals ``comm.reduce_scatter`` fed one LoCo store,
+    residuals included, at 1 + 4/BLOCK bytes per element; through ``enable`` neither changes the bytes."""
+    for r in runs:
+        o = r["hops"]["options"]
+        for call in (1, 2):
+            got, expect = o[f"sr{call}"]
+            assert torch.equal(got, expect)
+        assert torch.equal(o["sr_again"], o["sr1"][0])                 # the same seed reproduces
+        assert not torch.equal(o["sr1"][0], o["sr2"][0])               # each call its own noise
+        assert not torch.equal(o["sr1"][0], o["rtn"])                  # not round-to-nearest
+        for got, expect in o["loco"]:
+            assert torch.equal(got, expect)
+        store, dtype, nbytes, ref_nbytes, numels, same = o["loco_store"]
+        assert (store, dtype, same, nbytes) == ("loco", torch.uint8, True, ref_nbytes)
+        assert nbytes <= sum(numels) * (1 + 4 / BLOCK) + 8 * BLOCK    # padding of each slice's last block
+        assert r["hops"]["enable_options"] == r["hops"]["enable"]
+
+
 # ---- per-parameter rules ------------------------------------------------------------------------------------
 
 

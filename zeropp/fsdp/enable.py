@@ -31,7 +31,9 @@ def enable(
     gradient_bits: int | None = 4,
     hpz: int | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
-    error_feedback: bool = False,
+    error_feedback: bool | str = False,
+    error_feedback_beta: float = 0.5,
+    stochastic_rounding: bool = False,
     gradient_rotation: int | None = None,
     gradient_bits_intra: int | None = None,
     rules: Sequence[Rule | Mapping[str, Any]] | None = None,
@@ -68,7 +70,11 @@ def enable(
         error_feedback: with ``gradient_bits``: each FSDP2 module keeps its gradient buffer's quantization
             residuals (``zeropp.comm.ErrorFeedback``: float32, the module's whole flat gradient, ``P`` shards,
             plus one shard per node) and adds them to its next reduction, so the error summed over steps stays
-            bounded instead of growing with the number of steps.
+            bounded instead of growing with the number of steps. ``"loco"``: the residuals as LoCo's 8-bit moving
+            average (1 + 4 / ``block_size`` bytes per element instead of 4; ``zeropp.comm.ErrorFeedback``).
+        error_feedback_beta: LoCo's moving-average coefficient, in ``[0, 1)`` (``error_feedback="loco"``).
+        stochastic_rounding: with ``gradient_bits``: qgZ rounds its codes stochastically (unbiased), seeded by the
+            FSDP2 group's index and its call count, so a run reproduces bit for bit.
         gradient_rotation: with ``gradient_bits``: the block size (16, 32, 64 or 128, dividing ``block_size``)
             of a Hadamard rotation of each rank's gradient slice before qgZ quantizes it, undone after the
             reduction (``zeropp.comm.reduce_scatter``'s ``rotation``; ``docs/rotation.md``); ``None``: off.
@@ -166,7 +172,8 @@ def enable(
         first.set_custom_all_gather(gather)
         quantized = _quantizes(gbits)  # a group whose gradients are all exact takes no qgZ options
         first.set_custom_reduce_scatter(ZeroppReduceScatter(
-            topology, gbits, block_size, error_feedback=error_feedback and quantized,
+            topology, gbits, block_size, error_feedback=error_feedback if quantized else False,
+            error_feedback_beta=error_feedback_beta, stochastic_rounding=stochastic_rounding and quantized, seed=k,
             gradient_rotation=gradient_rotation if quantized else None,
             intra_bits=gradient_bits_intra if quantized else None, segments=segments, names=names))
     if hpz is not None:

@@ -15,6 +15,7 @@ and/or after the call itself), or ``PREMUL_SUM(1 / factor)`` (``set_gradient_div
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import torch
@@ -43,6 +44,11 @@ class ZeroppReduceScatter(FlatBufferHook, FSDPReduceScatter):
     got a gradient; when that set changes, the buffer's size changes and the residuals are dropped (reset), since
     they describe another layout.
 
+    ``error_feedback="loco"``: the residuals kept as LoCo's 8-bit moving average (``comm.ErrorFeedback("loco",
+    error_feedback_beta)``, ``1 + 4 / block_size`` bytes per element instead of 4). ``stochastic_rounding``: every
+    qgZ call rounds its codes stochastically, seeded by ``seed`` and the hook's call count (``comm.reduce_scatter``'s
+    ``seed``; one seed per per-format part), so a run that makes the same calls reproduces bit for bit.
+
     ``intra_bits``: qgZ's intra-node hop in its own width (``zeropp.comm.reduce_scatter``'s ``intra_bits``: e.g.
     8 inside the node, ``bits`` 4 across, as SDP4Bit); the inter-node bytes are those of ``bits``.
 
@@ -60,7 +66,10 @@ class ZeroppReduceScatter(FlatBufferHook, FSDPReduceScatter):
         bits: 8, 4 or 2 for qgZ, ``None`` for exact; or a sequence of those, one per segment (needs ``segments``).
         block_size: elements per quantization block (each rank's slice is packed on its own).
         error_feedback: keep the quantization residuals of this buffer and add them back at the next reduction
-            (qgZ only: ``ValueError`` with ``bits=None``).
+            (qgZ only: ``ValueError`` with ``bits=None``): ``True`` in float32, ``"loco"`` in 8 bits.
+        error_feedback_beta: LoCo's moving-average coefficient in ``[0, 1)`` (``error_feedback="loco"`` only).
+        stochastic_rounding: qgZ's codes rounded stochastically (unbiased), deterministic from ``seed``.
+        seed: this hook's stochastic-rounding seed (``enable`` gives each FSDP2 group its index).
         gradient_rotation: qgZ only: the block size of a Hadamard rotation of each rank's slice before it is
             quantized, undone after the reduction (``zeropp.comm.reduce_scatter``'s ``rotation``); ``None``: off.
         intra_bits: qgZ only: 8, 4 or 2 bits for the intra-node hop; ``None``: ``bits``.
@@ -71,8 +80,9 @@ class ZeroppReduceScatter(FlatBufferHook, FSDPReduceScatter):
 
     def __init__(
         self, topology: comm.Topology, bits: int | None | Sequence[int | None], block_size: int,
-        error_feedback: bool = False, gradient_rotation: int | None = None, intra_bits: int | None = None,
-        segments: Sequence[int] = (), names: Sequence[str] = (),
+        error_feedback: bool | str = False, gradient_rotation: int | None = None, intra_bits: int | None = None,
+        segments: Sequence[int] = (), names: Sequence[str] = (), error_feedback_beta: float = 0.5,
+        stochastic_rounding: bool = False, seed: int = 0,
     ) -> None:
         self.parts: list[FormatPart] | None = None
         self.segments = tuple(int(s) for s in segments)
@@ -87,13 +97,18 @@ class ZeroppReduceScatter(FlatBufferHook, FSDPReduceScatter):
             quantized = [bits] if bits is not None else []
         any_bits = quantized[0] if quantized else None
         check_error_feedback(error_feedback, any_bits)
+        if stochastic_rounding and any_bits is None:
+            raise ValueError("stochastic_rounding=True needs quantized gradients: pass gradient_bits=8, 4 or 2 (an "
+                             "exact reduce-scatter rounds nothing)")
         check_gradient_rotation(gradient_rotation, any_bits, block_size)
         check_intra_bits(intra_bits, any_bits)
         super().__init__(topology, bits, block_size)
-        self.error_feedback: comm.ErrorFeedback | None = (comm.ErrorFeedback() if error_feedback and self.parts is None
-                                                          else None)
-        self.part_feedback = [comm.ErrorFeedback() if error_feedback and part.bits is not None else None
+        store, beta = ("loco", error_feedback_beta) if error_feedback == "loco" else ("fp32", 0.0)
+        self.error_feedback: comm.ErrorFeedback | None = (comm.ErrorFeedback(store, beta)
+                                                          if error_feedback and self.parts is None else None)
+        self.part_feedback = [comm.ErrorFeedback(store, beta) if error_feedback and part.bits is not None else None
                               for part in self.parts or []]
+        self.stochastic_rounding, self.seed, self.calls = stochastic_rounding, seed, 0
         self.gradient_rotation = gradient_rotation
         self.intra_bits = intra_bits
 
@@ -121,21 +136,29 @@ class ZeroppReduceScatter(FlatBufferHook, FSDPReduceScatter):
                 "set_gradient_divide_factor); its factor is not readable through a public API. Call "
                 "module.set_force_sum_reduction_for_comms(True) as well: FSDP2 then passes SUM and divides itself"
             )
+        self.calls += 1
         if self.parts is not None:
             self._reduce_parts(output_tensor, input_tensor, reduce_op)
             return None
         ef = self.error_feedback
         if ef is not None and ef.key is not None and ef.key[0] != input_tensor.numel():
             ef.reset()  # the residuals (keyed by the input's numel first) describe another buffer layout
-        self._reduce(input_tensor, self.bits, reduce_op, output_tensor, ef)
+        self._reduce(input_tensor, self.bits, reduce_op, output_tensor, ef, 0)
         return None
 
+    def call_seed(self, part: int = 0) -> int:
+        """The stochastic-rounding seed (``[0, 2**32)``) of this call's part ``part``: the first 4 bytes,
+        little-endian, of SHA-256 of ``f"{seed}/{calls}/{part}"`` (``calls`` counts this hook's calls from 1)."""
+        digest = hashlib.sha256(f"{self.seed}/{self.calls}/{part}".encode()).digest()
+        return int.from_bytes(digest[:4], "little")
+
     def _reduce(self, full: torch.Tensor, bits: int | None, op: comm.ReduceOp, out: torch.Tensor,
-                ef: comm.ErrorFeedback | None) -> None:
+                ef: comm.ErrorFeedback | None, part: int) -> None:
         quantized = bits is not None
         comm.reduce_scatter(full, bits, op=op, topology=self.topology, out=out, block_size=self.block_size,
                             error_feedback=ef, rotation=self.gradient_rotation if quantized else None,
-                            intra_bits=self.intra_bits if quantized else None)
+                            intra_bits=self.intra_bits if quantized else None,
+                            seed=self.call_seed(part) if quantized and self.stochastic_rounding else None)
 
     def _reduce_parts(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, op: comm.ReduceOp) -> None:
         """The per-format path: one reduce-scatter per format part of the ``P x S`` buffer's columns."""
@@ -152,18 +175,22 @@ class ZeroppReduceScatter(FlatBufferHook, FSDPReduceScatter):
             )
         grid = input_tensor.view(size, width)
         out = output_tensor.view(-1)
-        for part, ef in zip(self.parts, self.part_feedback):
+        for index, (part, ef) in enumerate(zip(self.parts, self.part_feedback)):
             full = torch.empty(size, part.numel, dtype=input_tensor.dtype, device=input_tensor.device)
             for src, dst, length in part.runs:
                 full[:, dst:dst + length].copy_(grid[:, src:src + length])
             mine = torch.empty(part.numel, dtype=output_tensor.dtype, device=output_tensor.device)
-            self._reduce(full.view(-1), part.bits, op, mine, ef)
+            self._reduce(full.view(-1), part.bits, op, mine, ef, index)
             for dst, src, length in part.runs:
                 out[dst:dst + length].copy_(mine[src:src + length])
 
 
-def check_error_feedback(error_feedback: bool, bits: int | None) -> None:
-    """Raise unless ``error_feedback`` comes with quantized gradients (``bits`` 8, 4 or 2)."""
+def check_error_feedback(error_feedback: bool | str, bits: int | None) -> None:
+    """Raise unless ``error_feedback`` is ``False``, or ``True`` / ``"loco"`` with quantized gradients (``bits``
+    8, 4 or 2)."""
+    if error_feedback not in (False, True, "loco"):
+        raise ValueError(f"error_feedback={error_feedback!r} must be False, True (float32 residuals) or 'loco' "
+                         "(LoCo's 8-bit moving average)")
     if error_feedback and bits is None:
         raise ValueError(
             "error_feedback=True needs quantized gradients: pass gradient_bits=8 or 4 (or 2; exact reduce-scatters "
