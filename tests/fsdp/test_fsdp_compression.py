@@ -23,6 +23,7 @@ from fsdp_launch import launch
 from fsdp_workers import varied_gpt
 from gpt_units import gpt_units, padded_shard_numel
 
+from zeropp.fsdp.reduce_scatter import check_error_feedback
 from zeropp.quant import BlockFormat
 
 WORLD, D, N = 4, 2, 2  # ranks, ranks per node, nodes
@@ -115,6 +116,15 @@ def test_stochastic_rounding_and_loco_pass_through_to_comm(runs: list[dict]) -> 
         assert (store, dtype, same, nbytes) == ("loco", torch.uint8, True, ref_nbytes)
         assert nbytes <= sum(numels) * (1 + 4 / BLOCK) + 8 * BLOCK    # padding of each slice's last block
         assert r["hops"]["enable_options"] == r["hops"]["enable"]
+
+
+def test_error_feedback_beta_needs_loco() -> None:
+    """As the config refuses ``zeropp.error_feedback_beta`` without ``"loco"``, so does ``zeropp.fsdp``."""
+    check_error_feedback("loco", 4, 0.25)
+    check_error_feedback(True, 4)
+    for ef in (True, False):
+        with pytest.raises(ValueError, match="error_feedback_beta=0.25 is LoCo's moving-average coefficient"):
+            check_error_feedback(ef, 4, 0.25)
 
 
 # ---- per-parameter rules ------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import comm
 from ..config import Rule
+from ..config.blocks import LOCO_BETA
 from ..quant import DEFAULT_BLOCK_SIZE, BlockFormat
 from ..quant.format import SUPPORTED_BITS
 from .all_gather import ZeroppAllGather
@@ -32,7 +33,7 @@ def enable(
     hpz: int | None = None,
     block_size: int = DEFAULT_BLOCK_SIZE,
     error_feedback: bool | str = False,
-    error_feedback_beta: float = 0.5,
+    error_feedback_beta: float = LOCO_BETA,
     stochastic_rounding: bool = False,
     gradient_rotation: int | None = None,
     gradient_bits_intra: int | None = None,
@@ -112,7 +113,7 @@ def enable(
     resolved = resolve_rules(rules, (weight_bits, gradient_bits))
     some_bits = gradient_bits if gradient_bits is not None else next(
         (r.gradient_bits for r in resolved if r.gradient_bits is not None), None)  # any quantized gradients at all
-    check_error_feedback(error_feedback, some_bits)
+    check_error_feedback(error_feedback, some_bits, error_feedback_beta)
     check_gradient_rotation(gradient_rotation, some_bits, block_size)
     check_intra_bits(gradient_bits_intra, some_bits)
     if weight_deltas:

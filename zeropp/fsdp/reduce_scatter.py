@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .. import comm
+from ..config.blocks import LOCO_BETA
 from .._torch_internals import FSDPReduceScatter
 from ..quant.format import SUPPORTED_BITS
 from ..quant.rotation import check_rotation_size
@@ -81,7 +82,7 @@ class ZeroppReduceScatter(FlatBufferHook, FSDPReduceScatter):
     def __init__(
         self, topology: comm.Topology, bits: int | None | Sequence[int | None], block_size: int,
         error_feedback: bool | str = False, gradient_rotation: int | None = None, intra_bits: int | None = None,
-        segments: Sequence[int] = (), names: Sequence[str] = (), error_feedback_beta: float = 0.5,
+        segments: Sequence[int] = (), names: Sequence[str] = (), error_feedback_beta: float = LOCO_BETA,
         stochastic_rounding: bool = False, seed: int = 0,
     ) -> None:
         self.parts: list[FormatPart] | None = None
@@ -96,7 +97,7 @@ class ZeroppReduceScatter(FlatBufferHook, FSDPReduceScatter):
         else:
             quantized = [bits] if bits is not None else []
         any_bits = quantized[0] if quantized else None
-        check_error_feedback(error_feedback, any_bits)
+        check_error_feedback(error_feedback, any_bits, error_feedback_beta)
         if stochastic_rounding and any_bits is None:
             raise ValueError("stochastic_rounding=True needs quantized gradients: pass gradient_bits=8, 4 or 2 (an "
                              "exact reduce-scatter rounds nothing)")
@@ -185,12 +186,16 @@ class ZeroppReduceScatter(FlatBufferHook, FSDPReduceScatter):
                 out[dst:dst + length].copy_(mine[src:src + length])
 
 
-def check_error_feedback(error_feedback: bool | str, bits: int | None) -> None:
+def check_error_feedback(error_feedback: bool | str, bits: int | None, beta: float = LOCO_BETA) -> None:
     """Raise unless ``error_feedback`` is ``False``, or ``True`` / ``"loco"`` with quantized gradients (``bits``
-    8, 4 or 2)."""
+    8, 4 or 2), and ``beta`` keeps its default unless ``error_feedback="loco"`` (as the config's
+    ``zeropp.error_feedback_beta``)."""
     if error_feedback not in (False, True, "loco"):
         raise ValueError(f"error_feedback={error_feedback!r} must be False, True (float32 residuals) or 'loco' "
                          "(LoCo's 8-bit moving average)")
+    if beta != LOCO_BETA and error_feedback != "loco":
+        raise ValueError(f"error_feedback_beta={beta!r} is LoCo's moving-average coefficient: pass "
+                         "error_feedback='loco' with it, or leave it out")
     if error_feedback and bits is None:
         raise ValueError(
             "error_feedback=True needs quantized gradients: pass gradient_bits=8 or 4 (or 2; exact reduce-scatters "
