@@ -32,7 +32,7 @@ from .checks import debug_enabled
 from .deltas import add_delta, pack_delta
 from .exchange import exchange
 from .onebit import onebit_reduce_scatter
-from .reduce_scatter import ErrorFeedback, ReduceOp, hop_seed, reduce_scatter, shard_range
+from .reduce_scatter import ErrorFeedback, ReduceOp, derive_seed, hop_seed, reduce_scatter, shard_range
 from .topology import (
     ENV_RANKS_PER_NODE,
     Topology,
@@ -54,6 +54,7 @@ __all__ = [
     "add_delta",
     "all_gather",
     "debug_enabled",
+    "derive_seed",
     "exchange",
     "get_default_topology",
     "hop_seed",

@@ -124,11 +124,17 @@ def shard_range(numel: int, world_size: int, rank: int) -> tuple[int, int]:
     return start, min(start + s, numel)
 
 
+def derive_seed(*parts: object) -> int:
+    """A stochastic-rounding seed (``[0, 2**32)``) named by ``parts``: the first 4 bytes, little-endian, of SHA-256
+    of the parts joined by ``/`` (``derive_seed(7, 1, 0)`` hashes ``"7/1/0"``). Every caller that needs a seed per
+    reduction, hop or call derives it here."""
+    return int.from_bytes(hashlib.sha256("/".join(map(str, parts)).encode()).digest()[:4], "little")
+
+
 def hop_seed(seed: int, hop: int, rank: int) -> int:
-    """The stochastic-rounding seed (``[0, 2**32)``) of qgZ's hop ``hop`` (1: the slices' packing, 2: the
-    requantization of the partial sums) on group rank ``rank`` for a ``reduce_scatter(seed=seed)``: the first 4
-    bytes, little-endian, of SHA-256 of ``f"{seed}/{hop}/{rank}"``."""
-    return int.from_bytes(hashlib.sha256(f"{seed}/{hop}/{rank}".encode()).digest()[:4], "little")
+    """The stochastic-rounding seed of qgZ's hop ``hop`` (1: the slices' packing, 2: the requantization of the
+    partial sums) on group rank ``rank`` for a ``reduce_scatter(seed=seed)``: ``derive_seed(seed, hop, rank)``."""
+    return derive_seed(seed, hop, rank)
 
 
 class ErrorFeedback:

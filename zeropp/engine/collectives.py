@@ -12,7 +12,6 @@ group; ``wait_all_arrived`` is ``comm.Arrival``'s check on a gloo side group of 
 from __future__ import annotations
 
 import copy
-import hashlib
 from datetime import timedelta
 
 import torch
@@ -210,7 +209,7 @@ class Collectives:
         ``None`` (round to nearest) unless ``stochastic_rounding``."""
         if not self.stochastic_rounding:
             return None
-        return int.from_bytes(hashlib.sha256(f"qgz/{micro_step}/{unit_name}".encode()).digest()[:4], "little")
+        return comm.derive_seed("qgz", micro_step, unit_name)
 
     def reduce_scatter_grads(
         self, full: torch.Tensor, out: torch.Tensor, error_feedback: comm.ErrorFeedback | None = None,

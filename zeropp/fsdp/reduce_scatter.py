@@ -15,7 +15,6 @@ and/or after the call itself), or ``PREMUL_SUM(1 / factor)`` (``set_gradient_div
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
 import torch
@@ -150,8 +149,7 @@ class ZeroppReduceScatter(FlatBufferHook, FSDPReduceScatter):
     def call_seed(self, part: int = 0) -> int:
         """The stochastic-rounding seed (``[0, 2**32)``) of this call's part ``part``: the first 4 bytes,
         little-endian, of SHA-256 of ``f"{seed}/{calls}/{part}"`` (``calls`` counts this hook's calls from 1)."""
-        digest = hashlib.sha256(f"{self.seed}/{self.calls}/{part}".encode()).digest()
-        return int.from_bytes(digest[:4], "little")
+        return comm.derive_seed(self.seed, self.calls, part)
 
     def _reduce(self, full: torch.Tensor, bits: int | None, op: comm.ReduceOp, out: torch.Tensor,
                 ef: comm.ErrorFeedback | None, part: int) -> None:
