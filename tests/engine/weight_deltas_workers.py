@@ -21,11 +21,11 @@ EVERY_GATHER = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_dista
 
 
 def config(zeropp_block: dict | None = None, *, hpz: int = HPZ, every_gather: bool = True,
-           dtype: str = "fp32") -> dict:
+           dtype: str = "fp32", qwz: bool = False) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
            "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.1}},
            "zero_optimization": {"stage": 3, "zero_hpz_partition_size": hpz, **(EVERY_GATHER if every_gather else {}),
-                                 "zeropp": zeropp_block or {}}}
+                                 "zero_quantized_weights": qwz, "zeropp": zeropp_block or {}}}
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
     return cfg
@@ -69,6 +69,32 @@ def _check_consistent(engine) -> None:
         zeropp.comm.all_gather(tier.reconstruction(unit), topology=engine.topology, out=every)
         a, b = unit.secondary_range()
         assert torch.equal(unit.secondary, every[a:b]), unit.name
+
+
+def qwz_values(x: torch.Tensor, bits: int = 8, block: int = 128) -> torch.Tensor:
+    """Plain torch, from the format's definition (``zeropp.quant.format``): ``x`` (fp32, whole blocks) quantized per
+    block of ``block`` (``scale = absmax / qmax``, ``code = round_half_even(x * (1 / scale))`` with the product
+    exact, an all-zero block all zeros) and dequantized (``code * scale`` in fp32)."""
+    qmax = 2 ** (bits - 1) - 1
+    blocks = x.view(-1, block)
+    scale = blocks.abs().amax(dim=1, keepdim=True) / qmax
+    product = blocks.double() * (1 / scale).double()  # 24 x 24 significant bits: exact in float64
+    codes = torch.where(scale > 0, torch.round(product), 0.0).clamp(-qmax, qmax)
+    return (codes.float() * scale).view(-1)
+
+
+def _check_forward(engine, bits: int | None) -> None:
+    """Whole (persistent) units hold what this step's forward computed with: the owners' reconstructions (gathered
+    exactly), exact without qwZ, under qwZ dequantize(quantize(.)) in ``bits`` per block (``qwz_values``), bit for
+    bit, on every rank."""
+    tier = engine.weight_deltas
+    for unit in tier.units:
+        assert unit.gathered, unit.name
+        every = torch.empty(unit.full.numel(), dtype=unit.full.dtype)
+        zeropp.comm.all_gather(tier.reconstruction(unit), topology=engine.topology, out=every)
+        want = every if bits is None else qwz_values(every, bits)
+        assert torch.equal(unit.full, want), (unit.name, float((unit.full - want).abs().max()))
+        assert bits is None or not torch.equal(want, every), unit.name  # quantized: the check can tell
 
 
 def _state(engine) -> dict[str, torch.Tensor]:
@@ -118,14 +144,15 @@ def exact_run(rank: int, world: int, steps: int, cfg: dict) -> dict:
     return {"losses": losses, "masters": gather_masters(engine)[0]}
 
 
-def refresh_every_step(rank: int, world: int, steps: int) -> dict:
+def refresh_every_step(rank: int, world: int, steps: int, qwz: bool = False) -> dict:
     """delta_refresh_interval 1 against hpZ with exact weights (default persistence: persistent units too), on the
     same flat layout: weight deltas align every parameter to the quantization block, and a different layout alone
-    changes the last bits (which elements fall in the vectorized optimizer kernels' tails)."""
+    changes the last bits (which elements fall in the vectorized optimizer kernels' tails). ``qwz``: both with qwZ
+    (int8), where the deltas' quantized intra-node gathers must give what hpZ's qwZ gather gives."""
     out = {}
     for name, block in (("hpz", {}), ("refresh1", deltas(4, delta_refresh_interval=1))):
         with mock.patch.object(Collectives, "alignment", property(lambda self: self.block_size)):
-            engine = _engine(config(block, every_gather=False))
+            engine = _engine(config(block, every_gather=False, qwz=qwz))
             losses = _train(engine, text_batches(steps, world, seed=7), rank)
         out[name] = {"losses": losses, "masters": gather_masters(engine)[0]}
     same = out["hpz"]["losses"] == out["refresh1"]["losses"] and all(
@@ -133,16 +160,16 @@ def refresh_every_step(rank: int, world: int, steps: int) -> dict:
     return {"identical": same, "losses": out["refresh1"]["losses"]}
 
 
-def resume(rank: int, world: int, steps: int, save_at: int, path: str) -> dict:
+def resume(rank: int, world: int, steps: int, save_at: int, path: str, qwz: bool = False) -> dict:
     """Save at ``save_at`` then refresh, against a fresh engine loading that checkpoint (a load refreshes)."""
     data = text_batches(steps, world, seed=11)
-    first = _engine(config(deltas(4)))
+    first = _engine(config(deltas(4), qwz=qwz))
     _train(first, data[:save_at], rank)
     first.save_checkpoint(path, tag="mid")
     first.refresh_weight_deltas()
     _check_consistent(first)
     tail = _train(first, data[save_at:], rank)
-    second = _engine(config(deltas(4)))
+    second = _engine(config(deltas(4), qwz=qwz))
     second.load_checkpoint(path, tag="mid")
     _check_consistent(second)
     resumed = _train(second, data[save_at:], rank)
@@ -153,24 +180,27 @@ def resume(rank: int, world: int, steps: int, save_at: int, path: str) -> dict:
     return {"identical": identical}
 
 
-def skip_nonfinite(rank: int, world: int) -> dict:
+def skip_nonfinite(rank: int, world: int, qwz: bool = False) -> dict:
     """A NaN gradient on rank 1 at the second step: the step is skipped, secondaries and reconstructions stay.
-    Default persistence (the tiny GPT's units all persist: gathered once per step, from the secondaries too)."""
-    engine = _engine(config(deltas(4), every_gather=False))
+    Default persistence (the tiny GPT's units all persist: gathered once per step, from the secondaries too). Every
+    step: the forward's weights (``_check_forward``; int8 under ``qwz``) and the gathers' bytes, returned."""
+    engine = _engine(config(deltas(4), every_gather=False, qwz=qwz))
     assert engine.persistent
     data = text_batches(4, world, seed=3)
-    kept, gather_inter = [], []
+    kept, gather_inter, gather_intra = [], [], []
     for step, batch in enumerate(data):
         before = _state(engine)
         zeropp.comm.reset_stats()
         _forward_backward(engine, batch, rank, spoil=step == 1 and rank == 1)
         gather_inter.append(zeropp.comm.stats()["all_gather"]["sent_inter"])
+        gather_intra.append(zeropp.comm.stats()["all_gather"]["sent_intra"])
+        _check_forward(engine, 8 if qwz else None)
         engine.step()
         after = _state(engine)
         unchanged = all(torch.equal(before[k], after[k]) for k in before)
         kept.append((engine.was_step_applied(), unchanged))
         _check_consistent(engine)
-    return {"kept": kept, "gather_inter": gather_inter}
+    return {"kept": kept, "gather_inter": gather_inter, "gather_intra": gather_intra}
 
 
 def bf16_run(rank: int, world: int, steps: int) -> dict:
@@ -239,8 +269,11 @@ def all_cases(rank: int, world: int, steps: int, path: str) -> dict:
         "tracked": tracked_run(rank, world, steps),
         "exact": exact_run(rank, world, steps, config(hpz=1)),
         "refresh": refresh_every_step(rank, world, 4),
+        "refresh_qwz": refresh_every_step(rank, world, 3, qwz=True),
         "resume": resume(rank, world, 8, 4, path),
+        "resume_qwz": resume(rank, world, 4, 2, path + "_qwz", qwz=True),
         "skip": skip_nonfinite(rank, world),
+        "skip_qwz": skip_nonfinite(rank, world, qwz=True),
         "bf16": bf16_run(rank, world, 4),
         "full": full_zeropp(rank, world, 3),
         "int8_refresh": int8_refresh(rank, world, 2),

@@ -2,6 +2,7 @@
 
 * ``Topology``: nodes of a data-parallel group, its intra-node, inter-node and hpZ partition groups;
 * ``all_gather``: exact or quantized (qwZ) all-gather, over the DP group or a node-local (hpZ) group;
+  ``pack_shard`` / ``all_gather_packed``: the quantized one in two halves (quantize once, gather the pack often);
 * ``reduce_scatter``: exact or two-hop quantized (qgZ) reduce-scatter, with optional ``ErrorFeedback``;
 * ``exchange``: one byte buffer to chosen peers and theirs back; ``pack_delta`` / ``add_delta``: the quantized
   differences the weight-delta tier sends with it;
@@ -26,7 +27,7 @@ This package knows nothing of ``nn.Module``; it uses only the public ops of ``ze
 """
 
 from .accounting import Traffic, reset_stats, stats
-from .all_gather import all_gather
+from .all_gather import all_gather, all_gather_packed, pack_shard
 from .arrival import Arrival, ArrivalError
 from .checks import debug_enabled
 from .deltas import add_delta, pack_delta
@@ -53,6 +54,7 @@ __all__ = [
     "Traffic",
     "add_delta",
     "all_gather",
+    "all_gather_packed",
     "debug_enabled",
     "derive_seed",
     "exchange",
@@ -60,6 +62,7 @@ __all__ = [
     "hop_seed",
     "onebit_reduce_scatter",
     "pack_delta",
+    "pack_shard",
     "reduce_scatter",
     "reset_stats",
     "set_default_topology",

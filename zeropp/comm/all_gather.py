@@ -5,6 +5,12 @@ Quantized: each rank packs its shard (codes then scales, ``zeropp.quant.format``
 ``dequantize_chunks`` writes rank ``i``'s values straight into ``out[i * numel:(i + 1) * numel]`` (no temporary,
 no concatenation copy). Every rank, its own part included, ends with the same dequantized values.
 
+``pack_shard`` and ``all_gather_packed`` split the quantized gather in two, for a shard that is gathered several
+times between changes (the weight-delta tier's hpZ secondary, ``zeropp.engine.weight_deltas``): quantize once, then
+gather the pack as often as needed. ``all_gather_packed(pack_shard(x, bits), x.numel(), bits)`` writes the same
+values, bit for bit, and counts the same bytes as ``all_gather(x, bits)`` on a group of more than one rank (on one,
+``all_gather`` copies ``x`` and ``all_gather_packed`` dequantizes the pack).
+
 Bytes on the wire per rank (see ``zeropp.comm.accounting``): ``(P - 1) * B`` sent and received, ``B`` being the
 pack size (quantized) or ``numel * itemsize`` (exact).
 """
@@ -94,9 +100,61 @@ def _all_gather_steps(
         accounting.record("all_gather", accounting.gather_traffic(nbytes, size, same_node))
         yield all_gather_flat(flat, shard, group=pg, async_op=True), (), ""
         return out
-    pack = quantize_chunks(shard, fmt)
-    gathered = torch.empty(size * pack.numel(), dtype=torch.uint8, device=shard.device)
+    return (yield from _packed_steps(quantize_chunks(shard, fmt), shard.numel(), out, fmt, pg, size, same_node))
+
+
+def pack_shard(shard: torch.Tensor, bits: int, *, block_size: int = DEFAULT_BLOCK_SIZE) -> torch.Tensor:
+    """The pack a quantized ``all_gather`` of ``shard`` sends (uint8, ``BlockFormat(bits, block_size).packed_bytes(
+    shard.numel())`` bytes: codes then float32 scales), for ``all_gather_packed``."""
+    check_bits(bits)
+    check_input(shard, "shard", quantized=True)
+    return quantize_chunks(shard.view(-1), BlockFormat(bits, block_size))
+
+
+def all_gather_packed(
+    pack: torch.Tensor,
+    numel: int,
+    bits: int,
+    *,
+    group: ProcessGroup | None = None,
+    topology: Topology | None = None,
+    out: torch.Tensor,
+    async_op: bool = False,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+) -> torch.Tensor | CollectiveWork:
+    """``all_gather(shard, bits, ...)`` of a shard already packed by ``pack_shard(shard, bits)``: gather every
+    rank's ``pack`` (of ``numel`` elements, every rank the same) and dequantize rank ``i``'s into ``out[i * numel:(i
+    + 1) * numel]``, its own included, even on a group of one. ``out``: contiguous, any float dtype, ``P * numel``
+    elements, on ``pack``'s device. Returns ``out`` (or a ``CollectiveWork`` when ``async_op``)."""
+    check_bits(bits)
+    if bits is None:
+        raise ValueError("all_gather_packed needs the bits of the pack (8, 4 or 2), not None")
+    fmt = BlockFormat(bits, block_size)
+    if pack.dtype != torch.uint8 or pack.dim() != 1 or pack.numel() != fmt.packed_bytes(numel):
+        raise ValueError(f"pack must be a flat uint8 tensor of {fmt.packed_bytes(numel)} bytes (pack_shard of {numel} "
+                         f"elements at {bits} bits, block {block_size}); got {pack.dtype} {tuple(pack.shape)}")
+    topo = topology if topology is not None else get_default_topology()
+    pg = topo.group if group is None else group
+    size = dist.get_world_size(pg)
+    check_out(out, size * numel, pack.device, dtype=None, float_only=True)
+    record = call_record("all_gather", numel=numel, dtype=dtype_code(pack.dtype), bits=bits, block_size=block_size,
+                         out_dtype=dtype_code(out.dtype))
+    verify_agreement(topo.verified_calls, pg, pack.device, record)
+    what = f"all_gather_packed(bits={bits}) of {numel} elements per rank over ranks {dist.get_process_group_ranks(pg)}"
+    steps = _packed_steps(pack, numel, out, fmt, pg, size, topo.same_node_count(pg) if size > 1 else 1)
+    return run(steps, async_op, (pack, out), what)
+
+
+def _packed_steps(
+    pack: torch.Tensor, numel: int, out: torch.Tensor, fmt: BlockFormat, pg: ProcessGroup, size: int, same_node: int
+) -> Generator[Pending, None, torch.Tensor]:
+    flat = out.view(-1)
+    if size == 1:
+        accounting.record("all_gather", accounting.Traffic())
+        dequantize_chunks(pack, fmt, 1, numel, flat)
+        return out
+    gathered = torch.empty(size * pack.numel(), dtype=torch.uint8, device=pack.device)
     accounting.record("all_gather", accounting.gather_traffic(pack.numel(), size, same_node))
     yield all_gather_flat(gathered, pack, group=pg, async_op=True), (pack, gathered), ""
-    dequantize_chunks(gathered, fmt, size, shard.numel(), flat)
+    dequantize_chunks(gathered, fmt, size, numel, flat)
     return out

@@ -170,6 +170,23 @@ class Collectives:
             secondary, bits=None, group=self.partition_group, topology=self.topology, out=out, async_op=True
         )
 
+    def pack_secondary(self, secondary: torch.Tensor) -> torch.Tensor | None:
+        """Weight deltas: the qwZ pack (``weight_bits``, this block size) of a resident hpZ ``secondary``, which
+        ``gather_secondary_packed`` sends instead of the values; ``None`` without qwZ (the gathers stay exact)."""
+        if self.weight_bits is None:
+            return None
+        return comm.pack_shard(secondary, self.weight_bits, block_size=self.block_size)
+
+    def gather_secondary_packed(self, pack: torch.Tensor, numel: int, out: torch.Tensor) -> comm.CollectiveWork:
+        """Weight deltas under qwZ: start the all-gather of the partition's secondary packs (``pack_secondary`` of
+        ``numel`` elements each) inside the node, dequantized into ``out`` (``hpz * numel``, this rank's part
+        too): the values qwZ's data-parallel gather gives for the same weights (the secondary's blocks are its
+        shards' blocks: every shard is a whole number of blocks)."""
+        work = comm.all_gather_packed(pack, numel, self.weight_bits, group=self.partition_group,
+                                      topology=self.topology, out=out, async_op=True, block_size=self.block_size)
+        assert isinstance(work, comm.CollectiveWork)
+        return work
+
     def gather_exact(self, shard: torch.Tensor, out: torch.Tensor) -> None:
         """All-gather every rank's ``shard`` into ``out`` exactly (never quantized), e.g. the fp32 master shards for a
         consolidated state dict."""

@@ -133,6 +133,7 @@ class Unit:
         self.hpz = comm.hpz if sharded else 1
         self.secondary: torch.Tensor | None = None  # hpZ: this rank's 1/hpz of the gathered values
         self.resident_secondary = False  # kept across steps, updated by zeropp.engine.weight_deltas
+        self._secondary_pack: tuple[torch.Tensor, torch.Tensor] | None = None  # (secondary, its qwZ pack)
         self.error_feedback = comm.new_error_feedback() if comm.error_feedback else None
         self.frozen = (FrozenFlat(frozen_floating, comm, hpz=self.hpz, broadcast=broadcast, shard_home=shard_home)
                        if frozen_floating else None)
@@ -188,17 +189,35 @@ class Unit:
         i = self.comm.partition_rank
         return i * length, (i + 1) * length
 
+    def pack_secondary(self) -> None:
+        """Weight deltas: quantize the resident secondary, as it is now, in qwZ's format (``comm.weight_bits``; no-op
+        without qwZ); until the secondary is replaced or this is called again, the gathers send that pack instead of
+        the exact values (``Collectives.gather_secondary_packed``). The tier calls it after every change."""
+        assert self.secondary is not None
+        pack = self.comm.pack_secondary(self.secondary)
+        self._secondary_pack = None if pack is None else (self.secondary, pack)
+
+    @property
+    def secondary_pack_bytes(self) -> int:
+        """Bytes of the secondary's qwZ pack (``pack_secondary``) while it is the one the gathers send, else 0."""
+        packed = self._secondary_pack
+        return packed[1].nbytes if packed is not None and packed[0] is self.secondary else 0
+
     def gather(self, *, wait: bool = True) -> None:
         """Stage 3: make the parameters whole. Without a secondary shard: all-gather the shards (qwZ when on) over
         the data-parallel group and, with hpZ, keep the secondary; with one: all-gather the secondaries inside the
-        hpZ partition (exact, node-local). ``wait=False`` (prefetch) only starts the all-gather: the values are in
-        once a later ``gather()`` (or ``free()``) has waited for it. No communication if already gathered."""
+        hpZ partition, node-local (exact, or under qwZ the weight-delta tier's pack: ``pack_secondary``).
+        ``wait=False`` (prefetch) only starts the all-gather: the values are in once a later ``gather()`` (or
+        ``free()``) has waited for it. No communication if already gathered."""
         if not self.gathered:
             if not wait and not self._read_ahead():
                 return
             self.full.untyped_storage().resize_(self._full_nbytes)
             self._shard_in_gather = self.secondary is None
-            if self.secondary is not None:
+            packed = self._secondary_pack
+            if packed is not None and packed[0] is self.secondary:
+                self._gathering = self.comm.gather_secondary_packed(packed[1], packed[0].numel(), self.full)
+            elif self.secondary is not None:
                 self._gathering = self.comm.gather_secondary(self.secondary, self.full)
             else:
                 self._gathering = self.comm.gather_params(self.device_shard(), self.full)
@@ -296,6 +315,7 @@ class Unit:
         if not self.single:
             _overwrite_shard(self, new)
         self.secondary = None
+        self._secondary_pack = None
         if self.frozen is not None:
             self.frozen.write_back(src)
 

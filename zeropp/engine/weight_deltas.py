@@ -15,6 +15,17 @@ update ``|w - r| <= scale / 2`` per block (round to nearest; ``scale = absmax(w 
 127 for int8), plus the rounding of ``r`` to the compute dtype. The forward and backward gathers of every unit then
 run from the secondaries inside the hpZ partition (a node-local group): no weight bytes cross nodes in them.
 
+What the forward sees. Without qwZ (``zero_quantized_weights`` off, or a ``rules`` format with ``weight_bits``
+null) the gathers send the secondaries exactly: every rank computes with ``r``. With qwZ each holder quantizes its
+secondary once after each change (delta, refresh: ``Unit.pack_secondary``) in qwZ's format (``weight_bits``,
+``block_size``), and the gathers until the next change send that pack (``Collectives.gather_secondary_packed``);
+every rank, the holder too, computes with ``D(Q(r))`` per block, ``Q`` qwZ's round-to-nearest block quantization:
+exactly what ZeRO++'s qwZ gather gives for weights ``r`` (a secondary is ``G`` whole shards and every shard a whole
+number of blocks, so the blocks are the shards' blocks). So under qwZ the forward's weights differ from the
+compute weights ``w`` by the delta error above plus qwZ's own error on ``r``, where ZeRO++'s qwZ alone has the
+latter (on ``w``). The sender's deltas stay taken against ``r``, not ``D(Q(r))``: qwZ's rounding is redone from
+``r`` at each step and never accumulates.
+
 Which ranks. With ``P`` data-parallel ranks, shard size ``S`` and hpZ partition size ``h``, the secondary of a rank at
 position ``i`` of its partition holds elements ``[i L, (i + 1) L)`` of the unit's flat buffer, ``L = P S / h``: the
 shards of the ``G = P / h`` ranks ``i G .. (i + 1) G - 1``. So the owner of shard ``o`` sends to the ``G`` ranks at
@@ -23,8 +34,9 @@ other nodes (``d`` ranks per node). One ``zeropp.comm.exchange`` per step moves 
 
 Memory per rank (compute dtype of ``b`` bytes per element), for every stage-3 unit with trainable parameters:
 ``(G + 1) S b`` bytes, permanently: the secondary (``G S`` elements; hpZ alone holds it from the first gather of a
-step to the optimizer step) and the owner's reconstruction (``S``). The step adds transient pack buffers of about
-``(G + 1) S (delta_bits / 8 + 4 / block_size)`` bytes and one float32 temporary of ``S`` elements.
+step to the optimizer step) and the owner's reconstruction (``S``); with qwZ also the secondary's pack, ``G S B``
+(``B = weight_bits / 8 + 4 / block_size``). The step adds transient pack buffers of about ``(G + 1) S (delta_bits
+/ 8 + 4 / block_size)`` bytes and one float32 temporary of ``S`` elements.
 
 Bytes per step, per rank (``comm.stats()["exchange"]``), with ``D = sum_units S (delta_bits / 8 + 4 / block_size)``
 (one rank's packs of every unit): sent across nodes ``(P - d) / h * D`` by every rank; inside the node ``D`` to
@@ -34,7 +46,10 @@ the owners on other nodes: per rank that differs from what it sends, on average 
 hpZ alone instead all-gathers
 every unit once per step over the data-parallel group: ``(P - d) S B`` across nodes, ``B`` = ``weight_bits / 8 + 4 /
 block_size`` with qwZ, else ``b``. The ratio is ``(delta_bits / 8 + 4 / block_size) / (h B)``: with ``h = d = 8``,
-int4 deltas and int8 qwZ, 0.064.
+int4 deltas and int8 qwZ, 0.064. Each gather of a unit from the secondaries (``comm.stats()["all_gather"]``, every
+forward and backward gather: all of them inside the node) sends ``(h - 1) G S B`` bytes, the same ``B`` (qwZ's
+pack, or ``b`` without qwZ). hpZ alone sends ``(P - 1) S B`` in a step's first gather of a unit, over the
+data-parallel group (``(d - 1) S B`` of it inside the node), and ``(h - 1) G S b`` exactly in each later one.
 
 Refresh. An exact refresh makes every secondary and reconstruction the compute shards' exact values again (one exact
 all-gather of the compute shards per unit over the data-parallel group; ``(P - d) S b`` bytes across nodes, counted
@@ -125,9 +140,10 @@ class WeightDeltas:
 
     @property
     def resident_bytes(self) -> int:
-        """Bytes this tier keeps on this rank between steps: the secondaries and the reconstructions."""
-        return sum(u.secondary.nbytes + r.nbytes for u, r in zip(self.units, self._reconstruction)
-                   if u.secondary is not None)
+        """Bytes this tier keeps on this rank between steps: the secondaries, their qwZ packs (under qwZ) and the
+        reconstructions."""
+        return sum(u.secondary.nbytes + u.secondary_pack_bytes + r.nbytes
+                   for u, r in zip(self.units, self._reconstruction) if u.secondary is not None)
 
     @torch.no_grad()
     def refresh(self, units: list[Unit] | None = None) -> None:
@@ -151,6 +167,7 @@ class WeightDeltas:
             unit.release_shard()
             a, b = unit.secondary_range()
             unit.secondary = whole[a:b].clone()
+            unit.pack_secondary()
             self._installed[k] = unit.secondary
             own = unit.shard.to(unit.full.device, copy=True)
             if k < len(self._reconstruction):
@@ -209,4 +226,5 @@ class WeightDeltas:
             for o, row in rows.items():
                 start = (o - self._first_owner) * size
                 comm.add_delta(row[at : at + nbytes], unit.secondary[start : start + size], bits)
+            unit.pack_secondary()
             at += nbytes

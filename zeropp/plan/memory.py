@@ -6,7 +6,8 @@
   buffer);
 * ``gathered``: stage 3's working set of whole units, the two largest (the one computing and the one prefetched);
 * ``secondary``: hpZ's secondary partition (``p S_p / h`` per unit, held from the first gather to the step), plus
-  weight deltas' reconstruction (``S_p``, kept for good);
+  weight deltas' reconstruction (``S_p``, kept for good) and, with qwZ, the secondary's qwZ pack (the intra-node
+  gathers send it; made once per step);
 * ``grads``: the float32 gradient shards the optimizer reads (``S_o`` per unit; ``zeropp.engine.unit``'s
   ``grad_shard``), and with gradients sharded finer than the optimizer (never in this space) nothing more;
 * ``grad_accum``: ZeRO-1's whole gradients (compute dtype) kept unreduced through the accumulation window;
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 from .model import ModelSpec
 from .space import Plan
-from .traffic import alignment, shard_numel
+from .traffic import alignment, pack_bytes, shard_numel
 
 OPTIMIZER_STATES = 2
 """AdamW's float32 states per element (``exp_avg``, ``exp_avg_sq``)."""
@@ -41,7 +42,11 @@ def memory(model: ModelSpec, plan: Plan, world: int, micro: int, seq: int, dtype
             out["params"] += count * sp * b
             whole += [part.params * sp * b] * min(count, 2)
             if plan.hpz > 1:
-                out["secondary"] += count * (part.params * sp // plan.hpz * b + (sp * b if plan.weight_deltas else 0))
+                secondary = part.params * sp // plan.hpz
+                out["secondary"] += count * secondary * b
+                if plan.weight_deltas:
+                    packed = pack_bytes(secondary, plan.weight_bits, b) if plan.weight_bits else 0
+                    out["secondary"] += count * (sp * b + packed)
         else:
             out["params"] += count * (part.optimizer + 1) * so * b
         out["grads"] += count * 4 * so

@@ -13,7 +13,8 @@ Per step with ``A`` micro-batches, ``P`` ranks, ``d`` per node, ``n`` nodes, eac
   backward, every micro-batch, over the P group (qwZ bits when on). hpZ (``h``): the first gather of a step goes
   over the data-parallel group and keeps a secondary of ``P S / h`` elements, the others gather the secondaries
   exactly inside the node; weight deltas keep the secondaries across steps (one ``exchange`` of int4 deltas per
-  step, no data-parallel gather);
+  step, no data-parallel gather), and with qwZ every gather inside the node sends the secondary's qwZ pack, made
+  once per step after the exchange;
 * gradients: one reduce-scatter per unit per micro-batch (stage 2, 3: G sharded), or per step (stage 1: G whole);
   exact (ring, in the compute dtype) or qgZ (an all-to-all inside the node of ``n`` packs per peer, then one across
   nodes of one pack per peer);
@@ -115,9 +116,11 @@ class Layout:
 
 
 def _gather(what: str, unit: str, phase: str, calls: int, group: int, same: int, per_node: int, numel: int,
-            bits: int | None, dtype_bytes: int) -> Collective:
+            bits: int | None, dtype_bytes: int, packed: bool = False) -> Collective:
+    """An all-gather of ``numel`` elements per rank; quantized: one quantize (unless ``packed``: the pack was made
+    before) and ``group`` dequantizes per call."""
     chunk = pack_bytes(numel, bits, dtype_bytes)
-    kernel = (numel * (dtype_bytes + chunk / numel) * (1 + group)) if bits and numel else 0.0
+    kernel = (numel * (dtype_bytes + chunk / numel) * (group + (not packed))) if bits and numel else 0.0
     return Collective("all_gather", what, unit, phase, "ring", group, same, per_node, chunk, calls,
                       gather_traffic(chunk, group, same), kernel)
 
@@ -155,10 +158,11 @@ def _all_reduce(unit: str, numel: int, replicas: int, layout: Layout, stride: in
                       same, layout.groups_per_node(replicas, stride), chunk, 1, t + t)
 
 
-def _delta_exchange(model: ModelSpec, plan: Plan, layout: Layout, align: int) -> Collective:
+def _delta_exchange(model: ModelSpec, plan: Plan, layout: Layout, align: int, dtype_bytes: int) -> Collective:
     """Weight deltas: one exchange per step of every unit's int4 delta pack to the holders of this rank's shard
     (``zeropp.engine.weight_deltas``: positions are local indices modulo ``h``; the secondary at position ``i``
-    holds the shards of ranks ``i G .. (i + 1) G - 1``, ``G = P / h``)."""
+    holds the shards of ranks ``i G .. (i + 1) G - 1``, ``G = P / h``); its kernels include, with qwZ, the one
+    quantize per step of each updated secondary (``G S`` elements) that the intra-node gathers then send."""
     world, d, h = layout.world, layout.ranks_per_node, plan.hpz
     fmt = BlockFormat(4, DEFAULT_BLOCK_SIZE)
     nbytes = sum(count * fmt.packed_bytes(shard_numel(u, align, world)) for u, count in model.groups())
@@ -177,8 +181,13 @@ def _delta_exchange(model: ModelSpec, plan: Plan, layout: Layout, align: int) ->
     recv_intra = sum(node(j) == node(me) for j in owners)
     t = Traffic(sent_intra * nbytes, (len(holders) - sent_intra) * nbytes, recv_intra * nbytes,
                 (len(owners) - recv_intra) * nbytes)
+    repack = 0.0
+    if plan.weight_bits:
+        for u, count in model.groups():
+            secondary = group * shard_numel(u, align, world)
+            repack += count * (secondary * dtype_bytes + pack_bytes(secondary, plan.weight_bits, dtype_bytes))
     return Collective("exchange", "weight-delta exchange", "(all)", "step", "pairwise", len(holders) + 1,
-                      sent_intra + 1, d, nbytes, 1, t, 2.0 * nbytes * (1 + len(holders)))
+                      sent_intra + 1, d, nbytes, 1, t, 2.0 * nbytes * (1 + len(holders)) + repack)
 
 
 def collectives(model: ModelSpec, plan: Plan, layout: Layout, accum: int, dtype_bytes: int) -> list[Collective]:
@@ -206,10 +215,11 @@ def collectives(model: ModelSpec, plan: Plan, layout: Layout, accum: int, dtype_
                 out.append(_gather("parameter gather", name, "forward", 1, p, same, per_node, sp, plan.weight_bits,
                                    dtype_bytes))
             if h > 1:
+                bits = plan.weight_bits if plan.weight_deltas else None  # deltas: the secondary's qwZ pack
                 for phase, calls in (("forward", accum - (not plan.weight_deltas)), ("backward", backward)):
                     if calls:
                         out.append(_gather("hpZ secondary gather", name, phase, calls, h, h, d // h, secondary,
-                                           None, dtype_bytes))
+                                           bits, dtype_bytes, packed=True))
             else:
                 for phase, calls in (("forward", accum), ("backward", backward)):
                     if calls:
@@ -232,7 +242,7 @@ def collectives(model: ModelSpec, plan: Plan, layout: Layout, accum: int, dtype_
                                layout.groups_per_node(group, p), so, plan.weight_bits, dtype_bytes))
         out[start:] = [replace(c, calls=c.calls * count) for c in out[start:]]  # identical units: planned once
     if plan.weight_deltas:
-        out.append(_delta_exchange(model, plan, layout, align))
+        out.append(_delta_exchange(model, plan, layout, align, dtype_bytes))
     return out
 
 
