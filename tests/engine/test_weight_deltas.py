@@ -13,8 +13,14 @@ units) and each step's exchange sends exactly ``(P - d) / h * sum S (bits / 8 + 
 per-rank receive counts worked out by hand); the mean loss over the ranks and the last 10 of 30 steps is within 2%
 of exact ZeRO-3's (measured 2.983 against 3.000); ``zeropp.plan`` predicts each rank's exchange bytes. With
 ``delta_refresh_bits: 8`` the start is one exchange of int8 packs with exactly the delta formula's bytes at 8 bits,
-each reconstruction within half an int8 step of its weights and consistent with the secondaries. About 45 s on 2
-cores (85 s at load average 20).
+each reconstruction within half an int8 step of its weights and consistent with the secondaries. With qwZ (int8)
+the intra-node gathers send the secondaries' qwZ packs: every rank's forward weights equal, bit for bit, the
+owners' reconstructions quantized and dequantized per block in plain torch (``weight_deltas_workers.qwz_values``),
+and without qwZ the reconstructions themselves; each step's gathers send ``(h - 1) * sum G S B`` bytes inside the
+node and none across (``B`` 4 bytes per element without qwZ, ``1 + 4 / block`` with it); an exact refresh every
+step under qwZ trains bit for bit as hpZ with qwZ; checkpoints resume bit for bit and a non-finite step is skipped
+under qwZ too. About 45 s on 2 cores before the qwZ cases (85 s at load average 20); 170 s with them at load
+average 45.
 """
 
 from __future__ import annotations
