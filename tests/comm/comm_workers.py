@@ -129,6 +129,12 @@ def check_all_gather(topo: Topology, group, members: list[int], d_same: int, num
     assert st["calls"] == 1, st
     assert st["sent_intra"] == st["recv_intra"] == (d_same - 1) * per, st
     assert st["sent_inter"] == st["recv_inter"] == (size - d_same) * per, st
+    if bits is not None and size > 1:  # the same gather in two halves: the same values and bytes
+        comm.reset_stats()
+        pack = comm.pack_shard(shard, bits, block_size=BLOCK)
+        halves = comm.all_gather_packed(pack, numel, bits, group=group, topology=topo, out=torch.empty_like(out),
+                                        block_size=BLOCK)
+        assert torch.equal(halves, out) and comm.stats()["all_gather"] == st, (comm.stats()["all_gather"], st)
 
 
 def check_reduce_scatter(topo: Topology, nodes, numel, dtype, bits, op, seed) -> float:
