@@ -24,7 +24,6 @@ The library is the one ``zeropp.quant.native`` loads (``ZEROPP_NATIVE_LIB``, els
 from __future__ import annotations
 
 import ctypes
-import functools
 import math
 import os
 from dataclasses import dataclass
