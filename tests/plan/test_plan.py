@@ -205,3 +205,27 @@ def test_papers_ratios_come_from_the_planner(capsys) -> None:
     assert papers.main(["--paper", "MiCS"]) == 0
     out = capsys.readouterr().out
     assert "| MiCS" in out and "ZeRO++ |" not in out and "not found" in out
+
+
+def test_calibration_at_world_4_as_2x2_writes_a_cluster_file_the_planner_reads(tmp_path, capsys) -> None:
+    import math
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "comm"))
+    from comm_launch import launch
+
+    path = tmp_path / "cluster.json"
+    results = launch("calibrate_workers:calibrate", 4, tmp_path, worker_dirs=[Path(__file__).resolve().parent],
+                     timeout=300.0, ranks_per_node=2, path=str(path))
+    assert all(r == results[0] for r in results)  # every rank the same numbers (the slowest rank's)
+    fitted = results[0]
+    assert (fitted["nodes"], fitted["ranks_per_node"]) == (2, 2)
+    for name in ("intra_bw", "inter_bw", "intra_latency", "inter_latency", "memory", "flops", "mem_bw"):
+        assert math.isfinite(fitted[name]) and fitted[name] > 0, (name, fitted[name])
+    loaded = Cluster.from_json(path)
+    assert loaded == Cluster(**fitted)
+    assert main(["--model", "tiny", "--cluster", str(path), "--json", "--top", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["cluster"] == fitted
+    assert main(["--calibrate", str(tmp_path / "x.json")]) == 2  # not under torchrun
+    assert "torchrun" in capsys.readouterr().err
