@@ -159,7 +159,8 @@ def main(path: str) -> int:
         if dist.get_rank() == 0:
             print(f"wrote {path}: {cluster.nodes} x {cluster.ranks_per_node} ranks, intra "
                   f"{cluster.intra_bw * 8 / 1e9:.4g} Gbit/s per rank (alpha {cluster.intra_latency * 1e6:.3g} us), "
-                  f"inter {cluster.inter_bw * 8 / 1e9:.4g} Gbit/s per node (alpha {cluster.inter_latency * 1e6:.3g} us), "
+                  f"inter {cluster.inter_bw * 8 / 1e9:.4g} Gbit/s per node "
+                  f"(alpha {cluster.inter_latency * 1e6:.3g} us), "
                   f"{cluster.flops / 1e12:.4g} TFLOP/s, {cluster.mem_bw / 1e9:.4g} GB/s memory; not measured: "
                   f"{', '.join(NOT_MEASURED)} (defaults)")
     finally:

@@ -2,10 +2,11 @@
 list of parameter element counts in the engine's order), its shape (layers, hidden size, vocabulary) and its
 FLOPs per token.
 
-Three ways in: a ``zeropp.models`` preset (``from_preset``: the units are exactly the engine's, checked against
-``zeropp.engine.policy.plan_units`` in the tests) or a Llama-2 shape (``LLAMA_PRESETS``), a Hugging Face ``config.json`` (``from_hf_config``: GPT-2 style
-or Llama style, gated MLP and grouped-query attention included) or bare sizes (``from_sizes``: a parameter count,
-layers and hidden size; the blocks are GPT blocks of ``12 h^2 + 13 h`` parameters and the root unit holds the rest).
+Three ways in: a preset (``from_preset``: a ``zeropp.models`` GPT, whose units are exactly the engine's, checked
+against ``zeropp.engine.policy.plan_units`` in the tests, or a Llama-2 shape of ``LLAMA_PRESETS``), a Hugging Face
+``config.json`` (``from_hf_config``: GPT-2 style or Llama style, gated MLP and grouped-query attention included) or
+bare sizes (``from_sizes``: a parameter count, layers and hidden size; the blocks are GPT blocks of ``12 h^2 + 13 h``
+parameters and the root unit holds the rest).
 
 Units follow the engine's default policy (``zeropp.engine.policy``): one unit per transformer block and a root unit
 (``""``) with every other parameter (embeddings, final norm, an untied head), first.
