@@ -9,9 +9,10 @@ overlap, ranking, the reason), ``report`` (table and JSON).
 """
 
 from .cluster import Cluster
-from .model import ModelSpec, UnitSpec, from_hf_config, from_preset, from_sizes
+from .model import LLAMA_PRESETS, ModelSpec, UnitSpec, from_hf_config, from_hf_dict, from_preset, from_sizes
 from .search import Batch, Prediction, predict, rank, why
 from .space import Partition, Plan, partitions, plans
 
-__all__ = ["Batch", "Cluster", "ModelSpec", "Partition", "Plan", "Prediction", "UnitSpec", "from_hf_config",
-           "from_preset", "from_sizes", "partitions", "plans", "predict", "rank", "why"]
+__all__ = ["LLAMA_PRESETS", "Batch", "Cluster", "ModelSpec", "Partition", "Plan", "Prediction", "UnitSpec",
+           "from_hf_config", "from_hf_dict", "from_preset", "from_sizes", "partitions", "plans", "predict", "rank",
+           "why"]

@@ -3,6 +3,7 @@
     python -m zeropp.plan --model gpt2 --nodes 2 --ranks-per-node 8 --inter 100gbit
     python -m zeropp.plan --model path/to/config.json --nodes 16 --ranks-per-node 8 --inter 400gbit --json
     python -m zeropp.plan --params 7000000000 --layers 32 --hidden 4096 --seq 4096 --nodes 16 --ranks-per-node 8
+    torchrun --nnodes 2 --nproc-per-node 8 ... -m zeropp.plan --calibrate cluster.json   # then --cluster cluster.json
 """
 
 from __future__ import annotations
@@ -29,8 +30,12 @@ def _parser() -> argparse.ArgumentParser:
     m.add_argument("--layers", type=int, help="transformer blocks")
     m.add_argument("--hidden", type=int, help="hidden size")
     c = a.add_argument_group("cluster")
-    c.add_argument("--cluster-file", help="a JSON file of Cluster fields (SI units), e.g. from a calibration run; "
-                                          "the options below are then ignored")
+    c.add_argument("--cluster-file", "--cluster", dest="cluster_file",
+                   help="a JSON file of Cluster fields (SI units), e.g. from --calibrate; the options below are then "
+                        "ignored")
+    c.add_argument("--calibrate", metavar="FILE",
+                   help="measure this cluster's links, compute and memory rates and write them to FILE (run on every "
+                        "rank, under torchrun or python -m zeropp.cluster); nothing is planned")
     c.add_argument("--nodes", type=int, default=2)
     c.add_argument("--ranks-per-node", type=int, default=8)
     c.add_argument("--intra", default="3.6tbit", help="intra-node bandwidth per rank")
@@ -90,6 +95,14 @@ def cluster_from_args(args: argparse.Namespace) -> Cluster:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.calibrate:
+        from .calibrate import main as calibrate
+
+        try:
+            return calibrate(args.calibrate)
+        except ValueError as e:
+            print(f"python -m zeropp.plan --calibrate: {e}", file=sys.stderr)
+            return 2
     try:
         model = model_from_args(args)
         cluster = cluster_from_args(args)

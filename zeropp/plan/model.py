@@ -2,10 +2,11 @@
 list of parameter element counts in the engine's order), its shape (layers, hidden size, vocabulary) and its
 FLOPs per token.
 
-Three ways in: a ``zeropp.models`` preset (``from_preset``: the units are exactly the engine's, checked against
-``zeropp.engine.policy.plan_units`` in the tests), a Hugging Face ``config.json`` (``from_hf_config``: GPT-2 style
-or Llama style, gated MLP and grouped-query attention included) or bare sizes (``from_sizes``: a parameter count,
-layers and hidden size; the blocks are GPT blocks of ``12 h^2 + 13 h`` parameters and the root unit holds the rest).
+Three ways in: a preset (``from_preset``: a ``zeropp.models`` GPT, whose units are exactly the engine's, checked
+against ``zeropp.engine.policy.plan_units`` in the tests, or a Llama-2 shape of ``LLAMA_PRESETS``), a Hugging Face
+``config.json`` (``from_hf_config``: GPT-2 style or Llama style, gated MLP and grouped-query attention included) or
+bare sizes (``from_sizes``: a parameter count, layers and hidden size; the blocks are GPT blocks of ``12 h^2 + 13 h``
+parameters and the root unit holds the rest).
 
 Units follow the engine's default policy (``zeropp.engine.policy``): one unit per transformer block and a root unit
 (``""``) with every other parameter (embeddings, final norm, an untied head), first.
@@ -103,15 +104,19 @@ def _gpt_block(h: int, ffn: int, bias: bool) -> tuple[int, ...]:
 
 
 def from_preset(name: str, seq: int | None = None) -> ModelSpec:
-    """A ``zeropp.models`` GPT preset (``GPTConfig.PRESETS``: "tiny", "gpt2", ...); ``name`` may end in
-    ``":nobias"`` for the preset without biases (the engine tests' tiny model), and may start with ``"preset:"``
-    as ``python -m zeropp.bench.convergence --model`` spells it."""
+    """A ``zeropp.models`` GPT preset (``GPTConfig.PRESETS``: "tiny", "gpt2", ...) or a Llama shape
+    (``LLAMA_PRESETS``: "llama-7b", "llama-13b", "llama-70b"; the planner's alone, ``zeropp.models`` has no Llama);
+    a GPT preset's ``name`` may end in ``":nobias"`` for the preset without biases (the engine tests' tiny model),
+    and may start with ``"preset:"`` as ``python -m zeropp.bench.convergence --model`` spells it."""
     from ..models.gpt import PRESETS, GPTConfig
 
     base, _, flag = name.removeprefix("preset:").partition(":")
+    if base in LLAMA_PRESETS and not flag:
+        return from_hf_dict(LLAMA_PRESETS[base], base, seq)
     if base not in PRESETS or flag not in ("", "nobias"):
         raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)} (optionally with "
-                         f"':nobias'), or pass a Hugging Face config.json or --params/--layers/--hidden")
+                         f"':nobias') or {sorted(LLAMA_PRESETS)}, or pass a Hugging Face config.json or "
+                         f"--params/--layers/--hidden")
     c = GPTConfig.preset(base, bias=False) if flag else GPTConfig.preset(base)
     h = c.n_embd
     root = (c.vocab_size * h, c.block_size * h, h) + ((h,) if c.bias else ())  # wte (tied head), wpe, ln_f
@@ -138,10 +143,7 @@ GATED_TYPES = ("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2
 
 
 def from_hf_config(path: str | Path, seq: int | None = None) -> ModelSpec:
-    """A decoder from a Hugging Face ``config.json``: GPT-2 style (``n_embd``, ``n_layer``: LayerNorm with biases,
-    fused QKV, a 4x GELU MLP, tied head) or Llama style (``hidden_size``, ``num_hidden_layers``,
-    ``intermediate_size``, ``num_key_value_heads``: RMSNorm, no biases, gated MLP, head tied only if
-    ``tie_word_embeddings``)."""
+    """A decoder from a Hugging Face ``config.json`` (``from_hf_dict`` on its contents, named by its folder)."""
     path = str(path)
     try:
         config = json.loads(Path(path).read_text())
@@ -149,6 +151,15 @@ def from_hf_config(path: str | Path, seq: int | None = None) -> ModelSpec:
         raise ValueError(f"cannot read the model config {path!r}: {e}") from e
     if not isinstance(config, dict):
         raise ValueError(f"{path} is not a JSON object")
+    return from_hf_dict(config, Path(path).parent.name or Path(path).name, seq, path)
+
+
+def from_hf_dict(config: dict, name: str, seq: int | None = None, source: str | None = None) -> ModelSpec:
+    """A decoder from a Hugging Face config's keys: GPT-2 style (``n_embd``, ``n_layer``: LayerNorm with biases,
+    fused QKV, a 4x GELU MLP, tied head) or Llama style (``hidden_size``, ``num_hidden_layers``,
+    ``intermediate_size``, ``num_key_value_heads``: RMSNorm, no biases, gated MLP, head tied only if
+    ``tie_word_embeddings``). ``source`` names the config in errors (default ``name``)."""
+    path = source or name
     h = _first(config, ("hidden_size", "n_embd", "d_model"), path)
     layers = _first(config, ("num_hidden_layers", "n_layer", "num_layers"), path)
     vocab = _first(config, ("vocab_size",), path)
@@ -167,9 +178,23 @@ def from_hf_config(path: str | Path, seq: int | None = None) -> ModelSpec:
     else:
         block = _gpt_block(h, ffn, True)
         root = (vocab * h, positions * h, h, h)
-    name = Path(path).parent.name or Path(path).name
     units = (UnitSpec("", root),) + tuple(UnitSpec(f"layers.{i}", block) for i in range(layers))
     return ModelSpec(name, units, layers, h, seq or positions, vocab, ffn, gated)
+
+
+def _llama(h: int, layers: int, heads: int, kv_heads: int, ffn: int) -> dict:
+    return {"model_type": "llama", "hidden_size": h, "num_hidden_layers": layers, "num_attention_heads": heads,
+            "num_key_value_heads": kv_heads, "intermediate_size": ffn, "vocab_size": 32000,
+            "max_position_embeddings": 4096, "tie_word_embeddings": False}
+
+
+LLAMA_PRESETS = {
+    "llama-7b": _llama(4096, 32, 32, 32, 11008),
+    "llama-13b": _llama(5120, 40, 40, 40, 13824),
+    "llama-70b": _llama(8192, 80, 64, 8, 28672),
+}
+"""Llama-2's published shapes (Hugging Face ``config.json`` keys): 6.74B, 13.0B and 69.0B parameters, vocabulary
+32000, context 4096, untied head; 70B with grouped-query attention (8 key-value heads)."""
 
 
 def from_sizes(params: int, layers: int, hidden: int, seq: int, vocab: int = 50257) -> ModelSpec:

@@ -1,24 +1,27 @@
-"""The planner's output: a Markdown table of ranked plans (``zeropp.bench.report`` helpers), the reason the best
-wins, and the same as JSON."""
+"""The planner's output: a Markdown table of ranked plans (``zeropp.bench.report`` helpers; times as
+``units.duration`` prints them, milliseconds below a second), the reason the best wins, and the same as JSON
+(times in seconds)."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
-from ..bench.report import rows_table
+from ..bench.report import Format, rows_table
 from .cluster import Cluster
 from .model import ModelSpec
-from .search import Batch, Prediction, why
+from .search import COMPONENTS, Batch, Prediction, why
+from .units import duration
 
-COLUMNS = ("rank", "plan", "today", "step_s", "compute", "quant", "comm_intra", "comm_inter", "optimizer", "io",
+COLUMNS = ("rank", "plan", "today", "step", "compute", "quant", "comm_intra", "comm_inter", "optimizer", "io",
            "mem_GiB", "fits")
 
 
 def rows(ranked: list[Prediction]) -> list[dict[str, Any]]:
-    """One table row per plan: times in seconds, memory in GiB per rank, "yes" where the engine runs it today."""
+    """One table row per plan: times in seconds (``step`` and the ``search.COMPONENTS``), memory in GiB per rank,
+    "yes" where the engine runs it today."""
     return [{"rank": i + 1, "plan": p.label, "today": "yes" if p.unsupported is None else "no",
-             "step_s": p.step_time, **p.breakdown, "mem_GiB": p.memory_total / 2**30,
+             "step": p.step_time, **p.breakdown, "mem_GiB": p.memory_total / 2**30,
              "fits": "yes" if p.fits else "no"} for i, p in enumerate(ranked)]
 
 
@@ -28,7 +31,7 @@ def text(model: ModelSpec, cluster: Cluster, batch: Batch, ranked: list[Predicti
             f"cluster {cluster.nodes} x {cluster.ranks_per_node} ranks, intra {cluster.intra_bw * 8 / 1e9:.4g} "
             f"Gbit/s per rank, inter {cluster.inter_bw * 8 / 1e9:.4g} Gbit/s per node, {cluster.memory / 2**30:.4g} "
             f"GiB per rank; batch {batch.micro} x {batch.seq} tokens x {batch.accum} accumulation steps per rank")
-    fmt = {k: ".4g" for k in ("step_s", "compute", "quant", "comm_intra", "comm_inter", "optimizer", "io")}
+    fmt: dict[str, Format] = {k: duration for k in ("step", *COMPONENTS)}
     fmt["mem_GiB"] = ".3f"
     best = ranked[0] if ranked else None
     config = ("" if best is None or best.config is None else

@@ -25,6 +25,7 @@ from .memory import memory
 from .model import ModelSpec
 from .space import Plan, plans
 from .traffic import Collective, Layout, alignment, collectives, shard_numel, totals
+from .units import duration
 
 COMPONENTS = ("compute", "quant", "comm_intra", "comm_inter", "optimizer", "io")
 """The parts of a predicted step time, in seconds."""
@@ -156,19 +157,19 @@ def why(ranked: list[Prediction]) -> str:
         lines.append(f"No plan fits in memory; the least slow needs {gib:.1f} GiB per rank.")
     other = next((p for p in ranked[1:] if p.step_time > 1.005 * best.step_time), None)
     if other is None:
-        lines.append(f"{best.label} at {best.step_time:.4g} s per step; every other plan is within 0.5% of it.")
+        lines.append(f"{best.label} at {duration(best.step_time)} per step; every other plan is within 0.5% of it.")
     else:
         gaps = {k: other.breakdown[k] - best.breakdown[k] for k in COMPONENTS}
         key = max(gaps, key=lambda k: gaps[k])
-        lines.append(f"{best.label} wins at {best.step_time:.4g} s per step against the next slower plan, "
-                     f"{other.label}, at {other.step_time:.4g} s: its {key.replace('_', ' ')} is "
-                     f"{best.breakdown[key]:.3g} s against {other.breakdown[key]:.3g} s.")
+        lines.append(f"{best.label} wins at {duration(best.step_time)} per step against the next slower plan, "
+                     f"{other.label}, at {duration(other.step_time)}: its {key.replace('_', ' ')} is "
+                     f"{duration(best.breakdown[key])} against {duration(other.breakdown[key])}.")
         if not other.fits and best.fits:
             lines.append(f"{other.label} would need {other.memory_total / 2**30:.1f} GiB per rank.")
         worse = {k: -g for k, g in gaps.items() if g < 0}
         if worse:
             k = max(worse, key=lambda k: worse[k])
-            lines.append(f"It pays {worse[k]:.3g} s more {k.replace('_', ' ')}.")
+            lines.append(f"It pays {duration(worse[k])} more {k.replace('_', ' ')}.")
         ties = [p.label for p in ranked[1:] if p.step_time <= 1.005 * best.step_time]
         if ties:
             lines.append(f"Within 0.5% of it: {', '.join(ties[:3])}{' ...' if len(ties) > 3 else ''}.")
@@ -176,10 +177,10 @@ def why(ranked: list[Prediction]) -> str:
     if _bits(best.plan) and exact is not None:
         gaps = {k: exact.breakdown[k] - best.breakdown[k] for k in COMPONENTS}
         key = max(gaps, key=lambda k: gaps[k])
-        lines.append(f"Against the best exact plan, {exact.label} at {exact.step_time:.4g} s, it saves "
-                     f"{gaps[key]:.3g} s of {key.replace('_', ' ')}.")
+        lines.append(f"Against the best exact plan, {exact.label} at {duration(exact.step_time)}, it saves "
+                     f"{duration(gaps[key])} of {key.replace('_', ' ')}.")
     if best.unsupported:
         today = next((p for p in ranked if p.unsupported is None), None)
         lines.append(f"It does not run today ({best.unsupported})." + (
-            f" Best plan that runs today: {today.label} at {today.step_time:.4g} s." if today else ""))
+            f" Best plan that runs today: {today.label} at {duration(today.step_time)}." if today else ""))
     return " ".join(lines)
