@@ -19,6 +19,7 @@ from ..quant import DEFAULT_BLOCK_SIZE, BlockFormat
 from ..quant.format import SUPPORTED_BITS
 from .all_gather import ZeroppAllGather
 from .hpz import check_hpz, install_check
+from .mesh import shard_mesh, shard_topology
 from .reduce_scatter import ZeroppReduceScatter, check_error_feedback, check_gradient_rotation, check_intra_bits
 from .rules import group_formats, resolve_rules
 from .segments import fsdp_group, shard_numels
@@ -133,11 +134,17 @@ def enable(
             "zeropp.fsdp.enable found no FSDP2 module: wrap the model with torch.distributed.fsdp.fully_shard "
             "first, then call enable on it"
         )
-    mesh = _shard_mesh(fsdp_modules)
+    mesh, ndim = _shard_mesh(fsdp_modules)
+    if hpz is not None and ndim > 1:
+        raise ValueError(
+            f"zeropp.fsdp.enable(hpz={hpz}): the parameters live on a {ndim}-D mesh (tensor parallelism); hpZ is "
+            "served on 1-D meshes only (FSDP2's post-forward reshard of a tensor-parallel parameter is not checked "
+            "here): enable with hpz=None"
+        )
     group = mesh.get_group()
     ranks = dist.get_process_group_ranks(group)
     if topology is None:
-        topology = comm.Topology(group, ranks_per_node)
+        topology = shard_topology(group, ranks_per_node)
     elif topology.ranks != ranks:
         raise ValueError(
             f"topology covers ranks {topology.ranks} but the modules are sharded over ranks {ranks}; pass the "
@@ -187,29 +194,26 @@ def _quantizes(bits: int | None | list[int | None]) -> bool:
     return any(b is not None for b in bits) if isinstance(bits, list) else bits is not None
 
 
-def _shard_mesh(fsdp_modules: list[FSDPModule]) -> DeviceMesh:
-    """The one 1-D mesh that every FSDP2-managed parameter of ``fsdp_modules`` is sharded over."""
-    meshes = []
+def _shard_mesh(fsdp_modules: list[FSDPModule]) -> tuple[DeviceMesh, int]:
+    """The one 1-D mesh that every FSDP2-managed parameter of ``fsdp_modules`` is sharded over (FSDP2's dp mesh;
+    ``zeropp.fsdp.mesh.shard_mesh``), and the most dims of the parameters' meshes (2 or 3 with tensor parallelism)."""
+    meshes, ndim = [], 0
     for m in fsdp_modules:
         for p in m.parameters():  # type: ignore[attr-defined]
-            if isinstance(p, DTensor) and all(p.device_mesh is not q for q in meshes):
-                meshes.append(p.device_mesh)
+            if isinstance(p, DTensor):
+                ndim = max(ndim, p.device_mesh.ndim)
+                shard = shard_mesh(p)
+                if all(shard is not q for q in meshes):
+                    meshes.append(shard)
     if not meshes:
         raise ValueError("zeropp.fsdp.enable: the FSDP2 modules hold no sharded (DTensor) parameters")
-    for mesh in meshes:
-        if mesh.ndim != 1:
-            raise ValueError(
-                f"zeropp.fsdp.enable serves 1-D meshes only; got a {mesh.ndim}-D mesh of shape "
-                f"{tuple(mesh.shape)} (names {mesh.mesh_dim_names}): HSDP and FSDP combined with tensor/other "
-                "parallelism are not supported yet. Use fully_shard with a 1-D mesh over the data-parallel ranks"
-            )
     groups = {tuple(dist.get_process_group_ranks(mesh.get_group())) for mesh in meshes}
     if len(groups) > 1:
         raise ValueError(
             f"zeropp.fsdp.enable: the modules are sharded over different groups {sorted(groups)}; call enable "
             "once per group with that group's modules"
         )
-    return meshes[0]
+    return meshes[0], ndim
 
 
 def check_enable_kwargs(caller: str, enable_kwargs: dict[str, Any]) -> None:

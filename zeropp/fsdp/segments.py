@@ -23,16 +23,16 @@ parameters), and split by format where per-parameter rules give one group severa
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from .._torch_internals import fsdp_group_modules
 from ..quant.format import ceil_div
+from .mesh import segment_numel
 
 
 def fsdp_group(module: nn.Module) -> tuple[nn.Module, ...]:
@@ -74,19 +74,9 @@ def managed_parameters(module: nn.Module) -> list[tuple[nn.Module, str, nn.Param
 def shard_numels(module: nn.Module) -> list[int]:
     """Per-rank elements of each managed DTensor parameter's padded shard in the group of the FSDP2 module
     ``module``, in FSDP2's all-gather order: the segments of the flat input FSDP2 passes to the group's custom
-    all-gather (see the module docstring)."""
-    sizes = []
-    for _, _, p in managed_parameters(module):
-        if not isinstance(p, DTensor):
-            continue
-        placement = p.placements[0]
-        dim = placement.dim if isinstance(placement, Shard) else 0
-        length = p.shape[dim]
-        if length == 0:
-            sizes.append(0)
-            continue
-        sizes.append(math.ceil(length / p.device_mesh.size()) * (p.numel() // length))
-    return sizes
+    all-gather (see the module docstring; a tensor-parallel parameter's segment is a slice of its tp-local
+    tensor: ``zeropp.fsdp.mesh.segment_numel``)."""
+    return [segment_numel(p) for _, _, p in managed_parameters(module) if isinstance(p, DTensor)]
 
 
 Run = tuple[int, int, int]
