@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from fsdp_workers import error_message
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -16,6 +17,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 import zeropp.fsdp
 from zeropp import comm
+from zeropp.fsdp.segments import shard_numels
 
 STEPS, BATCH, DIM, HIDDEN = 10, 4, 12, 42  # HIDDEN / tp = 21 rows: uneven FSDP shards, padded
 
@@ -128,7 +130,8 @@ def _forward_weights(model: Stage, world: DeviceMesh) -> dict[str, torch.Tensor]
 def mesh_runs(rank: int, world_size: int) -> dict[str, Any]:
     """Per mesh (``3d``: dp x tp x pp = 2 x 2 x 2; ``2d``: dp x tp = 4 x 2): plain FSDP2 + TP, zeropp exact
     (topology derived by enable), zeropp qwZ int8 / qgZ int4 (losses, parameters, byte counters, the segments of
-    each FSDP2 unit); for ``3d``, the weights a qwZ int8 forward computes with. Ranks' coordinates included."""
+    each FSDP2 unit); for ``3d``, the weights a qwZ int8 forward computes with. Ranks' coordinates included.
+    ``hpz``: what enable says for ``hpz=2`` on the 2-D mesh."""
     meshes = {"3d": init_device_mesh("cpu", (2, 2, world_size // 4), mesh_dim_names=("dp", "tp", "pp")),
               "2d": init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "tp"))}
     out: dict[str, Any] = {}
@@ -139,7 +142,7 @@ def mesh_runs(rank: int, world_size: int) -> dict[str, Any]:
         model = stage(world, seed)
         topology = zeropp.fsdp.enable(model, weight_bits=None, gradient_bits=None)
         res["nodes"] = topology.nodes
-        res["segments"] = [zeropp.fsdp.segments.shard_numels(m) for m in (*model.blocks, model)]
+        res["segments"] = [shard_numels(m) for m in (*model.blocks, model)]
         comm.reset_stats()
         res["exact"] = _train(model, world)
         res["exact_stats"] = comm.stats()
@@ -151,4 +154,5 @@ def mesh_runs(rank: int, world_size: int) -> dict[str, Any]:
         res["quantized"] = _train(model, world)
         res["quantized_stats"] = comm.stats()
         out[key] = res
+    out["hpz"] = error_message(lambda: zeropp.fsdp.enable(stage(meshes["2d"], 0), hpz=2))
     return out
