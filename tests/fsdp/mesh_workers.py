@@ -4,12 +4,15 @@ each plain, with zeropp's exact comms and with qwZ int8 / qgZ int4; the weights 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from fsdp_workers import error_message
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -71,8 +74,9 @@ def _batch(dp: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, DIM, generator=gen), torch.randn(BATCH, DIM, generator=gen)
 
 
-def _train(model: Stage, world: DeviceMesh) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """STEPS Adam steps; with a pp dim, stage 0 sends its activations to stage 1 (same dp and tp coordinates),
+def _train(model: Stage, world: DeviceMesh, opt: torch.optim.Optimizer,
+           steps: range = range(STEPS)) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Adam steps on the batches of ``steps``; with a pp dim, stage 0 sends its activations to stage 1 (same dp and tp coordinates),
     which computes the loss and sends their gradient back (one micro-batch). The losses this rank computed (none on
     stage 0) and the full parameters afterwards."""
     names = world.mesh_dim_names
@@ -81,9 +85,8 @@ def _train(model: Stage, world: DeviceMesh) -> tuple[list[float], dict[str, torc
     peer = None
     if pp is not None:
         peer = [r for r in dist.get_process_group_ranks(world.get_group("pp")) if r != dist.get_rank()][0]
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
     losses = []
-    for step in range(STEPS):
+    for step in steps:
         x, target = _batch(coord["dp"], step)
         if pp == 0:
             h = model(x)
@@ -107,6 +110,49 @@ def _train(model: Stage, world: DeviceMesh) -> tuple[list[float], dict[str, torc
     return losses, full
 
 
+def _adam(model: Stage) -> torch.optim.Optimizer:
+    return torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+
+
+def _full(value: Any) -> Any:
+    """``value`` (a state dict, nested) with every DTensor replaced by its full tensor and every tensor copied."""
+    if isinstance(value, dict):
+        return {k: _full(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_full(v) for v in value]
+    if isinstance(value, DTensor):
+        return value.full_tensor().detach().clone()
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    return value
+
+
+def _checkpoints(world: DeviceMesh, trained: dict[str, tuple[Stage, torch.optim.Optimizer]],
+                 ckpt_dir: Path) -> dict[str, Any]:
+    """DCP across comms on ``world`` (no pp dim: one checkpoint of the whole world): each ``trained`` run
+    ("plain", "exact", "quantized") saves model and optimizer through the public state-dict API, then takes one
+    more step; a fresh stage under other comms loads a saver's checkpoint and takes that same step. Per saver and
+    per (saver, loader): the full state saved / loaded, the step's losses and parameters."""
+    out: dict[str, Any] = {"saved": {}, "loaded": {}}
+    for comms, (model, opt) in trained.items():
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(ckpt_dir / comms))
+        state = _full({"model": model_sd, "optim": optim_sd})
+        out["saved"][comms] = {"state": state, "step": _train(model, world, opt, range(STEPS, STEPS + 1))}
+    for saver, loader in (("exact", "plain"), ("quantized", "plain"), ("plain", "quantized")):
+        model = stage(world, 0)
+        if loader == "quantized":
+            zeropp.fsdp.enable(model, weight_bits=8, gradient_bits=4)
+        opt = _adam(model)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(ckpt_dir / saver))
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        out["loaded"][saver, loader] = {"state": _full(dict(zip(("model", "optim"), get_state_dict(model, opt)))),
+                                        "step": _train(model, world, opt, range(STEPS, STEPS + 1))}
+    return out
+
+
 def _forward_weights(model: Stage, world: DeviceMesh) -> dict[str, torch.Tensor]:
     """Every parameter as this rank's first forward computes with it, after FSDP2's all-gather (the tensor-parallel
     local tensor of a DTensor), by name; one forward, no backward."""
@@ -127,32 +173,36 @@ def _forward_weights(model: Stage, world: DeviceMesh) -> dict[str, torch.Tensor]
     return seen
 
 
-def mesh_runs(rank: int, world_size: int) -> dict[str, Any]:
+def mesh_runs(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any]:
     """Per mesh (``3d``: dp x tp x pp = 2 x 2 x 2; ``2d``: dp x tp = 4 x 2): plain FSDP2 + TP, zeropp exact
     (topology derived by enable), zeropp qwZ int8 / qgZ int4 (losses, parameters, byte counters, the segments of
-    each FSDP2 unit); for ``3d``, the weights a qwZ int8 forward computes with. Ranks' coordinates included.
-    ``hpz``: what enable says for ``hpz=2`` on the 2-D mesh."""
+    each FSDP2 unit); for ``3d``, the weights a qwZ int8 forward computes with; for ``2d``, DCP checkpoints across
+    the three (``_checkpoints``, in ``ckpt_dir``, shared by the ranks). Ranks' coordinates included. ``hpz``: what
+    enable says for ``hpz=2`` on the 2-D mesh."""
     meshes = {"3d": init_device_mesh("cpu", (2, 2, world_size // 4), mesh_dim_names=("dp", "tp", "pp")),
               "2d": init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "tp"))}
     out: dict[str, Any] = {}
     for key, world in meshes.items():
-        seed = dict(zip(world.mesh_dim_names, world.get_coordinate())).get("pp", 0)
-        res: dict[str, Any] = {"coord": dict(zip(world.mesh_dim_names, world.get_coordinate()))}
-        res["plain"] = _train(stage(world, seed), world)
-        model = stage(world, seed)
-        topology = zeropp.fsdp.enable(model, weight_bits=None, gradient_bits=None)
+        coord = dict(zip(world.mesh_dim_names, world.get_coordinate()))
+        seed = coord.get("pp", 0)
+        res: dict[str, Any] = {"coord": coord}
+        trained = {"plain": stage(world, seed)}
+        trained["exact"] = stage(world, seed)
+        topology = zeropp.fsdp.enable(trained["exact"], weight_bits=None, gradient_bits=None)
         res["nodes"] = topology.nodes
-        res["segments"] = [shard_numels(m) for m in (*model.blocks, model)]
-        comm.reset_stats()
-        res["exact"] = _train(model, world)
-        res["exact_stats"] = comm.stats()
-        model = stage(world, seed)
-        zeropp.fsdp.enable(model, weight_bits=8, gradient_bits=4, topology=topology)
+        res["segments"] = [shard_numels(m) for m in (*trained["exact"].blocks, trained["exact"])]
+        trained["quantized"] = stage(world, seed)
+        zeropp.fsdp.enable(trained["quantized"], weight_bits=8, gradient_bits=4, topology=topology)
         if key == "3d":
-            res["forward_weights"] = _forward_weights(model, world)
-        comm.reset_stats()
-        res["quantized"] = _train(model, world)
-        res["quantized_stats"] = comm.stats()
+            res["forward_weights"] = _forward_weights(trained["quantized"], world)
+        opts = {}
+        for comms, model in trained.items():
+            opts[comms] = _adam(model)
+            comm.reset_stats()
+            res[comms] = _train(model, world, opts[comms])
+            res[comms + "_stats"] = comm.stats()
+        if key == "2d":
+            res["checkpoints"] = _checkpoints(world, {k: (m, opts[k]) for k, m in trained.items()}, Path(ckpt_dir))
         out[key] = res
     out["hpz"] = error_message(lambda: zeropp.fsdp.enable(stage(meshes["2d"], 0), hpz=2))
     return out

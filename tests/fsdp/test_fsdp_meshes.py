@@ -8,7 +8,8 @@ LayerNorms) plain, with zeropp's exact comms and with qwZ int8 / qgZ int4, 10 Ad
 Checked: exact comms bit-identical to plain FSDP2 + TP on the same mesh; quantized within 2% of its loss at every
 step; the dp groups' nodes derived from the world's ranks per node; the bytes equal to the formula from FSDP2's
 layout (the tp-local tensor, sharded over dp and padded) written here independently; qwZ's weights are every dp
-shard of every tp-local parameter quantized alone; hpZ on such a mesh refused."""
+shard of every tp-local parameter quantized alone; the tp replicas of tp-replicated parameters bit-identical; DCP checkpoints of the 2-D mesh saved under one set of comms load
+under another with identical state; hpZ on such a mesh refused."""
 
 from __future__ import annotations
 
@@ -29,14 +30,15 @@ GATHERS = (2, 2, 1)  # per step: each block forward and backward; the stage root
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return launch("mesh_workers:mesh_runs", WORLD, tmp_path_factory.mktemp("meshes"),
-                  env={"ZEROPP_RANKS_PER_NODE": "4"})
+    tmp = tmp_path_factory.mktemp("meshes")
+    return launch("mesh_workers:mesh_runs", WORLD, tmp, env={"ZEROPP_RANKS_PER_NODE": "4"}, timeout=600,
+                  ckpt_dir=str(tmp / "ckpt"))
 
 
 def _tp_local(name: str, p: torch.Tensor, tp: int) -> torch.Tensor:
     """``p`` as tp rank ``tp`` holds it: ``up`` cut by rows (column-parallel), ``down.weight`` by columns
     (row-parallel), everything else whole."""
-    if ".up." in name:
+    if ".up." in name:  # _tp_sharded's names
         return p.chunk(TP, 0)[tp]
     if name.endswith("down.weight"):
         return p.chunk(TP, 1)[tp]
@@ -91,23 +93,41 @@ def test_dp_nodes_derived_from_the_world(runs: list[dict]) -> None:
         assert r["2d"]["nodes"] == [[rank % 2, rank % 2 + 2], [rank % 2 + 4, rank % 2 + 6]]
 
 
+def _tp_sharded(name: str) -> bool:
+    return ".up." in name or name.endswith("down.weight")
+
+
+def _rs_parts(dp: int) -> list[list[int]]:
+    """Per unit, qgZ's reduce-scatter parts: the tp-replicated parameters' segments and the tp-sharded ones' (each
+    part's per-rank elements ``S``), in order of first appearance."""
+    parts = []
+    for unit, segments in zip(_units(0), _segments(dp)):
+        kinds = [_tp_sharded(name) for name, _ in unit]
+        order = list(dict.fromkeys(kinds))
+        parts.append([sum(s for s, k in zip(segments, kinds) if k == kind) for kind in order])
+    return parts
+
+
 @pytest.mark.parametrize("key", ["3d", "2d"])
 def test_bytes_equal_the_formula(runs: list[dict], key: str) -> None:
     """Per rank, ``n`` nodes of ``d`` dp ranks: an all-gather sends its shard to ``(n - 1) d`` peers across
     nodes and ``d - 1`` inside (fp32, or one int8 pack per parameter shard); a reduce-scatter of ``S`` elements
     sends ``4 S`` to each peer exact, and with qgZ int4 ``B = packed_bytes(S)`` per node peer across (hop 2) and
-    ``n B`` per local peer inside (hop 1)."""
+    ``n B`` per local peer inside (hop 1), once per part (tp-replicated and tp-sharded parameters apart)."""
     dp = DP[key]
     d, n = (1, 2) if key == "3d" else (2, 2)
     fmt8, fmt4 = BlockFormat(8, 128), BlockFormat(4, 128)
     units = _segments(dp)
+    parts = _rs_parts(dp)
+    assert [len(p) for p in parts] == [2, 2, 1]
     for r in runs:
         run = r[key]
         assert run["segments"] == units
         exact, quant = run["exact_stats"], run["quantized_stats"]
         for stats in (exact, quant):
             assert stats["all_gather"]["calls"] == STEPS * sum(GATHERS)
-            assert stats["reduce_scatter"]["calls"] == STEPS * len(units)
+        assert exact["reduce_scatter"]["calls"] == STEPS * len(units)
+        assert quant["reduce_scatter"]["calls"] == STEPS * sum(len(p) for p in parts)
         fp32 = sum(g * 4 * sum(u) for g, u in zip(GATHERS, units))
         packed = sum(g * sum(fmt8.packed_bytes(s) for s in u) for g, u in zip(GATHERS, units))
         assert exact["all_gather"]["sent_inter"] == STEPS * (n - 1) * d * fp32
@@ -116,9 +136,23 @@ def test_bytes_equal_the_formula(runs: list[dict], key: str) -> None:
         assert quant["all_gather"]["sent_intra"] == STEPS * (d - 1) * packed
         assert exact["reduce_scatter"]["sent_inter"] == STEPS * (n - 1) * d * sum(4 * sum(u) for u in units)
         assert exact["reduce_scatter"]["sent_intra"] == STEPS * (d - 1) * sum(4 * sum(u) for u in units)
-        assert quant["reduce_scatter"]["sent_inter"] == STEPS * (n - 1) * sum(fmt4.packed_bytes(sum(u)) for u in units)
-        assert quant["reduce_scatter"]["sent_intra"] == STEPS * (d - 1) * n * sum(
-            fmt4.packed_bytes(sum(u)) for u in units)
+        qgz = sum(fmt4.packed_bytes(s) for p in parts for s in p)
+        assert quant["reduce_scatter"]["sent_inter"] == STEPS * (n - 1) * qgz
+        assert quant["reduce_scatter"]["sent_intra"] == STEPS * (d - 1) * n * qgz
+
+
+@pytest.mark.parametrize("key", ["3d", "2d"])
+@pytest.mark.parametrize("comms", ["plain", "exact", "quantized"])
+def test_tp_replicas_stay_identical(runs: list[dict], key: str, comms: str) -> None:
+    """Every rank's full parameters equal its tp peer's, bit for bit: a parameter tp replicates (LayerNorms,
+    the row-parallel bias) is held by each tp rank, and quantized comms must update the replicas alike (qgZ
+    blocks that mixed its gradient with a tp-sharded one would not)."""
+    stride = 2 if key == "3d" else 1  # the tp peer's global rank differs by the tp dim's stride
+    for rank, r in enumerate(runs):
+        if r[key]["coord"]["tp"] == 0:
+            mine, peer = r[key][comms][1], runs[rank + stride][key][comms][1]
+            for name in mine:
+                assert torch.equal(mine[name], peer[name]), (rank, name)
 
 
 def _qwz(p: torch.Tensor, dp: int, fmt: BlockFormat) -> torch.Tensor:
@@ -151,3 +185,28 @@ def test_refuses_hpz_on_a_tensor_parallel_mesh(runs: list[dict]) -> None:
     for r in runs:
         assert r["hpz"].startswith("ValueError") and "hpz=2" in r["hpz"] and "2-D mesh" in r["hpz"]
 
+
+
+def _same(a: object, b: object) -> bool:
+    """Nested dicts / lists / tuples of tensors and plain values, equal bit for bit."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    return a == b
+
+
+@pytest.mark.parametrize("saver, loader", [("exact", "plain"), ("quantized", "plain"), ("plain", "quantized")])
+def test_dcp_load_across_comms_is_identical(runs: list[dict], saver: str, loader: str) -> None:
+    """A 2-D (dp x tp) checkpoint loads under other comms with the same model and optimizer state; the state is
+    STEPS Adam steps (not the initial one). Exact comms' next step after loading into plain FSDP2 + TP is the saver's
+    own next step, bit for bit."""
+    for r in runs:
+        ckpt = r["2d"]["checkpoints"]
+        saved, loaded = ckpt["saved"][saver], ckpt["loaded"][saver, loader]
+        assert saved["state"]["optim"]["state"]["blocks.0.up.weight"]["step"].item() == STEPS
+        assert _same(loaded["state"], saved["state"])
+        if saver == "exact":
+            assert _same(loaded["step"], saved["step"])

@@ -103,6 +103,14 @@ def segment_numel(param: DTensor) -> int:
     return math.ceil(length / mesh.size(0)) * (math.prod(shape) // length)
 
 
+def is_tp_sharded(param: DTensor) -> bool:
+    """Whether a placement after FSDP's (tensor parallelism's) shards ``param``: its tp ranks hold different
+    values. A parameter tp replicates (a row-parallel bias, a plain LayerNorm) is held, and updated, by every tp rank
+    alike; qgZ reduces its gradient in blocks of its own so that the replicas stay bit-identical (a block shared with
+    a tp-sharded gradient would get a scale that differs between the tp ranks)."""
+    return any(_is_shard(p) for p in param.placements[1:])
+
+
 def shard_topology(group: dist.ProcessGroup, ranks_per_node: int | None) -> comm.Topology:
     """The ``comm.Topology`` of the dp ``group`` (see the module docstring for where its ranks per node come
     from); a collective over ``group``.

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor
 
 from .._torch_internals import fsdp_group_modules
 from ..quant.format import ceil_div
-from .mesh import segment_numel
+from .mesh import is_tp_sharded, segment_numel
 
 
 def fsdp_group(module: nn.Module) -> tuple[nn.Module, ...]:
@@ -117,15 +117,25 @@ class FormatPart:
 
 
 def format_parts(segments: Sequence[int], bits: Sequence[int | None], block_size: int, *,
-                 align: bool) -> list[FormatPart]:
+                 align: bool, classes: Sequence[int] | None = None) -> list[FormatPart]:
     """One ``FormatPart`` per distinct value of ``bits`` (one per segment), in order of first appearance among the
-    non-empty segments; with ``align`` a quantized part starts each segment at a block boundary (qwZ: blocks never
-    span two parameters), else (and for exact parts) its segments are packed back to back."""
+    non-empty segments; with ``classes`` (one per segment), one per distinct ``(bits, class)`` instead (qgZ keeps
+    tensor-parallel-replicated and -sharded parameters apart: ``tp_sharded``). With ``align`` a quantized part
+    starts each segment at a block boundary (qwZ: blocks never span two parameters), else (and for exact parts) its
+    segments are packed back to back."""
     if len(bits) != len(segments):
         raise ValueError(f"{len(bits)} formats for {len(segments)} segments: give one per segment")
-    formats = list(dict.fromkeys(b for b, s in zip(bits, segments) if s))
+    keys = list(zip(bits, classes if classes is not None else [0] * len(bits)))
     parts = []
-    for fmt in formats:
-        numel, runs = staging(segments, block_size if align and fmt is not None else 1, [b == fmt for b in bits])
+    for key in dict.fromkeys(k for k, s in zip(keys, segments) if s):
+        fmt = key[0]
+        numel, runs = staging(segments, block_size if align and fmt is not None else 1, [k == key for k in keys])
         parts.append(FormatPart(fmt, numel, runs))
     return parts
+
+
+def tp_sharded(module: nn.Module) -> list[int]:
+    """Per managed DTensor parameter of the FSDP2 module ``module``'s group (``shard_numels``' order): 1 if tensor
+    parallelism shards it (its tp ranks hold different values), else 0 (every tp rank holds the same values and
+    must keep them so: ``zeropp.fsdp.mesh.is_tp_sharded``)."""
+    return [int(is_tp_sharded(p)) for _, _, p in managed_parameters(module) if isinstance(p, DTensor)]
