@@ -176,7 +176,8 @@ class ZeroppReduceScatter(FlatBufferHook, FSDPReduceScatter):
             names = ", ".join(self.names) or f"segments {list(self.segments)}"
             raise ValueError(
                 f"zeropp.fsdp: FSDP2 reduce-scatters {input_tensor.numel()} gradient elements for a group whose "
-                f"parameters ({names}) have per-parameter gradient formats and {size} x {width} elements in all: "
+                f"parameters ({names}) are reduced in parts (per-parameter gradient formats, or tensor-parallel-"
+                f"replicated and -sharded parameters apart) and have {size} x {width} elements in all: "
                 "some of them got no gradient this backward, and the buffer no longer says which columns are "
                 "whose. Give the group's parameters one gradient format (rules), or wrap the modules whose "
                 "parameters may get no gradient with their own fully_shard"
