@@ -1,6 +1,7 @@
 """Workers for test_fsdp_meshes.py: a tiny residual MLP trained on a 3-D world mesh (dp 2 x tp 2 x pp 2: tensor
 parallel up/down projections, FSDP2 over dp, a manual 2-stage pipeline over pp) and on a 2-D one (dp 4 x tp 2),
-each plain, with zeropp's exact comms and with qwZ int8 / qgZ int4; the weights a qwZ forward computes with."""
+each plain, with zeropp's exact comms and with qwZ int8 / qgZ int4; the weights a qwZ forward computes with; DCP
+checkpoints across the three on the 2-D mesh."""
 
 from __future__ import annotations
 
@@ -76,9 +77,9 @@ def _batch(dp: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _train(model: Stage, world: DeviceMesh, opt: torch.optim.Optimizer,
            steps: range = range(STEPS)) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Adam steps on the batches of ``steps``; with a pp dim, stage 0 sends its activations to stage 1 (same dp and tp coordinates),
-    which computes the loss and sends their gradient back (one micro-batch). The losses this rank computed (none on
-    stage 0) and the full parameters afterwards."""
+    """Adam steps on the batches of ``steps``; with a pp dim, stage 0 sends its activations to stage 1 (same dp
+    and tp coordinates), which computes the loss and sends their gradient back (one micro-batch). The losses this
+    rank computed (none on stage 0) and the full parameters afterwards."""
     names = world.mesh_dim_names
     coord = dict(zip(names, world.get_coordinate()))
     pp = coord.get("pp")

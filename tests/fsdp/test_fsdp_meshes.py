@@ -8,8 +8,9 @@ LayerNorms) plain, with zeropp's exact comms and with qwZ int8 / qgZ int4, 10 Ad
 Checked: exact comms bit-identical to plain FSDP2 + TP on the same mesh; quantized within 2% of its loss at every
 step; the dp groups' nodes derived from the world's ranks per node; the bytes equal to the formula from FSDP2's
 layout (the tp-local tensor, sharded over dp and padded) written here independently; qwZ's weights are every dp
-shard of every tp-local parameter quantized alone; the tp replicas of tp-replicated parameters bit-identical; DCP checkpoints of the 2-D mesh saved under one set of comms load
-under another with identical state; hpZ on such a mesh refused."""
+shard of every tp-local parameter quantized alone; the tp replicas of tp-replicated parameters bit-identical; DCP
+checkpoints of the 2-D mesh saved under one set of comms load under another with identical state; hpZ on such a
+mesh refused."""
 
 from __future__ import annotations
 
