@@ -186,9 +186,9 @@ def misuse(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return launch("fsdp_workers:misuse", WORLD, tmp_path_factory.mktemp("misuse"), env=ENV)
 
 
-def test_refuses_2d_mesh(misuse: list[dict]) -> None:
+def test_refuses_hsdp_mesh(misuse: list[dict]) -> None:
     for r in misuse:
-        assert r["hsdp"].startswith("ValueError") and "1-D meshes only" in r["hsdp"] and "2-D" in r["hsdp"]
+        assert r["hsdp"].startswith("ValueError") and "HSDP" in r["hsdp"] and "2-D" in r["hsdp"]
 
 
 def test_refuses_topology_of_other_ranks(misuse: list[dict]) -> None:

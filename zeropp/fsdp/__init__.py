@@ -20,8 +20,9 @@ on hpZ: ``enable(..., hpz=N, weight_deltas=True)`` (``zeropp.fsdp.weight_deltas`
   quantized weight deltas;
 * ``enable``: installs a ``ZeroppAllGather`` per group (it knows the group's parameter segments: qwZ blocks
   never span two parameters) and a ``ZeroppReduceScatter`` per group (each holds its gradient buffer's
-  error-feedback state), built on ``zeropp.comm``, on every FSDP2 group; 1-D meshes only (HSDP / 2-D meshes are
-  refused).
+  error-feedback state), built on ``zeropp.comm``, on every FSDP2 group;
+* ``mesh.py``: FSDP2 on one dim of a 2-D / 3-D world mesh (tensor parallel, pipeline stages): the dp group, each
+  tensor-parallel parameter's segment, the dp group's nodes (HSDP refused there).
 """
 
 from .all_gather import ZeroppAllGather

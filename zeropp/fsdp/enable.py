@@ -19,9 +19,10 @@ from ..quant import DEFAULT_BLOCK_SIZE, BlockFormat
 from ..quant.format import SUPPORTED_BITS
 from .all_gather import ZeroppAllGather
 from .hpz import check_hpz, install_check
+from .mesh import shard_mesh, shard_topology
 from .reduce_scatter import ZeroppReduceScatter, check_error_feedback, check_gradient_rotation, check_intra_bits
 from .rules import group_formats, resolve_rules
-from .segments import fsdp_group, shard_numels
+from .segments import fsdp_group, shard_numels, tp_sharded
 from .weight_deltas import DeltaAllGather, register
 
 
@@ -46,7 +47,10 @@ def enable(
     """Install zeropp's all-gather (qwZ) and reduce-scatter (qgZ) on every FSDP2 module in ``modules``.
 
     Call it on every rank, after ``fully_shard`` and before the first forward: it is a collective over the shard
-    group when it creates the topology. ``modules`` may be the root model: every ``fully_shard``-ed module inside it
+    group when it creates the topology. The shard group is FSDP2's dp group: the modules' 1-D mesh, or, with tensor
+    parallelism (``parallelize_module`` on ``world["tp"]``, then ``fully_shard(mesh=world["dp"])``, pipeline stages
+    on a ``pp`` dim), the dp dim of a 2-D / 3-D world mesh; qwZ and qgZ run over it only (``zeropp.fsdp.mesh``,
+    ``docs/fsdp_meshes.md``). ``modules`` may be the root model: every ``fully_shard``-ed module inside it
     (itself included) gets the comms, one set per FSDP2 group: ``fully_shard([a, b])`` (as accelerate wraps a model's
     final norm with its tied embedding and head) is one group, gathered as one, with per-parameter qwZ blocks like
     any other. Byte counts land in ``zeropp.comm.stats()``.
@@ -90,15 +94,18 @@ def enable(
             formats runs one collective per format. ``None`` or ``[]``: every parameter has the global formats.
         topology: the ``zeropp.comm.Topology`` of the modules' shard group (default: made here from that group,
             with ``ranks_per_node`` or ``$ZEROPP_RANKS_PER_NODE`` / ``$LOCAL_WORLD_SIZE``, checked against hosts).
-        ranks_per_node: ranks per node when the topology is made here.
+        ranks_per_node: ranks of the shard group per node when the topology is made here (default: for a group
+            that is the world, ``$ZEROPP_RANKS_PER_NODE`` / ``$LOCAL_WORLD_SIZE``; for a dp group of a larger mesh,
+            counted from those, read as the WORLD's ranks per node; else from the hosts:
+            ``zeropp.fsdp.mesh.shard_topology``).
 
     Returns:
         The topology used.
 
     Raises:
         ConfigError: a bad rule, or a rule that takes no parameter (a ``ValueError``).
-        ValueError: unsupported bits or block size, no FSDP2 module, a mesh that is not 1-D (HSDP, or FSDP
-            inside a 2-D mesh: refused, not served wrongly), modules on different meshes, a ``topology`` whose
+        ValueError: unsupported bits or block size, no FSDP2 module, HSDP (a replicate dim: refused, not served
+            wrongly), hpZ with tensor-parallel parameters, modules on different meshes, a ``topology`` whose
             ranks are not the shard group's, an ``hpz`` that does not divide the ranks per node or whose FSDP2
             groups would span nodes, or ``error_feedback``, ``gradient_rotation`` or ``gradient_bits_intra``
             without quantized gradients, a ``gradient_rotation`` that is no rotation size dividing
@@ -133,11 +140,17 @@ def enable(
             "zeropp.fsdp.enable found no FSDP2 module: wrap the model with torch.distributed.fsdp.fully_shard "
             "first, then call enable on it"
         )
-    mesh = _shard_mesh(fsdp_modules)
+    mesh, ndim = _shard_mesh(fsdp_modules)
+    if hpz is not None and ndim > 1:
+        raise ValueError(
+            f"zeropp.fsdp.enable(hpz={hpz}): the parameters live on a {ndim}-D mesh (tensor parallelism); hpZ is "
+            "served on 1-D meshes only (FSDP2's post-forward reshard of a tensor-parallel parameter is not checked "
+            "here): enable with hpz=None"
+        )
     group = mesh.get_group()
     ranks = dist.get_process_group_ranks(group)
     if topology is None:
-        topology = comm.Topology(group, ranks_per_node)
+        topology = shard_topology(group, ranks_per_node)
     elif topology.ranks != ranks:
         raise ValueError(
             f"topology covers ranks {topology.ranks} but the modules are sharded over ranks {ranks}; pass the "
@@ -176,7 +189,8 @@ def enable(
             topology, gbits, block_size, error_feedback=error_feedback if quantized else False,
             error_feedback_beta=error_feedback_beta, stochastic_rounding=stochastic_rounding and quantized, seed=k,
             gradient_rotation=gradient_rotation if quantized else None,
-            intra_bits=gradient_bits_intra if quantized else None, segments=segments, names=names))
+            intra_bits=gradient_bits_intra if quantized else None, segments=segments, names=names,
+            tp_sharded=tp_sharded(first) if quantized else ()))
     if hpz is not None:
         install_check(groups, hpz)
     return topology
@@ -187,29 +201,26 @@ def _quantizes(bits: int | None | list[int | None]) -> bool:
     return any(b is not None for b in bits) if isinstance(bits, list) else bits is not None
 
 
-def _shard_mesh(fsdp_modules: list[FSDPModule]) -> DeviceMesh:
-    """The one 1-D mesh that every FSDP2-managed parameter of ``fsdp_modules`` is sharded over."""
-    meshes = []
+def _shard_mesh(fsdp_modules: list[FSDPModule]) -> tuple[DeviceMesh, int]:
+    """The one 1-D mesh that every FSDP2-managed parameter of ``fsdp_modules`` is sharded over (FSDP2's dp mesh;
+    ``zeropp.fsdp.mesh.shard_mesh``), and the most dims of the parameters' meshes (2 or 3 with tensor parallelism)."""
+    meshes, ndim = [], 0
     for m in fsdp_modules:
         for p in m.parameters():  # type: ignore[attr-defined]
-            if isinstance(p, DTensor) and all(p.device_mesh is not q for q in meshes):
-                meshes.append(p.device_mesh)
+            if isinstance(p, DTensor):
+                ndim = max(ndim, p.device_mesh.ndim)
+                shard = shard_mesh(p)
+                if all(shard is not q for q in meshes):
+                    meshes.append(shard)
     if not meshes:
         raise ValueError("zeropp.fsdp.enable: the FSDP2 modules hold no sharded (DTensor) parameters")
-    for mesh in meshes:
-        if mesh.ndim != 1:
-            raise ValueError(
-                f"zeropp.fsdp.enable serves 1-D meshes only; got a {mesh.ndim}-D mesh of shape "
-                f"{tuple(mesh.shape)} (names {mesh.mesh_dim_names}): HSDP and FSDP combined with tensor/other "
-                "parallelism are not supported yet. Use fully_shard with a 1-D mesh over the data-parallel ranks"
-            )
     groups = {tuple(dist.get_process_group_ranks(mesh.get_group())) for mesh in meshes}
     if len(groups) > 1:
         raise ValueError(
             f"zeropp.fsdp.enable: the modules are sharded over different groups {sorted(groups)}; call enable "
             "once per group with that group's modules"
         )
-    return meshes[0]
+    return meshes[0], ndim
 
 
 def check_enable_kwargs(caller: str, enable_kwargs: dict[str, Any]) -> None:

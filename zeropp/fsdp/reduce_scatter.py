@@ -76,19 +76,28 @@ class ZeroppReduceScatter(FlatBufferHook, FSDPReduceScatter):
         segments: per-rank elements of each parameter's padded gradient shard, in FSDP2's order
             (``zeropp.fsdp.segments.shard_numels``), for per-parameter ``bits``.
         names: the parameters' qualified names, one per segment (messages only).
+        tp_sharded: with tensor parallelism, 1 per segment whose parameter tp shards, 0 per segment it replicates
+            (``zeropp.fsdp.segments.tp_sharded``): when both occur, the two kinds are reduced as separate parts
+            (as per-parameter formats are), so no qgZ block mixes them and the tp replicas of a replicated
+            parameter get bit-identical gradients (exact parts need no split).
     """
 
     def __init__(
         self, topology: comm.Topology, bits: int | None | Sequence[int | None], block_size: int,
         error_feedback: bool | str = False, gradient_rotation: int | None = None, intra_bits: int | None = None,
         segments: Sequence[int] = (), names: Sequence[str] = (), error_feedback_beta: float = LOCO_BETA,
-        stochastic_rounding: bool = False, seed: int = 0,
+        stochastic_rounding: bool = False, seed: int = 0, tp_sharded: Sequence[int] = (),
     ) -> None:
         self.parts: list[FormatPart] | None = None
         self.segments = tuple(int(s) for s in segments)
         self.names = tuple(names)
+        classes = None
+        if len(set(c for c, n in zip(tp_sharded, self.segments) if n)) > 1:
+            classes = tuple(tp_sharded)
+            if not isinstance(bits, Sequence):
+                bits = [bits] * len(self.segments)
         if isinstance(bits, Sequence):
-            parts = format_parts(self.segments, bits, block_size, align=False)
+            parts = format_parts(self.segments, bits, block_size, align=False, classes=classes)
             quantized = [part.bits for part in parts if part.bits is not None]
             if len(parts) > 1:
                 self.parts = parts
@@ -167,7 +176,8 @@ class ZeroppReduceScatter(FlatBufferHook, FSDPReduceScatter):
             names = ", ".join(self.names) or f"segments {list(self.segments)}"
             raise ValueError(
                 f"zeropp.fsdp: FSDP2 reduce-scatters {input_tensor.numel()} gradient elements for a group whose "
-                f"parameters ({names}) have per-parameter gradient formats and {size} x {width} elements in all: "
+                f"parameters ({names}) are reduced in parts (per-parameter gradient formats, or tensor-parallel-"
+                f"replicated and -sharded parameters apart) and have {size} x {width} elements in all: "
                 "some of them got no gradient this backward, and the buffer no longer says which columns are "
                 "whose. Give the group's parameters one gradient format (rules), or wrap the modules whose "
                 "parameters may get no gradient with their own fully_shard"

@@ -23,16 +23,16 @@ parameters), and split by format where per-parameter rules give one group severa
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor
 
 from .._torch_internals import fsdp_group_modules
 from ..quant.format import ceil_div
+from .mesh import is_tp_sharded, segment_numel
 
 
 def fsdp_group(module: nn.Module) -> tuple[nn.Module, ...]:
@@ -74,19 +74,9 @@ def managed_parameters(module: nn.Module) -> list[tuple[nn.Module, str, nn.Param
 def shard_numels(module: nn.Module) -> list[int]:
     """Per-rank elements of each managed DTensor parameter's padded shard in the group of the FSDP2 module
     ``module``, in FSDP2's all-gather order: the segments of the flat input FSDP2 passes to the group's custom
-    all-gather (see the module docstring)."""
-    sizes = []
-    for _, _, p in managed_parameters(module):
-        if not isinstance(p, DTensor):
-            continue
-        placement = p.placements[0]
-        dim = placement.dim if isinstance(placement, Shard) else 0
-        length = p.shape[dim]
-        if length == 0:
-            sizes.append(0)
-            continue
-        sizes.append(math.ceil(length / p.device_mesh.size()) * (p.numel() // length))
-    return sizes
+    all-gather (see the module docstring; a tensor-parallel parameter's segment is a slice of its tp-local
+    tensor: ``zeropp.fsdp.mesh.segment_numel``)."""
+    return [segment_numel(p) for _, _, p in managed_parameters(module) if isinstance(p, DTensor)]
 
 
 Run = tuple[int, int, int]
@@ -127,15 +117,25 @@ class FormatPart:
 
 
 def format_parts(segments: Sequence[int], bits: Sequence[int | None], block_size: int, *,
-                 align: bool) -> list[FormatPart]:
+                 align: bool, classes: Sequence[int] | None = None) -> list[FormatPart]:
     """One ``FormatPart`` per distinct value of ``bits`` (one per segment), in order of first appearance among the
-    non-empty segments; with ``align`` a quantized part starts each segment at a block boundary (qwZ: blocks never
-    span two parameters), else (and for exact parts) its segments are packed back to back."""
+    non-empty segments; with ``classes`` (one per segment), one per distinct ``(bits, class)`` instead (qgZ keeps
+    tensor-parallel-replicated and -sharded parameters apart: ``tp_sharded``). With ``align`` a quantized part
+    starts each segment at a block boundary (qwZ: blocks never span two parameters), else (and for exact parts) its
+    segments are packed back to back."""
     if len(bits) != len(segments):
         raise ValueError(f"{len(bits)} formats for {len(segments)} segments: give one per segment")
-    formats = list(dict.fromkeys(b for b, s in zip(bits, segments) if s))
+    keys = list(zip(bits, classes if classes is not None else [0] * len(bits)))
     parts = []
-    for fmt in formats:
-        numel, runs = staging(segments, block_size if align and fmt is not None else 1, [b == fmt for b in bits])
+    for key in dict.fromkeys(k for k, s in zip(keys, segments) if s):
+        fmt = key[0]
+        numel, runs = staging(segments, block_size if align and fmt is not None else 1, [k == key for k in keys])
         parts.append(FormatPart(fmt, numel, runs))
     return parts
+
+
+def tp_sharded(module: nn.Module) -> list[int]:
+    """Per managed DTensor parameter of the FSDP2 module ``module``'s group (``shard_numels``' order): 1 if tensor
+    parallelism shards it (its tp ranks hold different values), else 0 (every tp rank holds the same values and
+    must keep them so: ``zeropp.fsdp.mesh.is_tp_sharded``)."""
+    return [int(is_tp_sharded(p)) for _, _, p in managed_parameters(module) if isinstance(p, DTensor)]

@@ -1,0 +1,209 @@
+"""Workers for test_fsdp_meshes.py: a tiny residual MLP trained on a 3-D world mesh (dp 2 x tp 2 x pp 2: tensor
+parallel up/down projections, FSDP2 over dp, a manual 2-stage pipeline over pp) and on a 2-D one (dp 4 x tp 2),
+each plain, with zeropp's exact comms and with qwZ int8 / qgZ int4; the weights a qwZ forward computes with; DCP
+checkpoints across the three on the 2-D mesh."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from fsdp_workers import error_message
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import zeropp.fsdp
+from zeropp import comm
+from zeropp.fsdp.segments import shard_numels
+
+STEPS, BATCH, DIM, HIDDEN = 10, 4, 12, 42  # HIDDEN / tp = 21 rows: uneven FSDP shards, padded
+
+
+class Block(nn.Module):
+    """``x + down(tanh(up(norm(x))))``; ``up`` column-, ``down`` row-parallel over tp, ``norm`` plain."""
+
+    def __init__(self, gen: torch.Generator) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.up = nn.Linear(DIM, HIDDEN)
+        self.down = nn.Linear(HIDDEN, DIM)
+        with torch.no_grad():  # no 0 / 1 that any quantizer rounds exactly
+            for p in self.parameters():
+                p.normal_(0.0, 0.3, generator=gen)
+            self.norm.weight.add_(1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+class Stage(nn.Module):
+    """Two blocks and a final LayerNorm: one pipeline stage (FSDP2 units: each block, then the stage)."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(seed)
+        self.blocks = nn.ModuleList([Block(gen), Block(gen)])
+        self.norm = nn.LayerNorm(DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+
+def stage(world: DeviceMesh, seed: int) -> Stage:
+    """``Stage(seed)`` tensor-parallel over ``world["tp"]``, each block and then the stage ``fully_shard``-ed over
+    ``world["dp"]``."""
+    model = Stage(seed)
+    for block in model.blocks:
+        parallelize_module(block, world["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        fully_shard(block, mesh=world["dp"])
+    fully_shard(model, mesh=world["dp"])
+    return model
+
+
+def _batch(dp: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The input and target of data-parallel rank ``dp`` at ``step`` (the same on its tp and pp peers)."""
+    gen = torch.Generator().manual_seed(1000 * dp + step)
+    return torch.randn(BATCH, DIM, generator=gen), torch.randn(BATCH, DIM, generator=gen)
+
+
+def _train(model: Stage, world: DeviceMesh, opt: torch.optim.Optimizer,
+           steps: range = range(STEPS)) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Adam steps on the batches of ``steps``; with a pp dim, stage 0 sends its activations to stage 1 (same dp
+    and tp coordinates), which computes the loss and sends their gradient back (one micro-batch). The losses this
+    rank computed (none on stage 0) and the full parameters afterwards."""
+    names = world.mesh_dim_names
+    coord = dict(zip(names, world.get_coordinate()))
+    pp = coord.get("pp")
+    peer = None
+    if pp is not None:
+        peer = [r for r in dist.get_process_group_ranks(world.get_group("pp")) if r != dist.get_rank()][0]
+    losses = []
+    for step in steps:
+        x, target = _batch(coord["dp"], step)
+        if pp == 0:
+            h = model(x)
+            dist.send(h.detach().contiguous(), peer)
+            grad = torch.empty_like(h)
+            dist.recv(grad, peer)
+            h.backward(grad)
+        else:
+            if pp == 1:
+                x = torch.empty(BATCH, DIM)
+                dist.recv(x, peer)
+                x.requires_grad_(True)
+            loss = nn.functional.mse_loss(model(x), target)
+            loss.backward()
+            if pp == 1:
+                dist.send(x.grad.contiguous(), peer)
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    full = {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
+    return losses, full
+
+
+def _adam(model: Stage) -> torch.optim.Optimizer:
+    return torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
+
+
+def _full(value: Any) -> Any:
+    """``value`` (a state dict, nested) with every DTensor replaced by its full tensor and every tensor copied."""
+    if isinstance(value, dict):
+        return {k: _full(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_full(v) for v in value]
+    if isinstance(value, DTensor):
+        return value.full_tensor().detach().clone()
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    return value
+
+
+def _checkpoints(world: DeviceMesh, trained: dict[str, tuple[Stage, torch.optim.Optimizer]],
+                 ckpt_dir: Path) -> dict[str, Any]:
+    """DCP across comms on ``world`` (no pp dim: one checkpoint of the whole world): each ``trained`` run
+    ("plain", "exact", "quantized") saves model and optimizer through the public state-dict API, then takes one
+    more step; a fresh stage under other comms loads a saver's checkpoint and takes that same step. Per saver and
+    per (saver, loader): the full state saved / loaded, the step's losses and parameters."""
+    out: dict[str, Any] = {"saved": {}, "loaded": {}}
+    for comms, (model, opt) in trained.items():
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(ckpt_dir / comms))
+        state = _full({"model": model_sd, "optim": optim_sd})
+        out["saved"][comms] = {"state": state, "step": _train(model, world, opt, range(STEPS, STEPS + 1))}
+    for saver, loader in (("exact", "plain"), ("quantized", "plain"), ("plain", "quantized")):
+        model = stage(world, 0)
+        if loader == "quantized":
+            zeropp.fsdp.enable(model, weight_bits=8, gradient_bits=4)
+        opt = _adam(model)
+        model_sd, optim_sd = get_state_dict(model, opt)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=str(ckpt_dir / saver))
+        set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        out["loaded"][saver, loader] = {"state": _full(dict(zip(("model", "optim"), get_state_dict(model, opt)))),
+                                        "step": _train(model, world, opt, range(STEPS, STEPS + 1))}
+    return out
+
+
+def _forward_weights(model: Stage, world: DeviceMesh) -> dict[str, torch.Tensor]:
+    """Every parameter as this rank's first forward computes with it, after FSDP2's all-gather (the tensor-parallel
+    local tensor of a DTensor), by name; one forward, no backward."""
+    seen: dict[str, torch.Tensor] = {}
+    handles = []
+    for prefix, module in model.named_modules():
+        if isinstance(module, (nn.Linear, nn.LayerNorm)):
+            def grab(m: nn.Module, args: Any, prefix: str = prefix) -> None:
+                for pname, p in m.named_parameters(recurse=False):
+                    local = p.to_local() if isinstance(p, DTensor) else p
+                    seen[f"{prefix}.{pname}"] = local.detach().clone()
+            handles.append(module.register_forward_pre_hook(grab))
+    with torch.no_grad():
+        model(_batch(0, 0)[0])
+    model.reshard()  # the root keeps its gathered weights after forward; training starts from the sharded state
+    for h in handles:
+        h.remove()
+    return seen
+
+
+def mesh_runs(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any]:
+    """Per mesh (``3d``: dp x tp x pp = 2 x 2 x 2; ``2d``: dp x tp = 4 x 2): plain FSDP2 + TP, zeropp exact
+    (topology derived by enable), zeropp qwZ int8 / qgZ int4 (losses, parameters, byte counters, the segments of
+    each FSDP2 unit); for ``3d``, the weights a qwZ int8 forward computes with; for ``2d``, DCP checkpoints across
+    the three (``_checkpoints``, in ``ckpt_dir``, shared by the ranks). Ranks' coordinates included. ``hpz``: what
+    enable says for ``hpz=2`` on the 2-D mesh."""
+    meshes = {"3d": init_device_mesh("cpu", (2, 2, world_size // 4), mesh_dim_names=("dp", "tp", "pp")),
+              "2d": init_device_mesh("cpu", (world_size // 2, 2), mesh_dim_names=("dp", "tp"))}
+    out: dict[str, Any] = {}
+    for key, world in meshes.items():
+        coord = dict(zip(world.mesh_dim_names, world.get_coordinate()))
+        seed = coord.get("pp", 0)
+        res: dict[str, Any] = {"coord": coord}
+        trained = {"plain": stage(world, seed)}
+        trained["exact"] = stage(world, seed)
+        topology = zeropp.fsdp.enable(trained["exact"], weight_bits=None, gradient_bits=None)
+        res["nodes"] = topology.nodes
+        res["segments"] = [shard_numels(m) for m in (*trained["exact"].blocks, trained["exact"])]
+        trained["quantized"] = stage(world, seed)
+        zeropp.fsdp.enable(trained["quantized"], weight_bits=8, gradient_bits=4, topology=topology)
+        if key == "3d":
+            res["forward_weights"] = _forward_weights(trained["quantized"], world)
+        opts = {}
+        for comms, model in trained.items():
+            opts[comms] = _adam(model)
+            comm.reset_stats()
+            res[comms] = _train(model, world, opts[comms])
+            res[comms + "_stats"] = comm.stats()
+        if key == "2d":
+            res["checkpoints"] = _checkpoints(world, {k: (m, opts[k]) for k, m in trained.items()}, Path(ckpt_dir))
+        out[key] = res
+    out["hpz"] = error_message(lambda: zeropp.fsdp.enable(stage(meshes["2d"], 0), hpz=2))
+    return out
