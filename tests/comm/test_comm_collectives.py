@@ -75,6 +75,7 @@ def test_error_feedback_lowers_accumulated_error(tmp_path):
     for name, results in runs.items():
         for r in results:
             assert r["feedback"] * 4 < r["plain"] and r["feedback_rotated"] * 4 < r["plain"], (name, r)
+            assert r["feedback_g2"] * 3 < r["plain_g2"], (name, r)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
