@@ -167,6 +167,7 @@ def _check_supported(cfg: Config, topo: comm.Topology) -> None:
             f"zero_optimization.zero_hpz_partition_size={hpz} must divide the ranks per node ({d} here: "
             f"{topo.num_nodes} node(s) of {d} ranks, set by ${comm.ENV_RANKS_PER_NODE} or the hosts); use one of "
             f"{divisors}")
+    z.partition_point(topo.world_size, topo.ranks_per_node)
     if cfg.optimizer is None:
         raise ConfigError("the config has no optimizer block; add e.g. "
                           '{"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}')
