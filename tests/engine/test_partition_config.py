@@ -42,11 +42,40 @@ def test_the_stages_are_points_of_the_space(stage, world, d):
 
 
 def test_node_resolves_at_initialize():
-    """``"node"`` is the ranks per node: the point of stage 3 on a one-node world, refused where nodes are smaller."""
+    """``"node"`` is the ranks per node: stage 3 on a one-node world, MiCS over each node on two."""
     c = parse(4, stage=3, zeropp={"partition": part("node", "node", "node")})
     assert c.zero.partition_point(4, 4) == (4, 4, 4)
-    with pytest.raises(ConfigError, match=r"partition=\(2, 2, 2\) is not the point of zero_optimization.stage=3"):
+    assert c.zero.partition_point(4, 2) == (2, 2, 2)
+    c = parse(4, stage=2, zeropp={"partition": part(1, "node", "node")})
+    with pytest.raises(ConfigError, match=r"partition=\(1, 2, 2\) is not the point of zero_optimization.stage=2"):
         c.zero.partition_point(4, 2)
+
+
+@pytest.mark.parametrize("world,d,k", [(4, 2, 2), (8, 4, 4), (8, 4, 2), (8, 2, 2), (8, 2, 4), (16, 4, 8)])
+def test_mics_points(world, d, k):
+    """MiCS over ``k`` ranks: ``mics_shard_size`` or the partition ``(k, k, k)`` at stage 3, node-aligned."""
+    for zero in ({"stage": 3, "mics_shard_size": k}, {"stage": 3, "zeropp": {"partition": part(k, k, k)}},
+                 {"stage": 3, "mics_shard_size": k, "zeropp": {"partition": part(k, k, k)}}):
+        c = parse(world, **zero)
+        assert c.zero.partition_point(world, d) == (k, k, k)
+        assert Config.parse(to_dict(c), world) == c
+
+
+def test_mics_refusals():
+    """The options MiCS does not combine with are refused at initialize, each named with why."""
+    from zeropp.config.partition import mics_refusals
+
+    c = load_config({**BASE, "zero_optimization": {"stage": 3, "mics_shard_size": 2, "zero_quantized_weights": True,
+                                                   "zero_quantized_gradients": True, "zero_hpz_partition_size": 2,
+                                                   "offload_optimizer": {"device": "cpu"}}}, world_size=4)
+    onebit = load_config({**BASE, "optimizer": {"type": "OneBitAdam", "params": {}},
+                          "zero_optimization": {"stage": 3, "mics_shard_size": 2}}, world_size=4)
+    refused = mics_refusals(c) + mics_refusals(onebit)
+    for needle in ("zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size",
+                   "offload_optimizer", "OneBitAdam"):
+        assert sum(needle in line for line in refused) == 1, (needle, refused)
+    assert all("not combined with MiCS" in line for line in refused)
+    assert mics_refusals(parse(4, stage=3, mics_shard_size=2)) == []
 
 
 def test_mics_shard_size_of_the_world_is_stage_3():
@@ -82,6 +111,10 @@ def test_mics_shard_size_of_the_world_is_stage_3():
         (4, {"stage": 2, "mics_shard_size": 2}, ["mics_shard_size=2", "stage-3 partition", "it is 2"]),
         (6, {"stage": 3, "mics_shard_size": 4}, ["mics_shard_size=4 must divide", "(6 ranks)"]),
         (4, {"stage": 3, "mics_shard_size": 0}, ["mics_shard_size=0 must be -1 (off"]),
+        (4, {"stage": 3, "mics_shard_size": 1}, ["mics_shard_size=1 replicates everything", "plain data"]),
+        (4, {"stage": 3, "zeropp": {"partition": part(1, 1, 1)}}, ["partition=(1, 1, 1) is not the point"]),
+        (8, {"stage": 3, "zeropp": {"partition": part(2, 2, 4)}}, ["partition=(2, 2, 4) is not the point",
+                                                                    "MiCS (k, k, k)"]),
         (4, {"stage": 3, "mics_shard_size": "2"}, ["mics_shard_size='2'"]),
         (4, {"stage": 3, "mics_hierarchical_params_gather": True},
          ["mics_hierarchical_params_gather=true", "needs zero_optimization.mics_shard_size"]),
@@ -109,6 +142,10 @@ def test_partition_contradicting_mics_shard_size():
     [
         # node alignment needs the ranks per node: known at initialize
         (8, 4, {"stage": 3, "mics_shard_size": 8, "zeropp": {"partition": part(8, 8, 8)}}, None),
+        (12, 4, {"stage": 3, "mics_shard_size": 6}, ["mics_shard_size=6 must divide the ranks per node (4) or be "
+                                                     "a multiple of it"]),
+        (12, 4, {"stage": 3, "zeropp": {"partition": part(6, 6, 6)}},
+         ["partition.parameters=6 must divide the ranks per node (4)", "partition.optimizer=6"]),
         (12, 4, {"stage": 2, "zeropp": {"partition": part(1, "node", 12)}},
          ["partition=(1, 4, 12) is not the point of zero_optimization.stage=2 (1, 12, 12)"]),
     ],

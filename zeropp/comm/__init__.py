@@ -3,6 +3,7 @@
 * ``Topology``: nodes of a data-parallel group, its intra-node, inter-node and hpZ partition groups;
 * ``all_gather``: exact or quantized (qwZ) all-gather, over the DP group or a node-local (hpZ) group;
 * ``reduce_scatter``: exact or two-hop quantized (qgZ) reduce-scatter, with optional ``ErrorFeedback``;
+* ``all_reduce``: exact sum or average over a group (MiCS's cross-group gradient reduction);
 * ``exchange``: one byte buffer to chosen peers and theirs back; ``pack_delta`` / ``add_delta``: the quantized
   differences the weight-delta tier sends with it;
 * ``onebit_reduce_scatter``: 1-bit Adam's sign-and-scale momentum exchange (``zeropp.comm.onebit``);
@@ -27,6 +28,7 @@ This package knows nothing of ``nn.Module``; it uses only the public ops of ``ze
 
 from .accounting import Traffic, reset_stats, stats
 from .all_gather import all_gather
+from .all_reduce import all_reduce
 from .arrival import Arrival, ArrivalError
 from .checks import debug_enabled
 from .deltas import add_delta, pack_delta
@@ -53,6 +55,7 @@ __all__ = [
     "Traffic",
     "add_delta",
     "all_gather",
+    "all_reduce",
     "debug_enabled",
     "derive_seed",
     "exchange",

@@ -11,9 +11,9 @@ count ``k``; a copy sharded over ``k < W`` ranks is replicated across the ``W / 
   moves between the reduction and the step) and its gradient shard inside its parameter shard's span.
 
 ``stage`` is the shorthand: stage 1 is ``(1, 1, W)``, stage 2 ``(1, W, W)``, stage 3 ``(W, W, W)``; stage 3 with
-``p = g = o = k`` over fewer ranks is MiCS (DeepSpeed's ``mics_shard_size = k``). A ``partition`` must be the point
-of its ``stage`` (or, at stage 3, a MiCS point the engine runs); other points of the space are the planner's alone
-and are refused naming what runs.
+``p = g = o = k``, ``2 <= k < W``, is MiCS (DeepSpeed's ``mics_shard_size = k``; ``zeropp.engine.partition``). A
+``partition`` must be the point of its ``stage`` or, at stage 3, a MiCS point; other points of the space are the
+planner's alone and are refused naming what runs. ``mics_refusals`` names the options MiCS does not combine with.
 
 Checks that need the ranks per node (``"node"``, node alignment) run at ``zeropp.initialize``
 (``partition_point``); the rest when the config is parsed, for its world size.
@@ -101,8 +101,9 @@ def partition_problems(stage: int, partition: PartitionConfig | None, mics_shard
     yet, the checks that need it are left out)."""
     out: list[tuple[str, str]] = []
     w = "zero_optimization"
-    runs = (f"the engine runs stage 1 = (1, 1, {world}), stage 2 = (1, {world}, {world}) and stage 3 = "
-            f"({world}, {world}, {world}) as (parameters, gradients, optimizer)")
+    runs = (f"the engine runs stage 1 = (1, 1, {world}), stage 2 = (1, {world}, {world}), stage 3 = "
+            f"({world}, {world}, {world}) and, at stage 3, MiCS (k, k, k) with k >= 2 a node-aligned divisor of "
+            f"{world}, as (parameters, gradients, optimizer)")
     if mics_shard_size != MICS_OFF:
         key = f"{w}.mics_shard_size"
         if stage != 3:
@@ -115,9 +116,9 @@ def partition_problems(stage: int, partition: PartitionConfig | None, mics_shard
         elif ranks_per_node is not None and not _aligned(mics_shard_size, ranks_per_node):
             out.append((key, f"{key}={mics_shard_size} must divide the ranks per node ({ranks_per_node}) or be a "
                              f"multiple of it (whole nodes), so that no group straddles a node boundary"))
-        elif mics_shard_size != world:
-            out.append((key, f"{key}={mics_shard_size}: MiCS over fewer ranks than the world ({world}) is not in "
-                             f"the engine yet; {runs} (mics_shard_size {world} or left out is stage 3)"))
+        elif mics_shard_size == 1 and world > 1:
+            out.append((key, f"{key}=1 replicates everything on every rank (plain data parallelism, which is not "
+                             f"supported); use 2 or more ranks per group, or {world} (stage 3)"))
     if partition is None:
         return out
     given = partition.factors(world, ranks_per_node)
@@ -144,7 +145,7 @@ def partition_problems(stage: int, partition: PartitionConfig | None, mics_shard
     if mics_shard_size != MICS_OFF and given != (mics_shard_size,) * 3:
         out.append((_WHERE, f"{_WHERE}={_label(given)} contradicts {w}.mics_shard_size={mics_shard_size} (the point "
                             f"{_label((mics_shard_size,) * 3)}): give one of them"))
-    elif given != point:
+    elif given != point and not (stage == 3 and pg == gg == og and pg >= 2):
         out.append((_WHERE, f"{_WHERE}={_label(given)} is not the point of {w}.stage={stage} "
                             f"{_label(point)}, and the engine does not run other points yet; {runs}"))
     return out
@@ -182,3 +183,31 @@ def parse_mics(block: Mapping[str, Any], p: Problems) -> tuple[int, bool]:
         p.add(key, f"{key}=true gathers MiCS groups' parameters node by node and needs {w}.mics_shard_size; set "
                    "it, or leave mics_hierarchical_params_gather out")
     return size, hierarchical
+
+
+def mics_refusals(config: Any) -> list[str]:
+    """Why each option of ``config`` (a ``zeropp.config.Config``) that MiCS does not combine with in this build is
+    refused, one message each (empty: none)."""
+    z = config.zero_optimization
+    w = "zero_optimization"
+    out = []
+    for on, key, why in (
+        (z.zero_quantized_weights, f"{w}.zero_quantized_weights",
+         "qwZ's gathers inside a MiCS group are not tested; MiCS gathers exactly"),
+        (z.zero_quantized_gradients, f"{w}.zero_quantized_gradients",
+         "qgZ would quantize the reduce-scatter inside the group while the cross-group all-reduce stays exact fp32; "
+         "that split is not built"),
+        (z.zero_hpz_partition_size > 1, f"{w}.zero_hpz_partition_size",
+         "hpZ's secondary shard over the node is what a MiCS group inside a node already is: shrink "
+         "mics_shard_size instead"),
+        (z.zeropp.weight_deltas, f"{w}.zeropp.weight_deltas", "weight deltas update hpZ secondaries, which MiCS "
+         "does not have"),
+        (z.offload, f"{w}.offload_optimizer / offload_param / zeropp.memory_budget",
+         "the cross-group all-reduce reads every gradient shard on the device"),
+        (config.optimizer is not None and config.optimizer.type == "OneBitAdam", "optimizer.type=OneBitAdam",
+         "its compressed phase exchanges momenta over the whole world, not a shard group"),
+    ):
+        if on:
+            out.append(f"{key}: not combined with MiCS (mics_shard_size / zeropp.partition (k, k, k), k below the "
+                       f"world) in this build: {why}")
+    return out
