@@ -45,10 +45,11 @@ def _expected_all_reduce(engine) -> dict[str, int]:
             "recv_inter": t.recv_inter}
 
 
-def mics_cases(rank: int, world: int, root: str, sizes: list[int], steps: int = 4) -> dict:
+def mics_cases(rank: int, world: int, root: str, sizes: list[int], checkpoints: bool, steps: int = 4) -> dict:
     """For each MiCS group size in ``sizes`` (and accumulation 1 and 2, clipping on in the second): train against
     the single-process reference and return the worst relative errors; check the groups' layout, that every rank
-    ends with the same weights, the byte counters of one boundary; then move a checkpoint MiCS -> ZeRO-3 -> MiCS."""
+    ends with the same weights, the byte counters of one boundary; then, with ``checkpoints``, move a checkpoint
+    MiCS -> ZeRO-3 -> MiCS."""
     out: dict = {}
     for k in sizes:
         for micro, accum, clip in ((2, 1, 0.0), (1, 2, 0.5)):
@@ -89,8 +90,15 @@ def mics_cases(rank: int, world: int, root: str, sizes: list[int], steps: int = 
             out[key] = {"norm": max(e[0] for e in errors.values()), "max": max(e[1] for e in errors.values())}
             out[key + "-weights"] = {n: float(p.double().sum()) for n, p in engine.full_parameters().items()}
             engine.destroy()
-    # checkpoints: MiCS -> ZeRO-3 over the world -> MiCS, every move exact
-    k = sizes[0]
+    if checkpoints:
+        out.update(_checkpoints(rank, world, root, sizes[0]))
+    return out
+
+
+def _checkpoints(rank: int, world: int, root: str, k: int) -> dict:
+    """Save under MiCS over ``k``, load under ZeRO-3 over the world (the same weights, bit for bit), train both on,
+    save under ZeRO-3 and load under MiCS (bit for bit)."""
+    out: dict = {}
     data = batches(2, 2 * world)
     first, _, _, _ = zeropp.initialize(model=GPT(MODEL, seed=0), config=_config(2, 1, {"stage": 3,
                                                                                          "mics_shard_size": k}))

@@ -15,13 +15,15 @@ from engine_launch import launch
 
 
 @pytest.mark.parametrize(
-    "world, d, sizes",
-    [(4, 2, [2]), (8, 4, [4, 2]), (8, 2, [2, 4])],
+    "world, d, sizes, checkpoints",
+    [(4, 2, [2], True), (8, 4, [4, 2], False), (8, 2, [2, 4], False)],
     ids=["world4-2x2", "world8-2x4", "world8-4x2"],
 )
-def test_mics_matches_single_process_training(tmp_path, world, d, sizes):
+def test_mics_matches_single_process_training(tmp_path, world, d, sizes, checkpoints):
+    """World 4 also moves checkpoints MiCS -> ZeRO-3 -> MiCS (exact each way)."""
     results = launch("partition_workers:mics_cases", world, tmp_path, env={"ZEROPP_RANKS_PER_NODE": str(d)},
-                     timeout=600, sizes=sizes, root=str(tmp_path))
+                     timeout=600, sizes=sizes, root=str(tmp_path), checkpoints=checkpoints)
+    assert ("resumed_zero3_vs_mics" in results[0]) == checkpoints
     for key, errors in results[0].items():
         if key.endswith("-weights"):
             assert all(r[key] == errors for r in results), key  # every rank: the same weights

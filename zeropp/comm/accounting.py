@@ -2,7 +2,8 @@
 
 Counters are per process (this rank) and per collective kind (``"all_gather"``, ``"reduce_scatter"``,
 ``"exchange"``, ``"all_reduce"``), in bytes actually handed to the transport (packed codes and scales for quantized
-collectives, the padded float buffers for exact ones). A rank's own part, which never leaves the process, is not counted.
+collectives, the padded float buffers for exact ones). A rank's own part, which never leaves the process, is not
+counted.
 
 The model (every kind): a rank exchanges with each peer ``q`` of the group a known number of bytes, and those
 bytes are *intra* when ``q`` is on the same node and *inter* otherwise.
