@@ -12,6 +12,7 @@ from engine_workers import MODEL, batches, relative_errors, torch_optimizer
 import zeropp
 from zeropp import comm
 from zeropp.comm.accounting import gather_traffic
+from zeropp.config import ConfigError
 from zeropp.models import GPT
 
 ADAMW = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}
@@ -92,6 +93,12 @@ def mics_cases(rank: int, world: int, root: str, sizes: list[int], checkpoints: 
             engine.destroy()
     if checkpoints:
         out.update(_checkpoints(rank, world, root, sizes[0]))
+        try:  # initialize refuses what MiCS does not combine with, before building anything
+            zeropp.initialize(model=GPT(MODEL, seed=0), config=_config(2, 1, {
+                "stage": 3, "mics_shard_size": sizes[0], "zero_quantized_weights": True}))
+            raise AssertionError("MiCS with qwZ was accepted")
+        except ConfigError as e:
+            out["refused"] = str(e)
     return out
 
 
