@@ -4,6 +4,7 @@
 * ``all_gather``: exact or quantized (qwZ) all-gather, over the DP group or a node-local (hpZ) group;
   ``pack_shard`` / ``all_gather_packed``: the quantized one in two halves (quantize once, gather the pack often);
 * ``reduce_scatter``: exact or two-hop quantized (qgZ) reduce-scatter, with optional ``ErrorFeedback``;
+* ``all_reduce``: exact sum or average over a group (MiCS's cross-group gradient reduction);
 * ``exchange``: one byte buffer to chosen peers and theirs back; ``pack_delta`` / ``add_delta``: the quantized
   differences the weight-delta tier sends with it;
 * ``onebit_reduce_scatter``: 1-bit Adam's sign-and-scale momentum exchange (``zeropp.comm.onebit``);
@@ -28,6 +29,7 @@ This package knows nothing of ``nn.Module``; it uses only the public ops of ``ze
 
 from .accounting import Traffic, reset_stats, stats
 from .all_gather import all_gather, all_gather_packed, pack_shard
+from .all_reduce import all_reduce
 from .arrival import Arrival, ArrivalError
 from .checks import debug_enabled
 from .deltas import add_delta, pack_delta
@@ -55,6 +57,7 @@ __all__ = [
     "add_delta",
     "all_gather",
     "all_gather_packed",
+    "all_reduce",
     "debug_enabled",
     "derive_seed",
     "exchange",

@@ -1,8 +1,9 @@
 """Byte accounting: what each collective of this process sends and receives, split by intra- and inter-node.
 
 Counters are per process (this rank) and per collective kind (``"all_gather"``, ``"reduce_scatter"``,
-``"exchange"``), in bytes actually handed to the transport (packed codes and scales for quantized collectives, the
-padded float buffers for exact ones). A rank's own part, which never leaves the process, is not counted.
+``"exchange"``, ``"all_reduce"``), in bytes actually handed to the transport (packed codes and scales for quantized
+collectives, the padded float buffers for exact ones). A rank's own part, which never leaves the process, is not
+counted.
 
 The model (every kind): a rank exchanges with each peer ``q`` of the group a known number of bytes, and those
 bytes are *intra* when ``q`` is on the same node and *inter* otherwise.
@@ -19,6 +20,8 @@ bytes are *intra* when ``q`` is on the same node and *inter* otherwise.
   ``S * itemsize`` bytes (ring reduce-scatter sends and receives ``(P - 1) * S * itemsize`` per rank).
 * exchange (``zeropp.comm.exchange``: ``B`` bytes to each of some peers, from each of some peers): exact, each
   peer's ``B`` split by the node of that peer.
+* all-reduce (``zeropp.comm.all_reduce``) of ``N`` elements over ``R`` ranks: a ring reduce-scatter and all-gather
+  of ``ceil(N / R)`` elements each, so twice an all-gather of ``ceil(N / R) * itemsize`` bytes.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-KINDS = ("all_gather", "reduce_scatter", "exchange")
+KINDS = ("all_gather", "reduce_scatter", "exchange", "all_reduce")
 FIELDS = ("calls", "sent_intra", "sent_inter", "recv_intra", "recv_inter")
 
 _lock = threading.Lock()

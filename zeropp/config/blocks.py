@@ -12,6 +12,14 @@ from typing import Any
 
 from .errors import Problems
 from .offload import MemoryBudget, OffloadOptimizerConfig, OffloadParamConfig, offload_consistency
+from .partition import (
+    MICS_OFF,
+    PartitionConfig,
+    parse_mics,
+    parse_partition,
+    partition_point,
+    partition_problems,
+)
 from .readers import (
     as_bool,
     check_fixed,
@@ -206,7 +214,8 @@ def parse_rules(value: Any, p: Problems, defaults: tuple[int | None, int | None]
 @dataclass(frozen=True)
 class ZeroppConfig:
     """``zero_optimization.zeropp``: our own ZeRO++ settings (see the ``zeropp.config`` docstring). ``rules``: the
-    per-parameter formats (``parse_rules``), resolved against the global switches they were parsed with."""
+    per-parameter formats (``parse_rules``), resolved against the global switches they were parsed with;
+    ``partition``: the sharding factors as given (``zeropp.config.partition``), None: the stage's."""
 
     weight_bits: int = 8
     gradient_bits: int = 4
@@ -225,6 +234,7 @@ class ZeroppConfig:
     delta_refresh_interval: int = 0
     delta_refresh_bits: int | None = None
     rules: tuple[Rule, ...] = ()
+    partition: PartitionConfig | None = None
 
     @classmethod
     def parse(cls, block: Mapping[str, Any], p: Problems, *, quantized_weights: bool = False,
@@ -237,7 +247,7 @@ class ZeroppConfig:
                                  "gradient_rotation", "gradient_rotation_size", "gradient_stochastic_rounding",
                                  "nonfinite_gradients",
                                  "entry_check_timeout", "memory_budget", "weight_deltas", "delta_bits",
-                                 "delta_refresh_interval", "delta_refresh_bits", "rules"])
+                                 "delta_refresh_interval", "delta_refresh_bits", "rules", "partition"])
         d = cls()
         values: dict[str, Any] = {}
         for key, allowed in (("weight_bits", (8, 4)), ("gradient_bits", GRADIENT_BITS)):
@@ -325,6 +335,7 @@ class ZeroppConfig:
         defaults = (values["weight_bits"] if quantized_weights else None,
                     values["gradient_bits"] if quantized_gradients else None)
         values["rules"] = parse_rules(block.get("rules"), p, defaults)
+        values["partition"] = parse_partition(block.get("partition"), p)
         return cls(**values)
 
 
@@ -348,8 +359,6 @@ def _weight_deltas_consistency(p: Problems, stage: int | None, hpz: int, offload
 # DeepSpeed keys we know but do not implement: key -> why / what instead
 _ZERO_UNSUPPORTED = {
     "zero_quantized_nontrainable_weights": "frozen parameters are not quantized",
-    "mics_shard_size": "MiCS is not supported",
-    "mics_hierarchical_params_gather": "MiCS is not supported",
     "override_module_apply": "not supported",
 }
 
@@ -406,6 +415,8 @@ class ZeroConfig:
     offload_optimizer: OffloadOptimizerConfig = field(default_factory=OffloadOptimizerConfig)
     offload_param: OffloadParamConfig = field(default_factory=OffloadParamConfig)
     zeropp: ZeroppConfig = field(default_factory=ZeroppConfig)
+    mics_shard_size: int = MICS_OFF
+    mics_hierarchical_params_gather: bool = False
 
     @property
     def weight_bits(self) -> int | None:
@@ -430,6 +441,12 @@ class ZeroConfig:
         on = self.zero_quantized_gradients and self.zeropp.gradient_rotation is not None
         return self.zeropp.gradient_rotation_size if on else None
 
+    def partition_point(self, world: int, ranks_per_node: int) -> tuple[int, int, int]:
+        """The ``(parameters, gradients, optimizer)`` sharding factors, in ranks, that the engine runs at ``world``
+        ranks of ``ranks_per_node`` per node: ``zeropp.partition``, else ``mics_shard_size``'s MiCS point, else the
+        stage's (``zeropp.config.partition``). Raises ``ConfigError`` for one the topology or engine cannot run."""
+        return partition_point(self.stage, self.zeropp.partition, self.mics_shard_size, world, ranks_per_node)
+
     @property
     def hpz(self) -> bool:
         return self.zero_hpz_partition_size > 1
@@ -441,12 +458,14 @@ class ZeroConfig:
         return self.offload_optimizer.enabled or self.offload_param.enabled or self.zeropp.memory_budget is not None
 
     @classmethod
-    def parse(cls, block: Mapping[str, Any], p: Problems) -> ZeroConfig:
+    def parse(cls, block: Mapping[str, Any], p: Problems, world_size: int = 1) -> ZeroConfig:
+        """``world_size``: the data-parallel ranks the partition is checked for (``zeropp.config.partition``)."""
         w = "zero_optimization"
         valid = ["stage", "zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size",
                  "reduce_bucket_size", "stage3_prefetch_bucket_size", "overlap_comm", "zeropp",
                  "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
-                 "offload_optimizer", "offload_param", "aio", *_STAGE3_DEFAULTS, *_ZERO_FIXED, *_ZERO_NO_EFFECT]
+                 "offload_optimizer", "offload_param", "aio", "mics_shard_size", "mics_hierarchical_params_gather",
+                 *_STAGE3_DEFAULTS, *_ZERO_FIXED, *_ZERO_NO_EFFECT]
         check_keys(p, block, w, valid, _ZERO_UNSUPPORTED)
         check_fixed(p, block, w, _ZERO_FIXED)
         for key in _ZERO_NO_EFFECT:
@@ -473,6 +492,10 @@ class ZeroConfig:
         qw = get_bool(p, block, "zero_quantized_weights", w, False)
         zeropp = ZeroppConfig.parse(get_block(p, block, "zeropp", w), p, quantized_weights=qw, quantized_gradients=qg)
         offload_consistency(p, offload_optimizer, offload_param, zeropp.memory_budget)
+        mics_size, mics_hierarchical = parse_mics(block, p)
+        if p.ok(f"{w}.stage"):
+            for key, message in partition_problems(stage, zeropp.partition, mics_size, world_size, None):
+                p.add(key, message)
         if zeropp.weight_deltas:
             _weight_deltas_consistency(p, stage if p.ok(f"{w}.stage") else None, hpz, offload_param)
         if zeropp.error_feedback and not qg and p.ok(f"{w}.zero_quantized_gradients"):
@@ -510,5 +533,7 @@ class ZeroConfig:
             offload_optimizer=offload_optimizer,
             offload_param=offload_param,
             zeropp=zeropp,
+            mics_shard_size=mics_size,
+            mics_hierarchical_params_gather=mics_hierarchical,
         )
 

@@ -116,7 +116,7 @@ class Config:
             if key in config:
                 as_bool(p, config[key], key)
         batch, micro, accum = batch_sizes(p, config, world_size)
-        zero = ZeroConfig.parse(get_block(p, config, "zero_optimization"), p)
+        zero = ZeroConfig.parse(get_block(p, config, "zero_optimization"), p, world_size)
         bf16_key = "bf16"
         if "bfloat16" in config:  # DeepSpeed's older name of the bf16 block
             if "bf16" in config:

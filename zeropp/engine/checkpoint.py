@@ -296,7 +296,7 @@ def _scheduler_state(engine: ZeroEngine) -> Any:
 
 
 def _layout_of_nodes(engine: ZeroEngine) -> list[int]:
-    topo = engine.topology
+    topo = engine.comm.topology
     return [topo.node_of(g) for g in topo.ranks]
 
 
@@ -358,8 +358,8 @@ def _agree(engine: ZeroEngine, error: BaseException | None, payload: Any = None,
     first rank did, no rank is named). Returns every rank's payload (by position in the group)."""
     mine = None if error is None else (isinstance(error, FileNotFoundError), _describe(error))
     gathered: list[Any] = [None] * engine.comm.world_size
-    dist.all_gather_object(gathered, (mine, payload), group=engine.topology.group)
-    failed = [(engine.topology.ranks[q], entry) for q, (entry, _) in enumerate(gathered) if entry is not None]
+    dist.all_gather_object(gathered, (mine, payload), group=engine.comm.topology.group)
+    failed = [(engine.comm.topology.ranks[q], entry) for q, (entry, _) in enumerate(gathered) if entry is not None]
     if not failed:
         return [p for _, p in gathered]
     texts = dict.fromkeys(text for _, (_, text) in failed)
@@ -435,7 +435,7 @@ def _state_to_save(engine: ZeroEngine, client_state: dict[str, Any] | None) -> d
         state[f"{_error_feedback_key(engine)}.{u}.partial_residual"] = ef.partial_residual
         numel, partial = ef.numels
         described.append({"unit": u, "key": ef.key, "numel": numel, "partial_numel": partial,
-                          "slices": [engine.comm.world_size, engine.topology.num_nodes]})
+                          "slices": [engine.comm.world_size, engine.comm.topology.num_nodes]})
     if described:
         state[_error_feedback_key(engine)] = _pack({"world_size": engine.comm.world_size,
                                                     "nodes": _layout_of_nodes(engine), "units": described})
@@ -496,7 +496,7 @@ def save(engine: ZeroEngine, save_dir: str | os.PathLike[str], tag: str | None =
             plain, slices = _split(state)
             planner = _SavePlanner(slices)
             writer = FileSystemWriter(staging, per_thread_copy_ahead=0) if planner.lazy else None
-            dcp.save(plain, checkpoint_id=staging, storage_writer=writer, process_group=engine.topology.group,
+            dcp.save(plain, checkpoint_id=staging, storage_writer=writer, process_group=engine.comm.topology.group,
                      planner=planner)
             crash_point("written", rank)
             names = [p.name for p in staging.iterdir()]
@@ -692,7 +692,8 @@ def load(engine: ZeroEngine, load_dir: str | os.PathLike[str], tag: str | None =
                 state.update(_onebit_targets(engine, saved.get(_onebit_key(engine))))
             try:
                 plain, slices = _split(state)
-                dcp.load(plain, checkpoint_id=path, process_group=engine.topology.group, planner=_LoadPlanner(slices))
+                dcp.load(plain, checkpoint_id=path, process_group=engine.comm.topology.group,
+                         planner=_LoadPlanner(slices))
             except dcp.CheckpointException as e:  # raised on every rank by DCP
                 raise CheckpointError(f"reading checkpoint {str(path)!r} failed{_HINT}: {_describe(e)}") from None
             for u in group:

@@ -43,6 +43,7 @@ from .hooks import GradientReadiness, install_entry_hooks, install_stage3_hooks
 from .loss_scaler import LossScaler
 from .monitor import Monitor
 from .onebit import OneBitAdam
+from .partition import MicsGroups
 from .materialize import Materializer, MetaInit
 from .offload import OffloadError, OptimizerOffload
 from .optimizer import PartitionedOptimizer, state_kinds
@@ -91,8 +92,11 @@ class ZeroEngine:
         self.topology = topology
         zero = config.zero_optimization
         self.stage = zero.stage
+        shards = zero.partition_point(topology.world_size, topology.ranks_per_node)[0]
+        self.mics = MicsGroups(topology, shards) if self.stage == 3 and shards < topology.world_size else None
+        """MiCS (``zeropp.engine.partition``): the shard and replica groups; None at the stages' own points."""
         self.comm = Collectives(
-            topology,
+            topology if self.mics is None else self.mics.shard_topology,
             weight_bits=zero.weight_bits,
             gradient_bits=zero.gradient_bits,
             block_size=zero.zeropp.block_size,
@@ -115,6 +119,8 @@ class ZeroEngine:
         self.materializer = None if meta_init is None else Materializer(
             module, plans, seed=meta_init.seed, param_init_fn=meta_init.param_init_fn, device=meta_init.device,
             dtype=self.compute_dtype)
+        if self.mics is not None and self.materializer is None:
+            self.mics.broadcast_module(module)
         buffers = ReduceBuffers()
         # zeropp.rules: each plan's parameters by format, one unit per format (zeropp.engine.rules)
         parts = split_plans(plans, zero.zeropp.rules, (zero.weight_bits, zero.gradient_bits), sharded=sharded)
@@ -306,6 +312,8 @@ class ZeroEngine:
         if not boundary:
             return
         self.monitor.begin("step")
+        if self.mics is not None:
+            self.mics.sync_gradients(self.units)
         stats = self._gradient_stats()
         values = stats.tolist()  # the step's one host read: skip the step or not
         n = len(self.units)
@@ -562,6 +570,8 @@ class ZeroEngine:
                 else:
                     torch.save(state, path)
             self.comm.all_reduce_sum(torch.zeros(1, device=self.device))  # the file exists for every rank on return
+            if self.mics is not None:  # and for the ranks of the other MiCS groups
+                dist.barrier(group=self.topology.group)
         return True
 
     def save_fp16_model(self, save_dir: str | os.PathLike[str], save_filename: str = "pytorch_model.bin",
@@ -735,10 +745,10 @@ class ZeroEngine:
         if not failed:
             return
         messages: list[str | None] = [None] * self.comm.world_size
-        dist.all_gather_object(messages, None if failure is None else str(failure), group=self.topology.group)
-        causes = "; ".join(f"rank {self.topology.ranks[r]}: {messages[r]}" for r in failed)
+        dist.all_gather_object(messages, None if failure is None else str(failure), group=self.comm.topology.group)
+        causes = "; ".join(f"rank {self.comm.topology.ranks[r]}: {messages[r]}" for r in failed)
         text = (f"{what} failed reading or writing the NVMe offload's swap files on rank(s) "
-                f"{[self.topology.ranks[r] for r in failed]} ({causes})")
+                f"{[self.comm.topology.ranks[r] for r in failed]} ({causes})")
         if consequence is None:
             raise OffloadError(text) from failure
         self._failure = (f"{text}; {consequence}: build a new engine and load the last checkpoint "
@@ -946,6 +956,8 @@ class ZeroEngine:
         self._check_alive("save_checkpoint()")
         self._check_usable()
         with self.entry_check.entered("engine.save_checkpoint()", save_hint=False):
+            if self.mics is not None:
+                return self.mics.save(lambda: checkpoint.save(self, save_dir, tag, client_state))
             return checkpoint.save(self, save_dir, tag, client_state)
 
     def load_checkpoint(self, load_dir: str | os.PathLike[str], tag: str | None = None) -> tuple[Path, dict[str, Any]]:

@@ -69,6 +69,8 @@ class GatheredParameters:
         params: one parameter, or an iterable of them (a generator is fine), of one engine's module.
         modifier_rank: the rank in the engine's data-parallel group (the global rank when it is the world, as
             DeepSpeed) whose in-place changes inside the block are broadcast on exit and become the weights.
+            Under MiCS (``zeropp.engine.partition``) its position in every shard group: each group takes the
+            changes of its rank at that position.
         fwd_module: DeepSpeed's external-parameter registration for use inside a forward; not supported (a
             ``ValueError``): the engine gathers a unit when one of its modules is called.
         enabled: ``False``: a no-op.
@@ -98,7 +100,7 @@ class GatheredParameters:
         self._engine = engine_of(self._params)
         if self._engine is None:
             return
-        ranks = list(self._engine.topology.ranks)
+        ranks = list(self._engine.comm.topology.ranks)  # MiCS: the shard group, a position in every group
         if modifier_rank is not None and not 0 <= modifier_rank < len(ranks):
             raise ValueError(f"modifier_rank={modifier_rank} is not a rank of the engine's data-parallel group of "
                              f"{len(ranks)} ranks")

@@ -15,6 +15,7 @@ from torch import nn
 from .. import comm
 from ..comm.process_group import init_distributed
 from ..config import Config, ConfigError, load_config
+from ..config.partition import mics_refusals
 from .engine import ZeroEngine, compute_dtype
 from .materialize import MetaInit, ParamInitFn, meta_state
 from .policy import UnitPolicy
@@ -167,6 +168,10 @@ def _check_supported(cfg: Config, topo: comm.Topology) -> None:
             f"zero_optimization.zero_hpz_partition_size={hpz} must divide the ranks per node ({d} here: "
             f"{topo.num_nodes} node(s) of {d} ranks, set by ${comm.ENV_RANKS_PER_NODE} or the hosts); use one of "
             f"{divisors}")
+    shards = z.partition_point(topo.world_size, topo.ranks_per_node)[0]
+    refused = mics_refusals(cfg) if z.stage == 3 and shards < topo.world_size else []
+    if refused:
+        raise ConfigError("; ".join(refused))
     if cfg.optimizer is None:
         raise ConfigError("the config has no optimizer block; add e.g. "
                           '{"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}')

@@ -1,0 +1,161 @@
+"""zeropp.config.partition: ``zeropp.partition``, ``mics_shard_size`` and ``mics_hierarchical_params_gather``:
+what parses, the point each resolves to, and every refusal (single process; the topology's part through
+``ZeroConfig.partition_point``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from zeropp.config import Config, ConfigError, load_config, to_dict
+from zeropp.config.partition import PartitionConfig, stage_point
+
+BASE = {"train_micro_batch_size_per_gpu": 1}
+
+
+def parse(world: int, **zero) -> Config:
+    return load_config({**BASE, "zero_optimization": zero}, world_size=world)
+
+
+def part(p, g, o) -> dict:
+    return {"parameters": p, "gradients": g, "optimizer": o}
+
+
+def err(world: int, **zero) -> str:
+    with pytest.raises(ConfigError) as e:
+        parse(world, **zero)
+    return str(e.value)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("world,d", [(1, 1), (4, 2), (8, 4), (8, 2)])
+def test_the_stages_are_points_of_the_space(stage, world, d):
+    """Without a partition each stage is its point; a partition equal to it, spelled with names or counts, parses."""
+    point = stage_point(stage, world)
+    assert parse(world, stage=stage).zero.partition_point(world, d) == point
+    named = {1: "1", world: "world"}
+    for spelled in (point, tuple(named.get(f, f) for f in point)):
+        spelled = tuple(int(f) if f == "1" else f for f in spelled)
+        c = parse(world, stage=stage, zeropp={"partition": part(*spelled)})
+        assert c.zero.zeropp.partition == PartitionConfig(*spelled)
+        assert c.zero.partition_point(world, d) == point
+        assert Config.parse(to_dict(c), world) == c
+
+
+def test_node_resolves_at_initialize():
+    """``"node"`` is the ranks per node: stage 3 on a one-node world, MiCS over each node on two."""
+    c = parse(4, stage=3, zeropp={"partition": part("node", "node", "node")})
+    assert c.zero.partition_point(4, 4) == (4, 4, 4)
+    assert c.zero.partition_point(4, 2) == (2, 2, 2)
+    c = parse(4, stage=2, zeropp={"partition": part(1, "node", "node")})
+    with pytest.raises(ConfigError, match=r"partition=\(1, 2, 2\) is not the point of zero_optimization.stage=2"):
+        c.zero.partition_point(4, 2)
+
+
+@pytest.mark.parametrize("world,d,k", [(4, 2, 2), (8, 4, 4), (8, 4, 2), (8, 2, 2), (8, 2, 4), (16, 4, 8)])
+def test_mics_points(world, d, k):
+    """MiCS over ``k`` ranks: ``mics_shard_size`` or the partition ``(k, k, k)`` at stage 3, node-aligned."""
+    for zero in ({"stage": 3, "mics_shard_size": k}, {"stage": 3, "zeropp": {"partition": part(k, k, k)}},
+                 {"stage": 3, "mics_shard_size": k, "zeropp": {"partition": part(k, k, k)}}):
+        c = parse(world, **zero)
+        assert c.zero.partition_point(world, d) == (k, k, k)
+        assert Config.parse(to_dict(c), world) == c
+
+
+def test_mics_refusals():
+    """The options MiCS does not combine with are refused at initialize, each named with why."""
+    from zeropp.config.partition import mics_refusals
+
+    c = load_config({**BASE, "zero_optimization": {"stage": 3, "mics_shard_size": 2, "zero_quantized_weights": True,
+                                                   "zero_quantized_gradients": True, "zero_hpz_partition_size": 2,
+                                                   "offload_optimizer": {"device": "cpu"}}}, world_size=4)
+    onebit = load_config({**BASE, "optimizer": {"type": "OneBitAdam", "params": {}},
+                          "zero_optimization": {"stage": 3, "mics_shard_size": 2}}, world_size=4)
+    refused = mics_refusals(c) + mics_refusals(onebit)
+    for needle in ("zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size",
+                   "offload_optimizer", "OneBitAdam"):
+        assert sum(needle in line for line in refused) == 1, (needle, refused)
+    assert all("not combined with MiCS" in line for line in refused)
+    assert mics_refusals(parse(4, stage=3, mics_shard_size=2)) == []
+
+
+def test_mics_shard_size_of_the_world_is_stage_3():
+    c = parse(4, stage=3, mics_shard_size=4, mics_hierarchical_params_gather=True)
+    assert (c.zero.mics_shard_size, c.zero.mics_hierarchical_params_gather) == (4, True)
+    assert c.zero.partition_point(4, 2) == (4, 4, 4)
+    assert Config.parse(to_dict(c), 4) == c
+    assert parse(4, stage=3, mics_shard_size=-1).zero.partition_point(4, 2) == (4, 4, 4)
+
+
+@pytest.mark.parametrize(
+    "world,zero,needles",
+    [
+        (4, {"stage": 3, "zeropp": {"partition": [4, 4, 4]}}, ["zeropp.partition must be an object", "[4, 4, 4]"]),
+        (4, {"stage": 3, "zeropp": {"partition": {"parameters": 4, "gradients": 4}}},
+         ['needs "optimizer"']),
+        (4, {"stage": 3, "zeropp": {"partition": {**part(4, 4, 4), "optimiser": 4}}},
+         ["partition.optimiser", "optimizer"]),
+        (4, {"stage": 3, "zeropp": {"partition": part(4, 4, "rack")}},
+         ["partition.optimizer='rack'", '"world", "node" or a positive rank count']),
+        (4, {"stage": 3, "zeropp": {"partition": part(0, 4, 4)}}, ["partition.parameters=0"]),
+        (4, {"stage": 3, "zeropp": {"partition": part(True, 4, 4)}}, ["partition.parameters=True"]),
+        (4, {"stage": 3, "zeropp": {"partition": part(3, 4, 4)}}, ["partition.parameters=3", "divide", "(4 ranks)"]),
+        (4, {"stage": 3, "zeropp": {"partition": part("world", 2, "world")}},
+         ["partition=(4, 2, 4)", "at most the next and dividing it"]),
+        (8, {"stage": 3, "zeropp": {"partition": part(2, 4, 2)}}, ["partition=(2, 4, 2)", "at most the next"]),
+        (4, {"stage": 1, "zeropp": {"partition": part("world", "world", "world")}},
+         ["partition=(4, 4, 4) is not the point of zero_optimization.stage=1 (1, 1, 4)", "stage 3 = (4, 4, 4)"]),
+        (4, {"stage": 2, "zeropp": {"partition": part(1, 1, 4)}},
+         ["partition=(1, 1, 4) is not the point of zero_optimization.stage=2 (1, 4, 4)"]),
+        (8, {"stage": 3, "zeropp": {"partition": part(1, 2, 8)}},
+         ["partition=(1, 2, 8) is not the point", "engine does not run other points yet"]),
+        (4, {"stage": 2, "mics_shard_size": 2}, ["mics_shard_size=2", "stage-3 partition", "it is 2"]),
+        (6, {"stage": 3, "mics_shard_size": 4}, ["mics_shard_size=4 must divide", "(6 ranks)"]),
+        (4, {"stage": 3, "mics_shard_size": 0}, ["mics_shard_size=0 must be -1 (off"]),
+        (4, {"stage": 3, "mics_shard_size": 1}, ["mics_shard_size=1 replicates everything", "plain data"]),
+        (4, {"stage": 3, "zeropp": {"partition": part(1, 1, 1)}}, ["partition=(1, 1, 1) is not the point"]),
+        (8, {"stage": 3, "zeropp": {"partition": part(2, 2, 4)}}, ["partition=(2, 2, 4) is not the point",
+                                                                    "MiCS (k, k, k)"]),
+        (4, {"stage": 3, "mics_shard_size": "2"}, ["mics_shard_size='2'"]),
+        (4, {"stage": 3, "mics_hierarchical_params_gather": True},
+         ["mics_hierarchical_params_gather=true", "needs zero_optimization.mics_shard_size"]),
+        (4, {"stage": 3, "mics_shard_size": 4, "mics_hierarchical_params_gather": "yes"},
+         ["mics_hierarchical_params_gather='yes'"]),
+        (4, {"stage": 3, "mics_shard_size": 4, "zeropp": {"partition": part(4, 2, 4)}},
+         ["partition=(4, 2, 4)", "at most the next"]),
+    ],
+)
+def test_errors(world, zero, needles):
+    message = err(world, **zero)
+    for needle in needles:
+        assert needle in message, (needle, message)
+
+
+def test_partition_contradicting_mics_shard_size():
+    c = parse(4, stage=3, mics_shard_size=4)
+    assert c.zero.partition_point(4, 4) == (4, 4, 4)
+    message = err(4, stage=3, mics_shard_size=4, zeropp={"partition": part(2, 2, 2)})
+    assert "partition=(2, 2, 2) contradicts zero_optimization.mics_shard_size=4" in message
+
+
+@pytest.mark.parametrize(
+    "world,d,zero,needles",
+    [
+        # node alignment needs the ranks per node: known at initialize
+        (8, 4, {"stage": 3, "mics_shard_size": 8, "zeropp": {"partition": part(8, 8, 8)}}, None),
+        (12, 4, {"stage": 3, "mics_shard_size": 6}, ["mics_shard_size=6 must divide the ranks per node (4) or be "
+                                                     "a multiple of it"]),
+        (12, 4, {"stage": 3, "zeropp": {"partition": part(6, 6, 6)}},
+         ["partition.parameters=6 must divide the ranks per node (4)", "partition.optimizer=6"]),
+        (12, 4, {"stage": 2, "zeropp": {"partition": part(1, "node", 12)}},
+         ["partition=(1, 4, 12) is not the point of zero_optimization.stage=2 (1, 12, 12)"]),
+    ],
+)
+def test_topology_checks(world, d, zero, needles):
+    c = parse(world, **zero)
+    if needles is None:
+        assert c.zero.partition_point(world, d) == (world,) * 3
+        return
+    with pytest.raises(ConfigError) as e:
+        c.zero.partition_point(world, d)
+    for needle in needles:
+        assert needle in str(e.value), (needle, str(e.value))

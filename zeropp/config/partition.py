@@ -1,0 +1,213 @@
+"""``zero_optimization.zeropp.partition`` and DeepSpeed's ``mics_shard_size``: over how many ranks the parameters
+(P), gradients (G) and optimizer states (OS) are sharded (AMSP's three factors; the space: ``zeropp.plan.space``).
+
+A factor is ``"world"`` (the data-parallel world, ``W`` ranks), ``"node"`` (the ranks per node, ``d``) or a rank
+count ``k``; a copy sharded over ``k < W`` ranks is replicated across the ``W / k`` groups. The constraints, with
+``p``, ``g``, ``o`` the factors of P, G and OS:
+
+* each factor divides ``W`` and is node-aligned: ``k`` divides ``d``, or is a multiple of ``d`` (whole nodes);
+  a group then never straddles a node boundary, so its traffic has one link class per hop;
+* ``p <= g <= o``, each dividing the next: a rank's optimizer shard lies inside its gradient shard (no gradient
+  moves between the reduction and the step) and its gradient shard inside its parameter shard's span.
+
+``stage`` is the shorthand: stage 1 is ``(1, 1, W)``, stage 2 ``(1, W, W)``, stage 3 ``(W, W, W)``; stage 3 with
+``p = g = o = k``, ``2 <= k < W``, is MiCS (DeepSpeed's ``mics_shard_size = k``; ``zeropp.engine.partition``). A
+``partition`` must be the point of its ``stage`` or, at stage 3, a MiCS point; other points of the space are the
+planner's alone and are refused naming what runs. ``mics_refusals`` names the options MiCS does not combine with.
+
+Checks that need the ranks per node (``"node"``, node alignment) run at ``zeropp.initialize``
+(``partition_point``); the rest when the config is parsed, for its world size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import ConfigError, Problems
+from .readers import check_keys, get_bool
+
+PARTITION_KEYS = ("parameters", "gradients", "optimizer")
+"""The keys of ``zeropp.partition``, in the order P, G, OS."""
+
+NAMED_FACTORS = ("world", "node")
+"""Factors named by the cluster's shape: the whole data-parallel world, the ranks of one node."""
+
+MICS_OFF = -1
+"""DeepSpeed's ``mics_shard_size`` default: MiCS off."""
+
+_WHERE = "zero_optimization.zeropp.partition"
+
+
+@dataclass(frozen=True)
+class PartitionConfig:
+    """``zeropp.partition`` as given: each factor ``"world"``, ``"node"`` or a positive rank count."""
+
+    parameters: int | str
+    gradients: int | str
+    optimizer: int | str
+
+    def factors(self, world: int, ranks_per_node: int | None) -> tuple[int | None, int | None, int | None]:
+        """``(p, g, o)`` in ranks for a world of ``world`` ranks with ``ranks_per_node`` per node; ``"node"`` is
+        None while the ranks per node are unknown (``None``)."""
+        return tuple(world if v == "world" else ranks_per_node if v == "node" else v  # type: ignore[return-value]
+                     for v in (self.parameters, self.gradients, self.optimizer))
+
+
+def parse_partition(value: Any, p: Problems) -> PartitionConfig | None:
+    """``zeropp.partition``: null, or ``{"parameters": f, "gradients": f, "optimizer": f}`` with each ``f``
+    ``"world"``, ``"node"`` or a positive integer."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        p.add(_WHERE, f"{_WHERE} must be an object {{\"parameters\": f, \"gradients\": f, \"optimizer\": f}} (each f "
+                      f"\"world\", \"node\" or a rank count), got {value!r}")
+        return None
+    check_keys(p, value, _WHERE, list(PARTITION_KEYS))
+    factors: list[int | str] = []
+    for key in PARTITION_KEYS:
+        name = f"{_WHERE}.{key}"
+        if key not in value:
+            p.add(name, f"{_WHERE} needs \"{key}\": \"world\", \"node\" or a rank count")
+            continue
+        given = value[key]
+        if given in NAMED_FACTORS or (isinstance(given, int) and not isinstance(given, bool) and given >= 1):
+            factors.append(given)
+        else:
+            p.add(name, f"{name}={given!r} must be \"world\", \"node\" or a positive rank count")
+    if len(factors) != len(PARTITION_KEYS):
+        return None  # each bad factor is reported above
+    return PartitionConfig(*factors)
+
+
+def stage_point(stage: int, world: int) -> tuple[int, int, int]:
+    """The partition ``(p, g, o)`` of a ZeRO stage at ``world`` ranks."""
+    return {1: (1, 1, world), 2: (1, world, world), 3: (world, world, world)}[stage]
+
+
+def _label(point: tuple[int | None, ...]) -> str:
+    return "(" + ", ".join("node" if f is None else str(f) for f in point) + ")"
+
+
+def _aligned(k: int, ranks_per_node: int) -> bool:
+    return ranks_per_node % k == 0 or k % ranks_per_node == 0
+
+
+def partition_problems(stage: int, partition: PartitionConfig | None, mics_shard_size: int, world: int,
+                       ranks_per_node: int | None) -> list[tuple[str, str]]:
+    """``(key, message)`` for each way the partition (``zeropp.partition`` and ``mics_shard_size``, at ``stage``)
+    breaks the module docstring's constraints at ``world`` ranks, ``ranks_per_node`` per node (None: not known
+    yet, the checks that need it are left out)."""
+    out: list[tuple[str, str]] = []
+    w = "zero_optimization"
+    runs = (f"the engine runs stage 1 = (1, 1, {world}), stage 2 = (1, {world}, {world}), stage 3 = "
+            f"({world}, {world}, {world}) and, at stage 3, MiCS (k, k, k) with k >= 2 a node-aligned divisor of "
+            f"{world}, as (parameters, gradients, optimizer)")
+    if mics_shard_size != MICS_OFF:
+        key = f"{w}.mics_shard_size"
+        if stage != 3:
+            out.append((key, f"{key}={mics_shard_size} shards parameters, gradients and optimizer states over groups "
+                             f"of {mics_shard_size} ranks (MiCS), a stage-3 partition: set {w}.stage to 3 (it is "
+                             f"{stage}) or leave mics_shard_size out"))
+        elif world % mics_shard_size:
+            out.append((key, f"{key}={mics_shard_size} must divide the data-parallel world ({world} ranks): the "
+                             f"world is cut into groups of that many ranks"))
+        elif ranks_per_node is not None and not _aligned(mics_shard_size, ranks_per_node):
+            out.append((key, f"{key}={mics_shard_size} must divide the ranks per node ({ranks_per_node}) or be a "
+                             f"multiple of it (whole nodes), so that no group straddles a node boundary"))
+        elif mics_shard_size == 1 and world > 1:
+            out.append((key, f"{key}=1 replicates everything on every rank (plain data parallelism, which is not "
+                             f"supported); use 2 or more ranks per group, or {world} (stage 3)"))
+    if partition is None:
+        return out
+    given = partition.factors(world, ranks_per_node)
+    known = [f for f in given if f is not None]
+    for key, f in zip(PARTITION_KEYS, given):
+        if f is None:
+            continue
+        name = f"{_WHERE}.{key}"
+        if world % f:
+            out.append((name, f"{name}={f} must divide the data-parallel world ({world} ranks)"))
+        elif ranks_per_node is not None and not _aligned(f, ranks_per_node):
+            out.append((name, f"{name}={f} must divide the ranks per node ({ranks_per_node}) or be a multiple of it "
+                              f"(whole nodes), so that no group straddles a node boundary"))
+    if out or len(known) < len(given):
+        return out
+    pg, gg, og = given
+    assert pg is not None and gg is not None and og is not None
+    if not (pg <= gg <= og and gg % pg == 0 and og % gg == 0):
+        out.append((_WHERE, f"{_WHERE}={_label(given)} as (parameters, gradients, optimizer) must have each factor "
+                            f"at most the next and dividing it: a rank's optimizer shard lies inside its gradient "
+                            f"shard, and its gradient shard inside its parameter shard's span"))
+        return out
+    point = stage_point(stage, world)
+    if mics_shard_size != MICS_OFF and given != (mics_shard_size,) * 3:
+        out.append((_WHERE, f"{_WHERE}={_label(given)} contradicts {w}.mics_shard_size={mics_shard_size} (the point "
+                            f"{_label((mics_shard_size,) * 3)}): give one of them"))
+    elif given != point and not (stage == 3 and pg == gg == og and pg >= 2):
+        out.append((_WHERE, f"{_WHERE}={_label(given)} is not the point of {w}.stage={stage} "
+                            f"{_label(point)}, and the engine does not run other points yet; {runs}"))
+    return out
+
+
+def partition_point(stage: int, partition: PartitionConfig | None, mics_shard_size: int, world: int,
+                    ranks_per_node: int) -> tuple[int, int, int]:
+    """The ``(p, g, o)`` the engine runs at ``world`` ranks, ``ranks_per_node`` per node.
+
+    Raises:
+        ConfigError: naming each value that the topology cannot serve or the engine cannot run.
+    """
+    problems = partition_problems(stage, partition, mics_shard_size, world, ranks_per_node)
+    if problems:
+        raise ConfigError("; ".join(message for _, message in problems))
+    if partition is not None:
+        return partition.factors(world, ranks_per_node)  # type: ignore[return-value]
+    if mics_shard_size != MICS_OFF:
+        return (mics_shard_size,) * 3
+    return stage_point(stage, world)
+
+
+def parse_mics(block: Mapping[str, Any], p: Problems) -> tuple[int, bool]:
+    """DeepSpeed's ``mics_shard_size`` (-1: off, else a positive rank count) and
+    ``mics_hierarchical_params_gather`` (a boolean that needs ``mics_shard_size``)."""
+    w = "zero_optimization"
+    size = block.get("mics_shard_size", MICS_OFF)
+    if isinstance(size, bool) or not isinstance(size, int) or (size < 1 and size != MICS_OFF):
+        p.add(f"{w}.mics_shard_size", f"{w}.mics_shard_size={size!r} must be {MICS_OFF} (off, DeepSpeed's default) "
+                                      "or a positive number of ranks per MiCS group")
+        size = MICS_OFF
+    hierarchical = get_bool(p, block, "mics_hierarchical_params_gather", w, False)
+    key = f"{w}.mics_hierarchical_params_gather"
+    if hierarchical and size == MICS_OFF and p.ok(f"{w}.mics_shard_size"):
+        p.add(key, f"{key}=true gathers MiCS groups' parameters node by node and needs {w}.mics_shard_size; set "
+                   "it, or leave mics_hierarchical_params_gather out")
+    return size, hierarchical
+
+
+def mics_refusals(config: Any) -> list[str]:
+    """Why each option of ``config`` (a ``zeropp.config.Config``) that MiCS does not combine with in this build is
+    refused, one message each (empty: none)."""
+    z = config.zero_optimization
+    w = "zero_optimization"
+    out = []
+    for on, key, why in (
+        (z.zero_quantized_weights, f"{w}.zero_quantized_weights",
+         "qwZ's gathers inside a MiCS group are not tested; MiCS gathers exactly"),
+        (z.zero_quantized_gradients, f"{w}.zero_quantized_gradients",
+         "qgZ would quantize the reduce-scatter inside the group while the cross-group all-reduce stays exact fp32; "
+         "that split is not built"),
+        (z.zero_hpz_partition_size > 1, f"{w}.zero_hpz_partition_size",
+         "hpZ's secondary shard over the node is what a MiCS group inside a node already is: shrink "
+         "mics_shard_size instead"),
+        (z.zeropp.weight_deltas, f"{w}.zeropp.weight_deltas", "weight deltas update hpZ secondaries, which MiCS "
+         "does not have"),
+        (z.offload, f"{w}.offload_optimizer / offload_param / zeropp.memory_budget",
+         "the cross-group all-reduce reads every gradient shard on the device"),
+        (config.optimizer is not None and config.optimizer.type == "OneBitAdam", "optimizer.type=OneBitAdam",
+         "its compressed phase exchanges momenta over the whole world, not a shard group"),
+    ):
+        if on:
+            out.append(f"{key}: not combined with MiCS (mics_shard_size / zeropp.partition (k, k, k), k below the "
+                       f"world) in this build: {why}")
+    return out

@@ -1,0 +1,113 @@
+"""MiCS in the engine: the partition ``(k, k, k)`` at stage 3 with ``k`` below the world (``mics_shard_size`` or
+``zeropp.partition``; ``zeropp.config.partition``).
+
+The ``W`` ranks are cut into ``W / k`` node-aligned *shard groups* of ``k`` ranks: ``k`` consecutive local indices of
+one node when ``k`` divides the ranks per node ``d``, else ``k / d`` consecutive whole nodes. Inside its shard group
+the engine is ZeRO-3 over ``k`` ranks: its ``Collectives`` run over ``shard_topology`` (a ``comm.Topology`` of the
+group), so parameter gathers, gradient reduce-scatters, the optimizer step on the shard, the norm and Inf/NaN
+all-reduces, entry checks and checkpoint agreement stay inside the group. Each group holds a full replica of the
+model's state; the rank at position ``i`` of every group holds shard ``i``, and those ``W / k`` ranks form its
+*replica group*.
+
+Once per accumulation boundary (MiCS's amortization: the micro-batches' reduce-scatters inside the group are
+summed into each rank's fp32 gradient shard, as at ZeRO-3) ``sync_gradients`` averages every unit's gradient shard
+over the replica group in one exact fp32 all-reduce (``comm.all_reduce``, counted as ``"all_reduce"``), before the
+Inf/NaN check, clipping and the step; every group then steps the same shard to the same weights.
+
+The weights start from the first rank's: ``broadcast_module`` sends every parameter and buffer of a model built
+eagerly over the world before the units are built (each group's units then broadcast inside the group as at ZeRO-3).
+A checkpoint is written by the first group alone (``save``): the groups hold the same state, so it is ZeRO-3's
+checkpoint at ``k`` ranks, and loads at any world size, stage or partition; every group loads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import comm
+from .unit import Unit
+
+T = TypeVar("T")
+
+
+def shard_group_ranks(topology: comm.Topology, size: int) -> list[list[int]]:
+    """Every shard group of ``size`` ranks of ``topology`` (global ranks, ascending in each), in order: runs of
+    ``size`` local indices inside each node when ``size`` divides the ranks per node, else runs of ``size / d``
+    whole nodes (``size`` a multiple of ``d`` dividing the world; ``zeropp.config.partition`` checked it)."""
+    d = topology.ranks_per_node
+    if d % size == 0:
+        return [sorted(node[i : i + size]) for node in topology.nodes for i in range(0, d, size)]
+    per = size // d
+    nodes = topology.nodes
+    return [sorted(r for node in nodes[m : m + per] for r in node) for m in range(0, len(nodes), per)]
+
+
+class MicsGroups:
+    """The shard and replica groups of MiCS over ``size`` ranks (module docstring); creating it is a collective
+    over ``topology``'s group (every rank makes its own groups, in the same order).
+
+    Attributes:
+        world: the data-parallel topology (all ``W`` ranks).
+        size: ranks per shard group, ``k``.
+        groups: every shard group's global ranks (``shard_group_ranks``); ``index``: this rank's group;
+            ``position``: this rank's place in it (the shard it holds).
+        shard_topology: the ``comm.Topology`` of this rank's shard group (the engine's ``Collectives`` run on it).
+        replica_ranks: the ranks holding the same shard in every group, by group; ``replica_group``: their group.
+    """
+
+    def __init__(self, topology: comm.Topology, size: int) -> None:
+        self.world = topology
+        self.size = size
+        self.groups = shard_group_ranks(topology, size)
+        self.index = next(i for i, g in enumerate(self.groups) if topology.global_rank in g)
+        mine = self.groups[self.index]
+        self.position = mine.index(topology.global_rank)
+        self.shard_topology = comm.Topology(topology.subgroup(mine), ranks_per_node=min(size, topology.ranks_per_node),
+                                            host=topology.host, timeout=topology.timeout)
+        self.replica_ranks = [g[self.position] for g in self.groups]
+        self.replica_group = topology.subgroup(self.replica_ranks)
+
+    @property
+    def replicas(self) -> int:
+        """Shard groups, ``W / k``."""
+        return len(self.groups)
+
+    @torch.no_grad()
+    def broadcast_module(self, module: nn.Module) -> None:
+        """Give every rank the world's first rank's parameters and buffers (a model built eagerly on every rank)."""
+        first = self.world.ranks[0]
+        for tensor in [*module.parameters(), *module.buffers()]:
+            dist.broadcast(tensor.data, src=first, group=self.world.group)
+
+    def sync_gradients(self, units: list[Unit]) -> None:
+        """Average every unit's fp32 gradient shard over the replica group: one exact all-reduce of the shards laid
+        end to end (``comm.all_reduce``, ``ReduceOp.AVG``), copied back."""
+        shards = [unit.grad_shard for unit in units if unit.grad_shard.numel()]
+        if not shards:
+            return
+        flat = torch.cat(shards)
+        comm.all_reduce(flat, group=self.replica_group, topology=self.world, op=comm.ReduceOp.AVG)
+        at = 0
+        for shard in shards:
+            shard.copy_(flat[at : at + shard.numel()])
+            at += shard.numel()
+
+    def save(self, write: Callable[[], T]) -> T:
+        """Run ``write`` (a checkpoint save, a collective of the shard group) on the first group only; its result
+        (or its error, raised on every rank) is broadcast over each replica group to the other groups."""
+        outcome: list[tuple[BaseException | None, T | None]] = [(None, None)]
+        if self.index == 0:
+            try:
+                outcome[0] = (None, write())
+            except BaseException as e:
+                outcome[0] = (e, None)
+        dist.broadcast_object_list(outcome, src=self.replica_ranks[0], group=self.replica_group)
+        error, result = outcome[0]
+        if error is not None:
+            raise error
+        return result  # type: ignore[return-value]
