@@ -121,7 +121,12 @@ def test_memory_order_offload_and_what_runs_today() -> None:
     off = predict(model, Plan(Partition(world, world, world), offload="cpu"), c, batch)
     assert off.memory["optimizer"] == 0 and off.breakdown["io"] > 0
     mics = predict(model, Plan(Partition(2, 2, 2)), c, batch)
-    assert mics.label == "MiCS-2" and "issue 25" in mics.unsupported and mics.config is None
+    assert mics.label == "MiCS-2" and mics.unsupported is None
+    assert mics.config == {"stage": 3, "mics_shard_size": 2}
+    lossy_mics = predict(model, Plan(Partition(2, 2, 2), weight_bits=8), c, batch)
+    assert "qwZ refused" in lossy_mics.unsupported and lossy_mics.config is None
+    amsp = predict(model, Plan(Partition(2, world, world)), c, batch)
+    assert amsp.unsupported is not None and amsp.config is None
     tight = rank_plans(model, cluster(1e9, memory=1e6), batch, ("none",))
     assert not tight[0].fits and "No plan fits" in why(tight)
     # every plan that runs today has a zero_optimization the config loader takes

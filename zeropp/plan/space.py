@@ -14,8 +14,9 @@ a node-aligned group (``k`` divides the ranks per node, or is a multiple of it d
 Named points: ZeRO-1 ``(1, 1, P)``, ZeRO-2 ``(1, P, P)``, ZeRO-3 ``(P, P, P)``, MiCS over ``k`` ranks ``(k, k, k)``
 with the cross-group gradient all-reduce once per accumulation window; hpZ is ZeRO-3 with a secondary copy of the
 parameters over ``h`` ranks of a node. The engine runs stages 1-3 with hpZ, qwZ/qgZ bits (``gradient_bits_intra``
-and int2 gradients included), weight deltas and the offload tiers; other partitions are the planner's alone until
-issue 25 section 1 lands (``Plan.unsupported`` says why a plan cannot run).
+and int2 gradients included), weight deltas and the offload tiers, and MiCS with exact collectives
+(``mics_shard_size``); other partitions are the planner's alone (``Plan.unsupported`` says why a plan
+cannot run).
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ class Partition:
         if p == g == o:
             return f"MiCS-{p}"
         return f"P{p}/G{g}/OS{o}"
+
+    def mics_size(self, world: int) -> int | None:
+        """``k`` when this is MiCS over ``k`` ranks (``(k, k, k)``, ``1 < k < world``), else None."""
+        p = self.params
+        return p if p == self.grads == self.optimizer and 1 < p < world else None
 
     def stage(self, world: int) -> int | None:
         """The ZeRO stage this partition is, or None for the points the engine does not have yet."""
@@ -113,6 +119,13 @@ class Plan:
     def unsupported(self, world: int, ranks_per_node: int) -> str | None:
         """Why the engine cannot run this plan today, or None when it can."""
         stage = self.partition.stage(world)
+        if self.partition.mics_size(world) is not None:
+            lossy = [name for name, on in (("qwZ", self.weight_bits), ("qgZ", self.gradient_bits),
+                                           ("hpZ", self.hpz > 1), ("weight deltas", self.weight_deltas),
+                                           ("offload", self.offload != "none")) if on]
+            if lossy:
+                return f"MiCS runs with exact collectives only; {', '.join(lossy)} refused (docs/partition.md)"
+            return None
         if stage is None:
             return (f"partition {self.partition.label(world, ranks_per_node)} is not in the engine yet (issue 25 "
                     f"section 1: zero_optimization.zeropp.partition)")
@@ -130,10 +143,11 @@ class Plan:
             ValueError: for a partition the engine does not have yet.
         """
         stage = self.partition.stage(world)
-        if stage is None:
+        mics = self.partition.mics_size(world)
+        if stage is None and mics is None:
             raise ValueError(f"partition {self.partition} has no zero_optimization config yet: "
-                             f"only stages 1-3 run today")
-        zero: dict[str, Any] = {"stage": stage}
+                             f"only stages 1-3 and MiCS run today")
+        zero: dict[str, Any] = {"stage": 3, "mics_shard_size": mics} if mics else {"stage": stage}
         extra: dict[str, Any] = {}
         if self.weight_bits:
             zero["zero_quantized_weights"] = True
