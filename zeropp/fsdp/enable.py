@@ -18,6 +18,7 @@ from ..config.blocks import LOCO_BETA
 from ..quant import DEFAULT_BLOCK_SIZE, BlockFormat
 from ..quant.format import SUPPORTED_BITS
 from .all_gather import ZeroppAllGather
+from . import hsdp as _hsdp
 from .hpz import check_hpz, install_check
 from .reduce_scatter import ZeroppReduceScatter, check_error_feedback, check_gradient_rotation, check_intra_bits
 from .rules import group_formats, resolve_rules
@@ -42,6 +43,7 @@ def enable(
     delta_bits: int = 4,
     topology: comm.Topology | None = None,
     ranks_per_node: int | None = None,
+    replicate_bits: int | None | str = _hsdp.GRADIENT_BITS,
 ) -> comm.Topology:
     """Install zeropp's all-gather (qwZ) and reduce-scatter (qgZ) on every FSDP2 module in ``modules``.
 
@@ -56,6 +58,11 @@ def enable(
     ``fully_shard(m, reshard_after_forward=hpz)`` and pass the same ``hpz`` here, which checks it (see
     ``zeropp.fsdp.hpz``). The backward all-gathers then run exact over ``hpz`` ranks of one node, on the weights
     forward gathered.
+
+    HSDP (``fully_shard(mesh=<2-D (replicate, shard) DeviceMesh>)``): qwZ and qgZ act on the shard dim, and the
+    cross-replica gradient all-reduce runs in ``replicate_bits`` (a qgZ reduce-scatter plus a quantized
+    all-gather over the replicate dim; ``zeropp.fsdp.hsdp``, ``docs/fsdp_hsdp.md``). The shard and replicate
+    topologies are derived from the mesh and the hosts.
 
     Args:
         modules: a module (searched for FSDP2 modules) or several.
@@ -91,14 +98,17 @@ def enable(
         topology: the ``zeropp.comm.Topology`` of the modules' shard group (default: made here from that group,
             with ``ranks_per_node`` or ``$ZEROPP_RANKS_PER_NODE`` / ``$LOCAL_WORLD_SIZE``, checked against hosts).
         ranks_per_node: ranks per node when the topology is made here.
+        replicate_bits: HSDP only: 8, 4 or 2 to quantize the cross-replica gradient all-reduce, ``None`` for
+            exact (FSDP2's own ``all_reduce``); default: ``gradient_bits``. Refused on a 1-D mesh unless left out.
 
     Returns:
-        The topology used.
+        The topology used (HSDP: the shard group's).
 
     Raises:
         ConfigError: a bad rule, or a rule that takes no parameter (a ``ValueError``).
-        ValueError: unsupported bits or block size, no FSDP2 module, a mesh that is not 1-D (HSDP, or FSDP
-            inside a 2-D mesh: refused, not served wrongly), modules on different meshes, a ``topology`` whose
+        ValueError: unsupported bits or block size, no FSDP2 module, a mesh that is not 1-D and not a 2-D HSDP
+            mesh (refused, not served wrongly), on HSDP what ``zeropp.fsdp.hsdp.check_options`` refuses,
+            modules on different meshes, a ``topology`` whose
             ranks are not the shard group's, an ``hpz`` that does not divide the ranks per node or whose FSDP2
             groups would span nodes, or ``error_feedback``, ``gradient_rotation`` or ``gradient_bits_intra``
             without quantized gradients, a ``gradient_rotation`` that is no rotation size dividing
@@ -133,8 +143,23 @@ def enable(
             "zeropp.fsdp.enable found no FSDP2 module: wrap the model with torch.distributed.fsdp.fully_shard "
             "first, then call enable on it"
         )
-    mesh = _shard_mesh(fsdp_modules)
-    group = mesh.get_group()
+    hsdp = _hsdp.find_hsdp(fsdp_modules)
+    if replicate_bits == _hsdp.GRADIENT_BITS:
+        replicate_bits = gradient_bits
+    elif hsdp is None:
+        raise ValueError(f"replicate_bits={replicate_bits!r} applies to HSDP (fully_shard with a 2-D (replicate, "
+                         "shard) mesh); these modules are not sharded with HSDP: leave it out")
+    replica_topology = None
+    if hsdp is not None:
+        assert not isinstance(replicate_bits, str)
+        _hsdp.check_options(replicate_bits=replicate_bits, hpz=hpz, weight_deltas=weight_deltas, topology=topology,
+                            error_feedback=error_feedback, stochastic_rounding=stochastic_rounding,
+                            gradient_rotation=gradient_rotation, rules=rules)
+        mesh = hsdp.mesh
+        topology, replica_topology = _hsdp.hsdp_topologies(hsdp, ranks_per_node)
+    else:
+        mesh = _shard_mesh(fsdp_modules)
+    group = topology.group if hsdp is not None else mesh.get_group()
     ranks = dist.get_process_group_ranks(group)
     if topology is None:
         topology = comm.Topology(group, ranks_per_node)
@@ -179,6 +204,8 @@ def enable(
             intra_bits=gradient_bits_intra if quantized else None, segments=segments, names=names))
     if hpz is not None:
         install_check(groups, hpz)
+    if replica_topology is not None:
+        _hsdp.install(groups, replica_topology, replicate_bits, block_size)  # type: ignore[arg-type]
     return topology
 
 
@@ -188,7 +215,8 @@ def _quantizes(bits: int | None | list[int | None]) -> bool:
 
 
 def _shard_mesh(fsdp_modules: list[FSDPModule]) -> DeviceMesh:
-    """The one 1-D mesh that every FSDP2-managed parameter of ``fsdp_modules`` is sharded over."""
+    """The one 1-D mesh that every FSDP2-managed parameter of ``fsdp_modules`` is sharded over (HSDP meshes are
+    found before, by ``zeropp.fsdp.hsdp.find_hsdp``)."""
     meshes = []
     for m in fsdp_modules:
         for p in m.parameters():  # type: ignore[attr-defined]
@@ -200,8 +228,9 @@ def _shard_mesh(fsdp_modules: list[FSDPModule]) -> DeviceMesh:
         if mesh.ndim != 1:
             raise ValueError(
                 f"zeropp.fsdp.enable serves 1-D meshes only; got a {mesh.ndim}-D mesh of shape "
-                f"{tuple(mesh.shape)} (names {mesh.mesh_dim_names}): HSDP and FSDP combined with tensor/other "
-                "parallelism are not supported yet. Use fully_shard with a 1-D mesh over the data-parallel ranks"
+                f"{tuple(mesh.shape)} (names {mesh.mesh_dim_names}) that FSDP2 does not run HSDP on: FSDP combined "
+                "with tensor/other parallelism is not supported yet. Use fully_shard with a 1-D mesh over the "
+                "data-parallel ranks, or a 2-D (replicate, shard) mesh (HSDP)"
             )
     groups = {tuple(dist.get_process_group_ranks(mesh.get_group())) for mesh in meshes}
     if len(groups) > 1:
