@@ -18,7 +18,7 @@ from zeropp import comm
 from zeropp.fsdp.hsdp import ReplicaAllReduce
 from zeropp.models import GPT, GPTConfig
 
-STEPS, BATCH, SEQ, REPLICAS, SHARDS = 10, 2, 32, 2, 4
+STEPS, QUANTIZED_STEPS, BATCH, SEQ, REPLICAS, SHARDS = 10, 5, 2, 32, 2, 4
 HOOK_NUMEL, HOOK_BLOCK = 1001, 64
 
 
@@ -39,13 +39,13 @@ def _batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return idx[:, :-1], idx[:, 1:]
 
 
-def _train(model: GPT, rank: int) -> dict[str, Any]:
-    """STEPS AdamW steps on random bytes (rank-specific, the same for every run): losses, the full parameters
+def _train(model: GPT, rank: int, steps: int = STEPS) -> dict[str, Any]:
+    """``steps`` AdamW steps on random bytes (rank-specific, the same for every run): losses, the full parameters
     after, and the bytes this rank sent across nodes in each step (all collective kinds)."""
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     gen = torch.Generator().manual_seed(1000 + rank)
     losses, inter = [], []
-    for _ in range(STEPS):
+    for _ in range(steps):
         comm.reset_stats()
         _, loss = model(*_batch(gen))
         loss.backward()
@@ -72,16 +72,11 @@ def _hook_case(rank: int, world: int) -> dict[str, Any]:
     return {"out": mine, "inputs": inputs, "sent_inter": sent}
 
 
-def _dcp_case(rank: int, path: str) -> dict[str, Any]:
-    """A zeropp HSDP model trained one step saves with DCP; a plain HSDP model loads it, saves it again; a new
-    zeropp model loads that: the full parameters at each stage."""
+def _dcp_case(src: GPT, rank: int, path: str) -> dict[str, Any]:
+    """``src`` (a trained zeropp HSDP model) saves with DCP; a plain HSDP model loads it, saves it again; a new
+    zeropp model loads that: the full parameters at each stage (and that model's before it loads), and the loss
+    of a step after loading."""
     mesh = _mesh()
-    src = _model(mesh)
-    zeropp.fsdp.enable(src, weight_bits=8, gradient_bits=4)
-    opt = torch.optim.AdamW(src.parameters(), lr=3e-3)
-    _, loss = src(*_batch(torch.Generator().manual_seed(5 + rank)))
-    loss.backward()
-    opt.step()
     saved = {n: p.full_tensor().detach().clone() for n, p in src.named_parameters()}
     dcp.save(src.state_dict(), checkpoint_id=path + "/zeropp")
     plain = _model(mesh)
@@ -92,13 +87,14 @@ def _dcp_case(rank: int, path: str) -> dict[str, Any]:
     dcp.save(plain.state_dict(), checkpoint_id=path + "/plain")
     back = _model(mesh)
     zeropp.fsdp.enable(back, weight_bits=8, gradient_bits=4)
+    init = {n: p.full_tensor().detach().clone() for n, p in back.named_parameters()}
     state = back.state_dict()
     dcp.load(state, checkpoint_id=path + "/plain")
     back.load_state_dict(state)
     loaded_back = {n: p.full_tensor().detach().clone() for n, p in back.named_parameters()}
-    _, loss = back(*_batch(torch.Generator().manual_seed(5 + rank)))  # it still trains after loading
+    _, loss = back(*_batch(torch.Generator().manual_seed(5 + rank)))  # it still runs after loading
     loss.backward()
-    return {"saved": saved, "plain": loaded_plain, "back": loaded_back, "loss": loss.item()}
+    return {"saved": saved, "plain": loaded_plain, "back": loaded_back, "init": init, "loss": loss.item()}
 
 
 def _misuse(rank: int, world: int) -> dict[str, str]:
@@ -123,12 +119,14 @@ def all_runs(rank: int, world: int, path: str) -> dict[str, Any]:
     """Everything test_fsdp_hsdp.py checks, in one launch (the misuses last: they leave a backward failed)."""
     mesh = _mesh()
     out: dict[str, Any] = {"plain": _train(_model(mesh), rank)}
-    for name, wbits, gbits in (("exact", None, None), ("quantized", 8, 4)):
-        model = _model(mesh)
-        zeropp.fsdp.enable(model, weight_bits=wbits, gradient_bits=gbits)
-        out[name] = _train(model, rank)
+    exact = _model(mesh)
+    zeropp.fsdp.enable(exact, weight_bits=None, gradient_bits=None)
+    out["exact"] = _train(exact, rank)
+    quantized = _model(mesh)
+    zeropp.fsdp.enable(quantized, weight_bits=8, gradient_bits=4)
+    out["quantized"] = _train(quantized, rank, QUANTIZED_STEPS)
     out["hook"] = _hook_case(rank, world)
-    out["dcp"] = _dcp_case(rank, path)
+    out["dcp"] = _dcp_case(quantized, rank, path)
     dist.barrier()
     out["misuse"] = _misuse(rank, world)
     return out

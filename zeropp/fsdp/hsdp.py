@@ -23,8 +23,8 @@ output, zero-padded to ``R * s`` (``s = ceil(n / R)``), is reduce-scattered by `
 and divides by ``R``), then the mean slices are all-gathered by ``zeropp.comm.all_gather`` (qwZ-style: each
 replica packs its slice once; every replica, its own included, dequantizes every pack, so the replicas end with
 the same values). Bytes sent (and received) per rank and call: ``2 * (R - 1) * B(s)``, ``B`` the packed bytes
-(``BlockFormat.packed_bytes``: ``s * bits / 8`` plus a float32 scale per block): across nodes when each replica
-of the group is on its own node. Exact: ``dist.all_reduce``, counted as a ring all-reduce,
+(``BlockFormat.packed_bytes``: ``ceil(s / block_size) * (block_size * bits / 8 + 4)``, codes and a float32 scale
+per block): across nodes when each replica of the group is on its own node. Exact: ``dist.all_reduce``, counted as a ring all-reduce,
 ``2 * (R - 1) * s * itemsize``. Both are counted in ``zeropp.comm.stats()`` as one reduce-scatter and one
 all-gather (the two halves of an all-reduce).
 
