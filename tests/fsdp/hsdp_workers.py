@@ -102,7 +102,8 @@ def _misuse(rank: int, world: int) -> dict[str, str]:
     out = {}
     for key, kwargs in (("hpz", {"hpz": 2}), ("topology", {"topology": comm.get_default_topology()}),
                         ("ef", {"error_feedback": True}), ("sr", {"stochastic_rounding": True}),
-                        ("rot", {"gradient_rotation": 32}), ("rules", {"rules": [{"match": "ln", "gradient_bits": None}]}),
+                        ("rot", {"gradient_rotation": 32}),
+                        ("rules", {"rules": [{"match": "ln", "gradient_bits": None}]}),
                         ("bits", {"replicate_bits": 3})):
         out[key] = error_message(lambda kw=kwargs: zeropp.fsdp.enable(_model(mesh), **kw))
     flat = init_device_mesh("cpu", (world,))

@@ -10,7 +10,8 @@ hpZ: wrap the blocks with ``fully_shard(block, reshard_after_forward=N)`` (N = r
 ``enable(model, ..., hpz=N)``; error feedback for qgZ: ``enable(..., error_feedback=True)``; qgZ's intra-node hop in
 its own bits: ``gradient_bits_intra``; per-parameter formats: ``rules=[...]`` (``zeropp.fsdp.rules``); weight deltas
 on hpZ: ``enable(..., hpz=N, weight_deltas=True)`` (``zeropp.fsdp.weight_deltas``); HSDP (``fully_shard`` on a 2-D
-(replicate, shard) mesh): the same ``enable``, the cross-replica all-reduce in ``replicate_bits`` (``zeropp.fsdp.hsdp``).
+(replicate, shard) mesh): the same ``enable``, the cross-replica all-reduce in ``replicate_bits``
+(``zeropp.fsdp.hsdp``).
 
 * ``hook.py``: ``FlatBufferHook``, what the two hooks share;
 * ``hpz.py``: how FSDP2's ``reshard_after_forward=<int>`` maps to hpZ, and the checks ``enable(hpz=N)`` makes;

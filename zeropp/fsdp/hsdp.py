@@ -24,9 +24,9 @@ and divides by ``R``), then the mean slices are all-gathered by ``zeropp.comm.al
 replica packs its slice once; every replica, its own included, dequantizes every pack, so the replicas end with
 the same values). Bytes sent (and received) per rank and call: ``2 * (R - 1) * B(s)``, ``B`` the packed bytes
 (``BlockFormat.packed_bytes``: ``ceil(s / block_size) * (block_size * bits / 8 + 4)``, codes and a float32 scale
-per block): across nodes when each replica of the group is on its own node. Exact: ``dist.all_reduce``, counted as a ring all-reduce,
-``2 * (R - 1) * s * itemsize``. Both are counted in ``zeropp.comm.stats()`` as one reduce-scatter and one
-all-gather (the two halves of an all-reduce).
+per block): across nodes when each replica of the group is on its own node. Exact: ``dist.all_reduce``, counted
+as a ring all-reduce, ``2 * (R - 1) * s * itemsize``. Both are counted in ``zeropp.comm.stats()`` as one
+reduce-scatter and one all-gather (the two halves of an all-reduce).
 
 Error bound of the quantized all-reduce, per element, with ``q = BlockFormat.qmax`` (127, 7, 1), blocks of each
 slice: the reduce-scatter's error is at most ``E1 = mean over r of A_r / (2 q)`` (``A_r`` the absmax of replica
