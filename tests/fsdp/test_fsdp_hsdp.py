@@ -23,7 +23,7 @@ ENV = {"ZEROPP_RANKS_PER_NODE": str(SHARDS)}
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     tmp = tmp_path_factory.mktemp("hsdp")
-    return launch("hsdp_workers:all_runs", WORLD, tmp, env=ENV, path=str(tmp / "checkpoints"))
+    return launch("hsdp_workers:all_runs", WORLD, tmp, env=ENV, timeout=300, path=str(tmp / "checkpoints"))
 
 
 def test_exact_comms_bit_identical_to_native_hsdp(runs: list[dict]) -> None:
