@@ -4,6 +4,7 @@ DCP checkpoints across the two, and the misuses ``enable`` refuses on HSDP."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -41,20 +42,22 @@ def _batch(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _train(model: GPT, rank: int, steps: int = STEPS) -> dict[str, Any]:
     """``steps`` AdamW steps on random bytes (rank-specific, the same for every run): losses, the full parameters
-    after, and the bytes this rank sent across nodes in each step (all collective kinds)."""
+    after, the bytes this rank sent across nodes in each step (all collective kinds), and the warnings raised."""
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     gen = torch.Generator().manual_seed(1000 + rank)
     losses, inter = [], []
-    for _ in range(steps):
-        comm.reset_stats()
-        _, loss = model(*_batch(gen))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        inter.append(sum(c["sent_inter"] for c in comm.stats().values()))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            comm.reset_stats()
+            _, loss = model(*_batch(gen))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+            inter.append(sum(c["sent_inter"] for c in comm.stats().values()))
     full = {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
-    return {"losses": losses, "params": full, "inter": inter}
+    return {"losses": losses, "params": full, "inter": inter, "warnings": [str(w.message) for w in seen]}
 
 
 def _hook_case(rank: int, world: int) -> dict[str, Any]:

@@ -107,9 +107,9 @@ def enable(
     Raises:
         ConfigError: a bad rule, or a rule that takes no parameter (a ``ValueError``).
         ValueError: unsupported bits or block size, no FSDP2 module, a mesh that is not 1-D and not a 2-D HSDP
-            mesh (refused, not served wrongly), on HSDP what ``zeropp.fsdp.hsdp.check_options`` refuses,
-            modules on different meshes, a ``topology`` whose
-            ranks are not the shard group's, an ``hpz`` that does not divide the ranks per node or whose FSDP2
+            mesh (refused, not served wrongly), on HSDP what ``zeropp.fsdp.hsdp.check_options`` refuses (and
+            ``replicate_bits`` without HSDP), modules on different meshes, a ``topology`` whose ranks are not the
+            shard group's, an ``hpz`` that does not divide the ranks per node or whose FSDP2
             groups would span nodes, or ``error_feedback``, ``gradient_rotation`` or ``gradient_bits_intra``
             without quantized gradients, a ``gradient_rotation`` that is no rotation size dividing
             ``block_size``, rules giving one group several weight formats where it holds a tensor subclass

@@ -14,7 +14,8 @@ depth-first walk from each of the group's modules in turn (one visited set) that
 ``fully_shard``-ed modules and lists each module AFTER its children (post-order); the managed parameters are each
 managed module's own parameters (``recurse=False``) in that module order, a shared parameter once, ignored
 parameters left out. On every rank the input is the concatenation, in that order, of every parameter's padded
-shard: ``ceil(size[d] / P)`` slices of the sharded dim ``d`` (0 by default), zero-padded,
+shard: ``ceil(size[d] / P)`` slices of the sharded dim ``d`` (0 by default; ``P`` the shard group's size, HSDP's
+shard dim), zero-padded,
 ``ceil(size[d] / P) * numel / size[d]`` elements, nothing in between.
 
 ``staging`` and ``format_parts`` lay segments out for the hooks: block-aligned for qwZ (blocks never span two
@@ -79,13 +80,15 @@ def shard_numels(module: nn.Module) -> list[int]:
     for _, _, p in managed_parameters(module):
         if not isinstance(p, DTensor):
             continue
-        placement = p.placements[0]
-        dim = placement.dim if isinstance(placement, Shard) else 0
+        # the mesh dims FSDP2 shards over: the mesh's one dim, or HSDP's shard dim ((Replicate(), Shard(0)))
+        sharded = [(i, pl) for i, pl in enumerate(p.placements) if isinstance(pl, Shard)]
+        dim = sharded[0][1].dim if sharded else 0
+        ways = math.prod(p.device_mesh.size(i) for i, _ in sharded) if sharded else p.device_mesh.size()
         length = p.shape[dim]
         if length == 0:
             sizes.append(0)
             continue
-        sizes.append(math.ceil(length / p.device_mesh.size()) * (p.numel() // length))
+        sizes.append(math.ceil(length / ways) * (p.numel() // length))
     return sizes
 
 
