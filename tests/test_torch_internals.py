@@ -402,3 +402,32 @@ def test_torch_internals_is_a_leaf() -> None:
     imported |= {(n.module or ".").split(".")[0] if n.level == 0 else "." for n in ast.walk(tree)
                  if isinstance(n, ast.ImportFrom)}
     assert imported - {"torch"} <= set(sys.stdlib_module_names), f"zeropp/_torch_internals.py imports {imported}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fsdp_hsdp_mesh / route_hsdp_all_reduce / fsdp_requires_all_reduce: FSDP2's param groups' mesh_info
+
+HSDP_USE = ("zeropp.fsdp.hsdp routes FSDP2's HSDP all-reduce to its set_all_reduce_hook hook by giving each param "
+            "group a plain FSDPMeshInfo (tests/fsdp/test_fsdp_hsdp.py checks the result bit for bit)")
+
+
+def test_fsdp_hsdp_mesh_info_is_what_zeropp_rewrites() -> None:
+    import dataclasses
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param_group
+    from torch.distributed.fsdp._fully_shard._fsdp_common import DDPMeshInfo, FSDPMeshInfo, HSDPMeshInfo
+
+    assert issubclass(HSDPMeshInfo, FSDPMeshInfo) and issubclass(HSDPMeshInfo, DDPMeshInfo), HSDP_USE
+    assert not issubclass(FSDPMeshInfo, DDPMeshInfo), HSDP_USE
+    fields = {f.name for f in dataclasses.fields(FSDPMeshInfo)}
+    assert {"mesh", "shard_mesh_dim", "replicate_mesh_dim", "dp_mesh_dims", "spmd_mesh"} <= fields, (
+        f"FSDPMeshInfo's fields are now {sorted(fields)}. {HSDP_USE}")
+    # the all-reduce group goes to foreach_reduce only for DDP/HSDP mesh infos; the hook runs without one
+    post_backward = inspect.getsource(_fsdp_param_group.FSDPParamGroup.post_backward)
+    assert "isinstance(self.mesh_info, DDPMeshInfo)" in post_backward and "self._all_reduce_hook" in post_backward, (
+        f"FSDPParamGroup.post_backward no longer picks the all-reduce group by mesh_info's type. {HSDP_USE}")
+    init = inspect.getsource(_fsdp_param_group.FSDPParamGroup.__init__)
+    for attr in ("self.mesh_info", "self.post_forward_mesh_info", "self.all_reduce_grads"):
+        assert attr in init, f"FSDPParamGroup no longer sets {attr}. {HSDP_USE}"
+    params = inspect.signature(_fsdp_collectives.foreach_reduce).parameters
+    assert {"all_reduce_group", "all_reduce_hook", "all_reduce_grads"} <= params.keys(), HSDP_USE

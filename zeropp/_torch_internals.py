@@ -19,6 +19,17 @@ A leaf: it imports torch only. Each use below has no public equivalent in torch 
   one FSDP2 state, one flat all-gather input and one custom all-gather; nothing public says which modules share a
   state, and ``zeropp.fsdp`` needs the group's modules, in the order given to ``fully_shard``, to lay out the
   group's parameters (``zeropp.fsdp.segments``).
+* ``fsdp_hsdp_mesh`` / ``route_hsdp_all_reduce`` / ``fsdp_requires_all_reduce``: ``FSDPModule._get_fsdp_state()
+  ._fsdp_param_groups`` and each group's ``mesh_info`` (``HSDPMeshInfo`` / ``FSDPMeshInfo`` of
+  ``torch.distributed.fsdp._fully_shard._fsdp_common``) and ``all_reduce_grads``. FSDP2 runs HSDP's cross-replica
+  gradient all-reduce as a plain ``dist.all_reduce`` inside ``foreach_reduce``, with no custom-comm hook (its
+  public ``set_all_reduce_hook`` runs AFTER that all-reduce under native HSDP, and a custom all-gather or
+  reduce-scatter only sees the shard group). Nothing public says whether a module is natively HSDP-sharded, over
+  which mesh dims, or lets that all-reduce be replaced. ``zeropp.fsdp.hsdp`` gives each group a plain
+  ``FSDPMeshInfo`` of the same mesh and dims: FSDP2 then reduce-scatters over the shard dim as before, passes no
+  all-reduce group, and runs the public ``set_all_reduce_hook`` right after the reduce-scatter (its "custom HSDP"
+  path), where zeropp's all-reduce over the replicate dim takes over. The parameters keep their own mesh info,
+  so their DTensors (and checkpoints) stay ``(Replicate(), Shard(0))`` on the 2-D mesh.
 * ``group_timeout``: ``ProcessGroup._device_types``, ``ProcessGroup._get_backend`` and the backend options'
   ``_timeout`` (what ``DeviceMesh`` itself reads). Nothing public reads a process group's timeout, and torch's
   ``new_group`` does not inherit the default group's, so ``zeropp.comm.Topology`` reads it to give its groups the
@@ -38,7 +49,8 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as FSDPAllGather
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as FSDPReduceScatter
 
-__all__ = ["FSDPAllGather", "FSDPReduceScatter", "fsdp_group_modules", "group_timeout", "in_backward", "tree_leaves"]
+__all__ = ["FSDPAllGather", "FSDPReduceScatter", "fsdp_group_modules", "fsdp_hsdp_mesh", "fsdp_requires_all_reduce",
+           "group_timeout", "in_backward", "route_hsdp_all_reduce", "tree_leaves"]
 
 _FSDP_COMM_INTERFACES = {"FSDPAllGather": "AllGather", "FSDPReduceScatter": "ReduceScatter"}
 
@@ -60,6 +72,47 @@ def fsdp_group_modules(module: Any) -> tuple[torch.nn.Module, ...]:
     FSDP2 walks them (the call's modules less those nested in another of them, in the order given): ``(module,)``
     for ``fully_shard(module)``, ``(a, b)`` for ``fully_shard([a, b])``, whichever of ``a`` and ``b`` is asked."""
     return tuple(module._get_fsdp_state()._modules)
+
+
+def fsdp_hsdp_mesh(module: Any) -> list[tuple[Any, int, int, bool] | None]:
+    """Per FSDP2 parameter group of ``module``'s state: ``(mesh, shard_dim, replicate_dim, spmd)`` when FSDP2 runs
+    native HSDP on it (``spmd``: the mesh was given with ``dp_mesh_dims``), else ``None``."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
+
+    out: list[tuple[Any, int, int, bool] | None] = []
+    for group in module._get_fsdp_state()._fsdp_param_groups:
+        info = group.mesh_info
+        if isinstance(info, HSDPMeshInfo):
+            out.append((info.mesh, info.shard_mesh_dim, info.replicate_mesh_dim, info.is_spmd_mesh))
+        else:
+            out.append(None)
+    return out
+
+
+def route_hsdp_all_reduce(module: Any) -> None:
+    """Make FSDP2 skip its native HSDP all-reduce for every parameter group of ``module``'s state and run the
+    group's ``set_all_reduce_hook`` hook right after the reduce-scatter instead: each group's ``HSDPMeshInfo`` is
+    replaced by an ``FSDPMeshInfo`` of the same mesh and dims (a dedicated reduce-scatter group kept; so is the
+    post-forward mesh info where it is that same object, ``reshard_after_forward=True``). Groups
+    without native HSDP are left alone."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
+
+    for group in module._get_fsdp_state()._fsdp_param_groups:
+        info = group.mesh_info
+        if isinstance(info, HSDPMeshInfo):
+            plain = FSDPMeshInfo(info.mesh, shard_mesh_dim=info.shard_mesh_dim,
+                                 replicate_mesh_dim=info.replicate_mesh_dim, dp_mesh_dims=info.dp_mesh_dims,
+                                 spmd_mesh=info.spmd_mesh)
+            plain.reduce_scatter_process_group = info.reduce_scatter_process_group
+            if group.post_forward_mesh_info is info:  # reshard_after_forward=True: resharded to the shard group
+                group.post_forward_mesh_info = plain
+            group.mesh_info = plain
+
+
+def fsdp_requires_all_reduce(module: Any) -> bool:
+    """Whether FSDP2 would all-reduce ``module``'s gradients across replicas this backward
+    (``FSDPModule.set_requires_all_reduce``, which only sets it)."""
+    return all(group.all_reduce_grads for group in module._get_fsdp_state()._fsdp_param_groups)
 
 
 def group_timeout(group: ProcessGroup) -> timedelta:

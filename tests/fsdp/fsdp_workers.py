@@ -142,11 +142,11 @@ def error_message(fn: Any) -> str:
 
 
 def misuse(rank: int, world: int) -> dict[str, str]:
-    """What enable (and a step under it) says for: a 2-D (HSDP) mesh, a topology of other ranks, a custom gradient
-    divide factor."""
+    """What enable (and a step under it) says for: hpZ on a 2-D (HSDP) mesh, a topology of other ranks, a custom
+    gradient divide factor."""
     out = {}
     mesh2 = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
-    out["hsdp"] = error_message(lambda: zeropp.fsdp.enable(_model(mesh2, "fp32")))
+    out["hsdp"] = error_message(lambda: zeropp.fsdp.enable(_model(mesh2, "fp32"), hpz=2))
     mesh = init_device_mesh("cpu", (world,))
     model = _model(mesh, "fp32")
     zeropp.fsdp.enable(model, weight_bits=None, gradient_bits=None)

@@ -19,7 +19,7 @@ import math
 import pytest
 import torch
 from fsdp_launch import launch
-from mesh_workers import DIM, HIDDEN, STEPS, Stage
+from mesh_workers import STEPS, Stage
 from test_fsdp_comms import _round_trip
 
 from zeropp.quant import BlockFormat

@@ -14,6 +14,8 @@ global norm, one micro-batch per step.
   (``fully_shard(..., reshard_after_forward=ranks_per_node)`` on every module, root included: after forward each
   module keeps a shard over its node only, so backward re-gathers inside the node, exactly) and qgZ (int4 two-hop
   reduce-scatter);
+* ``hsdp-zeropp``: ``hsdp`` with ``zeropp.fsdp.enable``: qwZ int8 and qgZ int4 inside the node, and the
+  cross-replica gradient all-reduce in int4 (``zeropp.fsdp.hsdp``), counted by ``zeropp.comm.stats()``;
 * ``fsdp2-qwz``, ``fsdp2-hpz``, ``fsdp2-qgz``: one of the three alone; the other collectives run zeropp's exact
   comms (``enable`` with those bits ``None``: bit-identical to torch's), so every byte of these rows goes through
   ``zeropp.comm`` and is counted by ``zeropp.comm.stats()``.
@@ -38,7 +40,9 @@ ZEROPP_KINDS: dict[str, tuple[int | None, bool, int | None]] = {
     "fsdp2-qwz": (8, False, None),
     "fsdp2-hpz": (None, True, None),
     "fsdp2-qgz": (None, False, 4),
+    "hsdp-zeropp": (8, False, 4),
 }
+HSDP_KINDS = ("hsdp", "hsdp-zeropp")  # the 2-D (replicate, shard) mesh
 KINDS = ("fsdp2", "hsdp", *ZEROPP_KINDS)
 
 
@@ -66,7 +70,7 @@ class FSDPTrainer:
         if kind not in KINDS:
             raise ValueError(f"kind={kind!r} must be one of {KINDS}")
         world = dist.get_world_size()
-        if kind == "hsdp":
+        if kind in HSDP_KINDS:
             if world % ranks_per_node:
                 raise ValueError(f"world size {world} is not a multiple of ranks_per_node={ranks_per_node}")
             mesh = init_device_mesh("cpu", (world // ranks_per_node, ranks_per_node),

@@ -80,7 +80,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     },
 }
 EXTERNAL = ("fsdp2", "hsdp", "deepspeed")  # not zeropp engines, torch's collectives: zeropp.bench.fsdp, DeepSpeed
-FSDP_ZEROPP = ("fsdp2-zeropp", "fsdp2-qwz", "fsdp2-hpz", "fsdp2-qgz")  # FSDP2 with zeropp.fsdp comms (counted)
+# FSDP2 / HSDP with zeropp.fsdp comms (counted)
+FSDP_ZEROPP = ("fsdp2-zeropp", "fsdp2-qwz", "fsdp2-hpz", "fsdp2-qgz", "hsdp-zeropp")
 DEEPSPEED_ZEROPP = "deepspeed-zeropp"  # DeepSpeed's engine on zeropp.deepspeed (its quantized collectives counted)
 DEEPSPEEDS = ("deepspeed", DEEPSPEED_ZEROPP)
 ALL_CONFIGS = (*CONFIGS, *EXTERNAL, DEEPSPEED_ZEROPP, *FSDP_ZEROPP)
@@ -107,6 +108,7 @@ LABELS = {
     "fsdp2-qwz": "FSDP2 + qwZ (int8 weights)",
     "fsdp2-hpz": "FSDP2 + hpZ (reshard to node)",
     "fsdp2-qgz": "FSDP2 + qgZ (int4 grads)",
+    "hsdp-zeropp": "HSDP + zeropp (qwZ, qgZ, int4 all-reduce)",
 }
 DEFAULT_OUT = "bench/out/training"
 QUICK = {"steps": 10, "warmup": 3}

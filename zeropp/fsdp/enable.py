@@ -18,6 +18,7 @@ from ..config.blocks import LOCO_BETA
 from ..quant import DEFAULT_BLOCK_SIZE, BlockFormat
 from ..quant.format import SUPPORTED_BITS
 from .all_gather import ZeroppAllGather
+from . import hsdp as _hsdp
 from .hpz import check_hpz, install_check
 from .mesh import shard_mesh, shard_topology
 from .reduce_scatter import ZeroppReduceScatter, check_error_feedback, check_gradient_rotation, check_intra_bits
@@ -43,6 +44,7 @@ def enable(
     delta_bits: int = 4,
     topology: comm.Topology | None = None,
     ranks_per_node: int | None = None,
+    replicate_bits: int | None | str = _hsdp.GRADIENT_BITS,
 ) -> comm.Topology:
     """Install zeropp's all-gather (qwZ) and reduce-scatter (qgZ) on every FSDP2 module in ``modules``.
 
@@ -60,6 +62,11 @@ def enable(
     ``fully_shard(m, reshard_after_forward=hpz)`` and pass the same ``hpz`` here, which checks it (see
     ``zeropp.fsdp.hpz``). The backward all-gathers then run exact over ``hpz`` ranks of one node, on the weights
     forward gathered.
+
+    HSDP (``fully_shard(mesh=<2-D (replicate, shard) DeviceMesh>)``): qwZ and qgZ act on the shard dim, and the
+    cross-replica gradient all-reduce runs in ``replicate_bits`` (a qgZ reduce-scatter plus a quantized
+    all-gather over the replicate dim; ``zeropp.fsdp.hsdp``, ``docs/fsdp_hsdp.md``). The shard and replicate
+    topologies are derived from the mesh and the hosts.
 
     Args:
         modules: a module (searched for FSDP2 modules) or several.
@@ -98,14 +105,17 @@ def enable(
             that is the world, ``$ZEROPP_RANKS_PER_NODE`` / ``$LOCAL_WORLD_SIZE``; for a dp group of a larger mesh,
             counted from those, read as the WORLD's ranks per node; else from the hosts:
             ``zeropp.fsdp.mesh.shard_topology``).
+        replicate_bits: HSDP only: 8, 4 or 2 to quantize the cross-replica gradient all-reduce, ``None`` for
+            exact (FSDP2's own ``all_reduce``); default: ``gradient_bits``. Refused on a 1-D mesh unless left out.
 
     Returns:
-        The topology used.
+        The topology used (HSDP: the shard group's).
 
     Raises:
         ConfigError: a bad rule, or a rule that takes no parameter (a ``ValueError``).
-        ValueError: unsupported bits or block size, no FSDP2 module, HSDP (a replicate dim: refused, not served
-            wrongly), hpZ with tensor-parallel parameters, modules on different meshes, a ``topology`` whose
+        ValueError: unsupported bits or block size, no FSDP2 module, on HSDP what
+            ``zeropp.fsdp.hsdp.check_options`` refuses (and ``replicate_bits`` without HSDP), hpZ with
+            tensor-parallel parameters, modules on different meshes, a ``topology`` whose
             ranks are not the shard group's, an ``hpz`` that does not divide the ranks per node or whose FSDP2
             groups would span nodes, or ``error_feedback``, ``gradient_rotation`` or ``gradient_bits_intra``
             without quantized gradients, a ``gradient_rotation`` that is no rotation size dividing
@@ -140,14 +150,29 @@ def enable(
             "zeropp.fsdp.enable found no FSDP2 module: wrap the model with torch.distributed.fsdp.fully_shard "
             "first, then call enable on it"
         )
-    mesh, ndim = _shard_mesh(fsdp_modules)
-    if hpz is not None and ndim > 1:
-        raise ValueError(
-            f"zeropp.fsdp.enable(hpz={hpz}): the parameters live on a {ndim}-D mesh (tensor parallelism); hpZ is "
-            "served on 1-D meshes only (FSDP2's post-forward reshard of a tensor-parallel parameter is not checked "
-            "here): enable with hpz=None"
-        )
-    group = mesh.get_group()
+    hsdp = _hsdp.find_hsdp(fsdp_modules)
+    if replicate_bits == _hsdp.GRADIENT_BITS:
+        replicate_bits = gradient_bits
+    elif hsdp is None:
+        raise ValueError(f"replicate_bits={replicate_bits!r} applies to HSDP (fully_shard with a 2-D (replicate, "
+                         "shard) mesh); these modules are not sharded with HSDP: leave it out")
+    replica_topology = None
+    if hsdp is not None:
+        assert not isinstance(replicate_bits, str)
+        _hsdp.check_options(replicate_bits=replicate_bits, hpz=hpz, weight_deltas=weight_deltas, topology=topology,
+                            error_feedback=error_feedback, stochastic_rounding=stochastic_rounding,
+                            gradient_rotation=gradient_rotation, rules=rules)
+        mesh = hsdp.mesh
+        topology, replica_topology = _hsdp.hsdp_topologies(hsdp, ranks_per_node)
+    else:
+        mesh, ndim = _shard_mesh(fsdp_modules)
+        if hpz is not None and ndim > 1:
+            raise ValueError(
+                f"zeropp.fsdp.enable(hpz={hpz}): the parameters live on a {ndim}-D mesh (tensor parallelism); hpZ "
+                "is served on 1-D meshes only (FSDP2's post-forward reshard of a tensor-parallel parameter is not "
+                "checked here): enable with hpz=None"
+            )
+    group = topology.group if hsdp is not None else mesh.get_group()
     ranks = dist.get_process_group_ranks(group)
     if topology is None:
         topology = shard_topology(group, ranks_per_node)
@@ -193,6 +218,8 @@ def enable(
             tp_sharded=tp_sharded(first) if quantized else ()))
     if hpz is not None:
         install_check(groups, hpz)
+    if replica_topology is not None:
+        _hsdp.install(groups, replica_topology, replicate_bits, block_size)  # type: ignore[arg-type]
     return topology
 
 

@@ -19,7 +19,8 @@ blocks never span two parameters (``ZeroppAllGather``). The pipeline dim never a
 has its own modules and its own dp group. qgZ's blocks keep tp-replicated and tp-sharded parameters' gradients apart
 (``is_tp_sharded``), so that every tp replica of a replicated parameter gets the same update.
 
-HSDP (a ``(replicate, shard)`` dp mesh: ``Replicate()`` first) is refused here with its reason; so is FSDP2's SPMD
+HSDP (a ``(replicate, shard)`` dp mesh: ``Replicate()`` first) is ``zeropp.fsdp.hsdp``'s, found before this module's
+``shard_mesh`` (which refuses it); so is FSDP2's SPMD
 path (``fully_shard(..., dp_mesh_dims=...)``), which this module cannot tell from public state: the hooks then refuse
 at the first collective, since FSDP2 passes them another group than the one derived here.
 
@@ -79,8 +80,12 @@ def shard_mesh(param: DTensor) -> DeviceMesh:
 def segment_numel(param: DTensor) -> int:
     """Elements of ``param``'s padded shard in FSDP2's flat all-gather input on this rank: the tensor-parallel
     local tensor (the global shape cut by every placement after the first, at this rank's mesh coordinate) cut into
-    ``ceil(L / P)`` slices along FSDP's dim (length ``L`` there, ``P`` ranks in the dp group), zero-padded."""
+    ``ceil(L / P)`` slices along FSDP's dim (length ``L`` there, ``P`` ranks in the dp group), zero-padded. An HSDP
+    parameter (``(Replicate(), Shard(d))`` on the (replicate, shard) mesh) is cut the same way over the shard dim."""
     mesh = param.device_mesh
+    if mesh.ndim == 2 and isinstance(param.placements[0], Replicate) and isinstance(param.placements[1], Shard):
+        length = param.shape[param.placements[1].dim]
+        return 0 if length == 0 else math.ceil(length / mesh.size(1)) * (param.numel() // length)
     shape = list(param.shape)
     coordinate = mesh.get_coordinate()
     if coordinate is None:

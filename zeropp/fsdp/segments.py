@@ -14,7 +14,8 @@ depth-first walk from each of the group's modules in turn (one visited set) that
 ``fully_shard``-ed modules and lists each module AFTER its children (post-order); the managed parameters are each
 managed module's own parameters (``recurse=False``) in that module order, a shared parameter once, ignored
 parameters left out. On every rank the input is the concatenation, in that order, of every parameter's padded
-shard: ``ceil(size[d] / P)`` slices of the sharded dim ``d`` (0 by default), zero-padded,
+shard: ``ceil(size[d] / P)`` slices of the sharded dim ``d`` (0 by default; ``P`` the shard group's size, HSDP's
+shard dim), zero-padded,
 ``ceil(size[d] / P) * numel / size[d]`` elements, nothing in between.
 
 ``staging`` and ``format_parts`` lay segments out for the hooks: block-aligned for qwZ (blocks never span two
