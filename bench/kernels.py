@@ -450,10 +450,12 @@ def run_config(args, n: int, dtype: str, block: int, device: torch.device, timer
 def default_tile(c: Case, block: int) -> tuple[int, int]:
     """The tile the launcher of ``c``'s op picks by itself: (elements per program, warps)."""
     from zeropp.quant import BlockFormat
-    from zeropp.quant._triton import common, reduce
+    from zeropp.quant._triton import common, quantize, reduce
 
     if c.op == "reduce_requantize":
         shape = reduce.requantize_shape(BlockFormat(c.bits, block), c.groups, seeded=c.seeded)
+    elif c.op == "quantize":
+        shape = quantize.quantize_shape(BlockFormat(c.bits, block), True, c.seeded, "rotated" in c.name)
     else:
         shape = common.launch_shape(c.op, block)
     return shape.blocks_per_program * block, shape.num_warps
