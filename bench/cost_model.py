@@ -17,8 +17,8 @@ reduce-dequantize of g = 2, 4, 8 packs (qgZ step 5); int8 and int4; fp32, bf16 a
 tensor; blocks of 128 and 2048 elements. The wider qgZ formats add rows at bf16 and blocks of 128
 (``wide_rows``): int2 through every op, int4 rounded stochastically ("seeded"), and the per-hop reduce-requantize
 of d = 2 runs of int8 packs into int4 ("int8->int4", also seeded) or int2; and qgZ's swizzled quantize and final
-reduce with the 32-element Hadamard rotation fused ("swizzle_quantize_rotated", "reduce_dequantize_rotated"), int4,
-fp32 and bf16. Names follow ``bench/kernels.py`` plus
+reduce with the 32-element Hadamard rotation fused ("swizzle_quantize_rotated", also seeded,
+"reduce_dequantize_rotated"), int4, fp32 and bf16. Names follow ``bench/kernels.py`` plus
 dtype and block, e.g. "quantize int8 fp16 b128". The kernels are compiled for sm_90 by ``zeropp.quant._triton.aot`` (the real launchers
 on ``meta`` tensors, as ``tests/quant/test_triton_compile.py`` compiles them).
 
@@ -867,8 +867,8 @@ def wide_rows(numel: int = NUMEL) -> list[Row]:
     """The rows of the wider qgZ formats (format.py), at bf16 and blocks of 128: int2 through every op, the seeded
     (stochastically rounded) quantize and swizzled quantize of int4 (the swizzled one at fp32 too, the engine's
     gradient dtype), and the reduce-requantize of d = 2 runs (int4 to int4 seeded; per hop: int8 packs in, int4 or
-    int2 out, int8 to int4 also seeded); and the swizzled quantize and final reduce with the Hadamard rotation
-    fused, int4, at fp32 and bf16."""
+    int2 out, int8 to int4 also seeded); and the swizzled quantize (rounded to nearest and stochastically) and
+    final reduce with the Hadamard rotation fused, int4, at fp32 and bf16."""
     out = []
     bs, dtype, item = 128, *DTYPES["bf16"]
     base = dict(block_size=bs, dtype=dtype)
@@ -904,9 +904,12 @@ def wide_rows(numel: int = NUMEL) -> list[Row]:
     for dt in ("fp32", "bf16"):  # qgZ's first and last steps with the 32-element Hadamard rotation fused
         dtype, item = DTYPES[dt]
         rot = dict(block_size=bs, dtype=dtype, bits=4, rotation=ROTATION_SIZE)
-        out.append(Row(f"swizzle_quantize_rotated int4 {NODES}x{RANKS_PER_NODE} s={ROTATION_SIZE} {dt} b{bs}",
-                       dict(op="quantize", numel=numel, chunks=sw, nodes=NODES, **rot),
-                       numel, numel * item + f4.chunked_bytes(numel, sw)))
+        for seed in (None, SEED):  # rounded to nearest, and stochastically with the rotation fused too
+            name = f"swizzle_quantize_rotated int4 {NODES}x{RANKS_PER_NODE} s={ROTATION_SIZE}"
+            out.append(Row(name + (" seeded" if seed is not None else "") + f" {dt} b{bs}",
+                           dict(op="quantize", numel=numel, chunks=sw, nodes=NODES, **rot,
+                                **({} if seed is None else {"seed": seed})),
+                           numel, numel * item + f4.chunked_bytes(numel, sw)))
         out.append(Row(f"reduce_dequantize_rotated int4 g=2 s={ROTATION_SIZE} {dt} b{bs}",
                        dict(op="reduce_dequantize", groups=2, chunk_numel=numel // 2, out_numel=numel // 2,
                             divisor=float(2 * RANKS_PER_NODE), **rot),

@@ -122,9 +122,10 @@ class Reference:
         return out
 
     def swizzle_quantize_rotated(self, x: torch.Tensor, fmt: BlockFormat, nodes: int, ranks_per_node: int,
-                                 size: int) -> torch.Tensor:
+                                 size: int, seed: int | None = None) -> torch.Tensor:
         """The spec of the fused rotated quantize: each slice zero-padded to whole rotation blocks, rotated
-        (``rotation.hadamard``), then packed (``reference.quantize_chunks``)."""
+        (``rotation.hadamard``), then packed (``reference.quantize_chunks``; rounded stochastically with a
+        ``seed``, each rotated value with the noise of its index among the rotated slices)."""
         x = self.cpu(x).reshape(-1)
         chunks = nodes * ranks_per_node
         plain = quant.chunk_numel(x.numel(), chunks)
@@ -134,7 +135,7 @@ class Reference:
         rows[:, :plain] = padded.view(chunks, plain)
         rotated = torch.empty(rows.numel())
         rotation.hadamard(rows.view(-1), size, False, rotated)
-        return self.quantize(rotated, fmt, chunks, nodes)
+        return self.quantize(rotated, fmt, chunks, nodes, seed)
 
     def reduce_dequantize_rotated(self, buf: torch.Tensor, fmt: BlockFormat, groups: int, chunk_numel: int,
                                   numel: int, dtype: torch.dtype, divisor: float, size: int) -> torch.Tensor:

@@ -31,7 +31,9 @@ a bfloat16 or float16 input as it loads it, the native CPU library has torch wid
 and inverse (float32 in and out). ``swizzle_quantize_rotated int4 NxR s=32`` and ``reduce_dequantize_rotated int4
 g=N s=32`` time qgZ's first and last steps with the rotation fused (the row's dtype in, int4 packs out; int4 packs
 in, the row's dtype out): beside ``swizzle_quantize int4`` and ``reduce_dequantize int4``, the difference is what
-the fused rotation costs, against the two ``hadamard`` rows it replaces.
+the fused rotation costs, against the two ``hadamard`` rows it replaces. ``swizzle_quantize_rotated int4 NxR s=32
+seeded`` is step 1 with the rotation and stochastic rounding fused (``seed=SEED``): beside ``quantize int4
+seeded``, what the rotation adds to a seeded quantize.
 
 **--check.** Every row's output, on the inputs the row is timed on, is compared with the torch reference run on
 CPU copies of those inputs: codes and scales the same bytes, values the same floats (``bench/kernel_check.py``).
@@ -182,6 +184,7 @@ def row_names(world: int, nodes: int, rpn: int) -> list[str]:
             "reduce_requantize int8->int2 d=2", f"reduce_dequantize int4 g={nodes}",
             f"reduce_dequantize int2 g={nodes}",
             f"swizzle_quantize_rotated int4 {nodes}x{rpn} s={ROTATION_SIZE}",
+            f"swizzle_quantize_rotated int4 {nodes}x{rpn} s={ROTATION_SIZE} seeded",
             f"reduce_dequantize_rotated int4 g={nodes} s={ROTATION_SIZE}"]
 
 
@@ -347,15 +350,16 @@ def build_cases(n: int, dtype: torch.dtype, block_size: int, world: int, nodes: 
     for fmt in (fmt4, fmt2):
         rows[f"reduce_dequantize int{fmt.bits} g={nodes}"] = lambda fmt=fmt: final_row(fmt)
 
-    def rotated_swizzle_row() -> Case:
-        """qgZ step 1 with the rotation fused: each slice rotated in ROTATION_SIZE blocks as it is quantized."""
+    def rotated_swizzle_row(seed: int | None = None) -> Case:
+        """qgZ step 1 with the rotation fused: each slice rotated in ROTATION_SIZE blocks as it is quantized
+        (rounded stochastically with a ``seed``)."""
         sw_out = torch.empty(fmt4.chunked_bytes(n, sw_world), dtype=torch.uint8, device=device)
         width = quant.rotated_numel(quant.chunk_numel(n, sw_world), ROTATION_SIZE)
-        return Case(f"swizzle_quantize_rotated int4 {nodes}x{rpn} s={ROTATION_SIZE}", "quantize", 4, n,
-                    n * item + sw_out.numel(),
-                    lambda: quant.swizzle_quantize_rotated(x, fmt4, nodes, rpn, ROTATION_SIZE, out=sw_out), sw_out,
-                    lambda: ref.swizzle_quantize_rotated(x, fmt4, nodes, rpn, ROTATION_SIZE),
-                    PackLayout(fmt4, sw_world, width))
+        name = f"swizzle_quantize_rotated int4 {nodes}x{rpn} s={ROTATION_SIZE}"
+        return Case(name + (" seeded" if seed is not None else ""), "quantize", 4, n, n * item + sw_out.numel(),
+                    lambda: quant.swizzle_quantize_rotated(x, fmt4, nodes, rpn, ROTATION_SIZE, out=sw_out, seed=seed),
+                    sw_out, lambda: ref.swizzle_quantize_rotated(x, fmt4, nodes, rpn, ROTATION_SIZE, seed),
+                    PackLayout(fmt4, sw_world, width), seeded=seed is not None)
 
     def rotated_final_row() -> Case:
         """qgZ step 5 with the inverse rotation fused: `nodes` packs of rotated values in, the mean slice out."""
@@ -370,6 +374,7 @@ def build_cases(n: int, dtype: torch.dtype, block_size: int, world: int, nodes: 
                                                           ROTATION_SIZE))
 
     rows[f"swizzle_quantize_rotated int4 {nodes}x{rpn} s={ROTATION_SIZE}"] = rotated_swizzle_row
+    rows[f"swizzle_quantize_rotated int4 {nodes}x{rpn} s={ROTATION_SIZE} seeded"] = lambda: rotated_swizzle_row(SEED)
     rows[f"reduce_dequantize_rotated int4 g={nodes} s={ROTATION_SIZE}"] = rotated_final_row
     return [rows[name]() for name in row_names(world, nodes, rpn) if keep(name)]
 
@@ -445,10 +450,12 @@ def run_config(args, n: int, dtype: str, block: int, device: torch.device, timer
 def default_tile(c: Case, block: int) -> tuple[int, int]:
     """The tile the launcher of ``c``'s op picks by itself: (elements per program, warps)."""
     from zeropp.quant import BlockFormat
-    from zeropp.quant._triton import common, reduce
+    from zeropp.quant._triton import common, quantize, reduce
 
     if c.op == "reduce_requantize":
         shape = reduce.requantize_shape(BlockFormat(c.bits, block), c.groups, seeded=c.seeded)
+    elif c.op == "quantize":
+        shape = quantize.quantize_shape(BlockFormat(c.bits, block), True, c.seeded, "rotated" in c.name)
     else:
         shape = common.launch_shape(c.op, block)
     return shape.blocks_per_program * block, shape.num_warps

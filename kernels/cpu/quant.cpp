@@ -977,11 +977,14 @@ constexpr int kRotatedBatch = 2048;
 // quantize_jobs with the rotation fused (rotation.py's swizzle_quantize_rotated): each run's blocks are widened to
 // float32 with the slice's zero padding, their Size-element sub-blocks rotated, then quantized as float32. A rotation
 // block never crosses a slice's end (Size divides the block), so this is the rotation of each slice zero-padded to a
-// multiple of Size, quantized.
+// multiple of Size, quantized. With `noise`, rounded stochastically by the portable encoding, element e of slice s
+// with the noise of index s * width + e, width = the slice rounded up to whole rotation blocks: its index in the
+// rotated slices that the unfused composition quantizes.
 template <class Isa, int Bits, int D, int Size>
 void quantize_rotated_jobs(const Storage<D>* x, int64_t numel, const Layout& f, int64_t chunks, int64_t nodes,
-                           uint8_t* out, int64_t first_job, int64_t end_job) {
+                           uint8_t* out, const Noise* noise, int64_t first_job, int64_t end_job) {
     const int64_t slice = (numel + chunks - 1) / chunks, blocks = f.blocks(slice), per_node = chunks / nodes;
+    const int64_t width = (slice + Size - 1) / Size * Size;
     const int64_t batch = std::max<int64_t>(1, kRotatedBatch / f.block);
     float v[std::max(kMaxBlock, kRotatedBatch)];
     for_each_run(first_job, end_job, blocks, [&](int64_t p, int64_t b, int64_t count) {
@@ -995,7 +998,13 @@ void quantize_rotated_jobs(const Storage<D>* x, int64_t numel, const Layout& f, 
             for (int64_t i = 0; i < m; ++i) v[i] = to_float<D>(x[start + k * f.block + i]);
             std::fill(v + m, v + elements, 0.0f);
             rotate<Size, false>(v, elements / Size);
-            Isa::template quantize<Bits, kFloat32>(v, f.block, f.run(pack, blocks, b + k, c));
+            const Run<uint8_t> run = f.run(pack, blocks, b + k, c);
+            if (noise) {
+                portable::Kernels::quantize<Bits, kFloat32>(v, f.block, run, noise,
+                                                            source * width + (b + k) * f.block);
+            } else {
+                Isa::template quantize<Bits, kFloat32>(v, f.block, run);
+            }
         }
     });
 }
@@ -1077,12 +1086,12 @@ template <class Isa>
 struct QuantizeRotated {
     template <int Bits, int D>
     static void run(const void* x, int64_t numel, const Layout& f, int64_t chunks, int64_t nodes, int size,
-                    uint8_t* out, int threads) {
+                    uint8_t* out, const Noise* noise, int threads) {
         const int64_t jobs = chunks * f.blocks((numel + chunks - 1) / chunks);
         auto body = [&](auto s) {
             parallel(jobs, threads, [&](int64_t a, int64_t e) {
                 quantize_rotated_jobs<Isa, Bits, D, decltype(s)::value>(static_cast<const Storage<D>*>(x), numel, f,
-                                                                        chunks, nodes, out, a, e);
+                                                                        chunks, nodes, out, noise, a, e);
             });
         };
         with_size(size, body);
@@ -1183,7 +1192,7 @@ int check_rotation(int size, int block) {
 extern "C" {
 
 // Bumped whenever a signature below changes; zeropp/quant/native.py refuses a library of another version.
-int zeropp_cpu_abi_version(void) { return 2; }
+int zeropp_cpu_abi_version(void) { return 3; }
 
 // Returns 0, or non-zero for bad arguments (the Python side validates first; this is a second line).
 
@@ -1245,16 +1254,19 @@ int zeropp_reduce_dequantize(const uint8_t* buf, int bits, int block, int groups
     return 0;
 }
 
-// zeropp_quantize_chunks (unseeded) of the rotation of each slice (rotation.py's swizzle_quantize_rotated): each
-// slice's blocks are zero-padded and their `size`-element sub-blocks rotated before they are quantized. size is 16,
-// 32, 64 or 128 and divides block.
+// zeropp_quantize_chunks of the rotation of each slice (rotation.py's swizzle_quantize_rotated): each slice's blocks
+// are zero-padded and their `size`-element sub-blocks rotated before they are quantized; rounded stochastically from
+// `seed` when `seeded` is non-zero, element e of slice s with the noise of index s * width + e (width: the slice
+// rounded up to a multiple of size). size is 16, 32, 64 or 128 and divides block.
 int zeropp_quantize_chunks_rotated(const void* x, int dtype, int64_t numel, int bits, int block, int64_t chunks,
-                                   int64_t nodes, int size, uint8_t* out, int threads) {
+                                   int64_t nodes, int size, uint8_t* out, int seeded, uint32_t seed, int threads) {
     if (int bad = check(bits, block, dtype)) return bad;
     if (chunks < 1 || nodes < 1 || chunks % nodes) return 4;
     if (int bad = check_rotation(size, block)) return bad;
     if (numel == 0) return 0;
-    dispatch<QuantizeRotated>(bits, dtype, x, numel, Layout{bits, block}, chunks, nodes, size, out, threads);
+    const Noise noise{seed};
+    dispatch<QuantizeRotated>(bits, dtype, x, numel, Layout{bits, block}, chunks, nodes, size, out,
+                              seeded ? &noise : nullptr, threads);
     return 0;
 }
 

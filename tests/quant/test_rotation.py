@@ -241,9 +241,11 @@ def test_rotate_slices_rotates_each_padded_slice(numel, gen):
 
 
 
-def composed_quantize(x: torch.Tensor, fmt: zq.BlockFormat, nodes: int, per_node: int, size: int) -> torch.Tensor:
+def composed_quantize(x: torch.Tensor, fmt: zq.BlockFormat, nodes: int, per_node: int, size: int,
+                      seed: int | None = None) -> torch.Tensor:
     """The spec of the fused quantize in the reference alone: each slice zero-padded to whole rotation blocks and
-    rotated (``rotation.hadamard``), then packed in the swizzled order (``reference.quantize_chunks``)."""
+    rotated (``rotation.hadamard``), then packed in the swizzled order (``reference.quantize_chunks``), rounded
+    stochastically with a ``seed`` (each rotated value with the noise of its index among the rotated slices)."""
     chunks, numel = nodes * per_node, x.numel()
     plain = -(-numel // chunks)
     padded = torch.zeros(chunks * plain, dtype=x.dtype)
@@ -252,7 +254,7 @@ def composed_quantize(x: torch.Tensor, fmt: zq.BlockFormat, nodes: int, per_node
     rows[:, :plain] = padded.view(chunks, plain)
     rotated = reference(rows.view(-1), size)
     out = torch.empty(fmt.chunked_bytes(rotated.numel(), chunks), dtype=torch.uint8)
-    reference_ops.quantize_chunks(rotated, fmt, chunks, nodes, out)
+    reference_ops.quantize_chunks(rotated, fmt, chunks, nodes, out, seed)
     return out
 
 
@@ -282,10 +284,12 @@ FUSED_CASES = [
 
 @pytest.mark.parametrize("param", ["triton", *NATIVE_BUILDS])
 def test_fused_kernels_match_the_composition(param, kernel_device, gen):
-    """The fused kernels (rotation inside the swizzled quantize, inverse rotation inside the final reduce) write
-    the bits of the unfused composition of the reference ops, for int8, int4 and int2, fp32, bf16 and fp16 inputs
-    and outputs, every rotation size, padded, short and empty slices, special values (Inf, NaN, subnormals), and
-    divisors 1, 4 (multiplied by its exact reciprocal) and 3 (divided)."""
+    """The fused kernels (rotation inside the swizzled quantize, rounded to nearest or stochastically from a seed;
+    inverse rotation inside the final reduce) write the bits of the unfused composition of the reference ops, for
+    int8, int4 and int2, fp32, bf16 and fp16 inputs and outputs, every rotation size, padded, short and empty
+    slices, special values (Inf, NaN, subnormals), and divisors 1, 4 (multiplied by its exact reciprocal) and 3
+    (divided). The seeds (near 2**32 too) draw the noise of each value's index among the rotated slices: a kernel
+    that took its index among the plain slices fails the cases whose slices are padded."""
     kernels = implementation(param, kernel_device)
     cases = FUSED_CASES if param != "triton" else FUSED_CASES[3:4]  # empty slices, size 16 (interpreter cost)
     for i, (bits, block, size, dtype, nodes, per_node, numel) in enumerate(cases):
@@ -297,6 +301,11 @@ def test_fused_kernels_match_the_composition(param, kernel_device, gen):
         got = torch.full_like(want, 0xA5, device=kernels.device)
         kernels.ops.quantize_chunks_rotated(x.to(kernels.device), fmt, chunks, nodes, size, got)
         plain = -(-numel // chunks)
+        assert_same_packs(got, want, fmt, chunks, chunks * rotation.rotated_numel(plain, size))
+        seed = (2**32 - 1 - i, 7 + i)[i % 2]
+        want = composed_quantize(x, fmt, nodes, per_node, size, seed)
+        got = torch.full_like(want, 0xA5, device=kernels.device)
+        kernels.ops.quantize_chunks_rotated(x.to(kernels.device), fmt, chunks, nodes, size, got, seed)
         assert_same_packs(got, want, fmt, chunks, chunks * rotation.rotated_numel(plain, size))
         groups = (2, 4, 3)[i % 3]
         packs = [composed_quantize(random_values(numel, torch.float32, gen), fmt, nodes, per_node, size)
@@ -311,13 +320,19 @@ def test_fused_kernels_match_the_composition(param, kernel_device, gen):
 
 @pytest.mark.parametrize("quant_backend", ["torch", "native"], indirect=True)  # Triton: the test above
 def test_public_fused_ops_dispatch(quant_backend, gen):
-    """``swizzle_quantize_rotated`` and ``reduce_dequantize_rotated`` on the CPU backends (the fused kernels on the
-    native one, the composition on torch) give the same bytes and values as the unfused ops composed on that
-    backend (``rotate_slices``, ``swizzle_quantize``; ``reduce_dequantize``, ``hadamard_unrotate``)."""
+    """``swizzle_quantize_rotated`` (rounded to nearest, and stochastically from a seed) and
+    ``reduce_dequantize_rotated`` on the CPU backends (the fused kernels on the native one, the composition on
+    torch) give the same bytes and values as the unfused ops composed on that backend (``rotate_slices``,
+    ``swizzle_quantize``; ``reduce_dequantize``, ``hadamard_unrotate``); a bad seed is refused."""
     fmt, world, numel = zq.BlockFormat(4, 64), 4, 4 * 250 - 3
     x = random_values(numel, torch.float32, gen).to(quant_backend)
     packs = zq.swizzle_quantize_rotated(x, fmt, 2, 2, 32)
     assert torch.equal(packs, zq.swizzle_quantize(zq.rotate_slices(x, world, 32), fmt, 2, 2))
+    seeded = zq.swizzle_quantize_rotated(x.bfloat16(), fmt, 2, 2, 32, seed=12345)
+    assert torch.equal(seeded, zq.swizzle_quantize(zq.rotate_slices(x.bfloat16(), world, 32), fmt, 2, 2, seed=12345))
+    assert not torch.equal(seeded, zq.swizzle_quantize_rotated(x.bfloat16(), fmt, 2, 2, 32, seed=12346))
+    with pytest.raises(ValueError, match=r"seed=-1 must be None"):
+        zq.swizzle_quantize_rotated(x, fmt, 2, 2, 32, seed=-1)
     plain = -(-numel // world)
     width = rotation.rotated_numel(plain, 32)
     buf = packs[: 2 * fmt.packed_bytes(width)]
@@ -332,5 +347,7 @@ def test_native_cuda_refuses_the_fused_rotation():
     """The native CUDA kernels have no fused rotation: they refuse, naming the Triton kernels."""
     with pytest.raises(native_cuda.NativeCudaError, match="Hadamard rotation .*Triton"):
         native_cuda.quantize_chunks_rotated(torch.ones(64), zq.BlockFormat(4), 2, 1, 32, torch.empty(0))
+    with pytest.raises(native_cuda.NativeCudaError, match="Hadamard rotation .*stochastic rounding.*Triton"):
+        native_cuda.quantize_chunks_rotated(torch.ones(64), zq.BlockFormat(4), 2, 1, 32, torch.empty(0), seed=3)
     with pytest.raises(native_cuda.NativeCudaError, match="Hadamard rotation .*Triton"):
         native_cuda.reduce_dequantize_rotated(torch.empty(0), zq.BlockFormat(4), 2, 64, 32, torch.empty(0), 1.0)

@@ -134,11 +134,14 @@ CASES: list[dict] = [
     dict(op="reduce_dequantize", bits=2, block_size=2048, dtype="float16", groups=2, chunk_numel=2**20,
          out_numel=2**20, divisor=16.0),
     # qgZ's first and last steps with the Hadamard rotation fused (``rotation``): each size among them, unaligned
-    # slices and outputs, int64 offsets, a divisor that divides
+    # slices and outputs, int64 offsets, a divisor that divides; stochastic rounding fused too (aligned: the largest
+    # tile; noise indices past 2**32)
     dict(op="quantize", bits=4, block_size="default", dtype="float32", numel=1_000_003, chunks=8, nodes=2,
          rotation=32),
     dict(op="quantize", bits=8, block_size=2048, dtype="bfloat16", numel=_BIG, chunks=2, nodes=2, rotation=128),
     dict(op="quantize", bits=2, block_size=16, dtype="float16", numel=2**20, chunks=4, nodes=1, rotation=16),
+    dict(op="quantize", bits=4, block_size="default", dtype="float32", numel=2**33, chunks=2, nodes=2, rotation=32,
+         seed=2**32 - 1),
     dict(op="reduce_dequantize", bits=4, block_size="default", dtype="bfloat16", groups=2, chunk_numel=2**20,
          out_numel=2**20, divisor=16.0, rotation=32),
     dict(op="reduce_dequantize", bits=8, block_size=64, dtype="float32", groups=4, chunk_numel=1001,

@@ -37,8 +37,8 @@ Rotation (``rotation=R``, ``zeropp.quant.rotation``): step 1 zero-pads each rank
 rotated_numel(S, R)`` elements and rotates its blocks of ``R`` by the Hadamard matrix ``H`` before packing
 (``swizzle_quantize_rotated``); steps 2-4 move and sum the rotated packs unchanged (``H`` is linear, so the sum of
 rotated slices is the rotated sum); step 5 sums, unrotates by ``H / R`` and divides (``reduce_dequantize_rotated``).
-On the native CPU and Triton backends steps 1 and 5 are fused kernels (the rotation inside the quantize, the
-inverse inside the final reduce: no pass of their own), bit for bit the unfused ops.
+On the native CPU and Triton backends steps 1 and 5 are fused kernels (the rotation inside the quantize, seeded
+or not, the inverse inside the final reduce: no pass of their own), bit for bit the unfused ops.
 ``R`` divides the block size, so a pack of ``S'`` rotated values has the bytes of a pack of ``S`` plain ones: the
 traffic is unchanged. Error bound: the bound above holds in the rotated space, with the scales of the rotated
 blocks; unrotating maps an error ``e`` of a rotation block to ``H e / R``, each element of which is the mean of
@@ -490,9 +490,11 @@ def _qgz_steps(
     accounting.record("reduce_scatter", traffic)
 
     # Step 1: pack the P slices in hop-1 order.
-    if ef is None and swizzled and not (rot and seed is not None):
-        send = swizzle_quantize_rotated(flat, first, n, d, rot) if rot else swizzle_quantize(flat, first, n, d,
-                                                                                              seed=seed1)
+    if ef is None and swizzled:
+        if rot:
+            send = swizzle_quantize_rotated(flat, first, n, d, rot, seed=seed1)
+        else:
+            send = swizzle_quantize(flat, first, n, d, seed=seed1)
     else:
         x = rotate_slices(flat, size, rot) if rot else flat
         if ef is not None:

@@ -23,7 +23,7 @@ import torch
 from .format import BlockFormat
 from .native_loader import NativeBackend, build_path
 
-ABI_VERSION = 2
+ABI_VERSION = 3
 """The ``zeropp_cpu_abi_version()`` this module is written for (kernels/cpu/quant.cpp)."""
 
 LIBRARY_NAME = "libzeropp_cpu.so"
@@ -64,7 +64,7 @@ class Library:
             "zeropp_reduce_requantize": [ptr, i32, i32, i32, i64, i64, ptr, i32, i32, i32, u32, i32],
             "zeropp_reduce_dequantize": [ptr, i32, i32, i32, i64, ptr, i32, i64, f32, i32],
             "zeropp_hadamard": [ptr, i64, i32, i32, ptr, i32],
-            "zeropp_quantize_chunks_rotated": [ptr, i32, i64, i32, i32, i64, i64, i32, ptr, i32],
+            "zeropp_quantize_chunks_rotated": [ptr, i32, i64, i32, i32, i64, i64, i32, ptr, i32, u32, i32],
             "zeropp_reduce_dequantize_rotated": [ptr, i32, i32, i32, i64, i32, ptr, i32, i64, f32, i32],
         }
         for name, argtypes in signatures.items():
@@ -115,11 +115,12 @@ class Library:
         self._call("zeropp_hadamard", x.data_ptr(), x.numel(), size, int(inverse), out.data_ptr())
 
     def quantize_chunks_rotated(self, x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, size: int,
-                                out: torch.Tensor) -> None:
-        """As ``rotation.quantize_chunks_rotated`` (the rotation fused into the quantize)."""
+                                out: torch.Tensor, seed: int | None = None) -> None:
+        """As ``rotation.swizzle_quantize_rotated`` (the rotation fused into the quantize; with a ``seed``, the
+        stochastic rounding too)."""
         x = x.contiguous()
         self._call("zeropp_quantize_chunks_rotated", x.data_ptr(), _DTYPES[x.dtype], x.numel(), fmt.bits,
-                   fmt.block_size, chunks, nodes, size, out.data_ptr())
+                   fmt.block_size, chunks, nodes, size, out.data_ptr(), seed is not None, seed or 0)
 
     def reduce_dequantize_rotated(self, buf: torch.Tensor, fmt: BlockFormat, groups: int, chunk_numel: int,
                                   size: int, out: torch.Tensor, divisor: float) -> None:
@@ -147,9 +148,9 @@ def hadamard(x: torch.Tensor, size: int, inverse: bool, out: torch.Tensor) -> No
 
 
 def quantize_chunks_rotated(x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, size: int,
-                            out: torch.Tensor) -> None:
-    """As ``rotation.quantize_chunks_rotated``, with the library at ``library_path()``."""
-    library().quantize_chunks_rotated(x, fmt, chunks, nodes, size, out)
+                            out: torch.Tensor, seed: int | None = None) -> None:
+    """As ``rotation.swizzle_quantize_rotated``, with the library at ``library_path()``."""
+    library().quantize_chunks_rotated(x, fmt, chunks, nodes, size, out, seed)
 
 
 def reduce_dequantize_rotated(buf: torch.Tensor, fmt: BlockFormat, groups: int, chunk_numel: int, size: int,

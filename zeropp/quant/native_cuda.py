@@ -278,9 +278,9 @@ reduce_dequantize = _backend.reduce_dequantize
 
 
 def quantize_chunks_rotated(x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, size: int,
-                            out: torch.Tensor) -> None:
-    """Refuses (``check_supported``): these kernels have no fused rotation."""
-    check_supported(fmt, rotation=size)
+                            out: torch.Tensor, seed: int | None = None) -> None:
+    """Refuses (``check_supported``): these kernels have no fused rotation (nor stochastic rounding)."""
+    check_supported(fmt, seed=seed, rotation=size)
 
 
 def reduce_dequantize_rotated(buf: torch.Tensor, fmt: BlockFormat, groups: int, chunk_numel: int, size: int,

@@ -35,13 +35,15 @@ each rotation block must lie within one rank's slice, so that a rank can unrotat
 **qgZ's steps with the rotation.** ``swizzle_quantize_rotated`` and ``reduce_dequantize_rotated`` are qgZ's first
 and last steps with the rotation, composed from the ops (the middle step, ``reduce_requantize``, is unchanged: it
 sums and requantizes whole blocks, padding included): each rank's slice of ``S = ceil(numel / world)`` elements is
-zero-padded to ``rotated_numel(S, size)`` and rotated on its own, then packed as ``swizzle_quantize`` packs it;
+zero-padded to ``rotated_numel(S, size)`` and rotated on its own, then packed as ``swizzle_quantize`` packs it
+(rounded stochastically with a seed, each rotated value with the noise of its index among the rotated slices);
 since ``size`` divides the quantization block size, the packs have exactly the bytes of the unrotated ones. The
 final step sums the packs in float32 (``reduce_dequantize``'s fused sum, divisor 1, padding included), unrotates,
 divides by ``divisor`` in float32 and converts to ``out``'s dtype, dropping the padding last: the padding of a
 rotated slice holds part of its last block. These compositions are the spec of the fused kernels (native CPU and
 Triton), which rotate each block inside the quantize and unrotate it inside the final reduce, saving the two extra
-passes over the gradient (``docs/rotation.md``); the torch backend runs the compositions themselves.
+passes over the gradient (``docs/rotation.md``), stochastic rounding included; the torch backend runs the
+compositions themselves.
 
 **Backends**, as for the quantization ops (``ops.backend_name``): the native CPU library
 (``kernels/cpu/rotation.cpp``, and ``quant.cpp`` for the fused steps) for CPU tensors where it is built, else this
@@ -152,17 +154,22 @@ def _check_fits(fmt: BlockFormat, size: int) -> None:
 
 
 def swizzle_quantize_rotated(x: torch.Tensor, fmt: BlockFormat, nodes: int, ranks_per_node: int,
-                             size: int = DEFAULT_ROTATION_SIZE, *, out: torch.Tensor | None = None) -> torch.Tensor:
+                             size: int = DEFAULT_ROTATION_SIZE, *, out: torch.Tensor | None = None,
+                             seed: int | None = None) -> torch.Tensor:
     """qgZ's first step with the rotation: ``ops.swizzle_quantize`` of flattened ``x`` with each rank's slice
     (``ceil(numel / world)`` elements) zero-padded to a multiple of ``size`` and rotated first. Returns the uint8
     packs (``out`` if given), the same number of bytes as ``swizzle_quantize`` writes; each pack holds
-    ``rotated_numel(slice, size)`` rotated values. ``size`` must not exceed ``fmt.block_size``.
+    ``rotated_numel(slice, size)`` rotated values. ``size`` must not exceed ``fmt.block_size``. With a ``seed`` (an
+    integer in ``[0, 2**32)``) the codes are rounded stochastically, element ``e`` of rotated slice ``s`` taking the
+    noise of index ``s * rotated_numel(slice, size) + e``: its index in ``rotate_slices(x, world, size)``.
 
-    The spec is that composition, ``swizzle_quantize(rotate_slices(x, world, size), ...)``, which the torch backend
-    runs; the native CPU and Triton kernels rotate each block as they load it (one pass), bit for bit the same."""
+    The spec is that composition, ``swizzle_quantize(rotate_slices(x, world, size), ..., seed=seed)``, which the
+    torch backend runs; the native CPU and Triton kernels rotate each block as they load it and quantize it, with
+    the same noise when seeded (one pass), bit for bit the same."""
     _check_fits(fmt, size)
     check_float_tensor(x)
     ops._check_counts(nodes=nodes, ranks_per_node=ranks_per_node)
+    ops._check_seed(seed)
     flat = x.detach().reshape(-1)
     chunks = nodes * ranks_per_node
     nbytes = fmt.chunked_bytes(flat.numel(), chunks)
@@ -175,13 +182,13 @@ def swizzle_quantize_rotated(x: torch.Tensor, fmt: BlockFormat, nodes: int, rank
         return out
     name = backend_name(flat)
     if name == "torch":
-        ops.swizzle_quantize(rotate_slices(flat, chunks, size), fmt, nodes, ranks_per_node, out=out)
+        ops.swizzle_quantize(rotate_slices(flat, chunks, size), fmt, nodes, ranks_per_node, out=out, seed=seed)
     elif name == "native":
-        (native_cuda if flat.is_cuda else native).quantize_chunks_rotated(flat, fmt, chunks, nodes, size, out)
+        (native_cuda if flat.is_cuda else native).quantize_chunks_rotated(flat, fmt, chunks, nodes, size, out, seed)
     else:
         from . import _triton
 
-        _triton.quantize_chunks_rotated(flat, fmt, chunks, nodes, size, out)
+        _triton.quantize_chunks_rotated(flat, fmt, chunks, nodes, size, out, seed)
     return out
 
 

@@ -158,7 +158,7 @@ def launch_case(case: Mapping[str, Any]) -> None:
         x = meta(numel, dtype, offset)
         out = meta(fmt.chunked_bytes(numel, chunks), u8)
         if "rotation" in case:
-            kernels.quantize_chunks_rotated(x, fmt, chunks, case["nodes"], case["rotation"], out)
+            kernels.quantize_chunks_rotated(x, fmt, chunks, case["nodes"], case["rotation"], out, seed)
         else:
             kernels.quantize_chunks(x, fmt, chunks, case["nodes"], out, seed)
     elif op == "dequantize":

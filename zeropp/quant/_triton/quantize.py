@@ -14,6 +14,8 @@ import triton.language as tl
 
 from ..format import BlockFormat
 from .common import (
+    TILE_ELEMENTS,
+    LaunchShape,
     code_words,
     element_ptrs,
     encode_words,
@@ -51,14 +53,17 @@ def _quantize_kernel(
     ``out_ptr``: uint8 packs of ``pack_bytes`` bytes, ``blocks_per_pack`` blocks each. ``SEEDED``: stochastic
     rounding for ``seed``, element ``i`` of ``x`` taking the noise of index ``i``. ``ROTATION`` (0: none): the
     blocks of ``ROTATION`` elements of the loaded tile (the slice's zero padding included) go through the Hadamard
-    butterfly before they are quantized (not with ``SEEDED``).
+    butterfly before they are quantized; with ``SEEDED`` too, element ``e`` of slice ``s`` takes the noise of index
+    ``s * width + e``, ``width`` the slice rounded up to whole rotation blocks (its index in the rotated slices
+    that the unfused composition quantizes).
     """
     WORDS: tl.constexpr = BLOCK_SIZE * BITS // 32
     first_block = tl.program_id(0) * BLOCKS
     m = tl.program_id(1)
     j = tl.program_id(2)
     pack = j * tl.num_programs(1) + m
-    slice_start = (m * ranks_per_node + j).to(tl.int64) * chunk_numel
+    source = (m * ranks_per_node + j).to(tl.int64)
+    slice_start = source * chunk_numel
     tile_start = slice_start + first_block.to(tl.int64) * BLOCK_SIZE
     # Elements of this tile present in x: the slice may be short (the last one) or empty.
     available = tl.minimum(slice_start + chunk_numel, numel) - tile_start
@@ -69,9 +74,12 @@ def _quantize_kernel(
     else:
         count = row_counts(available, BLOCKS, BLOCK_SIZE)
         v = tl.load(x, mask=tl.arange(0, BLOCK_SIZE)[None, :] < count[:, None], other=0.0).to(tl.float32)
+    noise_start = tile_start
     if ROTATION:
         v = butterfly(v, BLOCKS, BLOCK_SIZE, ROTATION, LOG_ROTATION, False)
-    codes, scale = quantize_rows(v, seed, tile_start, BITS, SEEDED)
+        rotation_blocks = (chunk_numel - 1) // ROTATION + 1  # chunk_numel >= 1; no int32 overflow
+        noise_start = source * rotation_blocks * ROTATION + first_block.to(tl.int64) * BLOCK_SIZE
+    codes, scale = quantize_rows(v, seed, noise_start, BITS, SEEDED)
     words = encode_words(codes, BITS)
     pack_offset = pack.to(tl.int64) * pack_bytes
     word_ptrs = code_words(out_ptr, pack_offset, first_block, BLOCKS, WORDS)
@@ -85,6 +93,13 @@ def _quantize_kernel(
         tl.store(scales, scale, mask=rows)
 
 
+def quantize_shape(fmt: BlockFormat, aligned: bool, seeded: bool, rotation: int) -> LaunchShape:
+    """The quantize tile (``launch_shape``): half as many elements when the rotation and stochastic rounding are
+    both fused, whose butterfly and noise keep more values live (8192 elements spilled on sm_90)."""
+    elements = TILE_ELEMENTS["quantize"] // (2 if seeded and rotation else 1)
+    return launch_shape("quantize", fmt.block_size, aligned, elements)
+
+
 def quantize_chunks(
     x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, out: torch.Tensor, seed: int | None = None,
     rotation: int = 0,
@@ -93,16 +108,17 @@ def quantize_chunks(
 
     ``out`` holds ``chunks`` packs of ``fmt.packed_bytes(chunk_numel)`` bytes; with ``nodes > 1`` pack ``p``
     holds slice ``swizzle_source(p, nodes, chunks // nodes)``; with a ``seed``, rounded stochastically. Same
-    result as ``reference.quantize_chunks``. ``rotation`` (unseeded only): the rotation fused, each loaded tile's
-    blocks of ``rotation`` elements, padding included, through the butterfly before they are quantized; same result
-    as ``rotation.swizzle_quantize_rotated``'s composition.
+    result as ``reference.quantize_chunks``. ``rotation``: the rotation fused, each loaded tile's blocks of
+    ``rotation`` elements, padding included, through the butterfly before they are quantized (and with a ``seed``,
+    rounded stochastically with the noise of their index in the rotated slices); same result as
+    ``rotation.swizzle_quantize_rotated``'s composition.
     """
     numel = x.numel()
     if numel == 0:
         return
     slice_numel = triton.cdiv(numel, chunks)
     blocks_per_pack = fmt.num_blocks(slice_numel)
-    shape = launch_shape("quantize", fmt.block_size, is_aligned(x, slice_numel))
+    shape = quantize_shape(fmt, is_aligned(x, slice_numel), seed is not None, rotation)
     grid = (triton.cdiv(blocks_per_pack, shape.blocks_per_program), nodes, chunks // nodes)
     rotated = {"ROTATION": rotation, "LOG_ROTATION": rotation.bit_length() - 1} if rotation else {}
     launch(_quantize_kernel, grid, shape, fmt, x.device, x, out, numel, slice_numel, chunks // nodes,
@@ -111,6 +127,6 @@ def quantize_chunks(
 
 
 def quantize_chunks_rotated(x: torch.Tensor, fmt: BlockFormat, chunks: int, nodes: int, size: int,
-                            out: torch.Tensor) -> None:
-    """``quantize_chunks`` (unseeded) with the rotation of ``size`` fused."""
-    quantize_chunks(x, fmt, chunks, nodes, out, rotation=size)
+                            out: torch.Tensor, seed: int | None = None) -> None:
+    """``quantize_chunks`` with the rotation of ``size`` fused (rounded stochastically with a ``seed``)."""
+    quantize_chunks(x, fmt, chunks, nodes, out, seed, rotation=size)
