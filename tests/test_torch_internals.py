@@ -405,7 +405,8 @@ def test_torch_internals_is_a_leaf() -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# fsdp_hsdp_mesh / route_hsdp_all_reduce / fsdp_requires_all_reduce: FSDP2's param groups' mesh_info
+# fsdp_hsdp_mesh / route_hsdp_all_reduce / fsdp_requires_all_reduce / fsdp_all_reduce_hook: FSDP2's param groups'
+# mesh_info and all-reduce hook
 
 HSDP_USE = ("zeropp.fsdp.hsdp routes FSDP2's HSDP all-reduce to its set_all_reduce_hook hook by giving each param "
             "group a plain FSDPMeshInfo (tests/fsdp/test_fsdp_hsdp.py checks the result bit for bit)")
@@ -427,7 +428,12 @@ def test_fsdp_hsdp_mesh_info_is_what_zeropp_rewrites() -> None:
     assert "isinstance(self.mesh_info, DDPMeshInfo)" in post_backward and "self._all_reduce_hook" in post_backward, (
         f"FSDPParamGroup.post_backward no longer picks the all-reduce group by mesh_info's type. {HSDP_USE}")
     init = inspect.getsource(_fsdp_param_group.FSDPParamGroup.__init__)
-    for attr in ("self.mesh_info", "self.post_forward_mesh_info", "self.all_reduce_grads"):
+    for attr in ("self.mesh_info", "self.post_forward_mesh_info", "self.all_reduce_grads", "self._all_reduce_hook"):
         assert attr in init, f"FSDPParamGroup no longer sets {attr}. {HSDP_USE}"
+    from torch.distributed.fsdp._fully_shard._fully_shard import FSDPModule
+
+    setter = inspect.getsource(FSDPModule.set_all_reduce_hook)
+    assert "_all_reduce_hook = hook" in setter, (
+        f"FSDPModule.set_all_reduce_hook no longer stores the hook where fsdp_all_reduce_hook reads it. {HSDP_USE}")
     params = inspect.signature(_fsdp_collectives.foreach_reduce).parameters
     assert {"all_reduce_group", "all_reduce_hook", "all_reduce_grads"} <= params.keys(), HSDP_USE

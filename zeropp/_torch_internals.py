@@ -19,9 +19,10 @@ A leaf: it imports torch only. Each use below has no public equivalent in torch 
   one FSDP2 state, one flat all-gather input and one custom all-gather; nothing public says which modules share a
   state, and ``zeropp.fsdp`` needs the group's modules, in the order given to ``fully_shard``, to lay out the
   group's parameters (``zeropp.fsdp.segments``).
-* ``fsdp_hsdp_mesh`` / ``route_hsdp_all_reduce`` / ``fsdp_requires_all_reduce``: ``FSDPModule._get_fsdp_state()
-  ._fsdp_param_groups`` and each group's ``mesh_info`` (``HSDPMeshInfo`` / ``FSDPMeshInfo`` of
-  ``torch.distributed.fsdp._fully_shard._fsdp_common``) and ``all_reduce_grads``. FSDP2 runs HSDP's cross-replica
+* ``fsdp_hsdp_mesh`` / ``route_hsdp_all_reduce`` / ``fsdp_requires_all_reduce`` / ``fsdp_all_reduce_hook``:
+  ``FSDPModule._get_fsdp_state()._fsdp_param_groups`` and each group's ``mesh_info`` (``HSDPMeshInfo`` /
+  ``FSDPMeshInfo`` of ``torch.distributed.fsdp._fully_shard._fsdp_common``), ``all_reduce_grads`` and
+  ``_all_reduce_hook`` (nothing public reads the hook back, so a user's hook would be replaced unseen). FSDP2 runs HSDP's cross-replica
   gradient all-reduce as a plain ``dist.all_reduce`` inside ``foreach_reduce``, with no custom-comm hook (its
   public ``set_all_reduce_hook`` runs AFTER that all-reduce under native HSDP, and a custom all-gather or
   reduce-scatter only sees the shard group). Nothing public says whether a module is natively HSDP-sharded, over
@@ -49,8 +50,8 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather as FSDPAllGather
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as FSDPReduceScatter
 
-__all__ = ["FSDPAllGather", "FSDPReduceScatter", "fsdp_group_modules", "fsdp_hsdp_mesh", "fsdp_requires_all_reduce",
-           "group_timeout", "in_backward", "route_hsdp_all_reduce", "tree_leaves"]
+__all__ = ["FSDPAllGather", "FSDPReduceScatter", "fsdp_all_reduce_hook", "fsdp_group_modules", "fsdp_hsdp_mesh",
+           "fsdp_requires_all_reduce", "group_timeout", "in_backward", "route_hsdp_all_reduce", "tree_leaves"]
 
 _FSDP_COMM_INTERFACES = {"FSDPAllGather": "AllGather", "FSDPReduceScatter": "ReduceScatter"}
 
@@ -107,6 +108,13 @@ def route_hsdp_all_reduce(module: Any) -> None:
             if group.post_forward_mesh_info is info:  # reshard_after_forward=True: resharded to the shard group
                 group.post_forward_mesh_info = plain
             group.mesh_info = plain
+
+
+def fsdp_all_reduce_hook(module: Any) -> Any:
+    """The hook ``FSDPModule.set_all_reduce_hook`` set on ``module``'s parameter group (``None`` if none; that
+    method only sets it)."""
+    groups = module._get_fsdp_state()._fsdp_param_groups
+    return groups[0]._all_reduce_hook if groups else None
 
 
 def fsdp_requires_all_reduce(module: Any) -> bool:

@@ -124,3 +124,5 @@ def test_refuses_what_hsdp_does_not_serve(runs: list[dict]) -> None:
         assert "replicate_bits=3 is not supported" in m["bits"]
         assert "replicate_bits=8 applies to HSDP" in m["flat"]
         assert "set_requires_all_reduce(False) is not served" in m["no_all_reduce"]
+        assert m["hook_before"].startswith("ValueError") and "already has a set_all_reduce_hook" in m["hook_before"]
+        assert m["hook_after"].startswith("ValueError") and "was replaced after" in m["hook_after"], m["hook_after"]

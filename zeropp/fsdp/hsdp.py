@@ -59,7 +59,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from .. import comm
-from .._torch_internals import fsdp_hsdp_mesh, fsdp_requires_all_reduce, route_hsdp_all_reduce
+from .._torch_internals import fsdp_all_reduce_hook, fsdp_hsdp_mesh, fsdp_requires_all_reduce, route_hsdp_all_reduce
 from ..comm import accounting
 from ..quant import DEFAULT_BLOCK_SIZE, BlockFormat, chunk_numel
 from ..quant.format import SUPPORTED_BITS
@@ -231,12 +231,34 @@ class ReplicaAllReduce:
 def install(groups: Sequence[tuple[nn.Module, ...]], topology: comm.Topology, bits: int | None,
             block_size: int) -> list[ReplicaAllReduce]:
     """Route each FSDP2 group's cross-replica all-reduce to a ``ReplicaAllReduce`` over ``topology`` (the replicate
-    group's): one hook per group, set with the public ``set_all_reduce_hook`` on its first module."""
+    group's): one hook per group, set with the public ``set_all_reduce_hook`` on its first module. That slot is
+    zeropp's from then on: a hook already in it is refused here, and one set later (which would leave the gradients
+    unreduced across replicas) is refused at the module's next forward.
+
+    Raises:
+        ValueError: a group already has an all-reduce hook.
+    """
     hooks = []
     for group in groups:
         first = group[0]
+        if fsdp_all_reduce_hook(first) is not None:
+            raise ValueError(
+                f"zeropp.fsdp.enable: {type(first).__name__} already has a set_all_reduce_hook hook; on HSDP zeropp "
+                "runs the cross-replica all-reduce in that hook: run your hook's work after backward instead")
         route_hsdp_all_reduce(first)
         hook = ReplicaAllReduce(topology, bits, block_size, module=first)
         first.set_all_reduce_hook(hook)  # type: ignore[operator]
+        first.register_forward_pre_hook(_check_kept(hook))
         hooks.append(hook)
     return hooks
+
+
+def _check_kept(hook: ReplicaAllReduce) -> Any:
+    """A forward pre-hook refusing a module whose all-reduce hook is no longer zeropp's ``hook``."""
+    def check(module: nn.Module, args: Any) -> None:
+        if fsdp_all_reduce_hook(module) is not hook:
+            raise ValueError(
+                f"zeropp.fsdp: the set_all_reduce_hook hook of {type(module).__name__} was replaced after "
+                "zeropp.fsdp.enable; on HSDP zeropp runs the cross-replica gradient all-reduce in it, so the "
+                "gradients would not be averaged across replicas: run your hook's work after backward instead")
+    return check
