@@ -79,7 +79,9 @@ for line in sys.stdin:
     request = json.loads(line)
     pid = os.fork()
     if pid == 0:
-        os.setsid()
+        # a process group, killed whole on a timeout; not a session: that is a scheduling group of its own
+        # (autogroup), to which tests/ahead.py's nice-19 jobs would not yield
+        os.setpgid(0, 0)
         log = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(log, 1)
         os.dup2(log, 2)
