@@ -27,13 +27,14 @@ STEPS, BATCH, DIM, HIDDEN = 10, 4, 12, 42  # HIDDEN / tp = 21 rows: uneven FSDP 
 
 
 class Block(nn.Module):
-    """``x + down(tanh(up(norm(x))))``; ``up`` column-, ``down`` row-parallel over tp, ``norm`` plain."""
+    """``x + down(tanh(up(norm(x))))`` on the last dim (``dim`` wide, ``hidden`` inside); ``up`` column-, ``down``
+    row-parallel over tp, ``norm`` plain."""
 
-    def __init__(self, gen: torch.Generator) -> None:
+    def __init__(self, gen: torch.Generator, dim: int = DIM, hidden: int = HIDDEN) -> None:
         super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.up = nn.Linear(DIM, HIDDEN)
-        self.down = nn.Linear(HIDDEN, DIM)
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
         with torch.no_grad():  # no 0 / 1 that any quantizer rounds exactly
             for p in self.parameters():
                 p.normal_(0.0, 0.3, generator=gen)
