@@ -6,7 +6,7 @@ A case is ``PLAN@RATE@NODESxRANKS``: a named plan (``PLANS``), the node link rat
 Cases of one layout and rate share one job on the emulated cluster (``python -m zeropp.cluster``, one job at a
 time): its ranks first calibrate the cluster (``zeropp.plan.calibrate``, so the links are measured at that rate and
 the compute rate with every rank running at once), then train each plan for ``--steps`` steps from the same
-weights. Measured per plan:
+weights, with ``EVERY_GATHER`` (the planner models no persistent or kept units). Measured per plan:
 
 * **step time**: the median, over the steps after ``--warmup``, of the wall time from a barrier before the forward
   to a barrier after ``step()`` (the slowest rank's step), seconds;
@@ -48,6 +48,10 @@ PLANS = ("zero1", "zero2", "zero3", "zero3-hpz", "zeropp", "zeropp-w4", "zero3-q
 """Named plans, each on any layout of ``d`` ranks per node and ``P`` ranks: ZeRO-1/2/3, ZeRO-3 with hpZ over the
 node, ZeRO++ (qwZ int8, qgZ int4, hpZ over the node), the same with qwZ int4, ZeRO-3 with qgZ int4 only, and
 MiCS over the node (``(d, d, d)``, exact)."""
+
+EVERY_GATHER = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
+"""Added to each plan's ``zero_optimization``: what the planner models (every unit gathered at each use; no
+persistent or kept units, which DeepSpeed's defaults would make of the whole model and save the backward gathers)."""
 
 MEMORY_TERMS = ("params", "secondary", "grads", "optimizer")
 """The planner's memory terms compared with the engine's tensors (``zeropp.plan.memory``)."""
@@ -223,7 +227,7 @@ def _run_plan(name: str, args: argparse.Namespace, topo: Any) -> dict[str, Any]:
     rank, world = dist.get_rank(), dist.get_world_size()
     plan = plan_of(name, world // topo.ranks_per_node, topo.ranks_per_node)
     config = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
-              "zero_optimization": plan.zero_config(world),
+              "zero_optimization": {**plan.zero_config(world), **EVERY_GATHER},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}}}
     gc.collect()
     _reset_peak_rss()
