@@ -31,7 +31,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -125,16 +124,19 @@ def compare(case: Case, cluster: Cluster, measured: dict[str, Any], preset: str,
     ``measured`` (``step_s``, ``memory`` by term in bytes, ``rss_peak``), ratios measured / predicted and whether
     each is within its tolerance (a fraction, 0.15 = 15%). With ``model_flops`` (FLOP/s of the model's own step,
     ``_model_flops``) also the prediction with that compute rate instead of the calibration's matmul rate
-    (``pred2_step_s``, ``time_ratio2``, ``time_ok2``)."""
+    (``pred2_step_s``, ``time_ratio2``, ``time_ok2``) and with it and ``overlap`` 0 (``pred3_*``: ranks that share
+    the CPU cores their collectives run on hide nothing under compute)."""
     model = from_preset(preset, seq)
     plan = plan_of(case.plan, case.nodes, case.ranks_per_node)
     batch = Batch(micro, seq, 1, 4)
     pred = predict(model, plan, cluster, batch)
     second: dict[str, Any] = {}
     if model_flops is not None:
-        step2 = predict(model, plan, replace(cluster, flops=model_flops), batch).step_time
-        second = {"pred2_step_s": step2, "time_ratio2": measured["step_s"] / step2,
-                  "time_ok2": abs(measured["step_s"] / step2 - 1) <= time_tol}
+        for tag, changed in (("2", replace(cluster, flops=model_flops)),
+                             ("3", replace(cluster, flops=model_flops, overlap=0.0))):
+            step = predict(model, plan, changed, batch).step_time
+            second.update({f"pred{tag}_step_s": step, f"time_ratio{tag}": measured["step_s"] / step,
+                           f"time_ok{tag}": abs(measured["step_s"] / step - 1) <= time_tol})
     pred_mem = sum(pred.memory[k] for k in MEMORY_TERMS)
     meas_mem = sum(measured["memory"][k] for k in MEMORY_TERMS)
     time_ratio = measured["step_s"] / pred.step_time
@@ -158,6 +160,7 @@ COLUMNS = (("plan", "plan", "{}"), ("rate", "rate", "{}"), ("layout", "nodes", "
            ("pred_step_s", "pred s", "{:.3f}"), ("meas_step_s", "meas s", "{:.3f}"),
            ("time_ratio", "time x", "{:.2f}"), ("time_ok", "<=15%", "{}"),
            ("pred2_step_s", "pred2 s", "{:.3f}"), ("time_ratio2", "time2 x", "{:.2f}"), ("time_ok2", "2 <=15%", "{}"),
+           ("pred3_step_s", "pred3 s", "{:.3f}"), ("time_ratio3", "time3 x", "{:.2f}"), ("time_ok3", "3 <=15%", "{}"),
            ("pred_compute_s", "pred compute", "{:.3f}"), ("pred_comm_s", "pred comm", "{:.3f}"),
            ("pred_states_MB", "pred states MB", "{:.2f}"), ("meas_states_MB", "meas states MB", "{:.2f}"),
            ("mem_ratio", "mem x", "{:.3f}"), ("mem_ok", "<=10%", "{}"),
@@ -335,6 +338,10 @@ def _parser() -> argparse.ArgumentParser:
     a.add_argument("--mem-tol", type=float, default=0.10, help="memory tolerance (fraction)")
     a.add_argument("--csv", default="planner_validation.csv", help="CSV of every row")
     a.add_argument("--timeout", type=float, default=1800, help="seconds per cluster job")
+    a.add_argument("--keep", default="planner_validation",
+                   help="folder for each job's calibration and measurements (and manifest.json)")
+    a.add_argument("--analyse", metavar="FOLDER",
+                   help="run nothing: the table of the jobs kept in FOLDER (with the same --model, --seq, --micro)")
     a.add_argument("--no-progress", action="store_true")
     a.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     a.add_argument("--plans", help=argparse.SUPPRESS)
@@ -347,55 +354,64 @@ def _uptime() -> str:
     return " ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
-def drive(args: argparse.Namespace) -> int:
+def analyse(folder: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The rows of the jobs kept in ``folder`` (``manifest.json``: per job its layout, rate, plans and files)."""
+    rows: list[dict[str, Any]] = []
+    for job in json.loads(Path(folder, "manifest.json").read_text()):
+        result = json.loads(Path(folder, job["out"]).read_text())
+        cluster = Cluster.from_json(Path(folder, job["cluster"]))
+        for name in job["plans"]:
+            case = Case(name, job["rate"], job["nodes"], job["ranks_per_node"])
+            row = compare(case, cluster, result["plans"][name], args.model, args.micro, args.seq, args.time_tol,
+                          args.mem_tol, result["model_flops"])
+            row.update(cal_intra_gbit=cluster.intra_bw * 8 / 1e9, cal_inter_gbit=cluster.inter_bw * 8 / 1e9,
+                       cal_intra_alpha_us=cluster.intra_latency * 1e6, cal_inter_alpha_us=cluster.inter_latency * 1e6,
+                       cal_gflops=cluster.flops / 1e9, model_gflops=result["model_flops"] / 1e9,
+                       load_start=result["load"][0][0], load_end=result["load"][1][0])
+            rows.append(row)
+    return rows
+
+
+def drive(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Run the cases' cluster jobs one at a time, keeping each job's files in ``args.keep``; the rows."""
     cases = [parse_case(c) for c in args.cases.split(",") if c.strip()]
     if args.warmup >= args.steps:
         raise ValueError(f"--warmup={args.warmup} leaves no measured step of --steps={args.steps}")
     jobs: dict[tuple[int, int, str], list[Case]] = {}
     for c in cases:
         jobs.setdefault(c.job, []).append(c)
-    rows: list[dict[str, Any]] = []
-    print(f"load average at start: {_uptime()}", file=sys.stderr, flush=True)
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, ((nodes, per_node, rate), members) in enumerate(jobs.items()):
-            out, cal = Path(tmp, f"job{i}.json"), Path(tmp, f"cluster{i}.json")
-            command = [sys.executable, "-m", "zeropp.cluster", "--nodes", str(nodes), "--ranks-per-node",
-                       str(per_node), "--rate", rate, "--fallback", "error", "--timeout", str(args.timeout), "--",
-                       sys.executable, "-m", "zeropp.plan.validate", "--worker", "--plans",
-                       ",".join(c.plan for c in members), "--out", str(out), "--calibration", str(cal),
-                       "--model", args.model, "--seq", str(args.seq), "--micro", str(args.micro),
-                       "--steps", str(args.steps), "--warmup", str(args.warmup)]
-            if args.no_progress:
-                command.append("--no-progress")
-            print(f"job {i + 1}/{len(jobs)}: {nodes}x{per_node} at {rate}: {', '.join(c.plan for c in members)} "
-                  f"(load {_uptime()})", file=sys.stderr, flush=True)
-            rc = subprocess.run(command).returncode
-            if rc != 0:
-                raise RuntimeError(f"cluster job {nodes}x{per_node} at {rate} exited with {rc}; rows so far: "
-                                   f"{len(rows)}")
-            result = json.loads(out.read_text())
-            cluster = Cluster.from_json(cal)
-            print(f"  calibrated: intra {cluster.intra_bw * 8 / 1e9:.3g} Gbit/s/rank, inter "
-                  f"{cluster.inter_bw * 8 / 1e9:.3g} Gbit/s/node, {cluster.flops / 1e9:.3g} GFLOP/s/rank (matmul), "
-                  f"{result['model_flops'] / 1e9:.3g} (model step); load "
-                  f"{result['load'][0][0]:.2f} -> {result['load'][1][0]:.2f}", file=sys.stderr, flush=True)
-            for c in members:
-                row = compare(c, cluster, result["plans"][c.plan], args.model, args.micro, args.seq,
-                              args.time_tol, args.mem_tol, result["model_flops"])
-                row.update(cal_intra_gbit=cluster.intra_bw * 8 / 1e9, cal_inter_gbit=cluster.inter_bw * 8 / 1e9,
-                           cal_gflops=cluster.flops / 1e9,
-                           model_gflops=result["model_flops"] / 1e9, load_start=result["load"][0][0],
-                           load_end=result["load"][1][0])
-                rows.append(row)
-            write_csv(rows, args.csv)
-    print(f"load average at end: {_uptime()}", file=sys.stderr, flush=True)
-    print(table(rows, args.time_tol, args.mem_tol))
-    t_ok, t2_ok = sum(r["time_ok"] for r in rows), sum(r["time_ok2"] for r in rows)
-    m_ok = sum(r["mem_ok"] for r in rows)
-    print(f"\n{t_ok}/{len(rows)} within {args.time_tol:.0%} step time (matmul compute rate), {t2_ok}/{len(rows)} "
-          f"(model-step compute rate), {m_ok}/{len(rows)} within {args.mem_tol:.0%} memory (model states); CSV: "
-          f"{args.csv}")
-    return 0
+    Path(args.keep).mkdir(parents=True, exist_ok=True)
+    manifest: list[dict[str, Any]] = []
+    for i, ((nodes, per_node, rate), members) in enumerate(jobs.items()):
+        out, cal = Path(args.keep, f"job{i}.json"), Path(args.keep, f"cluster{i}.json")
+        command = [sys.executable, "-m", "zeropp.cluster", "--nodes", str(nodes), "--ranks-per-node",
+                   str(per_node), "--rate", rate, "--fallback", "error", "--timeout", str(args.timeout), "--",
+                   sys.executable, "-m", "zeropp.plan.validate", "--worker", "--plans",
+                   ",".join(c.plan for c in members), "--out", str(out), "--calibration", str(cal),
+                   "--model", args.model, "--seq", str(args.seq), "--micro", str(args.micro),
+                   "--steps", str(args.steps), "--warmup", str(args.warmup)]
+        if args.no_progress:
+            command.append("--no-progress")
+        print(f"job {i + 1}/{len(jobs)}: {nodes}x{per_node} at {rate}: {', '.join(c.plan for c in members)} "
+              f"(load {_uptime()})", file=sys.stderr, flush=True)
+        rc = subprocess.run(command).returncode
+        if rc != 0:
+            raise RuntimeError(f"cluster job {nodes}x{per_node} at {rate} exited with {rc}; the jobs before it are "
+                               f"kept in {args.keep}")
+        manifest.append({"nodes": nodes, "ranks_per_node": per_node, "rate": rate,
+                         "plans": [c.plan for c in members], "out": out.name, "cluster": cal.name})
+        Path(args.keep, "manifest.json").write_text(json.dumps(manifest, indent=1))
+        write_csv(analyse(args.keep, args), args.csv)
+    return analyse(args.keep, args)
+
+
+def summary(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    """How many rows are within the tolerances, per prediction."""
+    n = len(rows)
+    counts = [sum(r[k] for r in rows) for k in ("time_ok", "time_ok2", "time_ok3", "mem_ok")]
+    return (f"{counts[0]}/{n} within {args.time_tol:.0%} step time as calibrated (matmul compute rate), "
+            f"{counts[1]}/{n} with the model-step compute rate, {counts[2]}/{n} with it and overlap 0; "
+            f"{counts[3]}/{n} within {args.mem_tol:.0%} memory (model states)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -403,10 +419,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker(args)
     try:
-        return drive(args)
+        if args.analyse:
+            rows = analyse(args.analyse, args)
+        else:
+            print(f"load average at start: {_uptime()}", file=sys.stderr, flush=True)
+            rows = drive(args)
+            print(f"load average at end: {_uptime()}", file=sys.stderr, flush=True)
     except ValueError as e:
         print(f"python -m zeropp.plan.validate: {e}", file=sys.stderr)
         return 2
+    write_csv(rows, args.csv)
+    print(table(rows, args.time_tol, args.mem_tol))
+    print(f"\n{summary(rows, args)}; CSV: {args.csv}")
+    return 0
 
 
 if __name__ == "__main__":
