@@ -89,6 +89,12 @@ def test_zero1_step_communication_by_hand() -> None:
     c0 = Cluster(2, 1, 1e12, bw, alpha, alpha, 64 * GIB, 1e12, 1e10, overlap=0.0)
     p3 = predict(model, Plan(Partition(2, 2, 2)), c0, Batch(1, 64, 8, 4))
     assert p3.breakdown["comm_inter"] == pytest.approx(16 * (alpha + 2 * n / bw))
+    # gloo runs the exact reduce-scatter as an all-reduce: two ring steps instead of one, the gather unchanged
+    pg = predict(model, Plan(Partition(1, 1, 2)), replace(c, backend="gloo"), Batch(1, 64, 1, 4))
+    assert pg.breakdown["comm_inter"] == pytest.approx(3 * (alpha + 2 * n / bw))
+    assert pg.traffic == p.traffic
+    with pytest.raises(ValueError, match="backend='mpi'"):
+        replace(c, backend="mpi")
 
 
 def test_at_infinite_bandwidth_exact_zero1_wins_and_at_100mbit_quantized_plans_win() -> None:

@@ -128,8 +128,9 @@ def measure(topology: Topology, *, chunk_bytes: int = 4 << 20, matmul: int = 102
         memory = float(torch.cuda.get_device_properties(device).total_memory)
     else:
         memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / d
+    backend = "gloo" if dist.get_backend(topology.group) == "gloo" else "nccl"
     return Cluster(n, d, 1.0 / intra_beta, d / inter_beta, intra_alpha, inter_alpha, memory,
-                   2.0 * matmul**3 / matmul_s, 2.0 * copy_bytes / copy_s)
+                   2.0 * matmul**3 / matmul_s, 2.0 * copy_bytes / copy_s, backend=backend)
 
 
 def run(path: str, topology: Topology | None = None, **kwargs: Any) -> Cluster:

@@ -11,7 +11,10 @@ memory bandwidth (bytes/s: the quantization kernels and the optimizer step are m
 predicts the rewritten kernels at floor/time 1.0), ``host_bw`` the device-host link per rank and ``nvme_bw`` the
 NVMe bandwidth per rank (offload tiers), ``host_mem_bw`` the host memory bandwidth per rank (a CPU optimizer step).
 ``overlap`` is the fraction of compute time that can hide communication (1: every prefetched gather and every
-bucketed reduce-scatter runs under compute; 0: nothing overlaps).
+bucketed reduce-scatter runs under compute; 0: nothing overlaps). ``backend`` is the collective library
+(``BACKENDS``): torch's gloo runs an exact ``reduce_scatter_tensor`` as an all-reduce of the whole tensor and a copy
+of the rank's slice (``ProcessGroupGloo::reduce_scatter_tensor_coalesced``), twice a ring reduce-scatter's steps;
+NCCL runs a ring reduce-scatter.
 
 A calibration run (``--calibrate``, a later slice) writes these fields as JSON; ``Cluster.from_json`` reads them.
 """
@@ -22,6 +25,10 @@ import json
 import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+
+
+BACKENDS = ("nccl", "gloo")
+"""The collective libraries whose algorithms ``zeropp.plan.cost`` times."""
 
 
 @dataclass(frozen=True)
@@ -41,8 +48,11 @@ class Cluster:
     host_mem_bw: float = 20e9
     nvme_bw: float = 3e9
     overlap: float = 1.0
+    backend: str = "nccl"
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"cluster backend={self.backend!r} must be one of {BACKENDS}")
         for name in ("nodes", "ranks_per_node"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:

@@ -1,7 +1,8 @@
 """Time of one collective call on a ``Cluster``: alpha-beta costs of the algorithms gloo and NCCL run, and the cost of
 the quantization kernels.
 
-* ring (all-gather, reduce-scatter; all-reduce = both): ``group - 1`` steps (twice that for an all-reduce), each
+* ring (all-gather, reduce-scatter; all-reduce = both): ``group - 1`` steps (twice that for an all-reduce, and for
+  an exact reduce-scatter on gloo, which runs it as an all-reduce: ``Cluster.backend``), each
   moving one ``chunk`` per rank to its ring neighbour. Inside a node a step costs ``alpha_intra + chunk /
   intra_bw``. A ring that spans nodes (ranks ordered node by node) crosses each node's link once per step in each
   direction, and the ``groups_per_node`` rings that have ranks on one node cross it at the same time, so a step
@@ -29,7 +30,8 @@ def call_time(c: Collective, cluster: Cluster) -> tuple[float, str]:
         return 0.0, "intra"
     crosses = c.group > c.same_node
     if c.algorithm == "ring":
-        steps = (c.group - 1) * (2 if c.kind == "all_reduce" else 1)
+        as_all_reduce = c.kind == "all_reduce" or (c.kind == "reduce_scatter" and cluster.backend == "gloo")
+        steps = (c.group - 1) * (2 if as_all_reduce else 1)
         intra = c.chunk / cluster.intra_bw
         if not crosses:
             return steps * (cluster.intra_latency + intra), "intra"
