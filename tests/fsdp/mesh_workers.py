@@ -5,12 +5,14 @@ checkpoints across the three on the 2-D mesh."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from feature_workers import _full
 from fsdp_workers import error_message
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -76,6 +78,30 @@ def _batch(dp: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, DIM, generator=gen), torch.randn(BATCH, DIM, generator=gen)
 
 
+def pipeline_backward(model: nn.Module, pp: int | None, peer: int | None, x: torch.Tensor,
+                      loss_of: Callable[[torch.Tensor], torch.Tensor], received: tuple[int, ...]) -> float | None:
+    """Forward and backward of one micro-batch on this rank's stage of the manual 2-stage pipeline: without a pp
+    dim (``pp`` None) the whole model on ``x``; stage 0 sends its activations to ``peer`` (stage 1), which receives
+    them (shape ``received``), computes the loss (``loss_of`` its output) and sends their gradient back. The loss,
+    None on stage 0."""
+    if pp == 0:
+        h = model(x)
+        dist.send(h.detach().contiguous(), peer)
+        grad = torch.empty_like(h)
+        dist.recv(grad, peer)
+        h.backward(grad)
+        return None
+    if pp == 1:
+        x = torch.empty(received)
+        dist.recv(x, peer)
+        x.requires_grad_(True)
+    loss = loss_of(model(x))
+    loss.backward()
+    if pp == 1:
+        dist.send(x.grad.contiguous(), peer)
+    return loss.item()
+
+
 def _train(model: Stage, world: DeviceMesh, opt: torch.optim.Optimizer,
            steps: range = range(STEPS)) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Adam steps on the batches of ``steps``; with a pp dim, stage 0 sends its activations to stage 1 (same dp
@@ -90,22 +116,9 @@ def _train(model: Stage, world: DeviceMesh, opt: torch.optim.Optimizer,
     losses = []
     for step in steps:
         x, target = _batch(coord["dp"], step)
-        if pp == 0:
-            h = model(x)
-            dist.send(h.detach().contiguous(), peer)
-            grad = torch.empty_like(h)
-            dist.recv(grad, peer)
-            h.backward(grad)
-        else:
-            if pp == 1:
-                x = torch.empty(BATCH, DIM)
-                dist.recv(x, peer)
-                x.requires_grad_(True)
-            loss = nn.functional.mse_loss(model(x), target)
-            loss.backward()
-            if pp == 1:
-                dist.send(x.grad.contiguous(), peer)
-            losses.append(loss.item())
+        loss = pipeline_backward(model, pp, peer, x, lambda out: nn.functional.mse_loss(out, target), (BATCH, DIM))
+        if loss is not None:
+            losses.append(loss)
         opt.step()
         opt.zero_grad(set_to_none=True)
     full = {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
@@ -114,19 +127,6 @@ def _train(model: Stage, world: DeviceMesh, opt: torch.optim.Optimizer,
 
 def _adam(model: Stage) -> torch.optim.Optimizer:
     return torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
-
-
-def _full(value: Any) -> Any:
-    """``value`` (a state dict, nested) with every DTensor replaced by its full tensor and every tensor copied."""
-    if isinstance(value, dict):
-        return {k: _full(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_full(v) for v in value]
-    if isinstance(value, DTensor):
-        return value.full_tensor().detach().clone()
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    return value
 
 
 def _checkpoints(world: DeviceMesh, trained: dict[str, tuple[Stage, torch.optim.Optimizer]],

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from hsdp_workers import _mesh as _hsdp_mesh
 from hsdp_workers import _model as _hsdp_model
-from mesh_workers import Block
+from mesh_workers import Block, pipeline_backward
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -91,21 +91,12 @@ def _train_3d(model: TextStage, world: DeviceMesh, data: TextBatches) -> tuple[l
     losses = []
     for step in range(STEPS):
         inputs, targets = data.micro_batch(step, rank=dp, world_size=world["dp"].size())
-        if pp == 0:
-            h = model(inputs)
-            dist.send(h.detach().contiguous(), peer)
-            grad = torch.empty_like(h)
-            dist.recv(grad, peer)
-            h.backward(grad)
-        else:
-            x = torch.empty(*inputs.shape, DIM)
-            dist.recv(x, peer)
-            x.requires_grad_(True)
-            logits = model(x)
-            loss = nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
-            loss.backward()
-            dist.send(x.grad.contiguous(), peer)
-            losses.append(loss.item())
+        loss = pipeline_backward(
+            model, pp, peer, inputs,
+            lambda logits: nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1)),
+            (*inputs.shape, DIM))
+        if loss is not None:
+            losses.append(loss)
         opt.step()
         opt.zero_grad(set_to_none=True)
     return losses, {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
