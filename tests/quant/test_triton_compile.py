@@ -281,6 +281,7 @@ def test_compiles_for_sm90_as_launched(compiled, case):
     """The kernel compiles to a cubin for sm_90, with the launcher's constexprs and options."""
     from zeropp.quant import DEFAULT_BLOCK_SIZE, BlockFormat
     from zeropp.quant._triton.common import launch_shape
+    from zeropp.quant._triton.quantize import quantize_shape
     from zeropp.quant._triton.reduce import requantize_shape
 
     out, _ = compiled
@@ -299,6 +300,9 @@ def test_compiles_for_sm90_as_launched(compiled, case):
     if case["op"] == "reduce_requantize":
         out_fmt = BlockFormat(case.get("out_bits", case["bits"]), case.get("out_block_size", block_size))
         shape = requantize_shape(BlockFormat(case["bits"], block_size), case["groups"], out_fmt, "seed" in case)
+    elif case["op"] == "quantize":
+        shape = quantize_shape(BlockFormat(case["bits"], block_size), expected_aligned(case), "seed" in case,
+                               case.get("rotation", 0))
     else:
         shape = launch_shape(case["op"], block_size, expected_aligned(case))
     constexprs = entry["constexprs"]
