@@ -64,7 +64,12 @@ class Stage(nn.Module):
 def stage(world: DeviceMesh, seed: int) -> Stage:
     """``Stage(seed)`` tensor-parallel over ``world["tp"]``, each block and then the stage ``fully_shard``-ed over
     ``world["dp"]``."""
-    model = Stage(seed)
+    return shard_tp_dp(Stage(seed), world)
+
+
+def shard_tp_dp(model: nn.Module, world: DeviceMesh) -> Any:
+    """``model`` with each of its ``blocks`` tensor-parallel over ``world["tp"]`` (``up`` column-, ``down``
+    row-wise) and ``fully_shard``-ed over ``world["dp"]``, then the whole ``fully_shard``-ed over ``world["dp"]``."""
     for block in model.blocks:
         parallelize_module(block, world["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
         fully_shard(block, mesh=world["dp"])

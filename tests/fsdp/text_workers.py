@@ -19,11 +19,9 @@ import torch
 import torch.distributed as dist
 from hsdp_workers import _mesh as _hsdp_mesh
 from hsdp_workers import _model as _hsdp_model
-from mesh_workers import Block, pipeline_backward
+from mesh_workers import Block, pipeline_backward, shard_tp_dp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import zeropp.fsdp
 from zeropp.data import TextBatches, stdlib_corpus
@@ -61,12 +59,7 @@ class TextStage(nn.Module):
 def _text_stage(world: DeviceMesh, pp: int) -> TextStage:
     """``TextStage(pp)``: blocks tensor-parallel over ``world["tp"]``; each block, then the stage, ``fully_shard``-ed
     over ``world["dp"]``."""
-    model = TextStage(pp)
-    for block in model.blocks:
-        parallelize_module(block, world["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
-        fully_shard(block, mesh=world["dp"])
-    fully_shard(model, mesh=world["dp"])
-    return model
+    return shard_tp_dp(TextStage(pp), world)
 
 
 def _train_hsdp(model: nn.Module, rank: int, world: int, data: TextBatches) -> tuple[list[float], dict]:
