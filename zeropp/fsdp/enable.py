@@ -219,7 +219,8 @@ def enable(
     if hpz is not None:
         install_check(groups, hpz)
     if replica_topology is not None:
-        _hsdp.install(groups, replica_topology, replicate_bits, block_size)  # type: ignore[arg-type]
+        layouts = [(shard_numels(g[0]), tp_sharded(g[0])) for g in groups]
+        _hsdp.install(groups, replica_topology, replicate_bits, block_size, layouts)  # type: ignore[arg-type]
     return topology
 
 

@@ -63,6 +63,8 @@ from .._torch_internals import fsdp_all_reduce_hook, fsdp_hsdp_mesh, fsdp_requir
 from ..comm import accounting
 from ..quant import DEFAULT_BLOCK_SIZE, BlockFormat, chunk_numel
 from ..quant.format import SUPPORTED_BITS
+from .mesh import shard_topology
+from .segments import FormatPart, format_parts
 
 GRADIENT_BITS = "gradient_bits"
 """``enable(replicate_bits=...)``'s default: the cross-replica all-reduce in ``gradient_bits``."""
@@ -114,8 +116,9 @@ def find_hsdp(fsdp_modules: Sequence[FSDPModule]) -> HSDPMesh | None:
     if spmd or mesh.ndim != 2:
         raise ValueError(
             f"zeropp.fsdp.enable serves HSDP on a 2-D (replicate, shard) mesh; got a {mesh.ndim}-D mesh of shape "
-            f"{tuple(mesh.shape)} (names {mesh.mesh_dim_names}, given with dp_mesh_dims: {spmd}): HSDP combined "
-            "with other parallelism on one mesh is not served. Pass fully_shard the 2-D data-parallel submesh")
+            f"{tuple(mesh.shape)} (names {mesh.mesh_dim_names}, given with dp_mesh_dims: {spmd}): FSDP2's SPMD path "
+            "(fully_shard(..., dp_mesh_dims=...)) is not served. Pass fully_shard the 2-D data-parallel submesh "
+            "(world['replicate', 'shard']; tensor parallelism on world['tp'] before it is served)")
     return HSDPMesh(mesh, shard_dim, replicate_dim)
 
 
@@ -161,7 +164,7 @@ def hsdp_topologies(hsdp: HSDPMesh, ranks_per_node: int | None) -> tuple[comm.To
         whole_group = dist.group.WORLD
     else:
         whole_group = dist.new_group(ranks, use_local_synchronization=True)
-    whole = comm.Topology(whole_group, ranks_per_node)
+    whole = shard_topology(whole_group, ranks_per_node)
     out = []
     for name, group in (("shard", hsdp.shard_group), ("replicate", hsdp.replicate_group)):
         members = dist.get_process_group_ranks(group)
@@ -191,13 +194,25 @@ class ReplicaAllReduce:
         bits: 8, 4 or 2 to quantize, ``None`` for exact.
         block_size: elements per quantization block.
         module: the FSDP2 module it is installed on (to refuse FSDP2 skipping the all-reduce).
+        segments: with tensor parallelism, the group's per-parameter segments of the output
+            (``zeropp.fsdp.segments.shard_numels``), and
+        tp_sharded: 1 per segment whose parameter tp shards, 0 per one it replicates
+            (``zeropp.fsdp.segments.tp_sharded``): when both occur and ``bits`` quantizes, the two kinds are
+            all-reduced as separate parts, so that no quantization block mixes them (a shared block's scale would
+            differ between the tp ranks, and so would the tp-replicated parameters).
     """
 
     def __init__(self, topology: comm.Topology, bits: int | None, block_size: int = DEFAULT_BLOCK_SIZE,
-                 module: nn.Module | None = None) -> None:
+                 module: nn.Module | None = None, segments: Sequence[int] = (),
+                 tp_sharded: Sequence[int] = ()) -> None:
         if bits is not None:
             BlockFormat(bits, block_size)  # raises naming bad bits or block size
         self.topology, self.bits, self.block_size, self.module = topology, bits, block_size, module
+        self.segments = tuple(int(n) for n in segments)
+        self.parts: list[FormatPart] | None = None
+        if bits is not None and len({c for c, n in zip(tp_sharded, self.segments) if n}) > 1:
+            self.parts = format_parts(self.segments, [bits] * len(self.segments), 1, align=False,
+                                      classes=tuple(tp_sharded))
 
     def __call__(self, output: torch.Tensor) -> None:
         """Replace ``output`` (this rank's reduce-scatter output, flat, in the reduce dtype) by its mean over the
@@ -207,20 +222,40 @@ class ReplicaAllReduce:
                 "zeropp.fsdp: set_requires_all_reduce(False) is not served with zeropp on HSDP: FSDP2 would keep "
                 "accumulating the reduce-scatter output without the cross-replica all-reduce, which zeropp runs as "
                 "its all-reduce hook. Use set_requires_gradient_sync(False) for the accumulation steps instead")
-        topo = self.topology
-        size, n = topo.world_size, output.numel()
-        if size == 1 or n == 0:
-            return
-        s = chunk_numel(n, size)
-        if self.bits is None:
-            traffic = accounting.gather_traffic(s * output.element_size(), size, topo.same_node_count(topo.group))
-            accounting.record("reduce_scatter", traffic)
-            accounting.record("all_gather", traffic)
-            dist.all_reduce(output, op=dist.ReduceOp.AVG, group=topo.group)
+        if self.topology.world_size == 1 or output.numel() == 0:
             return
         flat = output.view(-1)
+        if self.parts is None:
+            self._all_reduce(flat)
+            return
+        if flat.numel() != sum(self.segments):
+            raise ValueError(
+                f"zeropp.fsdp: FSDP2 all-reduces {flat.numel()} gradient elements across replicas for a group whose "
+                f"tensor-parallel-replicated and -sharded parameters (segments {list(self.segments)}, "
+                f"{sum(self.segments)} elements) are all-reduced apart: some of them got no gradient this backward, "
+                "and the buffer no longer says which elements are whose. Wrap the modules whose parameters may get "
+                "no gradient with their own fully_shard, or pass replicate_bits=None")
+        for part in self.parts:
+            staged = flat.new_empty(part.numel)
+            for src, dst, length in part.runs:
+                staged[dst:dst + length].copy_(flat[src:src + length])
+            self._all_reduce(staged)
+            for src, dst, length in part.runs:
+                flat[src:src + length].copy_(staged[dst:dst + length])
+
+    def _all_reduce(self, flat: torch.Tensor) -> None:
+        """Average the contiguous 1-D ``flat`` over the replicas in place (exact or in ``bits``)."""
+        topo = self.topology
+        size, n = topo.world_size, flat.numel()
+        s = chunk_numel(n, size)
+        if self.bits is None:
+            traffic = accounting.gather_traffic(s * flat.element_size(), size, topo.same_node_count(topo.group))
+            accounting.record("reduce_scatter", traffic)
+            accounting.record("all_gather", traffic)
+            dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=topo.group)
+            return
         full = flat if n == size * s else torch.cat([flat, flat.new_zeros(size * s - n)])
-        mine = torch.empty(s, dtype=output.dtype, device=output.device)
+        mine = torch.empty(s, dtype=flat.dtype, device=flat.device)
         comm.reduce_scatter(full, self.bits, op=comm.ReduceOp.AVG, topology=topo, out=mine,
                             block_size=self.block_size)
         gathered = mine.new_empty(size * s)
@@ -229,24 +264,26 @@ class ReplicaAllReduce:
 
 
 def install(groups: Sequence[tuple[nn.Module, ...]], topology: comm.Topology, bits: int | None,
-            block_size: int) -> list[ReplicaAllReduce]:
+            block_size: int, layouts: Sequence[tuple[Sequence[int], Sequence[int]]] = ()) -> list[ReplicaAllReduce]:
     """Route each FSDP2 group's cross-replica all-reduce to a ``ReplicaAllReduce`` over ``topology`` (the replicate
     group's): one hook per group, set with the public ``set_all_reduce_hook`` on its first module. That slot is
     zeropp's from then on: a hook already in it is refused here, and one set later (which would leave the gradients
-    unreduced across replicas) is refused at the module's next forward.
+    unreduced across replicas) is refused at the module's next forward. ``layouts``: per group, its segments and
+    tp-sharded flags (``ReplicaAllReduce``'s ``segments`` and ``tp_sharded``; default none).
 
     Raises:
         ValueError: a group already has an all-reduce hook.
     """
     hooks = []
-    for group in groups:
+    for k, group in enumerate(groups):
         first = group[0]
         if fsdp_all_reduce_hook(first) is not None:
             raise ValueError(
                 f"zeropp.fsdp.enable: {type(first).__name__} already has a set_all_reduce_hook hook; on HSDP zeropp "
                 "runs the cross-replica all-reduce in that hook: run your hook's work after backward instead")
         route_hsdp_all_reduce(first)
-        hook = ReplicaAllReduce(topology, bits, block_size, module=first)
+        segments, sharded = layouts[k] if layouts else ((), ())
+        hook = ReplicaAllReduce(topology, bits, block_size, module=first, segments=segments, tp_sharded=sharded)
         first.set_all_reduce_hook(hook)  # type: ignore[operator]
         first.register_forward_pre_hook(_check_kept(hook))
         hooks.append(hook)

@@ -79,18 +79,17 @@ def shard_mesh(param: DTensor) -> DeviceMesh:
 
 def segment_numel(param: DTensor) -> int:
     """Elements of ``param``'s padded shard in FSDP2's flat all-gather input on this rank: the tensor-parallel
-    local tensor (the global shape cut by every placement after the first, at this rank's mesh coordinate) cut into
-    ``ceil(L / P)`` slices along FSDP's dim (length ``L`` there, ``P`` ranks in the dp group), zero-padded. An HSDP
-    parameter (``(Replicate(), Shard(d))`` on the (replicate, shard) mesh) is cut the same way over the shard dim."""
+    local tensor (the global shape cut by every placement after FSDP's, at this rank's mesh coordinate) cut into
+    ``ceil(L / P)`` slices along FSDP's dim (length ``L`` there, ``P`` ranks in the shard group), zero-padded. An HSDP
+    parameter (``(Replicate(), Shard(d), *tp)`` on the (replicate, shard[, tp]) mesh: ``fsdp_dims``) is cut the same
+    way over the shard dim."""
     mesh = param.device_mesh
-    if mesh.ndim == 2 and isinstance(param.placements[0], Replicate) and isinstance(param.placements[1], Shard):
-        length = param.shape[param.placements[1].dim]
-        return 0 if length == 0 else math.ceil(length / mesh.size(1)) * (param.numel() // length)
+    fsdp = fsdp_dims(param)
     shape = list(param.shape)
     coordinate = mesh.get_coordinate()
     if coordinate is None:
         raise ValueError(f"zeropp.fsdp: this rank is not on the mesh {mesh} of a parameter it manages")
-    for dim in range(1, mesh.ndim):
+    for dim in range(fsdp, mesh.ndim):
         placement = param.placements[dim]
         if isinstance(placement, (Replicate, Partial)):
             continue
@@ -102,11 +101,17 @@ def segment_numel(param: DTensor) -> int:
         n, length = mesh.size(dim), shape[placement.dim]
         chunk = math.ceil(length / n)
         shape[placement.dim] = max(0, min(chunk, length - coordinate[dim] * chunk))
-    fsdp_dim = getattr(param.placements[0], "dim", 0)
+    fsdp_dim = getattr(param.placements[fsdp - 1], "dim", 0)
     length = shape[fsdp_dim]
     if length == 0:
         return 0
-    return math.ceil(length / mesh.size(0)) * (math.prod(shape) // length)
+    return math.ceil(length / mesh.size(fsdp - 1)) * (math.prod(shape) // length)
+
+
+def fsdp_dims(param: DTensor) -> int:
+    """How many of the FSDP2-managed ``param``'s leading mesh dims are FSDP2's: 2 for HSDP (``Replicate()`` on the
+    replicate dim, then the shard placement), else 1; the dims after them are tensor parallelism's."""
+    return 2 if param.device_mesh.ndim > 1 and isinstance(param.placements[0], Replicate) else 1
 
 
 def is_tp_sharded(param: DTensor) -> bool:
@@ -114,7 +119,7 @@ def is_tp_sharded(param: DTensor) -> bool:
     values. A parameter tp replicates (a row-parallel bias, a plain LayerNorm) is held, and updated, by every tp rank
     alike; qgZ reduces its gradient in blocks of its own so that the replicas stay bit-identical (a block shared with
     a tp-sharded gradient would get a scale that differs between the tp ranks)."""
-    return any(_is_shard(p) for p in param.placements[1:])
+    return any(_is_shard(p) for p in param.placements[fsdp_dims(param):])
 
 
 def shard_topology(group: dist.ProcessGroup, ranks_per_node: int | None) -> comm.Topology:
