@@ -66,7 +66,9 @@ def enable(
     HSDP (``fully_shard(mesh=<2-D (replicate, shard) DeviceMesh>)``): qwZ and qgZ act on the shard dim, and the
     cross-replica gradient all-reduce runs in ``replicate_bits`` (a qgZ reduce-scatter plus a quantized
     all-gather over the replicate dim; ``zeropp.fsdp.hsdp``, ``docs/fsdp_hsdp.md``). The shard and replicate
-    topologies are derived from the mesh and the hosts.
+    topologies are derived from the mesh and the hosts. With tensor parallelism, ``parallelize_module`` on
+    ``world["tp"]`` then ``fully_shard(mesh=world["replicate", "shard"])`` of a 3-D world mesh is served the same
+    way (tp-replicated and -sharded gradients reduced apart, as on a dp x tp mesh).
 
     Args:
         modules: a module (searched for FSDP2 modules) or several.
@@ -104,7 +106,7 @@ def enable(
         ranks_per_node: ranks of the shard group per node when the topology is made here (default: for a group
             that is the world, ``$ZEROPP_RANKS_PER_NODE`` / ``$LOCAL_WORLD_SIZE``; for a dp group of a larger mesh,
             counted from those, read as the WORLD's ranks per node; else from the hosts:
-            ``zeropp.fsdp.mesh.shard_topology``).
+            ``zeropp.fsdp.mesh.shard_topology``). On HSDP: the HSDP mesh's ranks per node.
         replicate_bits: HSDP only: 8, 4 or 2 to quantize the cross-replica gradient all-reduce, ``None`` for
             exact (FSDP2's own ``all_reduce``); default: ``gradient_bits``. Refused on a 1-D mesh unless left out.
 

@@ -1,5 +1,6 @@
 """HSDP for FSDP2: modules sharded with ``fully_shard(mesh=<2-D (replicate, shard) DeviceMesh>)``, with qwZ and qgZ
-on the shard dim and a quantized cross-replica gradient all-reduce on the replicate dim.
+on the shard dim and a quantized cross-replica gradient all-reduce on the replicate dim; that mesh may be the
+``(replicate, shard)`` submesh of a 3-D world mesh whose third dim is tensor parallelism's (below).
 
 How FSDP2 (torch 2.13, ``_fsdp_collectives.foreach_reduce``) reduces an HSDP group's gradients: a reduce-scatter
 over the shard dim (the custom reduce-scatter hook, ``ZeroppReduceScatter``), then a plain ``dist.all_reduce`` of
@@ -33,8 +34,18 @@ slice: the reduce-scatter's error is at most ``E1 = mean over r of A_r / (2 q)``
 ``r``'s block of its input); the all-gather adds at most ``(A + E1) / (2 q)`` (``A`` the absmax of the block of the
 exact mean): ``|out - mean| <= E1 * (1 + 1 / (2 q)) + A / (2 q)``, plus the rounding of the reduce dtype (bf16).
 
+With tensor parallelism (torchtitan's recipe: ``parallelize_module`` on ``world["tp"]``, then
+``fully_shard(mesh=world["replicate", "shard"])``): a tp parameter is a DTensor on the 3-D mesh with placements
+``(Replicate(), Shard | _StridedShard, <tp>)``, one tp does not touch a DTensor on the 2-D submesh;
+``zeropp.fsdp.mesh.fsdp_dims`` reads the first two as FSDP2's, so segments are shards of the tp-local tensors and
+tp-replicated parameters are told from tp-sharded ones as on a dp x tp mesh. Where a group holds both kinds, the
+quantized all-reduce (like qgZ) runs one part per kind, the elements of each gathered in order
+(``ReplicaAllReduce``'s ``parts``): a block mixing them would get a scale that differs between the tp ranks, and
+the tp copies of a replicated parameter would drift apart. Bytes and bound above then hold per part.
+
 Topology: ``hsdp_topologies`` derives the node layout of the mesh's ranks from the hosts and ``ranks_per_node``
-(one ``zeropp.comm.Topology`` over all of the mesh's ranks), then one topology for this rank's shard group (qgZ's
+(one ``zeropp.comm.Topology`` over all of the mesh's ranks, made by ``zeropp.fsdp.mesh.shard_topology``: the
+environment's ranks per node are the world's when the mesh is a submesh), then one topology for this rank's shard group (qgZ's
 two hops and qwZ's accounting) and one for its replicate group, each with as many ranks per node as the group has
 on each node.
 
@@ -42,8 +53,8 @@ Not served (``check_options`` refuses them at ``enable``): hpZ (``hpz``, ``weigh
 a given ``topology`` (the two are derived from the mesh), and with a quantized all-reduce: ``error_feedback``,
 ``stochastic_rounding``, ``gradient_rotation`` and ``rules`` (the all-reduce has no residual store, seeds,
 rotation or per-parameter formats). FSDP2's ``set_requires_all_reduce(False)`` (accumulating without the
-all-reduce) is refused at the first reduction that skips it. HSDP meshes with more than 2 dims (``dp_mesh_dims``)
-are refused.
+all-reduce) is refused at the first reduction that skips it. FSDP2's SPMD path (``dp_mesh_dims``: HSDP on a mesh of
+more than 2 dims) is refused.
 """
 
 from __future__ import annotations
@@ -151,9 +162,10 @@ def check_options(*, replicate_bits: int | None, hpz: int | None, weight_deltas:
 def hsdp_topologies(hsdp: HSDPMesh, ranks_per_node: int | None) -> tuple[comm.Topology, comm.Topology]:
     """The topologies of this rank's shard group and replicate group, on the node layout of all the mesh's ranks.
 
-    A collective over the mesh's ranks: a ``zeropp.comm.Topology`` over all of them (``ranks_per_node``, else
-    ``$ZEROPP_RANKS_PER_NODE`` / ``$LOCAL_WORLD_SIZE``, checked against the hosts), then one over each group with as
-    many ranks per node as the group has on every node.
+    A collective over the mesh's ranks: a ``zeropp.comm.Topology`` over all of them (``ranks_per_node``: the
+    mesh's ranks per node; else ``$ZEROPP_RANKS_PER_NODE`` / ``$LOCAL_WORLD_SIZE``, the world's ranks per node;
+    ``zeropp.fsdp.mesh.shard_topology``, checked against the hosts), then one over each group with as many ranks
+    per node as the group has on every node.
 
     Raises:
         ValueError: a group has different numbers of ranks on different nodes (bad ranks per node, or a mesh
