@@ -126,15 +126,15 @@ def _tp_model(world: DeviceMesh | None) -> Stage:
     return model
 
 
-def _tp_train(model: Stage, world: DeviceMesh) -> dict[str, Any]:
-    """STEPS Adam steps, data-parallel rank ``dp`` (the same batch on its tp peers) on its own random batches:
+def _tp_train(model: Stage, world: DeviceMesh, steps: int = STEPS) -> dict[str, Any]:
+    """``steps`` Adam steps, data-parallel rank ``dp`` (the same batch on its tp peers) on its own random batches:
     losses, full parameters, each parameter's local tensor (the tp peers' are compared), bytes sent across nodes
     per step."""
     coord = dict(zip(world.mesh_dim_names, world.get_coordinate()))
     dp = coord["replicate"] * (SHARDS // TP) + coord["shard"]
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=False)
     losses, inter = [], []
-    for step in range(STEPS):
+    for step in range(steps):
         gen = torch.Generator().manual_seed(1000 * dp + step)
         x, target = torch.randn(TP_BATCH, DIM, generator=gen), torch.randn(TP_BATCH, DIM, generator=gen)
         comm.reset_stats()
@@ -188,8 +188,8 @@ def _part_hook_case(rank: int) -> dict[str, Any]:
 
 def tp_runs(rank: int, world: int, path: str) -> dict[str, Any]:
     """HSDP + TP on the (replicate 2, shard 2, tp 2) mesh: plain, zeropp exact, zeropp qwZ int8 / qgZ int4 with
-    the int4 all-reduce (``_tp_train``), the topologies enable derived (nodes), DCP across meshes (``_tp_dcp``) and
-    the tp-parted hook (``_part_hook_case``)."""
+    the int4 all-reduce (``_tp_train``; the quantized one QUANTIZED_STEPS steps), the topologies enable derived
+    (nodes), DCP across meshes (``_tp_dcp``) and the tp-parted hook (``_part_hook_case``)."""
     tp_world = _tp_world()
     out: dict[str, Any] = {"coord": dict(zip(tp_world.mesh_dim_names, tp_world.get_coordinate()))}
     out["plain"] = _tp_train(_tp_model(tp_world), tp_world)
@@ -198,7 +198,7 @@ def tp_runs(rank: int, world: int, path: str) -> dict[str, Any]:
     out["exact"] = _tp_train(exact, tp_world)
     quantized = _tp_model(tp_world)
     zeropp.fsdp.enable(quantized, weight_bits=8, gradient_bits=4)
-    out["quantized"] = _tp_train(quantized, tp_world)
+    out["quantized"] = _tp_train(quantized, tp_world, QUANTIZED_STEPS)
     out["dcp"] = _tp_dcp(quantized, tp_world, path)
     out["part_hook"] = _part_hook_case(rank)
     return out

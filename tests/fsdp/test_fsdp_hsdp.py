@@ -190,6 +190,7 @@ def test_hsdp_tp_quantized_comms_close_and_tp_replicas_identical(runs: list[dict
     for rank, r in enumerate(runs):
         plain, losses = r["tp"]["plain"]["losses"], r["tp"]["quantized"]["losses"]
         assert losses != plain
+        assert len(losses) == QUANTIZED_STEPS
         for a, b in zip(losses, plain):
             assert abs(a - b) <= 0.03 * b, (losses, plain)
         if rank % TP == 0:
@@ -212,7 +213,7 @@ def test_hsdp_tp_cross_node_bytes_are_the_all_reduce_formula(runs: list[dict]) -
     for r in runs:
         assert r["tp"]["plain"]["inter"] == [0] * STEPS
         assert r["tp"]["exact"]["inter"] == [exact] * STEPS
-        assert r["tp"]["quantized"]["inter"] == [quantized] * STEPS
+        assert r["tp"]["quantized"]["inter"] == [quantized] * QUANTIZED_STEPS
 
 
 def test_hsdp_tp_dcp_across_meshes(runs: list[dict]) -> None:

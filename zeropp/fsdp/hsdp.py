@@ -45,9 +45,9 @@ the tp copies of a replicated parameter would drift apart. Bytes and bound above
 
 Topology: ``hsdp_topologies`` derives the node layout of the mesh's ranks from the hosts and ``ranks_per_node``
 (one ``zeropp.comm.Topology`` over all of the mesh's ranks, made by ``zeropp.fsdp.mesh.shard_topology``: the
-environment's ranks per node are the world's when the mesh is a submesh), then one topology for this rank's shard group (qgZ's
-two hops and qwZ's accounting) and one for its replicate group, each with as many ranks per node as the group has
-on each node.
+environment's ranks per node are the world's when the mesh is a submesh), then one topology for this rank's shard
+group (qgZ's two hops and qwZ's accounting) and one for its replicate group, each with as many ranks per node as the
+group has on each node.
 
 Not served (``check_options`` refuses them at ``enable``): hpZ (``hpz``, ``weight_deltas``) on an HSDP mesh,
 a given ``topology`` (the two are derived from the mesh), and with a quantized all-reduce: ``error_feedback``,
