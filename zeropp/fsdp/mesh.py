@@ -20,10 +20,11 @@ has its own modules and its own dp group. qgZ's blocks keep tp-replicated and tp
 (``is_tp_sharded``), so that every tp replica of a replicated parameter gets the same update.
 
 HSDP (a ``(replicate, shard)`` dp mesh: ``Replicate()`` first) is ``zeropp.fsdp.hsdp``'s, found before this module's
-``shard_mesh`` (which refuses it); with tensor parallelism its parameters' first TWO placements are FSDP2's
-(``fsdp_dims``), which ``segment_numel`` and ``is_tp_sharded`` skip. So is FSDP2's SPMD
+``shard_mesh`` (which refuses it); so is FSDP2's SPMD
 path (``fully_shard(..., dp_mesh_dims=...)``), which this module cannot tell from public state: the hooks then refuse
-at the first collective, since FSDP2 passes them another group than the one derived here.
+at the first collective, since FSDP2 passes them another group than the one derived here. An HSDP parameter with
+tensor parallelism (``fully_shard(mesh=world["replicate", "shard"])``) has TWO placements of FSDP2's first
+(``fsdp_dims``), which ``segment_numel`` and ``is_tp_sharded`` skip.
 
 Node layout of the dp group: its ranks per node come from ``ranks_per_node`` (the GROUP's ranks per node, as
 ``comm.Topology``'s), else, for a group that is not the whole world, from the WORLD's ranks per node in
