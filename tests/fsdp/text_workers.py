@@ -1,4 +1,4 @@
-"""Workers for test_fsdp_mesh_text.py: 200 AdamW steps on real text (``zeropp.data``'s stdlib bytes) on two 8-rank
+"""Workers for test_fsdp_mesh_text.py: 200 AdamW steps on real text (``zeropp.data``'s stdlib bytes) on three 8-rank
 meshes, each plain, with zeropp's exact comms and with qwZ int8 / qgZ int4 (HSDP: + the int4 cross-replica
 all-reduce):
 
@@ -6,7 +6,10 @@ all-reduce):
   rank its own 2 sequences of a global batch of 16;
 * ``3d``: a byte-level stage model on dp 2 x tp 2 x pp 2 (``mesh_workers``' mesh, blocks and manual pipeline: stage 0
   embeds the bytes and runs two blocks, stage 1 runs two blocks, the final LayerNorm and the output head), every dp
-  rank its own 4 sequences of a global batch of 8 (its tp and pp peers the same).
+  rank its own 4 sequences of a global batch of 8 (its tp and pp peers the same);
+* ``hsdp_tp``: the whole byte-level model (both stages' layers, no pipeline) on HSDP with tensor parallelism, a
+  (replicate 2, shard 2, tp 2) mesh (``hsdp_workers``' mesh and wrapping), every dp rank its own 2 sequences of a
+  global batch of 8.
 
 Per run, the losses this rank computed (one per step; none on pipeline stage 0) and the full parameters after."""
 
@@ -19,9 +22,12 @@ import torch
 import torch.distributed as dist
 from hsdp_workers import _mesh as _hsdp_mesh
 from hsdp_workers import _model as _hsdp_model
+from hsdp_workers import _tp_world
 from mesh_workers import Block, pipeline_backward, shard_tp_dp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import zeropp.fsdp
 from zeropp.data import TextBatches, stdlib_corpus
@@ -33,15 +39,16 @@ DIM, HIDDEN = 32, 64  # the stage model's width (tp 2 divides HIDDEN)
 
 class TextStage(nn.Module):
     """Pipeline stage ``pp`` of a byte-level model: stage 0 ``Embedding(256, DIM)`` then two ``mesh_workers.Block``,
-    stage 1 two blocks, a LayerNorm and a ``Linear(DIM, 256)`` head (logits ``(batch, SEQ, 256)``)."""
+    stage 1 two blocks, a LayerNorm and a ``Linear(DIM, 256)`` head (logits ``(batch, SEQ, 256)``); ``pp`` None:
+    the whole model, embedding, two blocks and the head."""
 
-    def __init__(self, pp: int) -> None:
+    def __init__(self, pp: int | None) -> None:
         super().__init__()
-        gen = torch.Generator().manual_seed(pp)
-        self.embed = nn.Embedding(VOCAB, DIM) if pp == 0 else None
+        gen = torch.Generator().manual_seed(pp or 0)
+        self.embed = nn.Embedding(VOCAB, DIM) if pp != 1 else None
         self.blocks = nn.ModuleList([Block(gen, DIM, HIDDEN), Block(gen, DIM, HIDDEN)])
-        self.norm = nn.LayerNorm(DIM) if pp == 1 else None
-        self.head = nn.Linear(DIM, VOCAB) if pp == 1 else None
+        self.norm = nn.LayerNorm(DIM) if pp != 0 else None
+        self.head = nn.Linear(DIM, VOCAB) if pp != 0 else None
         with torch.no_grad():
             for p in (*(self.embed.parameters() if self.embed else ()), *(self.head.parameters() if self.head else ())):
                 p.normal_(0.0, 0.1, generator=gen)
@@ -60,6 +67,33 @@ def _text_stage(world: DeviceMesh, pp: int) -> TextStage:
     """``TextStage(pp)``: blocks tensor-parallel over ``world["tp"]``; each block, then the stage, ``fully_shard``-ed
     over ``world["dp"]``."""
     return shard_tp_dp(TextStage(pp), world)
+
+
+def _hsdp_tp_model(world: DeviceMesh) -> TextStage:
+    """``TextStage(None)``: blocks tensor-parallel over ``world["tp"]``; each block, then the model, ``fully_shard``-ed
+    over ``world["replicate", "shard"]``."""
+    model = TextStage(None)
+    for block in model.blocks:
+        parallelize_module(block, world["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        fully_shard(block, mesh=world["replicate", "shard"])
+    return fully_shard(model, mesh=world["replicate", "shard"])
+
+
+def _train_hsdp_tp(model: TextStage, world: DeviceMesh, data: TextBatches) -> tuple[list[float], dict]:
+    """AdamW steps, dp rank ``replicate * shards + shard`` its own sequences (its tp peer the same)."""
+    coord = dict(zip(world.mesh_dim_names, world.get_coordinate()))
+    shards = world["shard"].size()
+    dp, dps = coord["replicate"] * shards + coord["shard"], world["replicate"].size() * shards
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    losses = []
+    for step in range(STEPS):
+        inputs, targets = data.micro_batch(step, rank=dp, world_size=dps)
+        loss = nn.functional.cross_entropy(model(inputs).reshape(-1, VOCAB), targets.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
 
 
 def _train_hsdp(model: nn.Module, rank: int, world: int, data: TextBatches) -> tuple[list[float], dict]:
@@ -96,7 +130,7 @@ def _train_3d(model: TextStage, world: DeviceMesh, data: TextBatches) -> tuple[l
 
 
 def text_runs(rank: int, world_size: int) -> dict[str, Any]:
-    """Per mesh (``hsdp``, ``3d``) and comms (``plain``, ``exact``, ``quantized``): ``(losses, params)``; the
+    """Per mesh (``hsdp``, ``3d``, ``hsdp_tp``) and comms (``plain``, ``exact``, ``quantized``): ``(losses, params)``; the
     mesh coordinates of ``3d``; ``seconds``: this rank's wall time per mesh."""
     corpus = stdlib_corpus()
     out: dict[str, Any] = {"hsdp": {}, "3d": {}, "seconds": {}}
@@ -123,4 +157,20 @@ def text_runs(rank: int, world_size: int) -> dict[str, Any]:
             zeropp.fsdp.enable(model, weight_bits=8, gradient_bits=4, topology=topology)
         out["3d"][comms] = _train_3d(model, world, data)
     out["seconds"]["3d"] = time.perf_counter() - start
+    hsdp_tp_runs(out, corpus)
     return out
+
+
+def hsdp_tp_runs(out: dict[str, Any], corpus: torch.Tensor) -> None:
+    """``out["hsdp_tp"][comms]`` for the three comms on the (replicate 2, shard 2, tp 2) mesh, and its seconds."""
+    start = time.perf_counter()
+    world = _tp_world()
+    data = TextBatches(corpus, seq_len=SEQ, global_batch=MESH_BATCH, seed=2)
+    out["hsdp_tp"] = {}
+    for comms in ("plain", "exact", "quantized"):
+        model = _hsdp_tp_model(world)
+        if comms != "plain":
+            bits = (8, 4) if comms == "quantized" else (None, None)
+            zeropp.fsdp.enable(model, weight_bits=bits[0], gradient_bits=bits[1])
+        out["hsdp_tp"][comms] = _train_hsdp_tp(model, world, data)
+    out["seconds"]["hsdp_tp"] = time.perf_counter() - start
