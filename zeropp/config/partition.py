@@ -124,8 +124,9 @@ def unbuilt_reason(point: tuple[int, int, int], world: int) -> str:
     if 1 < p < g:
         return (f"parameters gathered inside groups of {p} with gradients and optimizer states over {g}/{o} ranks "
                 f"is what hpZ approximates (zero_hpz_partition_size={p} at stage 3: the backward gathers from a "
-                f"secondary copy over {p} ranks, the forward from the {o}-rank shards); the engine's units gather "
-                f"from one shard group, so the point itself is not built")
+                f"secondary copy over {p} ranks, the forward from the {o}-rank shards; with zeropp.weight_deltas "
+                f"and delta_refresh_interval=1 both gather from the secondary, rebuilt exactly after each step); the "
+                f"engine's units gather from one shard group, so the point itself is not built")
     return (f"parameters and gradients over {g} ranks with optimizer states over {o} would step a sub-shard of "
             f"the gradient shard; not built: ({o}, {o}, {o}) or ({g}, {g}, {g}) run")
 
