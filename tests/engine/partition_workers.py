@@ -1,7 +1,8 @@
 """Worker functions for tests/engine/test_partition.py: the grouped points (``zeropp.engine.partition``: MiCS
 ``(k, k, k)`` at stage 3, ``(1, 1, k)`` at stage 1, ``(1, k, k)`` at stage 2) on real gloo processes, against plain
-single-process training (engine_workers.py's reference), their byte counters against the formulas, and checkpoints
-moved between MiCS, ZeRO-3 and the grouped stage-1/2 points. One launch per layout runs every case."""
+single-process training (engine_workers.py's reference), their byte counters against the formulas (and, at stages 1
+and 2, against ``zeropp.plan``'s prediction), and checkpoints moved between MiCS, ZeRO-3 and the grouped stage-1/2
+points. One launch per layout runs every case."""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from zeropp import comm
 from zeropp.comm.accounting import gather_traffic
 from zeropp.config import ConfigError
 from zeropp.models import GPT
+from zeropp.plan import Partition, Plan, from_preset
+from zeropp.plan.traffic import Layout, collectives, totals
 
 ADAMW = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}
 
@@ -120,6 +123,11 @@ def mics_cases(rank: int, world: int, root: str, sizes: list[int], checkpoints: 
                 for kind, want in _expected_stage12(engine, accum).items():
                     got = {f: v for f, v in stats[kind].items() if f != "calls"}
                     assert got == want, (kind, got, want)
+                point = (1, 1, k) if stage == 1 else (1, k, k)
+                planned = totals(collectives(from_preset("tiny:nobias"), Plan(Partition(*point)),
+                                             Layout(world, mics.world.ranks_per_node, rank), accum, 4))
+                got = {kind: {f: v for f, v in stats[kind].items() if f != "calls"} for kind in planned}
+                assert got == planned, ("zeropp.plan", got, planned)
             for got, want in norms:
                 assert abs(got - want) <= 1e-5 * want, (got, want)
             errors = relative_errors(engine.full_parameters(), ref)
