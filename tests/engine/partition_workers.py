@@ -1,15 +1,15 @@
 """Worker functions for tests/engine/test_partition.py: the grouped points (``zeropp.engine.partition``: MiCS
 ``(k, k, k)`` at stage 3, ``(1, 1, k)`` at stage 1, ``(1, k, k)`` at stage 2) on real gloo processes, against plain
 single-process training (engine_workers.py's reference), their byte counters against the formulas (and, at stages 1
-and 2, against ``zeropp.plan``'s prediction), and checkpoints moved between MiCS, ZeRO-3 and the grouped stage-1/2
-points. One launch per layout runs every case."""
+and 2, with the model states' bytes, against ``zeropp.plan``'s prediction), and checkpoints moved between MiCS,
+ZeRO-3 and the grouped stage-1/2 points. One launch per layout runs every case."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
-from engine_workers import MODEL, batches, relative_errors, torch_optimizer
+from engine_workers import MODEL, batches, relative_errors, state_bytes, torch_optimizer
 
 import zeropp
 from zeropp import comm
@@ -17,6 +17,7 @@ from zeropp.comm.accounting import gather_traffic
 from zeropp.config import ConfigError
 from zeropp.models import GPT
 from zeropp.plan import Partition, Plan, from_preset
+from zeropp.plan.memory import memory
 from zeropp.plan.traffic import Layout, collectives, totals
 
 ADAMW = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}
@@ -128,6 +129,9 @@ def mics_cases(rank: int, world: int, root: str, sizes: list[int], checkpoints: 
                                              Layout(world, mics.world.ranks_per_node, rank), accum, 4))
                 got = {kind: {f: v for f, v in stats[kind].items() if f != "calls"} for kind in planned}
                 assert got == planned, ("zeropp.plan", got, planned)
+                mem = memory(from_preset("tiny:nobias"), Plan(Partition(*point)), world, micro, 64, 4)
+                assert state_bytes(engine) == {key: mem[key] for key in ("params", "grads", "optimizer")}, (
+                    state_bytes(engine), mem)
             for got, want in norms:
                 assert abs(got - want) <= 1e-5 * want, (got, want)
             errors = relative_errors(engine.full_parameters(), ref)
