@@ -153,8 +153,9 @@ def mics_cases(rank: int, world: int, root: str, sizes: list[int], checkpoints: 
 
 def _checkpoints(rank: int, world: int, root: str, k: int) -> dict:
     """Save under MiCS over ``k``, load under ZeRO-3 over the world and under ``(1, k, k)`` (the same weights, bit
-    for bit), train all three on (the resumed runs against MiCS's), save under ZeRO-3 and load under MiCS, save
-    under ``(1, k, k)`` and load under ``(1, 1, k)``, save that and load it under MiCS (each bit for bit)."""
+    for bit), train all three on (the resumed runs against MiCS's), save under ZeRO-3 and load under MiCS and
+    ``(1, 1, k)``, save under ``(1, k, k)`` and load under ``(1, 1, k)``, save that and load it under MiCS (each bit
+    for bit)."""
     out: dict = {}
     data = batches(2, 2 * world)
     ckpt = Path(root) / "ckpt"
@@ -183,6 +184,9 @@ def _checkpoints(rank: int, world: int, root: str, k: int) -> dict:
     for saver, tag, zero in moves:
         saver.save_checkpoint(ckpt, tag=tag)
         back = engine(zero, 6)
+        if loaded:  # the (1, 1, k) engine also loads ZeRO-3's checkpoint first
+            back.load_checkpoint(ckpt, tag="zero3")
+            assert same(zero3, back)
         back.load_checkpoint(ckpt, tag=tag)
         assert same(saver, back), tag
         loaded.append(back)

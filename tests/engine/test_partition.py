@@ -21,8 +21,8 @@ from engine_launch import launch
     ids=["world4-2x2", "world8-2x4", "world8-4x2"],
 )
 def test_grouped_points_match_single_process_training(tmp_path, world, d, sizes, checkpoints):
-    """World 4 also moves checkpoints MiCS -> ZeRO-3 -> MiCS and MiCS -> (1, k, k) -> (1, 1, k) -> MiCS (exact
-    each way)."""
+    """World 4 also moves checkpoints MiCS -> ZeRO-3 -> MiCS, ZeRO-3 -> (1, 1, k) and MiCS -> (1, k, k) ->
+    (1, 1, k) -> MiCS (exact each way)."""
     results = launch("partition_workers:mics_cases", world, tmp_path, env={"ZEROPP_RANKS_PER_NODE": str(d)},
                      timeout=600, sizes=sizes, root=str(tmp_path), checkpoints=checkpoints)
     assert ("resumed_zero3_vs_mics" in results[0]) == checkpoints
