@@ -1,9 +1,10 @@
-"""MiCS in the engine (``zeropp.engine.partition``) on real gloo processes: world 4 as 2 x 2 emulated nodes (groups
-of 2) and world 8 as 2 x 4 (groups of 4 and 2) and 4 x 2 (groups of 2 and 4), one launch per layout.
+"""The grouped points in the engine (``zeropp.engine.partition``: MiCS ``(k, k, k)`` at stage 3, ``(1, 1, k)`` at
+stage 1, ``(1, k, k)`` at stage 2) on real gloo processes: world 4 as 2 x 2 emulated nodes (groups of 2) and world 8
+as 2 x 4 (groups of 4 and 2) and 4 x 2 (groups of 2 and 4), one launch per layout running every point.
 
 Against plain single-process training (engine_workers.py's reference) with the bars of test_engine.py, not bit for
-bit: MiCS averages each gradient element over its group of ``k`` ranks (gloo's sum, one division) and then over the
-``W / k`` groups (another sum, another division), while the reference sums the whole batch in one backward; the
+bit: each point averages each gradient element over its group of ``k`` ranks (gloo's sum, one division) and then
+over the ``W / k`` groups (another sum, another division), while the reference sums the whole batch in one backward; the
 float32 sums differ in order, so they round differently (a few ulps of each gradient element per step), which Adam
 turns into relative weight differences of about 1e-6 after a few steps. Every rank ends with the same weights.
 """
@@ -19,17 +20,22 @@ from engine_launch import launch
     [(4, 2, [2], True), (8, 4, [4, 2], False), (8, 2, [2, 4], False)],
     ids=["world4-2x2", "world8-2x4", "world8-4x2"],
 )
-def test_mics_matches_single_process_training(tmp_path, world, d, sizes, checkpoints):
-    """World 4 also moves checkpoints MiCS -> ZeRO-3 -> MiCS (exact each way)."""
+def test_grouped_points_match_single_process_training(tmp_path, world, d, sizes, checkpoints):
+    """World 4 also moves checkpoints MiCS -> ZeRO-3 -> MiCS, ZeRO-3 -> (1, 1, k) and MiCS -> (1, k, k) ->
+    (1, 1, k) -> MiCS (exact each way)."""
     results = launch("partition_workers:mics_cases", world, tmp_path, env={"ZEROPP_RANKS_PER_NODE": str(d)},
                      timeout=600, sizes=sizes, root=str(tmp_path), checkpoints=checkpoints)
     assert ("resumed_zero3_vs_mics" in results[0]) == checkpoints
     if checkpoints:
         assert "zero_quantized_weights: not combined with MiCS" in results[0].pop("refused")
+        assert "zero_quantized_gradients: not combined with a grouped stage-1" in results[0].pop("refused-grouped")
+    cases = [key for key in results[0] if key.startswith("s") and not key.endswith("-weights")]
+    assert len(cases) == 2 * len(sizes) + 2, cases
+    assert {key.split("-")[0] for key in cases} == {"s1", "s2", "s3"}, cases
     for key, errors in results[0].items():
         if key.endswith("-weights"):
             assert all(r[key] == errors for r in results), key  # every rank: the same weights
-        elif key == "resumed_zero3_vs_mics":
-            assert errors < 1e-5, errors
+        elif key.startswith("resumed_"):
+            assert errors < 1e-5, (key, errors)
         else:
             assert errors["norm"] < 1e-5 and errors["max"] < 1e-4, (key, errors)

@@ -47,8 +47,41 @@ def test_node_resolves_at_initialize():
     assert c.zero.partition_point(4, 4) == (4, 4, 4)
     assert c.zero.partition_point(4, 2) == (2, 2, 2)
     c = parse(4, stage=2, zeropp={"partition": part(1, "node", "node")})
-    with pytest.raises(ConfigError, match=r"partition=\(1, 2, 2\) is not the point of zero_optimization.stage=2"):
+    assert c.zero.partition_point(4, 2) == (1, 2, 2)
+    assert c.zero.partition_point(4, 4) == (1, 4, 4)
+    c = parse(4, stage=1, zeropp={"partition": part(1, "node", "node")})
+    with pytest.raises(ConfigError, match=r"partition=\(1, 2, 2\) is not the point of zero_optimization.stage=1 "
+                                          r"\(1, 1, 4\) nor its grouped point; it runs at stage 2"):
         c.zero.partition_point(4, 2)
+
+
+@pytest.mark.parametrize("world,d,k", [(4, 2, 2), (8, 4, 4), (8, 4, 2), (8, 2, 2), (8, 2, 4), (16, 4, 8)])
+def test_grouped_stage_points(world, d, k):
+    """Stage 1 inside groups of ``k`` ranks is ``(1, 1, k)``, stage 2 ``(1, k, k)``; each names its stage."""
+    for stage, point in ((1, (1, 1, k)), (2, (1, k, k))):
+        c = parse(world, stage=stage, zeropp={"partition": part(*point)})
+        assert c.zero.partition_point(world, d) == point
+        assert Config.parse(to_dict(c), world) == c
+        other = 3 - stage
+        message = err(world, stage=other, zeropp={"partition": part(*point)})
+        assert f"it runs at stage {stage}: set zero_optimization.stage to {stage}" in message, message
+
+
+def test_grouped_refusals():
+    """The options the grouped stage-1/2 points do not combine with are refused at initialize, each with why."""
+    from zeropp.config.partition import grouped_refusals
+
+    c = load_config({**BASE, "zero_optimization": {"stage": 2, "zero_quantized_weights": True,
+                                                   "zero_quantized_gradients": True,
+                                                   "offload_optimizer": {"device": "cpu"},
+                                                   "zeropp": {"partition": part(1, 2, 2)}}}, world_size=4)
+    onebit = load_config({**BASE, "optimizer": {"type": "OneBitAdam", "params": {}},
+                          "zero_optimization": {"stage": 1, "zeropp": {"partition": part(1, 1, 2)}}}, world_size=4)
+    refused = grouped_refusals(c) + grouped_refusals(onebit)
+    for needle in ("zero_quantized_weights", "zero_quantized_gradients", "offload_optimizer", "OneBitAdam"):
+        assert sum(needle in line for line in refused) == 1, (needle, refused)
+    assert all("not combined with a grouped stage-" in line for line in refused)
+    assert grouped_refusals(parse(4, stage=1, zeropp={"partition": part(1, 1, 2)})) == []
 
 
 @pytest.mark.parametrize("world,d,k", [(4, 2, 2), (8, 4, 4), (8, 4, 2), (8, 2, 2), (8, 2, 4), (16, 4, 8)])
@@ -103,17 +136,21 @@ def test_mics_shard_size_of_the_world_is_stage_3():
          ["partition=(4, 2, 4)", "at most the next and dividing it"]),
         (8, {"stage": 3, "zeropp": {"partition": part(2, 4, 2)}}, ["partition=(2, 4, 2)", "at most the next"]),
         (4, {"stage": 1, "zeropp": {"partition": part("world", "world", "world")}},
-         ["partition=(4, 4, 4) is not the point of zero_optimization.stage=1 (1, 1, 4)", "stage 3 = (4, 4, 4)"]),
+         ["partition=(4, 4, 4) is not the point of zero_optimization.stage=1 (1, 1, 4)", "runs at stage 3"]),
         (4, {"stage": 2, "zeropp": {"partition": part(1, 1, 4)}},
-         ["partition=(1, 1, 4) is not the point of zero_optimization.stage=2 (1, 4, 4)"]),
-        (8, {"stage": 3, "zeropp": {"partition": part(1, 2, 8)}},
-         ["partition=(1, 2, 8) is not the point", "engine does not run other points yet"]),
+         ["partition=(1, 1, 4) is not the point of zero_optimization.stage=2 (1, 4, 4)", "runs at stage 1"]),
+        (8, {"stage": 2, "zeropp": {"partition": part(1, 2, 8)}},
+         ["partition=(1, 2, 8) is not run by the engine", "second reduce-scatter", "(1, 2, 2) or (1, 1, 8) run",
+          "stage 3 = (8, 8, 8)"]),
+        (8, {"stage": 3, "zeropp": {"partition": part(2, 8, 8)}},
+         ["partition=(2, 8, 8) is not run by the engine", "hpZ approximates", "zero_hpz_partition_size=2"]),
         (4, {"stage": 2, "mics_shard_size": 2}, ["mics_shard_size=2", "stage-3 partition", "it is 2"]),
         (6, {"stage": 3, "mics_shard_size": 4}, ["mics_shard_size=4 must divide", "(6 ranks)"]),
         (4, {"stage": 3, "mics_shard_size": 0}, ["mics_shard_size=0 must be -1 (off"]),
         (4, {"stage": 3, "mics_shard_size": 1}, ["mics_shard_size=1 replicates everything", "plain data"]),
-        (4, {"stage": 3, "zeropp": {"partition": part(1, 1, 1)}}, ["partition=(1, 1, 1) is not the point"]),
-        (8, {"stage": 3, "zeropp": {"partition": part(2, 2, 4)}}, ["partition=(2, 2, 4) is not the point",
+        (4, {"stage": 3, "zeropp": {"partition": part(1, 1, 1)}}, ["partition=(1, 1, 1) is not run",
+                                                                    "plain data parallelism"]),
+        (8, {"stage": 3, "zeropp": {"partition": part(2, 2, 4)}}, ["partition=(2, 2, 4) is not run",
                                                                     "MiCS (k, k, k)"]),
         (4, {"stage": 3, "mics_shard_size": "2"}, ["mics_shard_size='2'"]),
         (4, {"stage": 3, "mics_hierarchical_params_gather": True},
@@ -147,7 +184,7 @@ def test_partition_contradicting_mics_shard_size():
         (12, 4, {"stage": 3, "zeropp": {"partition": part(6, 6, 6)}},
          ["partition.parameters=6 must divide the ranks per node (4)", "partition.optimizer=6"]),
         (12, 4, {"stage": 2, "zeropp": {"partition": part(1, "node", 12)}},
-         ["partition=(1, 4, 12) is not the point of zero_optimization.stage=2 (1, 12, 12)"]),
+         ["partition=(1, 4, 12) is not run by the engine", "(1, 4, 4) or (1, 1, 12) run"]),
     ],
 )
 def test_topology_checks(world, d, zero, needles):

@@ -131,6 +131,13 @@ def test_memory_order_offload_and_what_runs_today() -> None:
     assert mics.config == {"stage": 3, "mics_shard_size": 2}
     lossy_mics = predict(model, Plan(Partition(2, 2, 2), weight_bits=8), c, batch)
     assert "qwZ refused" in lossy_mics.unsupported and lossy_mics.config is None
+    for stage, point in ((1, (1, 1, 2)), (2, (1, 2, 2))):  # stage 1 / 2 inside groups of 2 (docs/partition.md)
+        grouped = predict(model, Plan(Partition(*point)), c, batch)
+        assert grouped.unsupported is None, grouped.unsupported
+        assert grouped.config == {"stage": stage, "zeropp": {"partition": dict(zip(
+            ("parameters", "gradients", "optimizer"), point))}}
+        lossy = predict(model, Plan(Partition(*point), gradient_bits=4), c, batch)
+        assert "qgZ refused" in lossy.unsupported and lossy.config is None
     amsp = predict(model, Plan(Partition(2, world, world)), c, batch)
     assert amsp.unsupported is not None and amsp.config is None
     tight = rank_plans(model, cluster(1e9, memory=1e6), batch, ("none",))

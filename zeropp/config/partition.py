@@ -10,10 +10,13 @@ count ``k``; a copy sharded over ``k < W`` ranks is replicated across the ``W / 
 * ``p <= g <= o``, each dividing the next: a rank's optimizer shard lies inside its gradient shard (no gradient
   moves between the reduction and the step) and its gradient shard inside its parameter shard's span.
 
-``stage`` is the shorthand: stage 1 is ``(1, 1, W)``, stage 2 ``(1, W, W)``, stage 3 ``(W, W, W)``; stage 3 with
-``p = g = o = k``, ``2 <= k < W``, is MiCS (DeepSpeed's ``mics_shard_size = k``; ``zeropp.engine.partition``). A
-``partition`` must be the point of its ``stage`` or, at stage 3, a MiCS point; other points of the space are the
-planner's alone and are refused naming what runs. ``mics_refusals`` names the options MiCS does not combine with.
+``stage`` is the shorthand: stage 1 is ``(1, 1, W)``, stage 2 ``(1, W, W)``, stage 3 ``(W, W, W)``. The engine
+also runs, for ``2 <= k < W``, the *grouped* points, its stage inside each group of ``k`` ranks with the groups'
+gradient shards averaged once per accumulation boundary (``zeropp.engine.partition``): ``(1, 1, k)`` at stage 1,
+``(1, k, k)`` at stage 2 and ``(k, k, k)`` at stage 3, MiCS (DeepSpeed's ``mics_shard_size = k``). A
+``partition`` must be the point of its ``stage`` or its stage's grouped point (``engine_stage``); other points of the
+space are the planner's alone and are refused naming why (``unbuilt_reason``) and what runs. ``mics_refusals`` and
+``grouped_refusals`` name the options the grouped points do not combine with.
 
 Checks that need the ranks per node (``"node"``, node alignment) run at ``zeropp.initialize``
 (``partition_point``); the rest when the config is parsed, for its world size.
@@ -94,6 +97,40 @@ def _aligned(k: int, ranks_per_node: int) -> bool:
     return ranks_per_node % k == 0 or k % ranks_per_node == 0
 
 
+def engine_stage(point: tuple[int, int, int], world: int) -> int | None:
+    """The stage whose engine runs ``point`` ``(p, g, o)`` at ``world`` ranks: the stages' own points and, for
+    ``2 <= k < world``, the grouped points ``(1, 1, k)`` (1), ``(1, k, k)`` (2) and ``(k, k, k)`` (3, MiCS); None for
+    the points the engine does not run."""
+    o = point[2]
+    for stage in (1, 2, 3):
+        if point == stage_point(stage, world):
+            return stage
+    if not 2 <= o < world:
+        return None
+    return {(1, 1, o): 1, (1, o, o): 2, (o, o, o): 3}.get(point)
+
+
+def unbuilt_reason(point: tuple[int, int, int], world: int) -> str:
+    """Why the engine does not run ``point`` ``(p, g, o)`` (one that satisfies the constraints, ``engine_stage``
+    None) at ``world`` ranks: what it would take, and the nearest point that runs."""
+    p, g, o = point
+    if o == 1:
+        return "every rank holding everything is plain data parallelism, which is not supported"
+    if p == 1 and 1 < g < o:
+        return (f"gradients sharded over {g} ranks but optimizer states over {o} would need a second reduce-scatter "
+                f"of each gradient shard across the {o // g} groups at the boundary and a gather of the stepped "
+                f"sub-shards back, and the engine's units hold one shard size for both; (1, {g}, {g}) or "
+                f"(1, 1, {o}) run")
+    if 1 < p < g:
+        return (f"parameters gathered inside groups of {p} with gradients and optimizer states over {g}/{o} ranks "
+                f"is what hpZ approximates (zero_hpz_partition_size={p} at stage 3: the backward gathers from a "
+                f"secondary copy over {p} ranks, the forward from the {o}-rank shards; with zeropp.weight_deltas "
+                f"and delta_refresh_interval=1 both gather from the secondary, rebuilt exactly after each step); the "
+                f"engine's units gather from one shard group, so the point itself is not built")
+    return (f"parameters and gradients over {g} ranks with optimizer states over {o} would step a sub-shard of "
+            f"the gradient shard; not built: ({o}, {o}, {o}) or ({g}, {g}, {g}) run")
+
+
 def partition_problems(stage: int, partition: PartitionConfig | None, mics_shard_size: int, world: int,
                        ranks_per_node: int | None) -> list[tuple[str, str]]:
     """``(key, message)`` for each way the partition (``zeropp.partition`` and ``mics_shard_size``, at ``stage``)
@@ -102,8 +139,8 @@ def partition_problems(stage: int, partition: PartitionConfig | None, mics_shard
     out: list[tuple[str, str]] = []
     w = "zero_optimization"
     runs = (f"the engine runs stage 1 = (1, 1, {world}), stage 2 = (1, {world}, {world}), stage 3 = "
-            f"({world}, {world}, {world}) and, at stage 3, MiCS (k, k, k) with k >= 2 a node-aligned divisor of "
-            f"{world}, as (parameters, gradients, optimizer)")
+            f"({world}, {world}, {world}) and, with k >= 2 a node-aligned divisor of {world} below it, (1, 1, k) at "
+            f"stage 1, (1, k, k) at stage 2 and MiCS (k, k, k) at stage 3, as (parameters, gradients, optimizer)")
     if mics_shard_size != MICS_OFF:
         key = f"{w}.mics_shard_size"
         if stage != 3:
@@ -145,9 +182,14 @@ def partition_problems(stage: int, partition: PartitionConfig | None, mics_shard
     if mics_shard_size != MICS_OFF and given != (mics_shard_size,) * 3:
         out.append((_WHERE, f"{_WHERE}={_label(given)} contradicts {w}.mics_shard_size={mics_shard_size} (the point "
                             f"{_label((mics_shard_size,) * 3)}): give one of them"))
-    elif given != point and not (stage == 3 and pg == gg == og and pg >= 2):
-        out.append((_WHERE, f"{_WHERE}={_label(given)} is not the point of {w}.stage={stage} "
-                            f"{_label(point)}, and the engine does not run other points yet; {runs}"))
+    elif given != point:
+        runs_at = engine_stage(given, world)
+        if runs_at is None:
+            out.append((_WHERE, f"{_WHERE}={_label(given)} is not run by the engine: "
+                                f"{unbuilt_reason(given, world)}; {runs}"))
+        elif runs_at != stage:
+            out.append((_WHERE, f"{_WHERE}={_label(given)} is not the point of {w}.stage={stage} {_label(point)} "
+                                f"nor its grouped point; it runs at stage {runs_at}: set {w}.stage to {runs_at}"))
     return out
 
 
@@ -210,4 +252,28 @@ def mics_refusals(config: Any) -> list[str]:
         if on:
             out.append(f"{key}: not combined with MiCS (mics_shard_size / zeropp.partition (k, k, k), k below the "
                        f"world) in this build: {why}")
+    return out
+
+
+def grouped_refusals(config: Any) -> list[str]:
+    """Why each option of ``config`` (a ``zeropp.config.Config``) that the grouped stage-1/2 points ``(1, 1, k)``
+    and ``(1, k, k)`` (``k`` below the world) do not combine with in this build is refused, one message each (empty:
+    none). hpZ and weight deltas need stage 3, which the config refuses already."""
+    z = config.zero_optimization
+    w = "zero_optimization"
+    out = []
+    for on, key, why in (
+        (z.zero_quantized_weights, f"{w}.zero_quantized_weights",
+         "qwZ's gather of the stepped shards inside a group is not tested; the groups gather exactly"),
+        (z.zero_quantized_gradients, f"{w}.zero_quantized_gradients",
+         "qgZ would quantize the reduce-scatter inside the group while the cross-group all-reduce stays exact fp32; "
+         "that split is not built"),
+        (z.offload, f"{w}.offload_optimizer / offload_param / zeropp.memory_budget",
+         "the cross-group all-reduce reads every gradient shard on the device"),
+        (config.optimizer is not None and config.optimizer.type == "OneBitAdam", "optimizer.type=OneBitAdam",
+         "its compressed phase exchanges momenta over the whole world, not a shard group"),
+    ):
+        if on:
+            out.append(f"{key}: not combined with a grouped stage-{z.stage} partition (zeropp.partition "
+                       f"(1, 1, k) or (1, k, k), k below the world) in this build: {why}")
     return out

@@ -92,9 +92,10 @@ class ZeroEngine:
         self.topology = topology
         zero = config.zero_optimization
         self.stage = zero.stage
-        shards = zero.partition_point(topology.world_size, topology.ranks_per_node)[0]
-        self.mics = MicsGroups(topology, shards) if self.stage == 3 and shards < topology.world_size else None
-        """MiCS (``zeropp.engine.partition``): the shard and replica groups; None at the stages' own points."""
+        shards = zero.partition_point(topology.world_size, topology.ranks_per_node)[2]
+        self.mics = MicsGroups(topology, shards) if shards < topology.world_size else None
+        """The grouped points (MiCS at stage 3, ``(1, 1, k)`` / ``(1, k, k)`` at stages 1 / 2;
+        ``zeropp.engine.partition``): the shard and replica groups; None at the stages' own points."""
         self.comm = Collectives(
             topology if self.mics is None else self.mics.shard_topology,
             weight_bits=zero.weight_bits,

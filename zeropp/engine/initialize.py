@@ -15,7 +15,7 @@ from torch import nn
 from .. import comm
 from ..comm.process_group import init_distributed
 from ..config import Config, ConfigError, load_config
-from ..config.partition import mics_refusals
+from ..config.partition import grouped_refusals, mics_refusals
 from .engine import ZeroEngine, compute_dtype
 from .materialize import MetaInit, ParamInitFn, meta_state
 from .policy import UnitPolicy
@@ -168,8 +168,8 @@ def _check_supported(cfg: Config, topo: comm.Topology) -> None:
             f"zero_optimization.zero_hpz_partition_size={hpz} must divide the ranks per node ({d} here: "
             f"{topo.num_nodes} node(s) of {d} ranks, set by ${comm.ENV_RANKS_PER_NODE} or the hosts); use one of "
             f"{divisors}")
-    shards = z.partition_point(topo.world_size, topo.ranks_per_node)[0]
-    refused = mics_refusals(cfg) if z.stage == 3 and shards < topo.world_size else []
+    grouped = z.partition_point(topo.world_size, topo.ranks_per_node)[2] < topo.world_size
+    refused = [] if not grouped else mics_refusals(cfg) if z.stage == 3 else grouped_refusals(cfg)
     if refused:
         raise ConfigError("; ".join(refused))
     if cfg.optimizer is None:

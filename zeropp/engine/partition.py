@@ -1,23 +1,27 @@
-"""MiCS in the engine: the partition ``(k, k, k)`` at stage 3 with ``k`` below the world (``mics_shard_size`` or
-``zeropp.partition``; ``zeropp.config.partition``).
+"""The grouped points in the engine: a stage's engine run inside node-aligned groups of ``k`` ranks, ``k`` below
+the world, with the groups' gradient shards averaged once per accumulation boundary (``zeropp.config.partition``):
+MiCS ``(k, k, k)`` at stage 3 (``mics_shard_size`` or ``zeropp.partition``), ``(1, 1, k)`` at stage 1 and
+``(1, k, k)`` at stage 2 (``zeropp.partition``; AMSP's replicated parameters with G and OS sharded over ``k``).
 
 The ``W`` ranks are cut into ``W / k`` node-aligned *shard groups* of ``k`` ranks: ``k`` consecutive local indices of
 one node when ``k`` divides the ranks per node ``d``, else ``k / d`` consecutive whole nodes. Inside its shard group
-the engine is ZeRO-3 over ``k`` ranks: its ``Collectives`` run over ``shard_topology`` (a ``comm.Topology`` of the
-group), so parameter gathers, gradient reduce-scatters, the optimizer step on the shard, the norm and Inf/NaN
-all-reduces, entry checks and checkpoint agreement stay inside the group. Each group holds a full replica of the
-model's state; the rank at position ``i`` of every group holds shard ``i``, and those ``W / k`` ranks form its
-*replica group*.
+the engine is ZeRO-1/2/3 over ``k`` ranks: its ``Collectives`` run over ``shard_topology`` (a ``comm.Topology`` of
+the group), so parameter gathers (stage 3), gradient reduce-scatters, the optimizer step on the shard, the gathers of
+the stepped shards (stages 1 and 2), the norm and Inf/NaN all-reduces, entry checks and checkpoint agreement stay
+inside the group. Each group holds a full replica of the model's state; the rank at position ``i`` of every group
+holds shard ``i``, and those ``W / k`` ranks form its *replica group*.
 
-Once per accumulation boundary (MiCS's amortization: the micro-batches' reduce-scatters inside the group are
-summed into each rank's fp32 gradient shard, as at ZeRO-3) ``sync_gradients`` averages every unit's gradient shard
-over the replica group in one exact fp32 all-reduce (``comm.all_reduce``, counted as ``"all_reduce"``), before the
-Inf/NaN check, clipping and the step; every group then steps the same shard to the same weights.
+Once per accumulation boundary (MiCS's amortization: the micro-batches' reduce-scatters inside the group are summed
+into each rank's fp32 gradient shard at stages 2 and 3; stage 1 reduce-scatters its accumulated whole gradients once,
+at the boundary) ``sync_gradients`` averages every unit's gradient shard over the replica group in one exact fp32
+all-reduce (``comm.all_reduce``, counted as ``"all_reduce"``), before the Inf/NaN check, clipping and the step; every
+group then steps the same shard to the same weights.
 
 The weights start from the first rank's: ``broadcast_module`` sends every parameter and buffer of a model built
 eagerly over the world before the units are built (each group's units then broadcast inside the group as at ZeRO-3).
 A checkpoint is written by the first group alone (``save``): the groups hold the same state, so it is ZeRO-3's
-checkpoint at ``k`` ranks, and loads at any world size, stage or partition; every group loads it.
+checkpoint at ``k`` ranks (stage 1's or 2's for those points), and loads at any world size, stage or partition;
+every group loads it.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ def shard_group_ranks(topology: comm.Topology, size: int) -> list[list[int]]:
 
 
 class MicsGroups:
-    """The shard and replica groups of MiCS over ``size`` ranks (module docstring); creating it is a collective
+    """The shard and replica groups of a grouped point (MiCS or the stage-1/2 points) over ``size`` ranks (module docstring); creating it is a collective
     over ``topology``'s group (every rank makes its own groups, in the same order).
 
     Attributes:

@@ -14,9 +14,10 @@ a node-aligned group (``k`` divides the ranks per node, or is a multiple of it d
 Named points: ZeRO-1 ``(1, 1, P)``, ZeRO-2 ``(1, P, P)``, ZeRO-3 ``(P, P, P)``, MiCS over ``k`` ranks ``(k, k, k)``
 with the cross-group gradient all-reduce once per accumulation window; hpZ is ZeRO-3 with a secondary copy of the
 parameters over ``h`` ranks of a node. The engine runs stages 1-3 with hpZ, qwZ/qgZ bits (``gradient_bits_intra``
-and int2 gradients included), weight deltas and the offload tiers, and MiCS with exact collectives
-(``mics_shard_size``); other partitions are the planner's alone (``Plan.unsupported`` says why a plan
-cannot run).
+and int2 gradients included), weight deltas and the offload tiers, and the grouped points with exact collectives:
+MiCS (``mics_shard_size``), ``(1, 1, k)`` and ``(1, k, k)`` (``zeropp.partition`` at stage 1 / 2; see
+``Partition.grouped_stage``); other partitions are the planner's alone (``Plan.unsupported`` says why a plan cannot
+run).
 """
 
 from __future__ import annotations
@@ -51,6 +52,15 @@ class Partition:
         """``k`` when this is MiCS over ``k`` ranks (``(k, k, k)``, ``1 < k < world``), else None."""
         p = self.params
         return p if p == self.grads == self.optimizer and 1 < p < world else None
+
+    def grouped_stage(self, world: int) -> int | None:
+        """The stage whose engine runs this partition inside groups of ``k`` ranks, ``1 < k < world``
+        (``zeropp.engine.partition``): 1 for ``(1, 1, k)``, 2 for ``(1, k, k)``, 3 for MiCS ``(k, k, k)``; None
+        otherwise."""
+        k = self.optimizer
+        if not 1 < k < world:
+            return None
+        return {(1, 1, k): 1, (1, k, k): 2, (k, k, k): 3}.get((self.params, self.grads, k))
 
     def stage(self, world: int) -> int | None:
         """The ZeRO stage this partition is, or None for the points the engine does not have yet."""
@@ -119,12 +129,14 @@ class Plan:
     def unsupported(self, world: int, ranks_per_node: int) -> str | None:
         """Why the engine cannot run this plan today, or None when it can."""
         stage = self.partition.stage(world)
-        if self.partition.mics_size(world) is not None:
+        grouped = self.partition.grouped_stage(world)
+        if grouped is not None:
             lossy = [name for name, on in (("qwZ", self.weight_bits), ("qgZ", self.gradient_bits),
                                            ("hpZ", self.hpz > 1), ("weight deltas", self.weight_deltas),
                                            ("offload", self.offload != "none")) if on]
             if lossy:
-                return f"MiCS runs with exact collectives only; {', '.join(lossy)} refused (docs/partition.md)"
+                what = "MiCS" if grouped == 3 else "a grouped stage-1/2 partition"
+                return f"{what} runs with exact collectives only; {', '.join(lossy)} refused (docs/partition.md)"
             return None
         if stage is None:
             return (f"partition {self.partition.label(world, ranks_per_node)} is not in the engine yet (issue 25 "
@@ -143,12 +155,19 @@ class Plan:
             ValueError: for a partition the engine does not have yet.
         """
         stage = self.partition.stage(world)
-        mics = self.partition.mics_size(world)
-        if stage is None and mics is None:
+        grouped = self.partition.grouped_stage(world)
+        if stage is None and grouped is None:
             raise ValueError(f"partition {self.partition} has no zero_optimization config yet: "
-                             f"only stages 1-3 and MiCS run today")
-        zero: dict[str, Any] = {"stage": 3, "mics_shard_size": mics} if mics else {"stage": stage}
+                             f"only stages 1-3, MiCS, (1, 1, k) and (1, k, k) run today")
         extra: dict[str, Any] = {}
+        if grouped == 3:
+            zero: dict[str, Any] = {"stage": 3, "mics_shard_size": self.partition.mics_size(world)}
+        elif grouped is not None:
+            zero = {"stage": grouped}
+            extra["partition"] = {"parameters": self.partition.params, "gradients": self.partition.grads,
+                                  "optimizer": self.partition.optimizer}
+        else:
+            zero = {"stage": stage}
         if self.weight_bits:
             zero["zero_quantized_weights"] = True
             extra["weight_bits"] = self.weight_bits

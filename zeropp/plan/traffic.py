@@ -3,9 +3,10 @@
 Bytes come from the formulas the engine's counters record and its tests check (``zeropp.comm.accounting``:
 ``gather_traffic`` for ring all-gathers and exact reduce-scatters, ``all_to_all_traffic`` for qgZ's two hops; pack
 sizes from ``zeropp.quant.BlockFormat.packed_bytes``), applied to the engine's unit layout (``shard_numel``, the
-layout of ``zeropp.engine.unit.flat_layout``). For the partitions the engine runs (stages 1-3, hpZ, weight deltas)
-the totals per kind equal ``zeropp.comm.stats()`` after one step (tests/plan); the other points of the space use
-the same formulas on their groups.
+layout of ``zeropp.engine.unit.flat_layout``). For the partitions the engine runs (stages 1-3, hpZ, weight deltas,
+and the grouped stage-1/2 points ``(1, 1, k)`` and ``(1, k, k)``) the totals per kind equal ``zeropp.comm.stats()``
+after one step (tests/engine/test_zeropp.py, tests/engine/test_partition.py); the other points of the space use the
+same formulas on their groups.
 
 Per step with ``A`` micro-batches, ``P`` ranks, ``d`` per node, ``n`` nodes, each unit of shard ``S`` elements:
 
@@ -19,8 +20,9 @@ Per step with ``A`` micro-batches, ``P`` ranks, ``d`` per node, ``n`` nodes, eac
   exact (ring, in the compute dtype) or qgZ (an all-to-all inside the node of ``n`` packs per peer, then one across
   nodes of one pack per peer);
 * stages 1 and 2 gather the stepped shards after the optimizer step (qwZ bits when on);
-* partitions not in the engine: gradients reduced within the G group and all-reduced across the ``P / g`` groups
-  once per step (MiCS), the stepped OS shards gathered into the P layout.
+* G or OS sharded over fewer than ``P`` ranks (the grouped points the engine runs, MiCS and ``(1, 1, k)`` /
+  ``(1, k, k)``, and the points it does not): gradients reduced within the G group (the OS group when G is whole)
+  and all-reduced across the groups once per step, the stepped OS shards gathered into the P layout.
 
 Persistent units (``stage3_param_persistence_threshold``) and reuse (``stage3_max_reuse_distance``) are not modelled:
 every unit is gathered at each use, as with a threshold of 0 (units of large models are far above DeepSpeed's 1e5).
@@ -46,7 +48,7 @@ class Collective:
 
     Attributes:
         kind: the ``zeropp.comm.stats()`` kind that counts it ("all_gather", "reduce_scatter", "exchange"), or
-            "all_reduce" for the cross-group reduction of partitions the engine does not run yet.
+            "all_reduce" for the cross-group gradient reduction.
         what: what it moves, for reports.
         unit: the unit's name.
         phase: one of ``PHASES``.
