@@ -1,5 +1,6 @@
 """Workers for test_fsdp_meshes.py: a tiny residual MLP trained on a 3-D world mesh (dp 2 x tp 2 x pp 2: tensor
-parallel up/down projections, FSDP2 over dp, a manual 2-stage pipeline over pp) and on a 2-D one (dp 4 x tp 2),
+parallel up/down projections, FSDP2 over dp, ``torch.distributed.pipelining``'s 1F1B schedule of 2 stages over pp)
+and on a 2-D one (dp 4 x tp 2),
 each plain, with zeropp's exact comms and with qwZ int8 / qgZ int4; the weights a qwZ forward computes with; DCP
 checkpoints across the three on the 2-D mesh."""
 
@@ -10,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from feature_workers import _full
 from fsdp_workers import error_message
@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -26,6 +27,8 @@ from zeropp import comm
 from zeropp.fsdp.segments import shard_numels
 
 STEPS, BATCH, DIM, HIDDEN = 10, 4, 12, 42  # HIDDEN / tp = 21 rows: uneven FSDP shards, padded
+MICROBATCHES = 2  # per pipelined step
+EF_STEPS = 4  # pipelined steps of the error-feedback check
 
 
 class Block(nn.Module):
@@ -83,47 +86,58 @@ def _batch(dp: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, DIM, generator=gen), torch.randn(BATCH, DIM, generator=gen)
 
 
-def pipeline_backward(model: nn.Module, pp: int | None, peer: int | None, x: torch.Tensor,
-                      loss_of: Callable[[torch.Tensor], torch.Tensor], received: tuple[int, ...]) -> float | None:
-    """Forward and backward of one micro-batch on this rank's stage of the manual 2-stage pipeline: without a pp
-    dim (``pp`` None) the whole model on ``x``; stage 0 sends its activations to ``peer`` (stage 1), which receives
-    them (shape ``received``), computes the loss (``loss_of`` its output) and sends their gradient back. The loss,
-    None on stage 0."""
+def pipeline(model: nn.Module, world: DeviceMesh, inputs: torch.Tensor, activations: tuple[int, ...],
+             outputs: tuple[int, ...], loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Schedule1F1B:
+    """``torch.distributed.pipelining``'s 1F1B schedule of ``MICROBATCHES`` micro-batches over ``world["pp"]``, with
+    ``model`` as this rank's stage (torchtitan's recipe: FSDP2 on the stage module). Static shapes, per micro-batch:
+    the first stage takes ``inputs`` (an example micro-batch), stages exchange activations of shape
+    ``activations``, the last stage's output has shape ``outputs`` and ``loss_fn(output, target)`` is its loss (the
+    gradients are divided by ``MICROBATCHES``: the mean over micro-batches)."""
+    pp, stages = world.get_local_rank("pp"), world["pp"].size()
+    received = inputs if pp == 0 else torch.empty(activations, requires_grad=True)
+    sent = torch.empty(outputs if pp == stages - 1 else activations, requires_grad=True)
+    stage = PipelineStage(model, pp, stages, torch.device("cpu"), input_args=(received,), output_args=(sent,),
+                          group=world.get_group("pp"))
+    return Schedule1F1B(stage, MICROBATCHES, loss_fn=loss_fn)
+
+
+def pipeline_step(schedule: Schedule1F1B, world: DeviceMesh, x: torch.Tensor, target: torch.Tensor) -> float | None:
+    """One step of ``schedule`` (``pipeline``'s on ``world``) on the batch ``x`` (used by the first stage) and
+    ``target`` (by the last), cut into its micro-batches along dim 0: forward and backward of every micro-batch,
+    then FSDP2's gradient reduction. The mean of the micro-batches' losses on the last stage, None on the others."""
+    pp, stages = world.get_local_rank("pp"), world["pp"].size()
     if pp == 0:
-        h = model(x)
-        dist.send(h.detach().contiguous(), peer)
-        grad = torch.empty_like(h)
-        dist.recv(grad, peer)
-        h.backward(grad)
+        schedule.step(x)
         return None
-    if pp == 1:
-        x = torch.empty(received)
-        dist.recv(x, peer)
-        x.requires_grad_(True)
-    loss = loss_of(model(x))
-    loss.backward()
-    if pp == 1:
-        dist.send(x.grad.contiguous(), peer)
-    return loss.item()
+    if pp < stages - 1:
+        schedule.step()
+        return None
+    losses: list[torch.Tensor] = []
+    schedule.step(target=target, losses=losses)
+    return sum(loss.item() for loss in losses) / len(losses)
 
 
 def _train(model: Stage, world: DeviceMesh, opt: torch.optim.Optimizer,
            steps: range = range(STEPS)) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Adam steps on the batches of ``steps``; with a pp dim, stage 0 sends its activations to stage 1 (same dp
-    and tp coordinates), which computes the loss and sends their gradient back (one micro-batch). The losses this
-    rank computed (none on stage 0) and the full parameters afterwards."""
-    names = world.mesh_dim_names
-    coord = dict(zip(names, world.get_coordinate()))
-    pp = coord.get("pp")
-    peer = None
-    if pp is not None:
-        peer = [r for r in dist.get_process_group_ranks(world.get_group("pp")) if r != dist.get_rank()][0]
+    """Adam steps on the batches of ``steps``: with a pp dim, through ``pipeline`` (``MICROBATCHES`` micro-batches
+    of ``BATCH / MICROBATCHES`` rows per step; the loss is the last stage's); without, forward and backward of the
+    whole batch. The losses this rank computed (none but on the last stage) and the full parameters afterwards."""
+    coord = dict(zip(world.mesh_dim_names, world.get_coordinate()))
+    schedule = None
+    if "pp" in coord:
+        micro = (BATCH // MICROBATCHES, DIM)
+        schedule = pipeline(model, world, torch.empty(micro), micro, micro, nn.functional.mse_loss)
     losses = []
     for step in steps:
         x, target = _batch(coord["dp"], step)
-        loss = pipeline_backward(model, pp, peer, x, lambda out: nn.functional.mse_loss(out, target), (BATCH, DIM))
-        if loss is not None:
-            losses.append(loss)
+        if schedule is None:
+            loss = nn.functional.mse_loss(model(x), target)
+            loss.backward()
+            losses.append(loss.item())
+        else:
+            mean = pipeline_step(schedule, world, x, target)
+            if mean is not None:
+                losses.append(mean)
         opt.step()
         opt.zero_grad(set_to_none=True)
     full = {name: p.full_tensor().detach().clone() for name, p in model.named_parameters()}
@@ -180,10 +194,36 @@ def _forward_weights(model: Stage, world: DeviceMesh) -> dict[str, torch.Tensor]
     return seen
 
 
+def _error_feedback_sums(world: DeviceMesh, topology: comm.Topology) -> dict[str, list[dict[str, torch.Tensor]]]:
+    """Pipelined steps (``pipeline``) on one fixed batch with no optimizer step, so every step's gradients are the
+    same: exact weights, and exact gradients (``exact``, one step) or qgZ int4 with error feedback (``ef``,
+    ``EF_STEPS`` steps). After each step, this rank's shard of every reduced gradient summed over the steps so far
+    (float64), by name."""
+    coord = dict(zip(world.mesh_dim_names, world.get_coordinate()))
+    x, target = _batch(coord["dp"], 0)
+    micro = (BATCH // MICROBATCHES, DIM)
+    out: dict[str, list[dict[str, torch.Tensor]]] = {}
+    for comms, bits, steps in (("exact", None, 1), ("ef", 4, EF_STEPS)):
+        model = stage(world, coord["pp"])
+        zeropp.fsdp.enable(model, weight_bits=None, gradient_bits=bits, error_feedback=bits is not None,
+                           topology=topology)
+        schedule = pipeline(model, world, torch.empty(micro), micro, micro, nn.functional.mse_loss)
+        sums = {name: torch.zeros(p.to_local().shape, dtype=torch.float64) for name, p in model.named_parameters()}
+        out[comms] = []
+        for _ in range(steps):
+            pipeline_step(schedule, world, x, target)
+            for name, p in model.named_parameters():
+                sums[name] += p.grad.to_local().double()
+            model.zero_grad(set_to_none=True)
+            out[comms].append({name: t.clone() for name, t in sums.items()})
+    return out
+
+
 def mesh_runs(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any]:
     """Per mesh (``3d``: dp x tp x pp = 2 x 2 x 2; ``2d``: dp x tp = 4 x 2): plain FSDP2 + TP, zeropp exact
     (topology derived by enable), zeropp qwZ int8 / qgZ int4 (losses, parameters, byte counters, the segments of
-    each FSDP2 unit); for ``3d``, the weights a qwZ int8 forward computes with; for ``2d``, DCP checkpoints across
+    each FSDP2 unit); for ``3d``, the weights a qwZ int8 forward computes with and the gradient sums of
+    ``_error_feedback_sums``; for ``2d``, DCP checkpoints across
     the three (``_checkpoints``, in ``ckpt_dir``, shared by the ranks). Ranks' coordinates included. ``hpz``: what
     enable says for ``hpz=2`` on the 2-D mesh."""
     meshes = {"3d": init_device_mesh("cpu", (2, 2, world_size // 4), mesh_dim_names=("dp", "tp", "pp")),
@@ -208,6 +248,8 @@ def mesh_runs(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any]:
             comm.reset_stats()
             res[comms] = _train(model, world, opts[comms])
             res[comms + "_stats"] = comm.stats()
+        if key == "3d":
+            res["error_feedback"] = _error_feedback_sums(world, topology)
         if key == "2d":
             res["checkpoints"] = _checkpoints(world, {k: (m, opts[k]) for k, m in trained.items()}, Path(ckpt_dir))
         out[key] = res

@@ -1,18 +1,20 @@
 """zeropp.fsdp's quantized comms over 200 steps of real text on 8-rank meshes (issue 26): HSDP (replicate 2 x shard
-4, 2 emulated nodes of 4), dp 2 x tp 2 x pp 2 and HSDP + TP (replicate 2 x shard 2 x tp 2), each trained plain, with zeropp's exact comms and with qwZ int8 /
-qgZ int4 (HSDP: + the int4 cross-replica all-reduce) on the stdlib bytes (``text_workers``), in one launch.
+4, 2 emulated nodes of 4), dp 2 x tp 2 x pp 2 (``torch.distributed.pipelining``'s 1F1B, 2 micro-batches) and
+HSDP + TP (replicate 2 x shard 2 x tp 2), each trained plain, with zeropp's exact comms and with qwZ int8 / qgZ int4
+(HSDP: + the int4 cross-replica all-reduce) on the stdlib bytes (``text_workers``), in one launch.
 
 Checked: exact comms bit-identical to plain FSDP2 on the same mesh for all 200 steps (losses and final parameters);
 the quantized run's mean training loss over the last 20 steps (over the ranks that compute a loss) within 2% of the
 exact run's; both learn (below 0.8 ln 256).
 
-Measured (torch 2.13 CPU, 2-core box at load average ~20, other jobs running): HSDP last-20 exact 2.4652, quantized
-2.4551 (-0.41%), from 5.45; 3-D exact 2.6402, quantized 2.6534 (+0.50%), from 5.72. The launch took 305 s (HSDP's
-three runs 164 s, the 3-D mesh's 131 s), far over a CI test's seconds, so it is opt-in (``ZEROPP_LONG_TESTS=1``;
-the repo has no slow-test marker). HSDP + TP, added later and measured on its own (``text_workers.hsdp_tp_runs`` in
-an 8-rank launch, load average ~30): exact bit-identical for 200 steps, last-20 exact 2.6736, quantized 2.6893
-(+0.59%), from 6.03; its three runs 198 s. The 10-step checks of the same meshes run in CI (test_fsdp_hsdp.py,
-test_fsdp_meshes.py).
+Measured (torch 2.13 CPU, 2-core box, other jobs running): HSDP last-20 exact 2.4652, quantized 2.4551 (-0.41%),
+from 5.45; 3-D (pipelined) exact 2.6402, quantized 2.6538 (+0.51%), from 5.72. The launch took 305 s at load average
+~20 with the manual one-micro-batch pipeline the 3-D mesh had then (HSDP's three runs 164 s, the 3-D mesh's 131 s),
+535 s at load average ~20-29 beside another 8-rank launch with pipelining (HSDP 260 s, 3-D 245 s): far over a CI
+test's seconds, so it is opt-in (``ZEROPP_LONG_TESTS=1``; the repo has no slow-test marker). HSDP + TP, added later
+and measured on its own (``text_workers.hsdp_tp_runs`` in an 8-rank launch, load average ~30): exact bit-identical
+for 200 steps, last-20 exact 2.6736, quantized 2.6893 (+0.59%), from 6.03; its three runs 198 s. The 10-step checks
+of the same meshes run in CI (test_fsdp_hsdp.py, test_fsdp_meshes.py).
 """
 
 from __future__ import annotations

@@ -1,14 +1,15 @@
 """zeropp.fsdp on FSDP2 + tensor parallel (+ pipeline) meshes, one launch of 8 gloo ranks as 2 emulated nodes of 4
 (``ZEROPP_RANKS_PER_NODE=4``, the world's): a 3-D world mesh dp 2 x tp 2 x pp 2 (dp outermost, so every dp group
-spans both nodes: all its traffic crosses nodes; a manual 2-stage pipeline: stage 0 sends its activations to stage
-1 and gets their gradient back, no ``torch.distributed.pipelining``) and a 2-D one dp 4 x tp 2 (dp groups of 2
-nodes x 2 ranks: both qgZ hops). Each mesh trains a tiny residual MLP (column-parallel up, row-parallel down, plain
-LayerNorms) plain, with zeropp's exact comms and with qwZ int8 / qgZ int4, 10 Adam steps.
+spans both nodes: all its traffic crosses nodes; the 2 stages run ``torch.distributed.pipelining``'s
+``Schedule1F1B`` over 2 micro-batches, FSDP2 on each stage's module as torchtitan does) and a 2-D one dp 4 x tp 2
+(dp groups of 2 nodes x 2 ranks: both qgZ hops). Each mesh trains a tiny residual MLP (column-parallel up,
+row-parallel down, plain LayerNorms) plain, with zeropp's exact comms and with qwZ int8 / qgZ int4, 10 Adam steps.
 
-Checked: exact comms bit-identical to plain FSDP2 + TP on the same mesh; quantized within 2% of its loss at every
-step; the dp groups' nodes derived from the world's ranks per node; the bytes equal to the formula from FSDP2's
-layout (the tp-local tensor, sharded over dp and padded) written here independently; qwZ's weights are every dp
-shard of every tp-local parameter quantized alone; the tp replicas of tp-replicated parameters bit-identical; DCP
+Checked: exact comms bit-identical to plain FSDP2 + TP on the same mesh (and pipeline schedule); quantized within 2%
+of its loss at every step; the dp groups' nodes derived from the world's ranks per node; the collective counts of
+the schedule and the bytes equal to the formula from FSDP2's layout (the tp-local tensor, sharded over dp and
+padded) written here independently; qwZ's weights are every dp shard of every tp-local parameter quantized alone;
+the tp replicas of tp-replicated parameters bit-identical; qgZ's error feedback carries across pipelined steps; DCP
 checkpoints of the 2-D mesh saved under one set of comms load under another with identical state; hpZ on such a
 mesh refused."""
 
@@ -19,14 +20,19 @@ import math
 import pytest
 import torch
 from fsdp_launch import launch
-from mesh_workers import STEPS, Stage
+from mesh_workers import EF_STEPS, MICROBATCHES, STEPS, Stage
 from test_fsdp_comms import _round_trip
 
 from zeropp.quant import BlockFormat
 
 WORLD, TP = 8, 2
 DP = {"3d": 2, "2d": 4}
-GATHERS = (2, 2, 1)  # per step: each block forward and backward; the stage root stays gathered for backward
+# All-gathers per step of each FSDP2 unit (block, block, stage root). Without a pipeline: each block in forward and
+# backward, the root stays gathered for backward. Pipelined: FSDP2 keeps a block gathered after a micro-batch's
+# backward (pipelining's set_reshard_after_backward(False) until the step's gradient reduction) but reshards it after
+# every forward: 1F1B runs F F B B on stage 0 (gathers: both forwards, the first backward) and F B F B on stage 1
+# (the first forward, both backwards): MICROBATCHES + 1 per block on either stage.
+GATHERS = {"3d": (MICROBATCHES + 1, MICROBATCHES + 1, 1), "2d": (2, 2, 1)}
 
 
 @pytest.fixture(scope="module")
@@ -114,7 +120,9 @@ def test_bytes_equal_the_formula(runs: list[dict], key: str) -> None:
     """Per rank, ``n`` nodes of ``d`` dp ranks: an all-gather sends its shard to ``(n - 1) d`` peers across
     nodes and ``d - 1`` inside (fp32, or one int8 pack per parameter shard); a reduce-scatter of ``S`` elements
     sends ``4 S`` to each peer exact, and with qgZ int4 ``B = packed_bytes(S)`` per node peer across (hop 2) and
-    ``n B`` per local peer inside (hop 1), once per part (tp-replicated and tp-sharded parameters apart)."""
+    ``n B`` per local peer inside (hop 1), once per part (tp-replicated and tp-sharded parameters apart). Calls per
+    step: ``GATHERS`` all-gathers per unit, one reduce-scatter per unit (pipelined: of the gradients summed over the
+    micro-batches)."""
     dp = DP[key]
     d, n = (1, 2) if key == "3d" else (2, 2)
     fmt8, fmt4 = BlockFormat(8, 128), BlockFormat(4, 128)
@@ -125,12 +133,13 @@ def test_bytes_equal_the_formula(runs: list[dict], key: str) -> None:
         run = r[key]
         assert run["segments"] == units
         exact, quant = run["exact_stats"], run["quantized_stats"]
+        gathers = GATHERS[key]
         for stats in (exact, quant):
-            assert stats["all_gather"]["calls"] == STEPS * sum(GATHERS)
+            assert stats["all_gather"]["calls"] == STEPS * sum(gathers)
         assert exact["reduce_scatter"]["calls"] == STEPS * len(units)
         assert quant["reduce_scatter"]["calls"] == STEPS * sum(len(p) for p in parts)
-        fp32 = sum(g * 4 * sum(u) for g, u in zip(GATHERS, units))
-        packed = sum(g * sum(fmt8.packed_bytes(s) for s in u) for g, u in zip(GATHERS, units))
+        fp32 = sum(g * 4 * sum(u) for g, u in zip(gathers, units))
+        packed = sum(g * sum(fmt8.packed_bytes(s) for s in u) for g, u in zip(gathers, units))
         assert exact["all_gather"]["sent_inter"] == STEPS * (n - 1) * d * fp32
         assert exact["all_gather"]["sent_intra"] == STEPS * (d - 1) * fp32
         assert quant["all_gather"]["sent_inter"] == STEPS * (n - 1) * d * packed
@@ -180,6 +189,28 @@ def test_qwz_quantizes_every_dp_shard_of_the_tp_local_tensor_alone(runs: list[di
             assert torch.equal(seen[name], _qwz(_tp_local(name, p, tp), DP["3d"], fmt)), name
         up = params["blocks.0.up.weight"]
         assert not torch.equal(seen["blocks.0.up.weight"], _tp_local("blocks.0.up.weight", _qwz(up, DP["3d"], fmt), tp))
+
+
+def _relative_error(sums: dict[str, torch.Tensor], exact: dict[str, torch.Tensor], steps: int) -> float:
+    """The relative error, all parameters together, of ``sums`` against ``steps`` times ``exact``."""
+    num = sum(float((sums[n] - steps * e).norm() ** 2) for n, e in exact.items())
+    return (num / sum(float((steps * e).norm() ** 2) for e in exact.values())) ** 0.5
+
+
+def test_error_feedback_carries_across_pipelined_steps(runs: list[dict]) -> None:
+    """qgZ int4 with error feedback under pipelining, on one fixed batch with the weights held (every step's
+    gradients the same): the first step's reduced gradient has the quantization error of a step without error
+    feedback (no residual yet), and each later step adds back what the previous ones dropped, so the summed
+    gradients' relative error falls about as 1 / steps. Without error feedback, or with residuals lost between
+    pipelined steps (a reset, or a reduction per micro-batch of another layout), every step would repeat the first
+    step's error and the relative error of the sum would stay where it started."""
+    for r in runs:
+        sums = r["3d"]["error_feedback"]
+        exact, ef = sums["exact"][0], sums["ef"]
+        assert len(ef) == EF_STEPS
+        first, last = _relative_error(ef[0], exact, 1), _relative_error(ef[-1], exact, EF_STEPS)
+        assert first > 1e-3, first  # int4 loses something
+        assert last < 0.5 * first, (first, last)
 
 
 def test_refuses_hpz_on_a_tensor_parallel_mesh(runs: list[dict]) -> None:

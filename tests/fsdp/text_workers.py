@@ -4,9 +4,10 @@ all-reduce):
 
 * ``hsdp``: the tiny GPT on FSDP2's HSDP, a (replicate 2, shard 4) mesh (``hsdp_workers``' mesh and wrapping), every
   rank its own 2 sequences of a global batch of 16;
-* ``3d``: a byte-level stage model on dp 2 x tp 2 x pp 2 (``mesh_workers``' mesh, blocks and manual pipeline: stage 0
-  embeds the bytes and runs two blocks, stage 1 runs two blocks, the final LayerNorm and the output head), every dp
-  rank its own 4 sequences of a global batch of 8 (its tp and pp peers the same);
+* ``3d``: a byte-level stage model on dp 2 x tp 2 x pp 2 (``mesh_workers``' mesh, blocks and pipeline:
+  ``torch.distributed.pipelining``'s 1F1B over 2 micro-batches; stage 0 embeds the bytes and runs two blocks, stage
+  1 runs two blocks, the final LayerNorm and the output head), every dp rank its own 4 sequences of a global batch
+  of 8 (its tp and pp peers the same);
 * ``hsdp_tp``: the whole byte-level model (both stages' layers, no pipeline) on HSDP with tensor parallelism, a
   (replicate 2, shard 2, tp 2) mesh (``hsdp_workers``' mesh and wrapping), every dp rank its own 2 sequences of a
   global batch of 8.
@@ -19,11 +20,10 @@ import time
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from hsdp_workers import _mesh as _hsdp_mesh
 from hsdp_workers import _model as _hsdp_model
 from hsdp_workers import _tp_world
-from mesh_workers import Block, pipeline_backward, shard_tp_dp
+from mesh_workers import MICROBATCHES, Block, pipeline, pipeline_step, shard_tp_dp
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -109,19 +109,18 @@ def _train_hsdp(model: nn.Module, rank: int, world: int, data: TextBatches) -> t
 
 
 def _train_3d(model: TextStage, world: DeviceMesh, data: TextBatches) -> tuple[list[float], dict]:
-    """As ``mesh_workers._train``, on bytes: stage 0 sends its activations ``(batch, SEQ, DIM)`` to stage 1 (same dp
-    and tp coordinates), which computes the cross-entropy and sends their gradient back."""
-    coord = dict(zip(world.mesh_dim_names, world.get_coordinate()))
-    pp, dp = coord["pp"], coord["dp"]
-    peer = [r for r in dist.get_process_group_ranks(world.get_group("pp")) if r != dist.get_rank()][0]
+    """As ``mesh_workers._train``, on bytes: ``mesh_workers.pipeline`` with activations ``(batch, SEQ, DIM)`` per
+    micro-batch, the cross-entropy of the last stage's logits as the loss."""
+    dp = world.get_local_rank("dp")
+    micro = MESH_BATCH // world["dp"].size() // MICROBATCHES
+    schedule = pipeline(model, world, torch.zeros(micro, SEQ, dtype=torch.long), (micro, SEQ, DIM), (micro, SEQ, VOCAB),
+                        lambda logits, targets: nn.functional.cross_entropy(logits.reshape(-1, VOCAB),
+                                                                            targets.reshape(-1)))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     losses = []
     for step in range(STEPS):
         inputs, targets = data.micro_batch(step, rank=dp, world_size=world["dp"].size())
-        loss = pipeline_backward(
-            model, pp, peer, inputs,
-            lambda logits: nn.functional.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1)),
-            (*inputs.shape, DIM))
+        loss = pipeline_step(schedule, world, inputs, targets)
         if loss is not None:
             losses.append(loss)
         opt.step()

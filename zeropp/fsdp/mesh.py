@@ -16,8 +16,11 @@ shards the same dim), then the tp placement. A parameter tp does not touch (a pl
 the dp mesh. FSDP2's all-gather and reduce-scatter run over the dp mesh's group only: the qwZ blocks of one rank's
 segment lie inside its own tp shard (dp peers share their tp coordinate, so they gather the same tp shard), and
 blocks never span two parameters (``ZeroppAllGather``). The pipeline dim never appears in a parameter: each pp rank
-has its own modules and its own dp group. qgZ's blocks keep tp-replicated and tp-sharded parameters' gradients apart
-(``is_tp_sharded``), so that every tp replica of a replicated parameter gets the same update.
+has its own modules and its own dp group; ``torch.distributed.pipelining`` (a ``PipelineStage`` around the
+stage module, any schedule) changes only when FSDP2 calls the hooks: one reduce-scatter per group and step, of the
+gradients summed over the micro-batches (``docs/fsdp_meshes.md``). qgZ's blocks keep tp-replicated and
+tp-sharded parameters' gradients apart (``is_tp_sharded``), so that every tp replica of a replicated parameter gets
+the same update.
 
 HSDP (a ``(replicate, shard)`` dp mesh: ``Replicate()`` first) is ``zeropp.fsdp.hsdp``'s, found before this module's
 ``shard_mesh`` (which refuses it); so is FSDP2's SPMD
