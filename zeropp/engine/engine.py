@@ -95,6 +95,8 @@ class ZeroEngine:
         shards = zero.partition_point(topology.world_size, topology.ranks_per_node)[0]
         self.mics = MicsGroups(topology, shards) if self.stage == 3 and shards < topology.world_size else None
         """MiCS (``zeropp.engine.partition``): the shard and replica groups; None at the stages' own points."""
+        if self.mics is not None and zero.gradient_bits is not None:
+            self.mics.quantize_replicas(zero.gradient_bits, zero.zeropp.block_size)
         self.comm = Collectives(
             topology if self.mics is None else self.mics.shard_topology,
             weight_bits=zero.weight_bits,

@@ -16,6 +16,7 @@ from .. import comm
 from ..comm.process_group import init_distributed
 from ..config import Config, ConfigError, load_config
 from ..config.partition import mics_refusals
+from . import auto_partition
 from .engine import ZeroEngine, compute_dtype
 from .materialize import MetaInit, ParamInitFn, meta_state
 from .policy import UnitPolicy
@@ -127,7 +128,7 @@ def initialize(
     if topology is not None and timeout is not None:
         raise ValueError("initialize got topology= and timeout=; pass the timeout to comm.Topology(timeout=...)")
     topo = topology if topology is not None else comm.get_default_topology(timeout)
-    cfg = load_config(config, world_size=topo.world_size)
+    cfg = auto_partition.resolve(load_config(config, world_size=topo.world_size), model, topo, unit_policy)
     _check_supported(cfg, topo)
     dtype = compute_dtype(cfg)
     allowed = {torch.float32, dtype}

@@ -14,9 +14,9 @@ a node-aligned group (``k`` divides the ranks per node, or is a multiple of it d
 Named points: ZeRO-1 ``(1, 1, P)``, ZeRO-2 ``(1, P, P)``, ZeRO-3 ``(P, P, P)``, MiCS over ``k`` ranks ``(k, k, k)``
 with the cross-group gradient all-reduce once per accumulation window; hpZ is ZeRO-3 with a secondary copy of the
 parameters over ``h`` ranks of a node. The engine runs stages 1-3 with hpZ, qwZ/qgZ bits (``gradient_bits_intra``
-and int2 gradients included), weight deltas and the offload tiers, and MiCS with exact collectives
-(``mics_shard_size``); other partitions are the planner's alone (``Plan.unsupported`` says why a plan
-cannot run).
+and int2 gradients included), weight deltas and the offload tiers, and MiCS (``mics_shard_size``) with qwZ and
+qgZ (its cross-group all-reduce quantized too); other partitions are the planner's alone (``Plan.unsupported``
+says why a plan cannot run).
 """
 
 from __future__ import annotations
@@ -120,11 +120,10 @@ class Plan:
         """Why the engine cannot run this plan today, or None when it can."""
         stage = self.partition.stage(world)
         if self.partition.mics_size(world) is not None:
-            lossy = [name for name, on in (("qwZ", self.weight_bits), ("qgZ", self.gradient_bits),
-                                           ("hpZ", self.hpz > 1), ("weight deltas", self.weight_deltas),
-                                           ("offload", self.offload != "none")) if on]
-            if lossy:
-                return f"MiCS runs with exact collectives only; {', '.join(lossy)} refused (docs/partition.md)"
+            refused = [name for name, on in (("hpZ", self.hpz > 1), ("weight deltas", self.weight_deltas),
+                                             ("offload", self.offload != "none")) if on]
+            if refused:
+                return f"MiCS runs with qwZ and qgZ but not {', '.join(refused)} (docs/partition.md)"
             return None
         if stage is None:
             return (f"partition {self.partition.label(world, ranks_per_node)} is not in the engine yet (issue 25 "
