@@ -213,8 +213,9 @@ def mics_refusals(config: Any) -> list[str]:
     out = []
     for on, key, why in (
         (z.zero_hpz_partition_size > 1, f"{w}.zero_hpz_partition_size",
-         "hpZ's secondary shard over the node is what a MiCS group inside a node already is: shrink "
-         "mics_shard_size instead"),
+         "hpZ's secondary shard over the node is what a MiCS group inside a node already is (shrink "
+         "mics_shard_size instead), and for groups of whole nodes the split of the group's gathers into "
+         "secondary ones is not built"),
         (z.zeropp.weight_deltas, f"{w}.zeropp.weight_deltas", "weight deltas update hpZ secondaries, which MiCS "
          "does not have"),
         (z.offload, f"{w}.offload_optimizer / offload_param / zeropp.memory_budget",
