@@ -104,6 +104,8 @@ def mics_cases(rank: int, world: int, root: str, sizes: list[int], checkpoints: 
             engine.destroy()
     for k in sizes:
         out.update(quantized_cases(rank, world, k, exact[k], steps))
+        if k > comm.get_default_topology().ranks_per_node:
+            out.update(hpz_case(rank, world, k, exact[k][0], steps))
     if checkpoints:
         out.update(auto_cases(rank, world))
         out.update(_checkpoints(rank, world, root, sizes[0]))
@@ -115,6 +117,27 @@ def mics_cases(rank: int, world: int, root: str, sizes: list[int], checkpoints: 
         except ConfigError as e:
             out["refused"] = str(e)
     return out
+
+
+def hpz_case(rank: int, world: int, k: int, exact: dict[str, torch.Tensor], steps: int) -> dict:
+    """MiCS over ``k`` ranks of whole nodes with hpZ over each node (every unit gathered at every use): the same
+    fp32 masters as exact MiCS (``exact``), bit for bit, and the last step's all-gathers send across nodes only the
+    forward's gathers over the group (the backward's gather the secondaries inside the node)."""
+    config = _config(2, 1, {"stage": 3, "mics_shard_size": k, "zero_hpz_partition_size": 2,
+                            "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0})
+    engine, _, _, _ = zeropp.initialize(model=GPT(MODEL, seed=rank), config=config)
+    assert engine.comm.hpz == 2
+    data = batches(steps, 2 * world)
+    _train(engine, rank, world, 2, 1, data[:-1])
+    comm.reset_stats()
+    _train(engine, rank, world, 2, 1, data[-1:])
+    topo = engine.comm.topology
+    same = topo.same_node_count(topo.group)
+    forward = sum((k - same) * u.shard_numel * 4 for u in engine.units)
+    assert comm.stats()["all_gather"]["sent_inter"] == forward, (comm.stats()["all_gather"], forward)
+    masters = mics_masters(engine)
+    engine.destroy()
+    return {f"k{k}-hpz-bit-identical": all(torch.equal(masters[n], exact[n]) for n in exact)}
 
 
 def auto_cases(rank: int, world: int, steps: int = 2) -> dict:

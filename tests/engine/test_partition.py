@@ -40,6 +40,9 @@ def test_mics_matches_single_process_training(tmp_path, world, d, sizes, checkpo
     if checkpoints:
         assert results[0].pop("qgz_checkpoints")
         assert results[0].pop("auto") == 2  # MiCS inside each node: the planner's pick for the tiny GPT on 2 x 2
+    assert ("k4-hpz-bit-identical" in results[0]) == (world == 8 and d == 2)  # groups of whole nodes (4 x 2)
+    for key in [key for key in results[0] if key.endswith("-hpz-bit-identical")]:
+        assert all(r.pop(key) for r in results), key
     for key in [key for key in results[0] if "-bound" in key]:  # the quantized cross-group all-reduce alone
         for r in results:
             bound = r.pop(key)

@@ -71,6 +71,7 @@ def test_mics_refusals():
     onebit = load_config({**BASE, "optimizer": {"type": "OneBitAdam", "params": {}},
                           "zero_optimization": {"stage": 3, "mics_shard_size": 2}}, world_size=4)
     refused = mics_refusals(c) + mics_refusals(onebit)
+    assert not any("hpz" in line for line in mics_refusals(c, 4, 2))  # groups of whole nodes: hpZ inside each
     for needle in ("zero_hpz_partition_size", "offload_optimizer", "OneBitAdam"):
         assert sum(needle in line for line in refused) == 1, (needle, refused)
     assert not any("zero_quantized" in line for line in refused), refused  # qwZ and qgZ run under MiCS

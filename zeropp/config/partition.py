@@ -205,17 +205,19 @@ def parse_mics(block: Mapping[str, Any], p: Problems) -> tuple[int, bool]:
     return size, hierarchical
 
 
-def mics_refusals(config: Any) -> list[str]:
-    """Why each option of ``config`` (a ``zeropp.config.Config``) that MiCS does not combine with in this build is
-    refused, one message each (empty: none)."""
+def mics_refusals(config: Any, size: int | None = None, ranks_per_node: int | None = None) -> list[str]:
+    """Why each option of ``config`` (a ``zeropp.config.Config``) that MiCS over groups of ``size`` ranks, with
+    ``ranks_per_node`` per node, does not combine with in this build is refused, one message each (empty: none).
+    hpZ runs with groups of whole nodes (``size > ranks_per_node``: the secondary inside each node of the group);
+    with either unknown (None) it is refused."""
     z = config.zero_optimization
     w = "zero_optimization"
     out = []
     for on, key, why in (
-        (z.zero_hpz_partition_size > 1, f"{w}.zero_hpz_partition_size",
-         "hpZ's secondary shard over the node is what a MiCS group inside a node already is (shrink "
-         "mics_shard_size instead), and for groups of whole nodes the split of the group's gathers into "
-         "secondary ones is not built"),
+        (z.zero_hpz_partition_size > 1 and (size is None or ranks_per_node is None or size <= ranks_per_node),
+         f"{w}.zero_hpz_partition_size",
+         "hpZ's secondary shard inside the node is what a MiCS group inside a node already is: shrink "
+         "mics_shard_size instead (hpZ runs with groups of whole nodes, mics_shard_size above the ranks per node)"),
         (z.zeropp.weight_deltas, f"{w}.zeropp.weight_deltas", "weight deltas update hpZ secondaries, which MiCS "
          "does not have"),
         (z.offload, f"{w}.offload_optimizer / offload_param / zeropp.memory_budget",

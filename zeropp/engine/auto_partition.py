@@ -15,8 +15,8 @@ What the planner is told:
 
 The candidates are ZeRO-3 ``(W, W, W)`` and MiCS ``(k, k, k)`` for every node-aligned ``k`` from 2 below ``W``
 (``zeropp.plan.space.shard_factors``), each a ``zeropp.plan.Plan`` with the user's options (qwZ and qgZ bits, hpZ,
-weight deltas, the optimizer's offload tier); MiCS is left out when the options are ones it does not combine with
-(``mics_refusals``). The planner predicts each one the engine runs today (``Plan.unsupported``) and orders them as
+weight deltas, the optimizer's offload tier); a MiCS point is left out when the options are ones it does not
+combine with (``mics_refusals``). The planner predicts each one the engine runs today (``Plan.unsupported``) and orders them as
 ``zeropp.plan.rank`` does (fitting in memory first, then step time); the first wins. Only its partition is applied:
 the stage, bits and everything else stay the user's. The first rank of the topology decides and broadcasts the
 choice, and prints it once with the planner's reason (``zeropp.plan.why``).
@@ -101,8 +101,8 @@ def candidates(config: Config, world: int, ranks_per_node: int) -> list[Plan]:
     options: dict[str, Any] = {"weight_bits": z.weight_bits, "gradient_bits": z.gradient_bits,
                                "gradient_bits_intra": z.gradient_bits_intra, "hpz": z.zero_hpz_partition_size,
                                "weight_deltas": z.zeropp.weight_deltas, "offload": tier}
-    sizes = [world] + ([k for k in shard_factors(world, ranks_per_node) if 2 <= k < world]
-                       if not mics_refusals(config) else [])
+    sizes = [world] + [k for k in shard_factors(world, ranks_per_node)
+                       if 2 <= k < world and not mics_refusals(config, k, ranks_per_node)]
     return [Plan(Partition(k, k, k), **options) for k in sizes]
 
 

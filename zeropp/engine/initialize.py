@@ -170,7 +170,7 @@ def _check_supported(cfg: Config, topo: comm.Topology) -> None:
             f"{topo.num_nodes} node(s) of {d} ranks, set by ${comm.ENV_RANKS_PER_NODE} or the hosts); use one of "
             f"{divisors}")
     shards = z.partition_point(topo.world_size, topo.ranks_per_node)[0]
-    refused = mics_refusals(cfg) if z.stage == 3 and shards < topo.world_size else []
+    refused = mics_refusals(cfg, shards, d) if z.stage == 3 and shards < topo.world_size else []
     if refused:
         raise ConfigError("; ".join(refused))
     if cfg.optimizer is None:

@@ -18,7 +18,8 @@ reduce-scatter and a quantized all-gather over the replica group's own topology,
 ``zeropp.comm.all_reduce``); every replica dequantizes the same packs, so the groups still step to the same weights.
 The reduce-scatter inside the group is ZeRO-3's qgZ one (its error feedback, rotation, stochastic rounding and
 intra-node bits apply there; the cross-group all-reduce rounds to nearest without residuals). qwZ gathers inside the
-group as at ZeRO-3 (the ``Collectives`` on ``shard_topology``).
+group as at ZeRO-3 (the ``Collectives`` on ``shard_topology``), and so does hpZ for groups of whole nodes (``k``
+above the ranks per node: the secondary inside each node of the group; ``mics_refusals`` refuses it otherwise).
 
 The weights start from the first rank's: ``broadcast_module`` sends every parameter and buffer of a model built
 eagerly over the world before the units are built (each group's units then broadcast inside the group as at ZeRO-3).

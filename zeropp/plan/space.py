@@ -14,8 +14,8 @@ a node-aligned group (``k`` divides the ranks per node, or is a multiple of it d
 Named points: ZeRO-1 ``(1, 1, P)``, ZeRO-2 ``(1, P, P)``, ZeRO-3 ``(P, P, P)``, MiCS over ``k`` ranks ``(k, k, k)``
 with the cross-group gradient all-reduce once per accumulation window; hpZ is ZeRO-3 with a secondary copy of the
 parameters over ``h`` ranks of a node. The engine runs stages 1-3 with hpZ, qwZ/qgZ bits (``gradient_bits_intra``
-and int2 gradients included), weight deltas and the offload tiers, and MiCS (``mics_shard_size``) with qwZ and
-qgZ (its cross-group all-reduce quantized too); other partitions are the planner's alone (``Plan.unsupported``
+and int2 gradients included), weight deltas and the offload tiers, and MiCS (``mics_shard_size``) with qwZ, qgZ
+(its cross-group all-reduce quantized too) and, for groups of whole nodes, hpZ; other partitions are the planner's alone (``Plan.unsupported``
 says why a plan cannot run).
 """
 
@@ -120,10 +120,13 @@ class Plan:
         """Why the engine cannot run this plan today, or None when it can."""
         stage = self.partition.stage(world)
         if self.partition.mics_size(world) is not None:
-            refused = [name for name, on in (("hpZ", self.hpz > 1), ("weight deltas", self.weight_deltas),
+            hpz_refused = self.hpz > 1 and self.partition.params <= ranks_per_node
+            refused = [name for name, on in (("hpZ inside a node's group", hpz_refused),
+                                             ("weight deltas", self.weight_deltas),
                                              ("offload", self.offload != "none")) if on]
             if refused:
-                return f"MiCS runs with qwZ and qgZ but not {', '.join(refused)} (docs/partition.md)"
+                return f"MiCS runs with qwZ, qgZ and hpZ (groups of whole nodes) but not {', '.join(refused)} " \
+                       "(docs/partition.md)"
             return None
         if stage is None:
             return (f"partition {self.partition.label(world, ranks_per_node)} is not in the engine yet (issue 25 "
