@@ -184,9 +184,9 @@ tests/engine/test_zeropp.py)."""
 def plans(world: int, ranks_per_node: int, offload: tuple[str, ...] = OFFLOAD_TIERS,
           lossy: str = "standard") -> Iterator[Plan]:
     """Every plan of the space on this cluster: each partition with qwZ off/int8/int4 where parameters are gathered,
-    the qgZ options where gradients are reduce-scattered across nodes, hpZ over the node and weight deltas where
-    the parameters are sharded across nodes, and each offload tier in ``offload``; lossy options as ``lossy``
-    allows (``LOSSY``)."""
+    the qgZ options where gradients are reduced across nodes (a reduce-scatter, or the all-reduce across gradient
+    groups), hpZ over the node and weight deltas where the parameters are sharded across nodes, and each offload
+    tier in ``offload``; lossy options as ``lossy`` allows (``LOSSY``)."""
     if lossy not in LOSSY:
         raise ValueError(f"lossy={lossy!r} must be one of {LOSSY}")
     for plan in _all_plans(world, ranks_per_node, offload):
@@ -201,7 +201,9 @@ def _all_plans(world: int, ranks_per_node: int, offload: tuple[str, ...]) -> Ite
     for part in partitions(world, ranks_per_node):
         gathers = part.params > 1 or part.optimizer > 1  # ZeRO-1/2 gather the stepped shards too
         for wbits in (None, 8, 4) if gathers else (None,):
-            cross_node_reduce = part.grads > d or (part.grads == 1 and part.optimizer > d)
+            # gradients reduced across nodes: by the reduce-scatter, or by the all-reduce across G groups (MiCS's)
+            cross_node_reduce = part.grads > d or (part.grads == 1 and part.optimizer > d) or \
+                (1 < part.grads < world and multinode)
             for gbits, gintra in GRADIENT_BITS if cross_node_reduce else GRADIENT_BITS[:1]:
                 hpzs = [1] + ([d] if part.params > d and d > 1 and multinode else [])
                 for hpz in hpzs:
