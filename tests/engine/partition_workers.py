@@ -2,10 +2,14 @@
 ``(k, k, k)`` at stage 3, ``(1, 1, k)`` at stage 1, ``(1, k, k)`` at stage 2) on real gloo processes, against plain
 single-process training (engine_workers.py's reference), their byte counters against the formulas (and, at stages 1
 and 2, with the model states' bytes, against ``zeropp.plan``'s prediction), and checkpoints moved between MiCS,
-ZeRO-3 and the grouped stage-1/2 points. One launch per layout runs every case."""
+ZeRO-3 and the grouped stage-1/2 points; MiCS with qwZ and qgZ
+(``quantized_cases``) against exact MiCS, the quantized cross-group all-reduce against its bound, and checkpoints
+MiCS+qgZ <-> ZeRO-3. One launch per layout runs every case."""
 
 from __future__ import annotations
 
+import io
+from contextlib import redirect_stdout
 from pathlib import Path
 
 import torch
@@ -15,10 +19,13 @@ import zeropp
 from zeropp import comm
 from zeropp.comm.accounting import gather_traffic
 from zeropp.config import ConfigError
+from zeropp.engine.auto_partition import default_cluster
 from zeropp.models import GPT
-from zeropp.plan import Partition, Plan, from_preset
+from zeropp.plan import Batch, Partition, Plan, from_preset, predict
 from zeropp.plan.memory import memory
 from zeropp.plan.traffic import Layout, collectives, totals
+from zeropp.plan.space import shard_factors
+from zeropp.quant import BlockFormat
 
 ADAMW = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}
 
@@ -90,6 +97,7 @@ def mics_cases(rank: int, world: int, root: str, sizes: list[int], checkpoints: 
     byte counters of one boundary; then, with ``checkpoints``, move a checkpoint MiCS -> ZeRO-3 -> MiCS and MiCS ->
     ``(1, k, k)`` -> ``(1, 1, k)`` -> MiCS."""
     out: dict = {}
+    exact: dict[int, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
     for k in sizes:
         for stage, micro, accum, clip in CASES if k == sizes[-1] else CASES[:2]:
             config = _config(micro, accum, _zero(stage, k, accum), clip)
@@ -136,12 +144,20 @@ def mics_cases(rank: int, world: int, root: str, sizes: list[int], checkpoints: 
                 assert abs(got - want) <= 1e-5 * want, (got, want)
             errors = relative_errors(engine.full_parameters(), ref)
             key = f"s{stage}-k{k}-m{micro}-a{accum}-clip{clip}"
+            if stage == 3 and accum == 1:
+                exact[k] = (mics_masters(engine), {n: p.detach().clone() for n, p in ref.named_parameters()})
             out[key] = {"norm": max(e[0] for e in errors.values()), "max": max(e[1] for e in errors.values())}
             out[key + "-weights"] = {n: float(p.double().sum()) for n, p in engine.full_parameters().items()}
             engine.destroy()
+    for k in sizes:
+        out.update(quantized_cases(rank, world, k, exact[k], steps))
+        if k > comm.get_default_topology().ranks_per_node:
+            out.update(hpz_case(rank, world, k, exact[k][0], steps))
     if checkpoints:
+        out.update(auto_cases(rank, world))
         out.update(_checkpoints(rank, world, root, sizes[0]))
-        for key, zero in (("refused", {"stage": 3, "mics_shard_size": sizes[0], "zero_quantized_weights": True}),
+        out.update(_quantized_checkpoints(rank, world, root, sizes[0]))
+        for key, zero in (("refused", {"stage": 3, "mics_shard_size": sizes[0], "zero_hpz_partition_size": 2}),
                           ("refused-grouped", {**_zero(1, sizes[0], 2), "zero_quantized_gradients": True})):
             try:  # initialize refuses what the grouped points do not combine with, before building anything
                 zeropp.initialize(model=GPT(MODEL, seed=0), config=_config(2, 1, zero))
@@ -149,6 +165,185 @@ def mics_cases(rank: int, world: int, root: str, sizes: list[int], checkpoints: 
             except ConfigError as e:
                 out[key] = str(e)
     return out
+
+
+def hpz_case(rank: int, world: int, k: int, exact: dict[str, torch.Tensor], steps: int) -> dict:
+    """MiCS over ``k`` ranks of whole nodes with hpZ over each node (every unit gathered at every use): the same
+    fp32 masters as exact MiCS (``exact``), bit for bit, and the last step's all-gathers send across nodes only the
+    forward's gathers over the group (the backward's gather the secondaries inside the node)."""
+    config = _config(2, 1, {"stage": 3, "mics_shard_size": k, "zero_hpz_partition_size": 2,
+                            "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0})
+    engine, _, _, _ = zeropp.initialize(model=GPT(MODEL, seed=rank), config=config)
+    assert engine.comm.hpz == 2
+    data = batches(steps, 2 * world)
+    _train(engine, rank, world, 2, 1, data[:-1])
+    comm.reset_stats()
+    _train(engine, rank, world, 2, 1, data[-1:])
+    topo = engine.comm.topology
+    same = topo.same_node_count(topo.group)
+    forward = sum((k - same) * u.shard_numel * 4 for u in engine.units)
+    assert comm.stats()["all_gather"]["sent_inter"] == forward, (comm.stats()["all_gather"], forward)
+    masters = mics_masters(engine)
+    engine.destroy()
+    return {f"k{k}-hpz-bit-identical": all(torch.equal(masters[n], exact[n]) for n in exact)}
+
+
+def auto_cases(rank: int, world: int, steps: int = 2) -> dict:
+    """``"partition": "auto"`` with qgZ: the point it applies is the fastest of ZeRO-3 and the MiCS points as
+    ``zeropp.plan.predict`` times them for the tiny GPT's preset on the default cluster of this layout (fitting
+    ones; computed here from the preset, not from the module); rank 0 alone prints it; training then matches the
+    explicit config of that point bit for bit. With hpZ (which MiCS refuses) it applies ZeRO-3."""
+    zero = {"stage": 3, "zero_quantized_gradients": True, "zeropp": {"partition": "auto"}}
+    printed = io.StringIO()
+    with redirect_stdout(printed):
+        auto, _, _, _ = zeropp.initialize(model=GPT(MODEL, seed=rank), config=_config(2, 1, zero))
+    topo = auto.topology
+    n, d = topo.num_nodes, topo.ranks_per_node
+    spec, cluster = from_preset("tiny:nobias"), default_cluster(n, d)
+    times = {k: predict(spec, Plan(Partition(k, k, k), gradient_bits=4), cluster, Batch(2, spec.seq, 1, 4))
+             for k in shard_factors(world, d) if k >= 2}
+    want = min((k for k in times if times[k].fits), key=lambda k: times[k].step_time)
+    k = auto.config.zero_optimization.partition_point(world, d)[0]
+    assert k == want and (auto.mics is None) == (k == world), (k, want)
+    assert (f"({k}, {k}, {k})" in printed.getvalue()) == (rank == 0), printed.getvalue()
+    explicit_zero = {"stage": 3, "zero_quantized_gradients": True, **({"mics_shard_size": k} if k < world else {})}
+    explicit, _, _, _ = zeropp.initialize(model=GPT(MODEL, seed=rank), config=_config(2, 1, explicit_zero))
+    data = batches(steps, 2 * world)
+    for engine in (auto, explicit):
+        _train(engine, rank, world, 2, 1, data)
+    a, b = mics_masters(auto), mics_masters(explicit)
+    assert all(torch.equal(a[name], b[name]) for name in a)
+    with redirect_stdout(io.StringIO()):
+        hpz, _, _, _ = zeropp.initialize(model=GPT(MODEL, seed=0), config=_config(2, 1, {
+            "stage": 3, "zero_hpz_partition_size": 2, "zeropp": {"partition": "auto"}}))
+    assert hpz.mics is None and hpz.config.zero_optimization.partition_point(world, d) == (world,) * 3
+    for engine in (auto, explicit, hpz):
+        engine.destroy()
+    return {"auto": k}
+
+
+def mics_masters(engine) -> dict[str, torch.Tensor]:
+    """The fp32 master weights by parameter name, whole: an exact all-gather of each unit's master shards over the
+    engine's shard group (the whole model under MiCS too: every group holds a replica)."""
+    out = {}
+    for unit in engine.units:
+        full = torch.empty(unit.full.numel())
+        comm.all_gather(unit.master, topology=engine.comm.topology, out=full)
+        for name, off, shape in zip(unit.param_names, unit.offsets, unit.shapes):
+            out[name] = full[off : off + shape.numel()].view(shape).clone()
+    return out
+
+
+def _rel_to_update(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    """``||got - want|| / ||want - init||`` over all parameters, ``init`` rank 0's starting weights: the distance
+    to a run, against how far that run moved the weights."""
+    init = dict(GPT(MODEL, seed=0).named_parameters())
+    flat = [torch.cat([d[n].detach().reshape(-1) for n in sorted(want)]) for d in (got, want, init)]
+    return ((flat[0] - flat[1]).norm() / (flat[1] - flat[2]).norm()).item()
+
+
+def _expected_quantized_all_reduce(engine, bits: int, block: int) -> dict[str, int]:
+    """The quantized cross-group all-reduce's counters for one boundary, by hand from ``zeropp.comm.all_reduce``'s
+    formula: ``R`` replicas, ``r`` of them per node on ``n = R / r`` nodes, each slice of ``s`` elements packed to
+    ``B`` bytes; the qgZ reduce-scatter sends ``n`` packs to each of the ``r - 1`` node peers (when ``r > 1``) and
+    one to each of the ``n - 1`` other nodes, the all-gather one pack to each of the other ``R - 1`` replicas."""
+    mics = engine.mics
+    numel = sum(u.shard_numel for u in engine.units)
+    big_r = mics.replicas
+    r = max(1, mics.world.ranks_per_node // mics.size)
+    n = big_r // r
+    b = BlockFormat(bits, block).packed_bytes(-(-numel // big_r))
+    intra = (r - 1) * n * b + (r - 1) * b
+    inter = (n - 1) * b + (big_r - r) * b
+    return {"calls": 1, "sent_intra": intra, "sent_inter": inter, "recv_intra": intra, "recv_inter": inter}
+
+
+def quantized_cases(rank: int, world: int, k: int, exact: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]],
+                    steps: int) -> dict:
+    """MiCS over ``k`` with qwZ (int8) and qgZ (int4, the cross-group all-reduce included), trained as
+    ``mics_cases``'s accumulation-1 case: its distance to that exact MiCS run and to single-process training
+    (``exact``: their master weights), relative to their update; that every rank ends with the same weights; the
+    cross-group all-reduce's counters against the formula; then the quantized all-reduce alone on fresh inputs
+    (``_replica_bound``)."""
+    config = _config(2, 1, {"stage": 3, "mics_shard_size": k, "zero_quantized_weights": True,
+                            "zero_quantized_gradients": True})
+    engine, _, _, _ = zeropp.initialize(model=GPT(MODEL, seed=rank), config=config)
+    mics = engine.mics
+    assert mics.replica_topology is not None and mics.replica_bits == 4
+    data = batches(steps, 2 * world)
+    _train(engine, rank, world, 2, 1, data[:-1])
+    comm.reset_stats()
+    _train(engine, rank, world, 2, 1, data[-1:])
+    block = engine.config.zero_optimization.zeropp.block_size
+    got, want = comm.stats()["all_reduce"], _expected_quantized_all_reduce(engine, 4, block)
+    assert got == want, (got, want)
+    masters = mics_masters(engine)
+    key = f"k{k}-qwz8-qgz4"
+    out = {key + "-vs-mics": _rel_to_update(masters, exact[0]),
+           key + "-vs-single": _rel_to_update(masters, exact[1]),
+           key + "-weights": {n: float(p.double().sum()) for n, p in masters.items()}}
+    for bits in (8, 4, 2):
+        out[f"k{k}-bound{bits}"] = _replica_bound(mics, bits, rank)
+    engine.destroy()
+    return out
+
+
+def _replica_bound(mics, bits: int, rank: int, numel: int = 1001, block: int = 64) -> dict[str, float]:
+    """``comm.all_reduce(bits=...)`` (AVG) over the replica group on fresh inputs (replica ``i``'s scaled by
+    ``i + 1``, each shard position its own, made on every rank from seeds): the worst error over the bound of
+    ``zeropp.comm.all_reduce``'s docstring (per element, from the block absmax of each replica's input and of the
+    exact mean), the worst error, and whether the replicas' outputs are bit-identical."""
+    replicas, topo = mics.replicas, mics.replica_topology
+    inputs = [torch.randn(numel, generator=torch.Generator().manual_seed(91 + 10 * i + mics.position + bits)) * (i + 1)
+              for i in range(replicas)]
+    mine = inputs[mics.index].clone()
+    comm.all_reduce(mine, topology=topo, op=comm.ReduceOp.AVG, bits=bits, block_size=block)
+    mean = torch.stack(inputs).double().mean(0)
+    s = -(-numel // replicas)
+    blocks = -(-s // block)
+
+    def block_absmax(x: torch.Tensor) -> torch.Tensor:  # per element: the absmax of its block (blocks per slice)
+        slices = torch.zeros(replicas * s, dtype=x.dtype)
+        slices[:numel] = x
+        padded = torch.zeros(replicas, blocks * block, dtype=x.dtype)
+        padded[:, :s] = slices.view(replicas, s)
+        absmax = padded.view(replicas, blocks, block).abs().amax(2, keepdim=True).expand(-1, -1, block)
+        return absmax.reshape(replicas, -1)[:, :s].reshape(-1)[:numel]
+
+    q = BlockFormat(bits, block).qmax
+    hops = 2 if topo.ranks_per_node > 1 else 1
+    e1 = torch.stack([block_absmax(x.double()) for x in inputs]).mean(0) / (2 * q)
+    if hops == 2:
+        e1 = e1 * (2 + 1 / (2 * q))
+    bound = e1 * (1 + 1 / (2 * q)) + block_absmax(mean) / (2 * q) + 1e-6 * mean.abs().max()
+    error = (mine.double() - mean).abs()
+    outs = [torch.empty_like(mine) for _ in range(replicas)]
+    torch.distributed.all_gather(outs, mine, group=mics.replica_group)
+    return {"ratio": (error / bound).max().item(), "max": error.max().item(), "hops": hops,
+            "same": all(torch.equal(o, outs[0]) for o in outs)}
+
+
+def _quantized_checkpoints(rank: int, world: int, root: str, k: int) -> dict:
+    """MiCS over ``k`` with qgZ saves, ZeRO-3 (exact) loads it (the same fp32 weights, bit for bit), steps once and
+    saves, and MiCS with qgZ loads that (bit for bit)."""
+    data = batches(2, 2 * world)
+    qgz = {"stage": 3, "mics_shard_size": k, "zero_quantized_gradients": True}
+    first, _, _, _ = zeropp.initialize(model=GPT(MODEL, seed=0), config=_config(2, 1, qgz))
+    _train(first, rank, world, 2, 1, data[:1])
+    first.save_checkpoint(Path(root) / "ckpt", tag="mics-qgz")
+    zero3, _, _, _ = zeropp.initialize(model=GPT(MODEL, seed=5), config=_config(2, 1, {"stage": 3}))
+    zero3.load_checkpoint(Path(root) / "ckpt", tag="mics-qgz")
+    saved = first.full_parameters()
+    assert all(torch.equal(saved[n], p) for n, p in zero3.full_parameters().items())
+    _train(zero3, rank, world, 2, 1, data[1:])
+    zero3.save_checkpoint(Path(root) / "ckpt", tag="zero3-after-qgz")
+    back, _, _, _ = zeropp.initialize(model=GPT(MODEL, seed=6), config=_config(2, 1, qgz))
+    back.load_checkpoint(Path(root) / "ckpt", tag="zero3-after-qgz")
+    assert all(torch.equal(zero3.full_parameters()[n], p) for n, p in back.full_parameters().items())
+    _train(back, rank, world, 2, 1, data[:1])  # and trains on
+    for e in (first, zero3, back):
+        e.destroy()
+    return {"qgz_checkpoints": True}
 
 
 def _checkpoints(rank: int, world: int, root: str, k: int) -> dict:

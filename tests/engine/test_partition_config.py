@@ -104,9 +104,10 @@ def test_mics_refusals():
     onebit = load_config({**BASE, "optimizer": {"type": "OneBitAdam", "params": {}},
                           "zero_optimization": {"stage": 3, "mics_shard_size": 2}}, world_size=4)
     refused = mics_refusals(c) + mics_refusals(onebit)
-    for needle in ("zero_quantized_weights", "zero_quantized_gradients", "zero_hpz_partition_size",
-                   "offload_optimizer", "OneBitAdam"):
+    assert not any("hpz" in line for line in mics_refusals(c, 4, 2))  # groups of whole nodes: hpZ inside each
+    for needle in ("zero_hpz_partition_size", "offload_optimizer", "OneBitAdam"):
         assert sum(needle in line for line in refused) == 1, (needle, refused)
+    assert not any("zero_quantized" in line for line in refused), refused  # qwZ and qgZ run under MiCS
     assert all("not combined with MiCS" in line for line in refused)
     assert mics_refusals(parse(4, stage=3, mics_shard_size=2)) == []
 
@@ -159,12 +160,25 @@ def test_mics_shard_size_of_the_world_is_stage_3():
          ["mics_hierarchical_params_gather='yes'"]),
         (4, {"stage": 3, "mics_shard_size": 4, "zeropp": {"partition": part(4, 2, 4)}},
          ["partition=(4, 2, 4)", "at most the next"]),
+        (4, {"stage": 2, "zeropp": {"partition": "auto"}}, ['partition="auto" picks between the stage-3', "it is 2"]),
+        (4, {"stage": 3, "mics_shard_size": 2, "zeropp": {"partition": "auto"}},
+         ['partition="auto" contradicts zero_optimization.mics_shard_size=2']),
+        (4, {"stage": 3, "zeropp": {"partition": "Auto"}}, ["must be an object", "or \"auto\"", "got 'Auto'"]),
     ],
 )
 def test_errors(world, zero, needles):
     message = err(world, **zero)
     for needle in needles:
         assert needle in message, (needle, message)
+
+
+def test_auto_parses_and_waits_for_initialize():
+    """``"auto"`` round-trips and is resolved by ``zeropp.initialize`` (tests/engine/test_partition.py); the point
+    is refused until then."""
+    c = parse(4, stage=3, zeropp={"partition": "auto"})
+    assert c.zero.zeropp.partition == "auto" and Config.parse(to_dict(c), 4) == c
+    with pytest.raises(ConfigError, match="resolved by zeropp.initialize"):
+        c.zero.partition_point(4, 2)
 
 
 def test_partition_contradicting_mics_shard_size():

@@ -129,8 +129,12 @@ def test_memory_order_offload_and_what_runs_today() -> None:
     mics = predict(model, Plan(Partition(2, 2, 2)), c, batch)
     assert mics.label == "MiCS-2" and mics.unsupported is None
     assert mics.config == {"stage": 3, "mics_shard_size": 2}
-    lossy_mics = predict(model, Plan(Partition(2, 2, 2), weight_bits=8), c, batch)
-    assert "qwZ refused" in lossy_mics.unsupported and lossy_mics.config is None
+    lossy_mics = predict(model, Plan(Partition(2, 2, 2), weight_bits=8, gradient_bits=4), c, batch)
+    assert lossy_mics.unsupported is None and lossy_mics.config == {
+        "stage": 3, "mics_shard_size": 2, "zero_quantized_weights": True, "zero_quantized_gradients": True,
+        "zeropp": {"weight_bits": 8, "gradient_bits": 4}}
+    hpz_mics = predict(model, Plan(Partition(2, 2, 2), hpz=2), c, batch)
+    assert "not hpZ inside a node's group" in hpz_mics.unsupported and hpz_mics.config is None
     for stage, point in ((1, (1, 1, 2)), (2, (1, 2, 2))):  # stage 1 / 2 inside groups of 2 (docs/partition.md)
         grouped = predict(model, Plan(Partition(*point)), c, batch)
         assert grouped.unsupported is None, grouped.unsupported

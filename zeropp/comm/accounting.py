@@ -21,12 +21,16 @@ bytes are *intra* when ``q`` is on the same node and *inter* otherwise.
 * exchange (``zeropp.comm.exchange``: ``B`` bytes to each of some peers, from each of some peers): exact, each
   peer's ``B`` split by the node of that peer.
 * all-reduce (``zeropp.comm.all_reduce``) of ``N`` elements over ``R`` ranks: a ring reduce-scatter and all-gather
-  of ``ceil(N / R)`` elements each, so twice an all-gather of ``ceil(N / R) * itemsize`` bytes.
+  of ``ceil(N / R)`` elements each, so twice an all-gather of ``ceil(N / R) * itemsize`` bytes. Quantized, its two
+  halves (a qgZ reduce-scatter and a quantized all-gather, each counted as above) are one ``"all_reduce"`` call
+  (``combined``).
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 KINDS = ("all_gather", "reduce_scatter", "exchange", "all_reduce")
@@ -34,6 +38,7 @@ FIELDS = ("calls", "sent_intra", "sent_inter", "recv_intra", "recv_inter")
 
 _lock = threading.Lock()
 _counters: dict[str, dict[str, int]] = {}
+_combining = threading.local()  # .calls: the Traffic of each call recorded inside this thread's ``combined`` block
 
 
 @dataclass(frozen=True)
@@ -78,7 +83,11 @@ def all_to_all_traffic(nbytes_per_peer: int, peers_same_node: int, peers_other_n
 
 
 def record(kind: str, traffic: Traffic) -> None:
-    """Add one call of ``kind`` moving ``traffic`` to the counters."""
+    """Add one call of ``kind`` moving ``traffic`` to the counters (inside ``combined``: to that block's call)."""
+    held = getattr(_combining, "calls", None)
+    if held is not None:
+        held.append(traffic)
+        return
     with _lock:
         c = _counters.setdefault(kind, dict.fromkeys(FIELDS, 0))
         c["calls"] += 1
@@ -86,6 +95,20 @@ def record(kind: str, traffic: Traffic) -> None:
         c["sent_inter"] += traffic.sent_inter
         c["recv_intra"] += traffic.recv_intra
         c["recv_inter"] += traffic.recv_inter
+
+
+@contextmanager
+def combined(kind: str) -> Iterator[None]:
+    """Count every call this thread records inside the block as one call of ``kind`` moving their summed bytes
+    (a collective built of other collectives, e.g. a quantized all-reduce). Not nestable."""
+    if getattr(_combining, "calls", None) is not None:
+        raise RuntimeError("accounting.combined blocks do not nest")
+    _combining.calls = []
+    try:
+        yield
+    finally:
+        calls, _combining.calls = _combining.calls, None
+        record(kind, sum(calls, Traffic()))
 
 
 def stats() -> dict[str, dict[str, int]]:

@@ -215,7 +215,8 @@ def parse_rules(value: Any, p: Problems, defaults: tuple[int | None, int | None]
 class ZeroppConfig:
     """``zero_optimization.zeropp``: our own ZeRO++ settings (see the ``zeropp.config`` docstring). ``rules``: the
     per-parameter formats (``parse_rules``), resolved against the global switches they were parsed with;
-    ``partition``: the sharding factors as given (``zeropp.config.partition``), None: the stage's."""
+    ``partition``: the sharding factors as given (``zeropp.config.partition``), None: the stage's, ``"auto"``: the
+    planner's pick (resolved by ``zeropp.initialize``)."""
 
     weight_bits: int = 8
     gradient_bits: int = 4
@@ -234,7 +235,7 @@ class ZeroppConfig:
     delta_refresh_interval: int = 0
     delta_refresh_bits: int | None = None
     rules: tuple[Rule, ...] = ()
-    partition: PartitionConfig | None = None
+    partition: PartitionConfig | str | None = None
 
     @classmethod
     def parse(cls, block: Mapping[str, Any], p: Problems, *, quantized_weights: bool = False,

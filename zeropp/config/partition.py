@@ -18,6 +18,10 @@ gradient shards averaged once per accumulation boundary (``zeropp.engine.partiti
 space are the planner's alone and are refused naming why (``unbuilt_reason``) and what runs. ``mics_refusals`` and
 ``grouped_refusals`` name the options the grouped points do not combine with.
 
+``"partition": "auto"`` (stage 3, without ``mics_shard_size``) leaves the choice between ZeRO-3 and MiCS to the
+planner: ``zeropp.initialize`` replaces it by the point ``zeropp.engine.auto_partition`` picks for the model, the
+world and the options given, before anything else reads it (``partition_point`` refuses an unresolved ``"auto"``).
+
 Checks that need the ranks per node (``"node"``, node alignment) run at ``zeropp.initialize``
 (``partition_point``); the rest when the config is parsed, for its world size.
 """
@@ -40,6 +44,9 @@ NAMED_FACTORS = ("world", "node")
 MICS_OFF = -1
 """DeepSpeed's ``mics_shard_size`` default: MiCS off."""
 
+AUTO = "auto"
+"""``zeropp.partition: "auto"``: the planner picks the stage-3 point (module docstring)."""
+
 _WHERE = "zero_optimization.zeropp.partition"
 
 
@@ -58,14 +65,14 @@ class PartitionConfig:
                      for v in (self.parameters, self.gradients, self.optimizer))
 
 
-def parse_partition(value: Any, p: Problems) -> PartitionConfig | None:
-    """``zeropp.partition``: null, or ``{"parameters": f, "gradients": f, "optimizer": f}`` with each ``f``
-    ``"world"``, ``"node"`` or a positive integer."""
-    if value is None:
-        return None
+def parse_partition(value: Any, p: Problems) -> PartitionConfig | str | None:
+    """``zeropp.partition``: null, ``"auto"`` (``AUTO``), or ``{"parameters": f, "gradients": f, "optimizer": f}``
+    with each ``f`` ``"world"``, ``"node"`` or a positive integer."""
+    if value is None or value == AUTO:
+        return value
     if not isinstance(value, Mapping):
         p.add(_WHERE, f"{_WHERE} must be an object {{\"parameters\": f, \"gradients\": f, \"optimizer\": f}} (each f "
-                      f"\"world\", \"node\" or a rank count), got {value!r}")
+                      f"\"world\", \"node\" or a rank count) or \"auto\" (the planner picks), got {value!r}")
         return None
     check_keys(p, value, _WHERE, list(PARTITION_KEYS))
     factors: list[int | str] = []
@@ -131,7 +138,7 @@ def unbuilt_reason(point: tuple[int, int, int], world: int) -> str:
             f"the gradient shard; not built: ({o}, {o}, {o}) or ({g}, {g}, {g}) run")
 
 
-def partition_problems(stage: int, partition: PartitionConfig | None, mics_shard_size: int, world: int,
+def partition_problems(stage: int, partition: PartitionConfig | str | None, mics_shard_size: int, world: int,
                        ranks_per_node: int | None) -> list[tuple[str, str]]:
     """``(key, message)`` for each way the partition (``zeropp.partition`` and ``mics_shard_size``, at ``stage``)
     breaks the module docstring's constraints at ``world`` ranks, ``ranks_per_node`` per node (None: not known
@@ -158,6 +165,15 @@ def partition_problems(stage: int, partition: PartitionConfig | None, mics_shard
                              f"supported); use 2 or more ranks per group, or {world} (stage 3)"))
     if partition is None:
         return out
+    if partition == AUTO:
+        if stage != 3:
+            out.append((_WHERE, f"{_WHERE}=\"auto\" picks between the stage-3 points (ZeRO-3 and MiCS): set {w}.stage "
+                                f"to 3 (it is {stage}) or give the partition"))
+        elif mics_shard_size != MICS_OFF:
+            out.append((_WHERE, f"{_WHERE}=\"auto\" contradicts {w}.mics_shard_size={mics_shard_size}: give one of "
+                                "them"))
+        return out
+    assert isinstance(partition, PartitionConfig)
     given = partition.factors(world, ranks_per_node)
     known = [f for f in given if f is not None]
     for key, f in zip(PARTITION_KEYS, given):
@@ -193,17 +209,21 @@ def partition_problems(stage: int, partition: PartitionConfig | None, mics_shard
     return out
 
 
-def partition_point(stage: int, partition: PartitionConfig | None, mics_shard_size: int, world: int,
+def partition_point(stage: int, partition: PartitionConfig | str | None, mics_shard_size: int, world: int,
                     ranks_per_node: int) -> tuple[int, int, int]:
     """The ``(p, g, o)`` the engine runs at ``world`` ranks, ``ranks_per_node`` per node.
 
     Raises:
-        ConfigError: naming each value that the topology cannot serve or the engine cannot run.
+        ConfigError: naming each value that the topology cannot serve or the engine cannot run, or an ``"auto"``
+            that ``zeropp.initialize`` has not resolved yet.
     """
+    if partition == AUTO:
+        raise ConfigError(f"{_WHERE}=\"auto\" is resolved by zeropp.initialize for the model and topology; pass the "
+                          "config through initialize (or give the partition)")
     problems = partition_problems(stage, partition, mics_shard_size, world, ranks_per_node)
     if problems:
         raise ConfigError("; ".join(message for _, message in problems))
-    if partition is not None:
+    if isinstance(partition, PartitionConfig):
         return partition.factors(world, ranks_per_node)  # type: ignore[return-value]
     if mics_shard_size != MICS_OFF:
         return (mics_shard_size,) * 3
@@ -227,21 +247,19 @@ def parse_mics(block: Mapping[str, Any], p: Problems) -> tuple[int, bool]:
     return size, hierarchical
 
 
-def mics_refusals(config: Any) -> list[str]:
-    """Why each option of ``config`` (a ``zeropp.config.Config``) that MiCS does not combine with in this build is
-    refused, one message each (empty: none)."""
+def mics_refusals(config: Any, size: int | None = None, ranks_per_node: int | None = None) -> list[str]:
+    """Why each option of ``config`` (a ``zeropp.config.Config``) that MiCS over groups of ``size`` ranks, with
+    ``ranks_per_node`` per node, does not combine with in this build is refused, one message each (empty: none).
+    hpZ runs with groups of whole nodes (``size > ranks_per_node``: the secondary inside each node of the group);
+    with either unknown (None) it is refused."""
     z = config.zero_optimization
     w = "zero_optimization"
     out = []
     for on, key, why in (
-        (z.zero_quantized_weights, f"{w}.zero_quantized_weights",
-         "qwZ's gathers inside a MiCS group are not tested; MiCS gathers exactly"),
-        (z.zero_quantized_gradients, f"{w}.zero_quantized_gradients",
-         "qgZ would quantize the reduce-scatter inside the group while the cross-group all-reduce stays exact fp32; "
-         "that split is not built"),
-        (z.zero_hpz_partition_size > 1, f"{w}.zero_hpz_partition_size",
-         "hpZ's secondary shard over the node is what a MiCS group inside a node already is: shrink "
-         "mics_shard_size instead"),
+        (z.zero_hpz_partition_size > 1 and (size is None or ranks_per_node is None or size <= ranks_per_node),
+         f"{w}.zero_hpz_partition_size",
+         "hpZ's secondary shard inside the node is what a MiCS group inside a node already is: shrink "
+         "mics_shard_size instead (hpZ runs with groups of whole nodes, mics_shard_size above the ranks per node)"),
         (z.zeropp.weight_deltas, f"{w}.zeropp.weight_deltas", "weight deltas update hpZ secondaries, which MiCS "
          "does not have"),
         (z.offload, f"{w}.offload_optimizer / offload_param / zeropp.memory_budget",

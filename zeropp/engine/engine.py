@@ -96,6 +96,8 @@ class ZeroEngine:
         self.mics = MicsGroups(topology, shards) if shards < topology.world_size else None
         """The grouped points (MiCS at stage 3, ``(1, 1, k)`` / ``(1, k, k)`` at stages 1 / 2;
         ``zeropp.engine.partition``): the shard and replica groups; None at the stages' own points."""
+        if self.mics is not None and zero.gradient_bits is not None:
+            self.mics.quantize_replicas(zero.gradient_bits, zero.zeropp.block_size)
         self.comm = Collectives(
             topology if self.mics is None else self.mics.shard_topology,
             weight_bits=zero.weight_bits,

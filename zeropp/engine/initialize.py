@@ -16,6 +16,7 @@ from .. import comm
 from ..comm.process_group import init_distributed
 from ..config import Config, ConfigError, load_config
 from ..config.partition import grouped_refusals, mics_refusals
+from . import auto_partition
 from .engine import ZeroEngine, compute_dtype
 from .materialize import MetaInit, ParamInitFn, meta_state
 from .policy import UnitPolicy
@@ -127,7 +128,7 @@ def initialize(
     if topology is not None and timeout is not None:
         raise ValueError("initialize got topology= and timeout=; pass the timeout to comm.Topology(timeout=...)")
     topo = topology if topology is not None else comm.get_default_topology(timeout)
-    cfg = load_config(config, world_size=topo.world_size)
+    cfg = auto_partition.resolve(load_config(config, world_size=topo.world_size), model, topo, unit_policy)
     _check_supported(cfg, topo)
     dtype = compute_dtype(cfg)
     allowed = {torch.float32, dtype}
@@ -168,8 +169,9 @@ def _check_supported(cfg: Config, topo: comm.Topology) -> None:
             f"zero_optimization.zero_hpz_partition_size={hpz} must divide the ranks per node ({d} here: "
             f"{topo.num_nodes} node(s) of {d} ranks, set by ${comm.ENV_RANKS_PER_NODE} or the hosts); use one of "
             f"{divisors}")
-    grouped = z.partition_point(topo.world_size, topo.ranks_per_node)[2] < topo.world_size
-    refused = [] if not grouped else mics_refusals(cfg) if z.stage == 3 else grouped_refusals(cfg)
+    shards = z.partition_point(topo.world_size, topo.ranks_per_node)[2]
+    grouped = shards < topo.world_size
+    refused = [] if not grouped else mics_refusals(cfg, shards, d) if z.stage == 3 else grouped_refusals(cfg)
     if refused:
         raise ConfigError("; ".join(refused))
     if cfg.optimizer is None:

@@ -12,10 +12,17 @@ inside the group. Each group holds a full replica of the model's state; the rank
 holds shard ``i``, and those ``W / k`` ranks form its *replica group*.
 
 Once per accumulation boundary (MiCS's amortization: the micro-batches' reduce-scatters inside the group are summed
-into each rank's fp32 gradient shard at stages 2 and 3; stage 1 reduce-scatters its accumulated whole gradients once,
-at the boundary) ``sync_gradients`` averages every unit's gradient shard over the replica group in one exact fp32
-all-reduce (``comm.all_reduce``, counted as ``"all_reduce"``), before the Inf/NaN check, clipping and the step; every
-group then steps the same shard to the same weights.
+into each rank's fp32 gradient shard at stages 2 and 3; stage 1 reduce-scatters its accumulated whole gradients
+once, at the boundary) ``sync_gradients`` averages every unit's gradient shard over the replica group in one fp32
+all-reduce (``comm.all_reduce``, counted as ``"all_reduce"``), before the Inf/NaN check, clipping and the step;
+every group then steps the same shard to the same weights. With qgZ (``zero_quantized_gradients``) that all-reduce
+is quantized in ``gradient_bits`` (``quantize_replicas``: a qgZ reduce-scatter and a quantized all-gather over the
+replica group's own topology, error bound in ``zeropp.comm.all_reduce``); every replica dequantizes the same packs,
+so the groups still step to the same weights. The reduce-scatter inside the group is ZeRO-3's qgZ one (its error
+feedback, rotation, stochastic rounding and intra-node bits apply there; the cross-group all-reduce rounds to
+nearest without residuals). qwZ gathers inside the group as at ZeRO-3 (the ``Collectives`` on ``shard_topology``),
+and so does hpZ for groups of whole nodes (``k`` above the ranks per node: the secondary inside each node of the
+group; ``mics_refusals`` refuses it otherwise).
 
 The weights start from the first rank's: ``broadcast_module`` sends every parameter and buffer of a model built
 eagerly over the world before the units are built (each group's units then broadcast inside the group as at ZeRO-3).
@@ -34,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
+from ..quant import DEFAULT_BLOCK_SIZE
 from .unit import Unit
 
 T = TypeVar("T")
@@ -75,6 +83,18 @@ class MicsGroups:
                                             host=topology.host, timeout=topology.timeout)
         self.replica_ranks = [g[self.position] for g in self.groups]
         self.replica_group = topology.subgroup(self.replica_ranks)
+        self.replica_bits: int | None = None
+        self.replica_block_size = DEFAULT_BLOCK_SIZE
+        self.replica_topology: comm.Topology | None = None
+
+    def quantize_replicas(self, bits: int, block_size: int) -> None:
+        """Quantize the cross-group gradient all-reduce in ``bits`` (blocks of ``block_size``) from now on; a
+        collective over the replica group (it builds the group's ``comm.Topology``: ``max(1, d / k)`` of its ranks
+        share each node, one per group inside the node)."""
+        world = self.world
+        per_node = max(1, world.ranks_per_node // self.size)
+        self.replica_topology = comm.Topology(self.replica_group, per_node, host=world.host, timeout=world.timeout)
+        self.replica_bits, self.replica_block_size = bits, block_size
 
     @property
     def replicas(self) -> int:
@@ -89,13 +109,17 @@ class MicsGroups:
             dist.broadcast(tensor.data, src=first, group=self.world.group)
 
     def sync_gradients(self, units: list[Unit]) -> None:
-        """Average every unit's fp32 gradient shard over the replica group: one exact all-reduce of the shards laid
-        end to end (``comm.all_reduce``, ``ReduceOp.AVG``), copied back."""
+        """Average every unit's fp32 gradient shard over the replica group: one all-reduce of the shards laid end
+        to end (``comm.all_reduce``, ``ReduceOp.AVG``; quantized after ``quantize_replicas``), copied back."""
         shards = [unit.grad_shard for unit in units if unit.grad_shard.numel()]
         if not shards:
             return
         flat = torch.cat(shards)
-        comm.all_reduce(flat, group=self.replica_group, topology=self.world, op=comm.ReduceOp.AVG)
+        if self.replica_topology is None:
+            comm.all_reduce(flat, group=self.replica_group, topology=self.world, op=comm.ReduceOp.AVG)
+        else:
+            comm.all_reduce(flat, topology=self.replica_topology, op=comm.ReduceOp.AVG, bits=self.replica_bits,
+                            block_size=self.replica_block_size)
         at = 0
         for shard in shards:
             shard.copy_(flat[at : at + shard.numel()])

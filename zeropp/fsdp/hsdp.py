@@ -18,21 +18,20 @@ pre/post division for fp16 and ``set_force_sum_reduction_for_comms``); ``Replica
 the ``R`` replicas, so the gradient is the mean over all ``R * S`` ranks as with native HSDP (for fp32/bf16 with
 exact comms bit for bit: the same reduce-scatter, then ``dist.all_reduce(AVG)`` over the same group).
 
-The quantized all-reduce (``bits`` 8, 4 or 2) over ``R`` replicas of a reduce-scatter output of ``n`` elements: the
-output, zero-padded to ``R * s`` (``s = ceil(n / R)``), is reduce-scattered by ``zeropp.comm.reduce_scatter``
-(qgZ: each rank packs each of its ``R`` slices, sends slice ``j`` to replica ``j``, which sums the ``R`` in float32
-and divides by ``R``), then the mean slices are all-gathered by ``zeropp.comm.all_gather`` (qwZ-style: each
-replica packs its slice once; every replica, its own included, dequantizes every pack, so the replicas end with
-the same values). Bytes sent (and received) per rank and call: ``2 * (R - 1) * B(s)``, ``B`` the packed bytes
+The quantized all-reduce (``bits`` 8, 4 or 2) over ``R`` replicas of a reduce-scatter output of ``n`` elements is
+``zeropp.comm.all_reduce(bits=...)`` over the replicate group's topology (its module docstring: a qgZ
+reduce-scatter and a quantized all-gather, so the replicas end with the same values). Bytes sent (and received)
+per rank and call: ``2 * (R - 1) * B(s)``, ``s = ceil(n / R)``, ``B`` the packed bytes
 (``BlockFormat.packed_bytes``: ``ceil(s / block_size) * (block_size * bits / 8 + 4)``, codes and a float32 scale
 per block): across nodes when each replica of the group is on its own node. Exact: ``dist.all_reduce``, counted
 as a ring all-reduce, ``2 * (R - 1) * s * itemsize``. Both are counted in ``zeropp.comm.stats()`` as one
-reduce-scatter and one all-gather (the two halves of an all-reduce).
+``"all_reduce"`` call.
 
 Error bound of the quantized all-reduce, per element, with ``q = BlockFormat.qmax`` (127, 7, 1), blocks of each
-slice: the reduce-scatter's error is at most ``E1 = mean over r of A_r / (2 q)`` (``A_r`` the absmax of replica
-``r``'s block of its input); the all-gather adds at most ``(A + E1) / (2 q)`` (``A`` the absmax of the block of the
-exact mean): ``|out - mean| <= E1 * (1 + 1 / (2 q)) + A / (2 q)``, plus the rounding of the reduce dtype (bf16).
+slice, each replica on its own node (``zeropp.comm.all_reduce`` gives the two-hop bound otherwise): the
+reduce-scatter's error is at most ``E1 = mean over r of A_r / (2 q)`` (``A_r`` the absmax of replica ``r``'s block
+of its input); the all-gather adds at most ``(A + E1) / (2 q)`` (``A`` the absmax of the block of the exact mean):
+``|out - mean| <= E1 * (1 + 1 / (2 q)) + A / (2 q)``, plus the rounding of the reduce dtype (bf16).
 
 With tensor parallelism (torchtitan's recipe: ``parallelize_module`` on ``world["tp"]``, then
 ``fully_shard(mesh=world["replicate", "shard"])``): a tp parameter is a DTensor on the 3-D mesh with placements
@@ -259,20 +258,13 @@ class ReplicaAllReduce:
         """Average the contiguous 1-D ``flat`` over the replicas in place (exact or in ``bits``)."""
         topo = self.topology
         size, n = topo.world_size, flat.numel()
-        s = chunk_numel(n, size)
         if self.bits is None:
-            traffic = accounting.gather_traffic(s * flat.element_size(), size, topo.same_node_count(topo.group))
-            accounting.record("reduce_scatter", traffic)
-            accounting.record("all_gather", traffic)
+            s = chunk_numel(n, size)
+            once = accounting.gather_traffic(s * flat.element_size(), size, topo.same_node_count(topo.group))
+            accounting.record("all_reduce", once + once)
             dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=topo.group)
             return
-        full = flat if n == size * s else torch.cat([flat, flat.new_zeros(size * s - n)])
-        mine = torch.empty(s, dtype=flat.dtype, device=flat.device)
-        comm.reduce_scatter(full, self.bits, op=comm.ReduceOp.AVG, topology=topo, out=mine,
-                            block_size=self.block_size)
-        gathered = mine.new_empty(size * s)
-        comm.all_gather(mine, self.bits, topology=topo, out=gathered, block_size=self.block_size)
-        flat.copy_(gathered[:n])
+        comm.all_reduce(flat, topology=topo, op=comm.ReduceOp.AVG, bits=self.bits, block_size=self.block_size)
 
 
 def install(groups: Sequence[tuple[nn.Module, ...]], topology: comm.Topology, bits: int | None,

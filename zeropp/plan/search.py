@@ -138,10 +138,15 @@ def rank(model: ModelSpec, cluster: Cluster, batch: Batch, offload: tuple[str, .
     memory first, then by step time (to 6 significant digits: closer times are ties), then fewer collective calls,
     then fewer lossy options (exact first), then less memory."""
     world, d = cluster.world, cluster.ranks_per_node
-    out = [predict(model, p, cluster, batch) for p in plans(world, d, offload, lossy)
-           if not (runnable_only and p.unsupported(world, d))]
-    return sorted(out, key=lambda p: (not p.fits, float(f"{p.step_time:.6g}"), p.calls, _bits(p.plan),
-                                      p.memory_total))
+    return ordered([predict(model, p, cluster, batch) for p in plans(world, d, offload, lossy)
+                    if not (runnable_only and p.unsupported(world, d))])
+
+
+def ordered(predictions: list[Prediction]) -> list[Prediction]:
+    """``predictions`` in ``rank``'s order: fitting in memory first, then by step time (to 6 significant digits),
+    then fewer collective calls, then fewer lossy options, then less memory."""
+    return sorted(predictions, key=lambda p: (not p.fits, float(f"{p.step_time:.6g}"), p.calls, _bits(p.plan),
+                                              p.memory_total))
 
 
 def why(ranked: list[Prediction]) -> str:

@@ -14,8 +14,9 @@ a node-aligned group (``k`` divides the ranks per node, or is a multiple of it d
 Named points: ZeRO-1 ``(1, 1, P)``, ZeRO-2 ``(1, P, P)``, ZeRO-3 ``(P, P, P)``, MiCS over ``k`` ranks ``(k, k, k)``
 with the cross-group gradient all-reduce once per accumulation window; hpZ is ZeRO-3 with a secondary copy of the
 parameters over ``h`` ranks of a node. The engine runs stages 1-3 with hpZ, qwZ/qgZ bits (``gradient_bits_intra``
-and int2 gradients included), weight deltas and the offload tiers, and the grouped points with exact collectives:
-MiCS (``mics_shard_size``), ``(1, 1, k)`` and ``(1, k, k)`` (``zeropp.partition`` at stage 1 / 2; see
+and int2 gradients included), weight deltas and the offload tiers, and the grouped points: MiCS
+(``mics_shard_size``) with qwZ, qgZ (its cross-group all-reduce quantized too) and, for groups of whole nodes, hpZ;
+``(1, 1, k)`` and ``(1, k, k)`` (``zeropp.partition`` at stage 1 / 2, exact collectives; see
 ``Partition.grouped_stage``); other partitions are the planner's alone (``Plan.unsupported`` says why a plan cannot
 run).
 """
@@ -130,13 +131,22 @@ class Plan:
         """Why the engine cannot run this plan today, or None when it can."""
         stage = self.partition.stage(world)
         grouped = self.partition.grouped_stage(world)
+        if grouped == 3:
+            hpz_refused = self.hpz > 1 and self.partition.params <= ranks_per_node
+            refused = [name for name, on in (("hpZ inside a node's group", hpz_refused),
+                                             ("weight deltas", self.weight_deltas),
+                                             ("offload", self.offload != "none")) if on]
+            if refused:
+                return f"MiCS runs with qwZ, qgZ and hpZ (groups of whole nodes) but not {', '.join(refused)} " \
+                       "(docs/partition.md)"
+            return None
         if grouped is not None:
             lossy = [name for name, on in (("qwZ", self.weight_bits), ("qgZ", self.gradient_bits),
                                            ("hpZ", self.hpz > 1), ("weight deltas", self.weight_deltas),
                                            ("offload", self.offload != "none")) if on]
             if lossy:
-                what = "MiCS" if grouped == 3 else "a grouped stage-1/2 partition"
-                return f"{what} runs with exact collectives only; {', '.join(lossy)} refused (docs/partition.md)"
+                return (f"a grouped stage-1/2 partition runs with exact collectives only; {', '.join(lossy)} refused "
+                        "(docs/partition.md)")
             return None
         if stage is None:
             return (f"partition {self.partition.label(world, ranks_per_node)} is not in the engine yet (issue 25 "
@@ -201,9 +211,9 @@ tests/engine/test_zeropp.py)."""
 def plans(world: int, ranks_per_node: int, offload: tuple[str, ...] = OFFLOAD_TIERS,
           lossy: str = "standard") -> Iterator[Plan]:
     """Every plan of the space on this cluster: each partition with qwZ off/int8/int4 where parameters are gathered,
-    the qgZ options where gradients are reduce-scattered across nodes, hpZ over the node and weight deltas where
-    the parameters are sharded across nodes, and each offload tier in ``offload``; lossy options as ``lossy``
-    allows (``LOSSY``)."""
+    the qgZ options where gradients are reduced across nodes (a reduce-scatter, or the all-reduce across gradient
+    groups), hpZ over the node and weight deltas where the parameters are sharded across nodes, and each offload
+    tier in ``offload``; lossy options as ``lossy`` allows (``LOSSY``)."""
     if lossy not in LOSSY:
         raise ValueError(f"lossy={lossy!r} must be one of {LOSSY}")
     for plan in _all_plans(world, ranks_per_node, offload):
@@ -218,7 +228,9 @@ def _all_plans(world: int, ranks_per_node: int, offload: tuple[str, ...]) -> Ite
     for part in partitions(world, ranks_per_node):
         gathers = part.params > 1 or part.optimizer > 1  # ZeRO-1/2 gather the stepped shards too
         for wbits in (None, 8, 4) if gathers else (None,):
-            cross_node_reduce = part.grads > d or (part.grads == 1 and part.optimizer > d)
+            # gradients reduced across nodes: by the reduce-scatter, or by the all-reduce across G groups (MiCS's)
+            cross_node_reduce = part.grads > d or (part.grads == 1 and part.optimizer > d) or \
+                (1 < part.grads < world and multinode)
             for gbits, gintra in GRADIENT_BITS if cross_node_reduce else GRADIENT_BITS[:1]:
                 hpzs = [1] + ([d] if part.params > d and d > 1 and multinode else [])
                 for hpz in hpzs:

@@ -22,7 +22,9 @@ Per step with ``A`` micro-batches, ``P`` ranks, ``d`` per node, ``n`` nodes, eac
 * stages 1 and 2 gather the stepped shards after the optimizer step (qwZ bits when on);
 * G or OS sharded over fewer than ``P`` ranks (the grouped points the engine runs, MiCS and ``(1, 1, k)`` /
   ``(1, k, k)``, and the points it does not): gradients reduced within the G group (the OS group when G is whole)
-  and all-reduced across the groups once per step, the stepped OS shards gathered into the P layout.
+  and all-reduced across the groups once per step, the stepped OS shards gathered into the P layout. With qgZ that
+  all-reduce is quantized (``zeropp.comm.all_reduce(bits=...)``, as the engine runs it under MiCS): its bytes are
+  ``zeropp.comm.all_reduce``'s formula, its time a ring all-reduce of packed slices.
 
 Persistent units (``stage3_param_persistence_threshold``) and reuse (``stage3_max_reuse_distance``) are not modelled:
 every unit is gathered at each use, as with a threshold of 0 (units of large models are far above DeepSpeed's 1e5).
@@ -150,14 +152,27 @@ def _reduce(unit: str, phase: str, calls: int, group: int, layout: Layout, numel
     return out
 
 
-def _all_reduce(unit: str, numel: int, replicas: int, layout: Layout, stride: int, dtype_bytes: int) -> Collective:
+def _all_reduce(unit: str, numel: int, replicas: int, layout: Layout, stride: int, dtype_bytes: int,
+                bits: int | None = None) -> Collective:
     """Ring all-reduce of ``numel`` elements over ``replicas`` ranks ``stride`` apart: a reduce-scatter and an
-    all-gather of ``numel / replicas`` each, so twice a gather's bytes."""
-    chunk = -(-numel // replicas) * dtype_bytes
+    all-gather of ``numel / replicas`` each, so twice a gather's bytes. Quantized (``bits``): slices of ``B`` packed
+    bytes, ``r`` replicas per node on ``n`` nodes; the qgZ reduce-scatter sends ``n`` packs to each node peer and
+    one to each other node, the all-gather one pack to every other replica (``zeropp.comm.all_reduce``), timed as a
+    ring all-reduce of ``B``; its kernels quantize and dequantize the tensor twice (read, packs, reduced slice)."""
     same = layout.same_node(replicas, stride)
-    t = gather_traffic(chunk, replicas, same)
-    return Collective("all_reduce", "cross-group gradient all-reduce", unit, "boundary", "ring", replicas,
-                      same, layout.groups_per_node(replicas, stride), chunk, 1, t + t)
+    per_node = layout.groups_per_node(replicas, stride)
+    s = -(-numel // replicas)
+    if bits is None:
+        chunk = s * dtype_bytes
+        t = gather_traffic(chunk, replicas, same)
+        return Collective("all_reduce", "cross-group gradient all-reduce", unit, "boundary", "ring", replicas,
+                          same, per_node, chunk, 1, t + t)
+    pack = BlockFormat(bits, DEFAULT_BLOCK_SIZE).packed_bytes(s)
+    nodes = replicas // same
+    intra, inter = (same - 1) * (nodes + 1) * pack, (nodes - 1 + replicas - same) * pack
+    kernel = 2 * numel * 4 + 3 * replicas * pack + s * 4 + pack
+    return Collective("all_reduce", "cross-group gradient all-reduce (quantized)", unit, "boundary", "ring",
+                      replicas, same, per_node, pack, 1, Traffic(intra, inter, intra, inter), kernel)
 
 
 def _delta_exchange(model: ModelSpec, plan: Plan, layout: Layout, align: int, dtype_bytes: int) -> Collective:
@@ -231,7 +246,7 @@ def collectives(model: ModelSpec, plan: Plan, layout: Layout, accum: int, dtype_
             sg = shard_numel(unit, align, g)
             out += _reduce(name, "backward", accum, g, layout, sg, plan, dtype_bytes)
             if g < world:
-                out.append(_all_reduce(name, sg, world // g, layout, g, dtype_bytes))
+                out.append(_all_reduce(name, sg, world // g, layout, g, dtype_bytes, plan.gradient_bits))
         else:
             so = shard_numel(unit, align, o)
             out += _reduce(name, "boundary", 1, o, layout, so, plan, dtype_bytes)
