@@ -2,8 +2,8 @@
 report, each paper's hardware as the cluster inputs (docs/planner.md, "Against the papers").
 
 Every row compares two setups (a plan on a cluster with a model and a per-rank batch) by throughput per GPU: the
-predicted ratio is ``step time of a / step time of b`` from ``zeropp.plan.predict`` (both setups process the same
-tokens per GPU), at the cluster's ``overlap`` of 1 (every overlappable collective hidden under compute) and 0
+predicted ratio is ``b``'s tokens per GPU per second over ``a``'s from ``zeropp.plan.predict`` (``step time of a /
+step time of b`` where both process the same tokens per GPU per step), at the cluster's ``overlap`` of 1 (every overlappable collective hidden under compute) and 0
 (nothing hidden), which bracket what a real run overlaps. The reported column is the number the source prints,
 with the figure or table it is in; ``None`` (printed "not found") where the number could not be found, never a
 guess. Where a source does not give an input (a model's shape, a batch, the network), the input is ours and the
@@ -86,6 +86,10 @@ class Setup:
         plan, cluster = self.at(overlap)
         return predict(self.model, plan, cluster, self.batch)
 
+    def tokens(self) -> int:
+        """Tokens per rank per step."""
+        return self.batch.micro * self.batch.seq * self.batch.accum
+
     def label(self, overlap: float) -> str:
         return self.at(overlap)[0].label(self.cluster.world, self.cluster.ranks_per_node)
 
@@ -115,8 +119,10 @@ class Comparison:
     reported_text: str
 
     def predicted(self, overlap: float) -> float:
-        """``a``'s step time over ``b``'s at ``overlap`` (per-GPU throughput of ``b`` over ``a``)."""
-        return self.a.predict(overlap).step_time / self.b.predict(overlap).step_time
+        """Per-GPU throughput of ``b`` over ``a`` at ``overlap``: tokens per step over step time, ``b``'s over
+        ``a``'s (``a``'s step time over ``b``'s when their batches match)."""
+        return (self.b.tokens() * self.a.predict(overlap).step_time
+                / (self.a.tokens() * self.b.predict(overlap).step_time))
 
 
 def tflops(setup: Setup, overlap: float) -> float:
@@ -309,19 +315,24 @@ INTERNLM_TGS = {8: (4062, 4078), 16: (3842, 3939), 32: (3752, 3919), 64: (3690, 
                 256: (3209, 3920), 512: (2861, 3835), 1024: (2271, 3625)}
 """GPUs: (TGS at ``zero1=-1``, TGS at ``zero1=8``), tp=1: InternLM's train_performance.md, Throughput table."""
 
+INTERNLM_ACCUM = {(512, 2): (3900, 3084), (1024, 1): (3625, 2346), (1024, 2): (3625, 2817)}
+"""(GPUs, micro-batches): (TGS at 4 micro-batches, TGS at that many), ``zero1=8``, 2 x 2048 tokens per micro-batch:
+InternLM's train_performance.md, FLOPS table without activation checkpointing (packed samples)."""
+
 INTERNLM_SCALES = (64, 256, 1024)
 """The scales whose rows are printed (the table has every power of two from 8)."""
 
 
-def internlm_setup(gpus: int, zero1: int) -> Setup:
+def internlm_setup(gpus: int, zero1: int, micro_num: int = 4) -> Setup:
     """InternLM-7B on ``gpus`` A100 80 GB (8 per node, 4 x 100 Gbit/s) with optimizer states over ``zero1`` ranks
     (-1: all), parameters and gradients replicated; compute rate: the planner's FLOPs per token at the 8-GPU
-    ``zero1=8`` TGS (that run taken as compute-bound: the one input taken from the table it is compared with)."""
+    ``zero1=8`` TGS (that run taken as compute-bound: the one input taken from the table it is compared with);
+    ``micro_num`` micro-batches of 2 x 2048 tokens per step."""
     model = from_hf_dict(INTERNLM_7B, "internlm-7b", 2048)
     flops = model.flops_per_token(2048) * INTERNLM_TGS[8][1]
     cluster = a100_cluster(gpus // 8, 80, 400, flops)
     shard = cluster.world if zero1 == -1 else zero1
-    return Setup(model, cluster, Batch(2, 2048, 4, 2), Plan(Partition(1, 1, shard)))
+    return Setup(model, cluster, Batch(2, 2048, micro_num, 2), Plan(Partition(1, 1, shard)))
 
 
 def internlm_comparisons() -> list[Comparison]:
@@ -342,6 +353,11 @@ def internlm_comparisons() -> list[Comparison]:
         out.append(Comparison(
             "AMSP", source, setting.format(gpus), f"zero1=8 / zero1=-1 at {gpus} GPUs (P1/G1/OS8 / ZeRO-1)",
             internlm_setup(gpus, -1), internlm_setup(gpus, 8), fast / slow, f"TGS {slow} -> {fast}"))
+    for (gpus, micro_num), (four, fewer) in INTERNLM_ACCUM.items():
+        out.append(Comparison(
+            "AMSP", "InternLM train_performance.md, FLOPS table", setting.format(gpus).replace("x 4", f"x {micro_num}"),
+            f"{micro_num} / 4 micro-batches per step at {gpus} GPUs, zero1=8 (P1/G1/OS8)",
+            internlm_setup(gpus, 8), internlm_setup(gpus, 8, micro_num), fewer / four, f"TGS {four} -> {fewer}"))
     return out
 
 
