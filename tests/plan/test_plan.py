@@ -224,6 +224,19 @@ def test_papers_ratios_come_from_the_planner(capsys) -> None:
     assert faster.predicted(0.0) < case.predicted(0.0)
     # ZeRO++ gains more at 100 than at 400 Gbit/s, as the figures report
     assert case.predicted(0.0) > 1.5
+    # InternLM's tables: each reported ratio is a ratio of two of their TGS cells; the planner agrees in direction
+    # that optimizer states sharded over the node scale better than over all 1024 ranks, and that fewer
+    # micro-batches per step lose throughput (the replicated gradients' reduction is paid once per step)
+    internlm = [c for c in cases if c.source.startswith("InternLM")]
+    cells = {tgs for table in (papers.INTERNLM_TGS, papers.INTERNLM_ACCUM) for pair in table.values() for tgs in pair}
+    assert internlm and all(any(c.reported == pytest.approx(n / d) for n in cells for d in cells) for c in internlm)
+    at_1024 = next(c for c in internlm if c.compared.startswith("zero1=8 / zero1=-1 at 1024"))
+    assert (at_1024.a.plan, at_1024.b.plan) == (Plan(Partition(1, 1, 1024)), Plan(Partition(1, 1, 8)))
+    assert at_1024.a.cluster.world == at_1024.b.cluster.world == 1024 and at_1024.predicted(0.0) > 1.0
+    one = next(c for c in internlm if c.compared.startswith("1 / 4 micro-batches per step at 1024"))
+    assert (one.a.batch.accum, one.b.batch.accum) == (4, 1) and one.predicted(0.0) < 1.0
+    step_a, step_b = one.a.predict(0.0).step_time, one.b.predict(0.0).step_time
+    assert one.predicted(0.0) == pytest.approx(step_a / (4 * step_b), rel=1e-12)
     assert papers.main(["--paper", "MiCS"]) == 0
     out = capsys.readouterr().out
     assert "| MiCS" in out and "ZeRO++ |" not in out and "not found" in out

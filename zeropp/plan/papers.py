@@ -2,8 +2,8 @@
 report, each paper's hardware as the cluster inputs (docs/planner.md, "Against the papers").
 
 Every row compares two setups (a plan on a cluster with a model and a per-rank batch) by throughput per GPU: the
-predicted ratio is ``step time of a / step time of b`` from ``zeropp.plan.predict`` (both setups process the same
-tokens per GPU), at the cluster's ``overlap`` of 1 (every overlappable collective hidden under compute) and 0
+predicted ratio is ``b``'s tokens per GPU per second over ``a``'s from ``zeropp.plan.predict`` (``step time of a /
+step time of b`` where both process the same tokens per GPU per step), at the cluster's ``overlap`` of 1 (every overlappable collective hidden under compute) and 0
 (nothing hidden), which bracket what a real run overlaps. The reported column is the number the source prints,
 with the figure or table it is in; ``None`` (printed "not found") where the number could not be found, never a
 guess. Where a source does not give an input (a model's shape, a batch, the network), the input is ours and the
@@ -20,8 +20,23 @@ Sources (as read; the papers' own PDFs were not available offline):
 * MiCS (arXiv 2205.00119), abstract: up to 2.89x the throughput of the state of the art, scaling efficiency up to
   1.27x DeepSpeed's, a 100B model on 512 GPUs at 99.4% weak-scaling efficiency, over 54.5% of each GPU's peak, on
   AWS. Its figures (instances, model shapes, per-figure ratios) were not found.
+  The Amazon SageMaker sharded-data-parallel blog (aws.amazon.com/blogs/machine-learning, "Train gigantic models
+  with near-linear scaling using sharded data parallelism on Amazon SageMaker", 2022-10-31; SageMaker's sharded
+  data parallelism is MiCS): a 30B GPT-2 at sequence 2048 reaches 141 TFLOP/s per GPU, 39.7% over DeepSpeed ZeRO-3,
+  on 256 GPUs; its instances, shape and sharding degree were not in the part read, so it has no row. The MiCS
+  authors' ZeRO-3 on the same cloud, DeepSpeed pull request #1453 (github.com/deepspeedai/DeepSpeed, 2021-10-12):
+  a 52B RoBERTa at 116.06 TFLOP/s per GPU on 8 p4d nodes (64 A100, 400 Gbit/s per node) and 108 on 32 (256 A100),
+  16 sequences of 512 per GPU, layer-wise activation checkpointing not counted in the TFLOP/s.
 * AMSP (arXiv 2311.00257), abstract: 52% MFU training a LLaMA-based model on 1024 GPUs, 1.56x the throughput of
-  MiCS and ZeRO++, up to 90.3% scaling efficiency across 1024 GPUs. Its figures and hardware were not found.
+  MiCS and ZeRO++, up to 90.3% scaling efficiency across 1024 GPUs. Its figures and hardware were not found. A point
+  of the same P/G/OS space in production: InternLM's "Hybrid Zero" (InternEvo's ``zero1`` size is the
+  optimizer-state sharding factor; a third-party summary of AMSP, sciencestack.ai, says AMSP trained InternLM),
+  measured in InternLM's ``doc/en/train_performance.md`` (github.com/InternLM/InternLM), "Throughput
+  Measurement" table: tokens per GPU per second (TGS) of InternLM-7B on 8 to 1024 A100-SXM4-80GB, 8 per node,
+  4 x 100 Gbit/s RoCE per node, 2 sequences of 2048 tokens x 4 micro-batches per GPU per step, no activation
+  checkpointing, with ``zero1=-1`` (optimizer states over every data-parallel rank: ZeRO-1) and ``zero1=8``
+  (over the node: parameters and gradients replicated, P1/G1/OS8); the model's shape from InternLM's
+  ``configs/7B_sft.py`` (hidden 4096, 32 layers, 32 heads, MLP ratio 8/3, vocabulary 103168).
 """
 
 from __future__ import annotations
@@ -35,7 +50,7 @@ from typing import Any
 
 from ..bench.report import rows_table
 from .cluster import Cluster
-from .model import ModelSpec, from_preset, from_sizes
+from .model import ModelSpec, from_hf_dict, from_preset, from_sizes
 from .search import Batch, Prediction, predict, rank
 from .space import Partition, Plan
 
@@ -71,6 +86,10 @@ class Setup:
         plan, cluster = self.at(overlap)
         return predict(self.model, plan, cluster, self.batch)
 
+    def tokens(self) -> int:
+        """Tokens per rank per step."""
+        return self.batch.micro * self.batch.seq * self.batch.accum
+
     def label(self, overlap: float) -> str:
         return self.at(overlap)[0].label(self.cluster.world, self.cluster.ranks_per_node)
 
@@ -100,8 +119,10 @@ class Comparison:
     reported_text: str
 
     def predicted(self, overlap: float) -> float:
-        """``a``'s step time over ``b``'s at ``overlap`` (per-GPU throughput of ``b`` over ``a``)."""
-        return self.a.predict(overlap).step_time / self.b.predict(overlap).step_time
+        """Per-GPU throughput of ``b`` over ``a`` at ``overlap``: tokens per step over step time, ``b``'s over
+        ``a``'s (``a``'s step time over ``b``'s when their batches match)."""
+        return (self.b.tokens() * self.a.predict(overlap).step_time
+                / (self.a.tokens() * self.b.predict(overlap).step_time))
 
 
 def tflops(setup: Setup, overlap: float) -> float:
@@ -218,6 +239,7 @@ def mics_comparisons() -> list[Comparison]:
     z3_large, mics_large = setups(64)
     setting = "100B (shape ours), A100 40 GB x 8, 400 Gbit/s (ours), 2K tok x 8 accum (ours)"
     return [
+        deepspeed_pr1453(),
         Comparison("MiCS", "abstract", setting.replace("A100", "512 A100"), "MiCS / ZeRO-3 (up to)",
                    z3_large, mics_large, 2.89, "up to 2.89x (setting not found)"),
         Comparison("MiCS", "abstract", setting.replace("A100", "64 -> 512 A100"),
@@ -228,6 +250,23 @@ def mics_comparisons() -> list[Comparison]:
                    "scaling efficiency MiCS / ZeRO-3 (up to)", z3_large, mics_large, 1.27,
                    "up to 1.27x (MiCS = ZeRO-3 at 64 GPUs here, so this is the throughput ratio at 512)"),
     ]
+
+
+def deepspeed_pr1453() -> Comparison:
+    """ZeRO-3's weak scaling on p4d, 64 -> 256 A100 40 GB, 52B RoBERTa (shape ours: 64 x 8192 with a 53K
+    vocabulary), compute at the 64-GPU rate (116.06 TFLOP/s on the pull request's count, which like the
+    planner's leaves the recompute out; that run taken as compute-bound)."""
+    model = replace(from_sizes(52_000_000_000, 64, 8192, 512, 53000), name="52B")
+    batch = Batch(16, 512, 1, 2)
+
+    def setup(nodes: int) -> Setup:
+        cluster = a100_cluster(nodes, 40, 400, 116.06e12)
+        return Setup(model, cluster, batch, Plan(Partition(cluster.world, cluster.world, cluster.world)))
+
+    return Comparison("MiCS", "DeepSpeed PR #1453 (p4d)",
+                      "52B RoBERTa (shape ours), 64 -> 256 A100 40 GB x 8, 400 Gbit/s, 16 x 512 tok/GPU",
+                      "ZeRO-3 weak scaling, 64 -> 256 GPUs", setup(8), setup(32), 108 / 116.06,
+                      "116.06 -> 108 TFLOP/s per GPU")
 
 
 @functools.lru_cache(maxsize=None)
@@ -266,8 +305,65 @@ def amsp_comparisons() -> list[Comparison]:
     ]
 
 
+INTERNLM_7B = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+               "intermediate_size": 11008, "vocab_size": 103168, "max_position_embeddings": 2048}
+"""InternLM-7B (``configs/7B_sft.py``) in Hugging Face keys: the MLP's 8/3 h rounded up to a multiple of 256 (11008:
+ours, from the ratio); attention biases, which InternLM's attention may carry (4 h per layer, under 0.01% of the
+parameters), left out."""
+
+INTERNLM_TGS = {8: (4062, 4078), 16: (3842, 3939), 32: (3752, 3919), 64: (3690, 3944), 128: (3571, 3928),
+                256: (3209, 3920), 512: (2861, 3835), 1024: (2271, 3625)}
+"""GPUs: (TGS at ``zero1=-1``, TGS at ``zero1=8``), tp=1: InternLM's train_performance.md, Throughput table."""
+
+INTERNLM_ACCUM = {(512, 2): (3900, 3084), (1024, 1): (3625, 2346), (1024, 2): (3625, 2817)}
+"""(GPUs, micro-batches): (TGS at 4 micro-batches, TGS at that many), ``zero1=8``, 2 x 2048 tokens per micro-batch:
+InternLM's train_performance.md, FLOPS table without activation checkpointing (packed samples)."""
+
+INTERNLM_SCALES = (64, 256, 1024)
+"""The scales whose rows are printed (the table has every power of two from 8)."""
+
+
+def internlm_setup(gpus: int, zero1: int, micro_num: int = 4) -> Setup:
+    """InternLM-7B on ``gpus`` A100 80 GB (8 per node, 4 x 100 Gbit/s) with optimizer states over ``zero1`` ranks
+    (-1: all), parameters and gradients replicated; compute rate: the planner's FLOPs per token at the 8-GPU
+    ``zero1=8`` TGS (that run taken as compute-bound: the one input taken from the table it is compared with);
+    ``micro_num`` micro-batches of 2 x 2048 tokens per step."""
+    model = from_hf_dict(INTERNLM_7B, "internlm-7b", 2048)
+    flops = model.flops_per_token(2048) * INTERNLM_TGS[8][1]
+    cluster = a100_cluster(gpus // 8, 80, 400, flops)
+    shard = cluster.world if zero1 == -1 else zero1
+    return Setup(model, cluster, Batch(2, 2048, micro_num, 2), Plan(Partition(1, 1, shard)))
+
+
+def internlm_comparisons() -> list[Comparison]:
+    source = "InternLM train_performance.md, Throughput table"
+    setting = "InternLM-7B, {} A100 80 GB (8/node, 4 x 100 Gbit/s RoCE), 2 x 2K tok x 4 micro/GPU"
+    out = []
+    for column, zero1 in ((1, 8), (0, -1)):
+        base = INTERNLM_TGS[8][column]
+        for gpus in INTERNLM_SCALES:
+            b = internlm_setup(gpus, zero1)
+            tgs = INTERNLM_TGS[gpus][column]
+            out.append(Comparison(
+                "AMSP", source, setting.format(f"8 -> {gpus}"),
+                f"scaling efficiency 8 -> {gpus} GPUs, zero1={zero1} ({b.label(1.0)})", internlm_setup(8, zero1), b,
+                tgs / base, f"TGS {base} -> {tgs}"))
+    for gpus in INTERNLM_SCALES[1:]:
+        slow, fast = INTERNLM_TGS[gpus]
+        out.append(Comparison(
+            "AMSP", source, setting.format(gpus), f"zero1=8 / zero1=-1 at {gpus} GPUs (P1/G1/OS8 / ZeRO-1)",
+            internlm_setup(gpus, -1), internlm_setup(gpus, 8), fast / slow, f"TGS {slow} -> {fast}"))
+    for (gpus, micro_num), (four, fewer) in INTERNLM_ACCUM.items():
+        out.append(Comparison(
+            "AMSP", "InternLM train_performance.md, FLOPS table", setting.format(gpus).replace("x 4", f"x {micro_num}"),
+            f"{micro_num} / 4 micro-batches per step at {gpus} GPUs, zero1=8 (P1/G1/OS8)",
+            internlm_setup(gpus, 8), internlm_setup(gpus, 8, micro_num), fewer / four, f"TGS {four} -> {fewer}"))
+    return out
+
+
 PAPERS: dict[str, Callable[[], list[Comparison]]] = {
-    "ZeRO++": zeropp_comparisons, "MiCS": mics_comparisons, "AMSP": amsp_comparisons}
+    "ZeRO++": zeropp_comparisons, "MiCS": mics_comparisons,
+    "AMSP": lambda: amsp_comparisons() + internlm_comparisons()}
 
 
 def comparisons(paper: str | None = None) -> list[Comparison]:
