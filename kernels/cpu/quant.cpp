@@ -298,8 +298,14 @@ void sum_block(const Run<const uint8_t>& in, int64_t stride, int groups, int blo
     }
 }
 
-// The four kernels of every instruction set, on runs of whole blocks.
+// The four kernels of every instruction set, on runs of whole blocks, and the fused sum of one block in element
+// order (for the reduce-requantize into another format).
 struct Kernels {
+    template <int Bits>
+    static void sum_elements(const Run<const uint8_t>& in, int64_t stride, int groups, int block, float* acc) {
+        sum_block<Bits>(in, stride, groups, block, acc);
+    }
+
     // Codes and scales of the run's blocks from x[0 .. count * block) (with `noise`, rounded stochastically,
     // x[i] with the noise of index first + i).
     template <int Bits, int D>
@@ -730,7 +736,21 @@ ZEROPP_AVX2_INLINE void mean_blocks(const Run<const uint8_t>& in, int64_t stride
     }
 }
 
-struct Kernels {  // as portable::Kernels
+struct Kernels {  // as portable::Kernels (int8 and int4)
+    // 8 elements a vector, a pack at a time.
+    template <int Bits>
+    ZEROPP_AVX2 static void sum_elements(const Run<const uint8_t>& in, int64_t stride, int groups, int block,
+                                         float* acc) {
+        for (int i = 0; i < block; i += 8) {
+            __m256 sum = _mm256_setzero_ps();
+            for (int g = 0; g < groups; ++g) {
+                const __m256 s = _mm256_set1_ps(load_float(in.scales + g * stride));
+                sum = _mm256_fmadd_ps(decode8<Bits>(in.codes + g * stride, i), s, sum);
+            }
+            _mm256_storeu_ps(acc + i, sum);
+        }
+    }
+
     template <int Bits, int D>
     ZEROPP_AVX2 static void quantize(const Storage<D>* x, int block, const Run<uint8_t>& out,
                                      const Noise* noise = nullptr, int64_t first = 0) {
@@ -995,28 +1015,32 @@ void reduce_requantize_jobs(const uint8_t* buf, const Layout& f, int groups, int
 // Pack m of `out` (layout o) = the fused sum of packs g * chunks + m (layout f), g < groups, requantized, for the
 // packs and elements of jobs [first_job, end_job): job = m * units + u covers elements [u * L, (u + 1) * L) of pack
 // m, L the larger block size (whole blocks of both layouts); elements past the input blocks sum to 0. With `noise`
-// rounded stochastically, element e of pack m with the noise of index m * chunk_numel + e. Portable kernels.
-template <int Bits, int OutBits>
+// rounded stochastically, element e of pack m with the noise of index m * chunk_numel + e. The sums and the
+// quantization run Isa's kernels where it has them (int8 and int4), else the portable ones.
+template <class Isa, int Bits, int OutBits>
 void reduce_requantize_general_jobs(const uint8_t* buf, const Layout& f, const Layout& o, int groups, int64_t chunks,
                                     int64_t chunk_numel, uint8_t* out, const Noise* noise, int64_t first_job,
                                     int64_t end_job) {
     const int64_t blocks = f.blocks(chunk_numel), pack_bytes = f.pack_bytes(chunk_numel);
     const int64_t out_blocks = o.blocks(chunk_numel), out_pack_bytes = o.pack_bytes(chunk_numel);
     const int64_t unit = std::max(f.block, o.block), units = (out_blocks * o.block + unit - 1) / unit;
+    using Sum = std::conditional_t<Bits == 2, portable::Kernels, Isa>;
+    using Quantize = std::conditional_t<OutBits == 2, portable::Kernels, Isa>;
     float acc[kMaxBlock];
     for (int64_t job = first_job; job < end_job; ++job) {
         const int64_t m = job / units, start = job % units * unit;
         const int64_t end_block = std::min((start + unit) / f.block, blocks);
         for (int64_t b = start / f.block; b < end_block; ++b) {
-            portable::sum_block<Bits>(f.run(buf + m * pack_bytes, blocks, b, 1), chunks * pack_bytes, groups, f.block,
-                                      acc + (b * f.block - start));
+            Sum::template sum_elements<Bits>(f.run(buf + m * pack_bytes, blocks, b, 1), chunks * pack_bytes, groups,
+                                             f.block, acc + (b * f.block - start));
         }
         std::fill(acc + (end_block * f.block - start), acc + unit, 0.0f);
-        const int64_t out_end = std::min((start + unit) / o.block, out_blocks);
-        for (int64_t b = start / o.block; b < out_end; ++b) {
-            const Run<uint8_t> run = o.run(out + m * out_pack_bytes, out_blocks, b, 1);
-            portable::quantize_block<OutBits>(acc + (b * o.block - start), o.block, run.codes, run.scales, noise,
-                                              m * chunk_numel + b * o.block);
+        const int64_t first_out = start / o.block, out_end = std::min((start + unit) / o.block, out_blocks);
+        if (out_end > first_out) {
+            Quantize::template quantize<OutBits, kFloat32>(acc + (first_out * o.block - start), o.block,
+                                                           o.run(out + m * out_pack_bytes, out_blocks, first_out,
+                                                                 out_end - first_out),
+                                                           noise, m * chunk_numel + first_out * o.block);
         }
     }
 }
@@ -1248,15 +1272,22 @@ void reduce_requantize_general(int out_bits, const uint8_t* buf, const Layout& f
                                int64_t chunks, int64_t chunk_numel, uint8_t* out, const Noise* noise, int threads) {
     const int64_t unit = std::max(f.block, o.block);
     const int64_t jobs = chunks * ((o.blocks(chunk_numel) * o.block + unit - 1) / unit);
-    parallel(jobs, threads, [&](int64_t a, int64_t e) {
-        if (out_bits == 8) {
-            reduce_requantize_general_jobs<Bits, 8>(buf, f, o, groups, chunks, chunk_numel, out, noise, a, e);
-        } else if (out_bits == 4) {
-            reduce_requantize_general_jobs<Bits, 4>(buf, f, o, groups, chunks, chunk_numel, out, noise, a, e);
-        } else {
-            reduce_requantize_general_jobs<Bits, 2>(buf, f, o, groups, chunks, chunk_numel, out, noise, a, e);
-        }
-    });
+    auto body = [&](auto isa) {
+        using Isa = decltype(isa);
+        parallel(jobs, threads, [&](int64_t a, int64_t e) {
+            if (out_bits == 8) {
+                reduce_requantize_general_jobs<Isa, Bits, 8>(buf, f, o, groups, chunks, chunk_numel, out, noise, a, e);
+            } else if (out_bits == 4) {
+                reduce_requantize_general_jobs<Isa, Bits, 4>(buf, f, o, groups, chunks, chunk_numel, out, noise, a, e);
+            } else {
+                reduce_requantize_general_jobs<Isa, Bits, 2>(buf, f, o, groups, chunks, chunk_numel, out, noise, a, e);
+            }
+        });
+    };
+#if ZEROPP_X86_KERNELS
+    if (avx2_usable()) return body(avx2::Kernels());
+#endif
+    body(portable::Kernels());
 }
 
 int check(int bits, int block, int dtype) {
