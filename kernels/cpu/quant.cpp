@@ -1308,7 +1308,7 @@ int check_rotation(int size, int block) {
 extern "C" {
 
 // Bumped whenever a signature below changes; zeropp/quant/native.py refuses a library of another version.
-int zeropp_cpu_abi_version(void) { return 3; }
+int zeropp_cpu_abi_version(void) { return 4; }
 
 // Returns 0, or non-zero for bad arguments (the Python side validates first; this is a second line).
 
@@ -1395,6 +1395,18 @@ int zeropp_reduce_dequantize_rotated(const uint8_t* buf, int bits, int block, in
     if (int bad = check_rotation(size, block)) return bad;
     dispatch<ReduceDequantizeRotated>(bits, dtype, buf, Layout{bits, block}, groups, chunk_numel, size, out,
                                       out_numel, divisor, threads);
+    return 0;
+}
+
+// 1 - u of the stochastic rounding's noise (format.py) of indices first .. first + n - 1 into out[0..n), as this
+// CPU's quantize kernels compute it (so that the tests reach runs across a multiple of 2^32).
+int zeropp_noise_thresholds(uint32_t seed, int64_t first, int64_t n, float* out) {
+    if (first < 0 || n < 0) return 4;
+    const Noise noise{seed};
+#if ZEROPP_X86_KERNELS
+    if (avx2_usable()) return avx2::noise_thresholds8(noise, first, n, out), 0;
+#endif
+    noise_thresholds(noise, first, n, out);
     return 0;
 }
 
