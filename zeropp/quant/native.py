@@ -131,9 +131,9 @@ class Library:
                    chunk_numel, size, out.data_ptr(), _DTYPES[out.dtype], out.numel(), divisor)
 
     def noise_thresholds(self, seed: int, first: int, n: int) -> torch.Tensor:
-        """``1 - u`` (float32, ``n`` values) of the stochastic rounding's noise for indices ``first`` to ``first + n
-        - 1`` and ``seed`` (``format.py``), as the library's quantize kernels compute it (a test hook: it reaches
-        indices past ``2**32``, which no op of a testable size does)."""
+        """``1 - u`` (float32, ``n`` values) of the stochastic rounding's noise for ``seed`` and the indices from
+        ``first`` on (``format.py``), as the library's quantize kernels compute it (a test hook: it reaches indices
+        past ``2**32``, which no op of a testable size does)."""
         out = torch.empty(n, dtype=torch.float32)
         status = self._lib.zeropp_noise_thresholds(seed, first, n, out.data_ptr())
         if status:
