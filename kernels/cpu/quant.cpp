@@ -15,7 +15,13 @@
 //  * the fused sums are acc = fma(code, scale, acc), the spec's own operation; the final division is IEEE
 //    division, or a multiplication by 1 / divisor where that is exact (a power of two): the same rounding of the
 //    same real number;
-//  * conversions to float16 and bfloat16 round to nearest even, NaN stays NaN.
+//  * conversions to float16 and bfloat16 round to nearest even, NaN stays NaN;
+//  * stochastic rounding (format.py's noise): p = x * r rounded once to float (a float multiplication where r is a
+//    float; in double, then rounded, for a subnormal scale), then the floor of |p| and the comparison of its
+//    fraction with 1 - u, all exact. The hash is 32-bit lane arithmetic with its per-index key computed once per
+//    run of indices that share their high 32 bits (noise_thresholds), so it vectorizes: 8 lanes in the AVX2
+//    kernels, which round stochastically for every normal scale (int8 and int4), the compiler's in the portable
+//    ones (int2, and the blocks with a subnormal scale).
 //
 // Three sets of kernels, chosen when the library is first called: the AVX-512 kernels (the AVX2 ones with their
 // own fused int4 reduce-requantize, which needs AVX-512 F, BW, VL and VBMI2) on x86-64 CPUs that have them, the
@@ -161,12 +167,31 @@ ZEROPP_INLINE uint32_t fmix32(uint32_t h) {
     return h ^ (h >> 16);
 }
 
-// 1 - u of element `index` (exact in float: (2^23 - (h >> 9)) * 2^-23), h = fmix32(lo * 0x9E3779B1 + key) with
-// key = fmix32(fmix32(hi) ^ seed) and lo, hi the index's low and high 32 bits.
-ZEROPP_INLINE float noise_threshold(const Noise& noise, int64_t index) {
-    const uint32_t lo = uint32_t(uint64_t(index)), hi = uint32_t(uint64_t(index) >> 32);
-    const uint32_t h = fmix32(lo * 0x9E3779B1u + fmix32(fmix32(hi) ^ noise.seed));
-    return float(int32_t(8388608u - (h >> 9))) * 0x1p-23f;
+// The key of the noise of the indices whose high 32 bits are `hi`: fmix32(fmix32(hi) ^ seed).
+ZEROPP_INLINE uint32_t noise_key(const Noise& noise, uint32_t hi) { return fmix32(fmix32(hi) ^ noise.seed); }
+
+// The largest n' <= n such that indices first .. first + n' - 1 share their high 32 bits (one key): n unless the
+// run crosses a multiple of 2^32.
+ZEROPP_INLINE int64_t same_key_run(int64_t first, int64_t n) {
+    return std::min<int64_t>(n, int64_t((uint64_t(1) << 32) - (uint64_t(first) & 0xFFFFFFFFu)));
+}
+
+// t[0..n) = 1 - u of the indices first .. first + n - 1 (exact in float: (2^23 - (h >> 9)) * 2^-23), h =
+// fmix32(lo * 0x9E3779B1 + key) with key = noise_key(hi) and lo, hi an index's low and high 32 bits. The key is
+// computed once per run of equal high halves, and lo * 0x9E3779B1 + key (mod 2^32) of element j is that of the
+// run's first plus j * 0x9E3779B1, so the inner loop is 32-bit lane arithmetic with no branch, which compilers
+// vectorize.
+inline void noise_thresholds(const Noise& noise, int64_t first, int64_t n, float* __restrict t) {
+    for (int64_t i = 0; i < n;) {
+        const int64_t m = same_key_run(first + i, n - i);
+        const uint64_t index = uint64_t(first + i);
+        const uint32_t base = uint32_t(index) * 0x9E3779B1u + noise_key(noise, uint32_t(index >> 32));
+        for (int64_t j = 0; j < m; ++j) {
+            const uint32_t h = fmix32(base + uint32_t(j) * 0x9E3779B1u);
+            t[i + j] = float(int32_t(8388608u - (h >> 9))) * 0x1p-23f;
+        }
+        i += m;
+    }
 }
 
 namespace portable {
@@ -189,11 +214,14 @@ void encode(const float* v, int block, float scale, uint8_t* codes, const Noise*
     const double r = std::ldexp((std::ldexp(m, 24) + kRounder64) - kRounder64, e - 24);
     int32_t q[kMaxBlock];
     if (noise) {
-        for (int i = 0; i < block; ++i) {
+        float t[kMaxBlock];
+        noise_thresholds(*noise, first, block, t);
+        for (int i = 0; i < block; ++i) {  // |p| < 2^31 (at most about 2 qmax), so truncation is its floor
             const float p = float(double(v[i]) * r);
-            const float a = std::fabs(p), whole = std::floor(a);
-            const float c = std::min(whole + float(a - whole >= noise_threshold(*noise, first + i)), float(qmax));
-            q[i] = p < 0.0f ? -int32_t(c) : int32_t(c);
+            const float a = std::fabs(p);
+            const int32_t whole = int32_t(a);
+            const int32_t c = std::min(whole + int32_t(a - float(whole) >= t[i]), int32_t(qmax));
+            q[i] = p < 0.0f ? -c : c;
         }
     } else {
         for (int i = 0; i < block; ++i) {
@@ -206,10 +234,11 @@ void encode(const float* v, int block, float scale, uint8_t* codes, const Noise*
 
 // The same from x[0..block) of dtype D.
 template <int Bits, int D>
-void encode(const Storage<D>* x, int block, float scale, uint8_t* codes) {
+void encode(const Storage<D>* x, int block, float scale, uint8_t* codes, const Noise* noise = nullptr,
+            int64_t first = 0) {
     float v[kMaxBlock];
     for (int i = 0; i < block; ++i) v[i] = to_float<D>(x[i]);
-    encode<Bits>(v, block, scale, codes);
+    encode<Bits>(v, block, scale, codes, noise, first);
 }
 
 // Codes and scale of the float values v[0..block) (rounded stochastically with `noise`, element i with the noise
@@ -269,8 +298,14 @@ void sum_block(const Run<const uint8_t>& in, int64_t stride, int groups, int blo
     }
 }
 
-// The four kernels of every instruction set, on runs of whole blocks.
+// The four kernels of every instruction set, on runs of whole blocks, and the fused sum of one block in element
+// order (for the reduce-requantize into another format).
 struct Kernels {
+    template <int Bits>
+    static void sum_elements(const Run<const uint8_t>& in, int64_t stride, int groups, int block, float* acc) {
+        sum_block<Bits>(in, stride, groups, block, acc);
+    }
+
     // Codes and scales of the run's blocks from x[0 .. count * block) (with `noise`, rounded stochastically,
     // x[i] with the noise of index first + i).
     template <int Bits, int D>
@@ -416,6 +451,50 @@ ZEROPP_AVX2_INLINE __m256i codes8(const Storage<D>* x, __m256 r) {
     return _mm256_sub_epi32(_mm256_castps_si256(y), _mm256_castps_si256(rounder));
 }
 
+// fmix32 (MurmurHash3's finalizer) of 8 lanes.
+ZEROPP_AVX2_INLINE __m256i fmix32x8(__m256i h) {
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+    h = _mm256_mullo_epi32(h, _mm256_set1_epi32(int(0x85EBCA6Bu)));
+    h = _mm256_xor_si256(h, _mm256_srli_epi32(h, 13));
+    h = _mm256_mullo_epi32(h, _mm256_set1_epi32(int(0xC2B2AE35u)));
+    return _mm256_xor_si256(h, _mm256_srli_epi32(h, 16));
+}
+
+// noise_thresholds (above), 8 lanes a step: lane k of step j hashes base + (8 j + k) * 0x9E3779B1.
+ZEROPP_AVX2 void noise_thresholds8(const Noise& noise, int64_t first, int64_t n, float* t) {
+    const __m256i golden = _mm256_set1_epi32(int(0x9E3779B1u)), step = _mm256_set1_epi32(int(8u * 0x9E3779B1u));
+    const __m256i lanes = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), golden);
+    for (int64_t i = 0; i < n;) {
+        const int64_t m = same_key_run(first + i, n - i);
+        const uint64_t index = uint64_t(first + i);
+        const uint32_t base = uint32_t(index) * 0x9E3779B1u + noise_key(noise, uint32_t(index >> 32));
+        __m256i hashed = _mm256_add_epi32(_mm256_set1_epi32(int(base)), lanes);
+        int64_t j = 0;
+        for (; j + 8 <= m; j += 8, hashed = _mm256_add_epi32(hashed, step)) {
+            const __m256i h = fmix32x8(hashed);
+            const __m256i steps = _mm256_sub_epi32(_mm256_set1_epi32(8388608), _mm256_srli_epi32(h, 9));
+            _mm256_storeu_ps(t + i + j, _mm256_mul_ps(_mm256_cvtepi32_ps(steps), _mm256_set1_ps(0x1p-23f)));
+        }
+        if (j < m) noise_thresholds(noise, first + i + j, m - j, t + i + j);  // a run cut by a multiple of 2^32
+        i += m;
+    }
+}
+
+// The codes of 8 elements rounded stochastically (see portable::encode) for the reciprocal r of a normal scale, t:
+// their 1 - u. r is a float, so the float product is the spec's p (x * r rounded once); |p| <= qmax (1 + 2^-22),
+// so truncation is floor(|p|), and the fraction |p| - floor(|p|) is exact. The sign goes back on by vpsignd, which
+// leaves 0 for p = +-0 (where the code is 0 anyway: 1 - u > 0).
+template <int Bits, int D>
+ZEROPP_AVX2_INLINE __m256i stochastic_codes8(const Storage<D>* x, __m256 r, const float* t) {
+    const __m256 p = _mm256_mul_ps(load8<D>(x), r);
+    const __m256 a = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), p);
+    const __m256i whole = _mm256_cvttps_epi32(a);
+    const __m256 up = _mm256_cmp_ps(_mm256_sub_ps(a, _mm256_cvtepi32_ps(whole)), _mm256_loadu_ps(t), _CMP_GE_OQ);
+    const __m256i c = _mm256_min_epi32(_mm256_sub_epi32(whole, _mm256_castps_si256(up)),  // up: all ones = -1
+                                       _mm256_set1_epi32(kQmax<Bits>));
+    return _mm256_sign_epi32(c, _mm256_castps_si256(p));
+}
+
 // The sixteen codes (int32, |q| <= 127) of a 16-element block stored.
 template <int Bits>
 ZEROPP_AVX2_INLINE void store_codes16(uint8_t* codes, __m256i q0, __m256i q1) {
@@ -489,11 +568,30 @@ ZEROPP_AVX2_INLINE void batch_scales(const Storage<D>* largest, float* scale, fl
     _mm256_storeu_ps(r, _mm256_div_ps(_mm256_set1_ps(1.0f), s));
 }
 
-// The codes of x[0..block) for its `scale`, any float (r: its reciprocal, as batch_scales gives it).
+// The codes of x[0..block) for its `scale`, any float (r: its reciprocal, as batch_scales gives it); with `noise`
+// rounded stochastically, element i with the noise of index first + i.
 template <int Bits, int D>
-ZEROPP_AVX2_INLINE void encode(const Storage<D>* x, int block, float scale, float r, uint8_t* codes) {
-    if (!(scale >= FLT_MIN && scale <= FLT_MAX)) return portable::encode<Bits, D>(x, block, scale, codes);
+ZEROPP_AVX2_INLINE void encode(const Storage<D>* x, int block, float scale, float r, uint8_t* codes,
+                               const Noise* noise = nullptr, int64_t first = 0) {
+    if (!(scale >= FLT_MIN && scale <= FLT_MAX)) {
+        return portable::encode<Bits, D>(x, block, scale, codes, noise, first);
+    }
     const __m256 vr = _mm256_set1_ps(r);
+    if (noise) {
+        alignas(32) float t[kMaxBlock];
+        noise_thresholds8(*noise, first, block, t);
+        if (block == 16) {
+            return store_codes16<Bits>(codes, stochastic_codes8<Bits, D>(x, vr, t),
+                                       stochastic_codes8<Bits, D>(x + 8, vr, t + 8));
+        }
+        for (int i = 0; i < block; i += 32) {
+            store_codes32<Bits>(codes, i, stochastic_codes8<Bits, D>(x + i, vr, t + i),
+                                stochastic_codes8<Bits, D>(x + i + 8, vr, t + i + 8),
+                                stochastic_codes8<Bits, D>(x + i + 16, vr, t + i + 16),
+                                stochastic_codes8<Bits, D>(x + i + 24, vr, t + i + 24));
+        }
+        return;
+    }
     if (block == 16) return store_codes16<Bits>(codes, codes8<D>(x, vr), codes8<D>(x + 8, vr));
     for (int i = 0; i < block; i += 32) {
         store_codes32<Bits>(codes, i, codes8<D>(x + i, vr), codes8<D>(x + i + 8, vr), codes8<D>(x + i + 16, vr),
@@ -638,20 +736,36 @@ ZEROPP_AVX2_INLINE void mean_blocks(const Run<const uint8_t>& in, int64_t stride
     }
 }
 
-struct Kernels {  // as portable::Kernels
+struct Kernels {  // as portable::Kernels (int8 and int4)
+    // 8 elements a vector, a pack at a time.
+    template <int Bits>
+    ZEROPP_AVX2 static void sum_elements(const Run<const uint8_t>& in, int64_t stride, int groups, int block,
+                                         float* acc) {
+        for (int i = 0; i < block; i += 8) {
+            __m256 sum = _mm256_setzero_ps();
+            for (int g = 0; g < groups; ++g) {
+                const __m256 s = _mm256_set1_ps(load_float(in.scales + g * stride));
+                sum = _mm256_fmadd_ps(decode8<Bits>(in.codes + g * stride, i), s, sum);
+            }
+            _mm256_storeu_ps(acc + i, sum);
+        }
+    }
+
     template <int Bits, int D>
-    ZEROPP_AVX2 static void quantize(const Storage<D>* x, int block, const Run<uint8_t>& out) {
+    ZEROPP_AVX2 static void quantize(const Storage<D>* x, int block, const Run<uint8_t>& out,
+                                     const Noise* noise = nullptr, int64_t first = 0) {
         const int batch = batch_blocks(block);
-        for (int64_t first = 0; first < out.count; first += batch) {
-            const int n = int(std::min<int64_t>(batch, out.count - first));
-            const Storage<D>* blocks = x + first * block;
+        for (int64_t b = 0; b < out.count; b += batch) {
+            const int n = int(std::min<int64_t>(batch, out.count - b));
+            const Storage<D>* blocks = x + b * block;
             Storage<D> largest[kBatch] = {};
             for (int k = 0; k < n; ++k) largest[k] = absmax<D>(blocks + k * block, block);
             float scale[kBatch], r[kBatch];
             batch_scales<Bits, D>(largest, scale, r);
-            std::memcpy(out.scales + 4 * first, scale, 4 * n);
+            std::memcpy(out.scales + 4 * b, scale, 4 * n);
             for (int k = 0; k < n; ++k) {
-                encode<Bits, D>(blocks + k * block, block, scale[k], r[k], out.codes + (first + k) * block * Bits / 8);
+                encode<Bits, D>(blocks + k * block, block, scale[k], r[k], out.codes + (b + k) * block * Bits / 8,
+                                noise, first + (b + k) * block);
             }
         }
     }
@@ -846,17 +960,13 @@ inline int64_t present(int64_t available, int64_t count, int block) {
     return std::clamp<int64_t>(available, 0, count * block);
 }
 
-// Stochastic rounding (a Noise) runs the portable encoding: element i of x takes the noise of index i.
+// With `noise` (stochastic rounding), element i of x takes the noise of index i.
 template <class Isa, int Bits, int D>
 void quantize_jobs(const Storage<D>* x, int64_t numel, const Layout& f, int64_t chunks, int64_t nodes, uint8_t* out,
                    const Noise* noise, int64_t first_job, int64_t end_job) {
     const int64_t slice = (numel + chunks - 1) / chunks, blocks = f.blocks(slice), per_node = chunks / nodes;
     auto quantize = [&](const Storage<D>* src, const Run<uint8_t>& run, int64_t index) {
-        if (noise) {
-            portable::Kernels::quantize<Bits, D>(src, f.block, run, noise, index);
-        } else {
-            Isa::template quantize<Bits, D>(src, f.block, run);
-        }
+        Isa::template quantize<Bits, D>(src, f.block, run, noise, index);
     };
     for_each_run(first_job, end_job, blocks, [&](int64_t p, int64_t b, int64_t count) {
         const int64_t source = (p % nodes) * per_node + p / nodes;  // format.swizzle_source
@@ -905,28 +1015,32 @@ void reduce_requantize_jobs(const uint8_t* buf, const Layout& f, int groups, int
 // Pack m of `out` (layout o) = the fused sum of packs g * chunks + m (layout f), g < groups, requantized, for the
 // packs and elements of jobs [first_job, end_job): job = m * units + u covers elements [u * L, (u + 1) * L) of pack
 // m, L the larger block size (whole blocks of both layouts); elements past the input blocks sum to 0. With `noise`
-// rounded stochastically, element e of pack m with the noise of index m * chunk_numel + e. Portable kernels.
-template <int Bits, int OutBits>
+// rounded stochastically, element e of pack m with the noise of index m * chunk_numel + e. The sums and the
+// quantization run Isa's kernels where it has them (int8 and int4), else the portable ones.
+template <class Isa, int Bits, int OutBits>
 void reduce_requantize_general_jobs(const uint8_t* buf, const Layout& f, const Layout& o, int groups, int64_t chunks,
                                     int64_t chunk_numel, uint8_t* out, const Noise* noise, int64_t first_job,
                                     int64_t end_job) {
     const int64_t blocks = f.blocks(chunk_numel), pack_bytes = f.pack_bytes(chunk_numel);
     const int64_t out_blocks = o.blocks(chunk_numel), out_pack_bytes = o.pack_bytes(chunk_numel);
     const int64_t unit = std::max(f.block, o.block), units = (out_blocks * o.block + unit - 1) / unit;
+    using Sum = std::conditional_t<Bits == 2, portable::Kernels, Isa>;
+    using Quantize = std::conditional_t<OutBits == 2, portable::Kernels, Isa>;
     float acc[kMaxBlock];
     for (int64_t job = first_job; job < end_job; ++job) {
         const int64_t m = job / units, start = job % units * unit;
         const int64_t end_block = std::min((start + unit) / f.block, blocks);
         for (int64_t b = start / f.block; b < end_block; ++b) {
-            portable::sum_block<Bits>(f.run(buf + m * pack_bytes, blocks, b, 1), chunks * pack_bytes, groups, f.block,
-                                      acc + (b * f.block - start));
+            Sum::template sum_elements<Bits>(f.run(buf + m * pack_bytes, blocks, b, 1), chunks * pack_bytes, groups,
+                                             f.block, acc + (b * f.block - start));
         }
         std::fill(acc + (end_block * f.block - start), acc + unit, 0.0f);
-        const int64_t out_end = std::min((start + unit) / o.block, out_blocks);
-        for (int64_t b = start / o.block; b < out_end; ++b) {
-            const Run<uint8_t> run = o.run(out + m * out_pack_bytes, out_blocks, b, 1);
-            portable::quantize_block<OutBits>(acc + (b * o.block - start), o.block, run.codes, run.scales, noise,
-                                              m * chunk_numel + b * o.block);
+        const int64_t first_out = start / o.block, out_end = std::min((start + unit) / o.block, out_blocks);
+        if (out_end > first_out) {
+            Quantize::template quantize<OutBits, kFloat32>(acc + (first_out * o.block - start), o.block,
+                                                           o.run(out + m * out_pack_bytes, out_blocks, first_out,
+                                                                 out_end - first_out),
+                                                           noise, m * chunk_numel + first_out * o.block);
         }
     }
 }
@@ -977,9 +1091,9 @@ constexpr int kRotatedBatch = 2048;
 // quantize_jobs with the rotation fused (rotation.py's swizzle_quantize_rotated): each run's blocks are widened to
 // float32 with the slice's zero padding, their Size-element sub-blocks rotated, then quantized as float32. A rotation
 // block never crosses a slice's end (Size divides the block), so this is the rotation of each slice zero-padded to a
-// multiple of Size, quantized. With `noise`, rounded stochastically by the portable encoding, element e of slice s
-// with the noise of index s * width + e, width = the slice rounded up to whole rotation blocks: its index in the
-// rotated slices that the unfused composition quantizes.
+// multiple of Size, quantized. With `noise`, rounded stochastically, element e of slice s with the noise of index
+// s * width + e, width = the slice rounded up to whole rotation blocks: its index in the rotated slices that the
+// unfused composition quantizes.
 template <class Isa, int Bits, int D, int Size>
 void quantize_rotated_jobs(const Storage<D>* x, int64_t numel, const Layout& f, int64_t chunks, int64_t nodes,
                            uint8_t* out, const Noise* noise, int64_t first_job, int64_t end_job) {
@@ -999,12 +1113,7 @@ void quantize_rotated_jobs(const Storage<D>* x, int64_t numel, const Layout& f, 
             std::fill(v + m, v + elements, 0.0f);
             rotate<Size, false>(v, elements / Size);
             const Run<uint8_t> run = f.run(pack, blocks, b + k, c);
-            if (noise) {
-                portable::Kernels::quantize<Bits, kFloat32>(v, f.block, run, noise,
-                                                            source * width + (b + k) * f.block);
-            } else {
-                Isa::template quantize<Bits, kFloat32>(v, f.block, run);
-            }
+            Isa::template quantize<Bits, kFloat32>(v, f.block, run, noise, source * width + (b + k) * f.block);
         }
     });
 }
@@ -1163,15 +1272,22 @@ void reduce_requantize_general(int out_bits, const uint8_t* buf, const Layout& f
                                int64_t chunks, int64_t chunk_numel, uint8_t* out, const Noise* noise, int threads) {
     const int64_t unit = std::max(f.block, o.block);
     const int64_t jobs = chunks * ((o.blocks(chunk_numel) * o.block + unit - 1) / unit);
-    parallel(jobs, threads, [&](int64_t a, int64_t e) {
-        if (out_bits == 8) {
-            reduce_requantize_general_jobs<Bits, 8>(buf, f, o, groups, chunks, chunk_numel, out, noise, a, e);
-        } else if (out_bits == 4) {
-            reduce_requantize_general_jobs<Bits, 4>(buf, f, o, groups, chunks, chunk_numel, out, noise, a, e);
-        } else {
-            reduce_requantize_general_jobs<Bits, 2>(buf, f, o, groups, chunks, chunk_numel, out, noise, a, e);
-        }
-    });
+    auto body = [&](auto isa) {
+        using Isa = decltype(isa);
+        parallel(jobs, threads, [&](int64_t a, int64_t e) {
+            if (out_bits == 8) {
+                reduce_requantize_general_jobs<Isa, Bits, 8>(buf, f, o, groups, chunks, chunk_numel, out, noise, a, e);
+            } else if (out_bits == 4) {
+                reduce_requantize_general_jobs<Isa, Bits, 4>(buf, f, o, groups, chunks, chunk_numel, out, noise, a, e);
+            } else {
+                reduce_requantize_general_jobs<Isa, Bits, 2>(buf, f, o, groups, chunks, chunk_numel, out, noise, a, e);
+            }
+        });
+    };
+#if ZEROPP_X86_KERNELS
+    if (avx2_usable()) return body(avx2::Kernels());
+#endif
+    body(portable::Kernels());
 }
 
 int check(int bits, int block, int dtype) {
@@ -1192,7 +1308,7 @@ int check_rotation(int size, int block) {
 extern "C" {
 
 // Bumped whenever a signature below changes; zeropp/quant/native.py refuses a library of another version.
-int zeropp_cpu_abi_version(void) { return 3; }
+int zeropp_cpu_abi_version(void) { return 4; }
 
 // Returns 0, or non-zero for bad arguments (the Python side validates first; this is a second line).
 
@@ -1279,6 +1395,18 @@ int zeropp_reduce_dequantize_rotated(const uint8_t* buf, int bits, int block, in
     if (int bad = check_rotation(size, block)) return bad;
     dispatch<ReduceDequantizeRotated>(bits, dtype, buf, Layout{bits, block}, groups, chunk_numel, size, out,
                                       out_numel, divisor, threads);
+    return 0;
+}
+
+// 1 - u of the stochastic rounding's noise (format.py) of indices first .. first + n - 1 into out[0..n), as this
+// CPU's quantize kernels compute it (so that the tests reach runs across a multiple of 2^32).
+int zeropp_noise_thresholds(uint32_t seed, int64_t first, int64_t n, float* out) {
+    if (first < 0 || n < 0) return 4;
+    const Noise noise{seed};
+#if ZEROPP_X86_KERNELS
+    if (avx2_usable()) return avx2::noise_thresholds8(noise, first, n, out), 0;
+#endif
+    noise_thresholds(noise, first, n, out);
     return 0;
 }
 

@@ -7,6 +7,7 @@ they have the path) against the reference bit for bit on fresh random inputs. Ca
 interpreter costs about a CPU-second per few thousand elements.
 """
 
+import itertools
 import math
 from fractions import Fraction
 
@@ -22,6 +23,7 @@ from test_kernels import (  # noqa: F401 (fixtures)
     check_quantize,
     gen,
     kernels,
+    native_kernels,
     random_packs,
     random_values,
     special_blocks,
@@ -118,6 +120,16 @@ def test_noise_hash_every_implementation():
             want = [float(1 - py_noise(seed, first + i)) for i in range(16)]
             assert reference.noise_thresholds(seed, first, 2, 8, torch.device("cpu")).view(-1).tolist() == want
             assert triton_thresholds(seed, first, 16).tolist() == want
+
+
+def test_native_noise_thresholds(native_kernels):
+    """The native library's ``1 - u`` (its AVX2 loop with scalar tails, or the portable one) against Python integers,
+    for runs of 40 indices from 0, across 2**32 and 2**33 (the key changes inside the run) and past 2**40, seeds up
+    to 2**32 - 1: no op of a testable size reaches indices past 2**32."""
+    for seed in (0, 0x80000000, 2**32 - 1):
+        for first in (0, 2**32 - 5, 2**33 - 37, 3 * 2**40 + 17):
+            want = [float(1 - py_noise(seed, first + i)) for i in range(40)]
+            assert native_kernels.ops.noise_thresholds(seed, first, 40).tolist() == want
 
 
 @triton.jit(do_not_specialize=["seed"])
@@ -258,6 +270,22 @@ def test_stochastic_quantize_kernels(bits, kernels, gen):
     kernels.ops.quantize_chunks(special.to(kernels.device), fmt, 1, 1, actual, 5)
     assert_same_packs(actual, packed, fmt, 1, special.numel())
     check_requantize(kernels, torch.cat([packed, packed]), fmt, 2, 1, special.numel(), None, 6)
+
+
+def test_native_stochastic_quantize_dtypes(native_kernels, gen):
+    """The native seeded quantize (vectorized for int8 and int4) from bfloat16 and float32 into 3 packs, blocks of 16
+    and of 2048 (a whole and a ragged block a pack), every width: test_stochastic_quantize_kernels covers float16
+    and blocks of 32 on every implementation."""
+    sizes = ((16, 100), (2048, 9000))
+    for bits, dtype, (block_size, numel) in itertools.product((8, 4, 2), (torch.bfloat16, torch.float32), sizes):
+        fmt = BlockFormat(bits, block_size)
+        x = random_values(numel, dtype, gen)
+        nbytes = fmt.chunked_bytes(numel, 3)
+        expected = torch.empty(nbytes, dtype=torch.uint8)
+        reference.quantize_chunks(x, fmt, 3, 1, expected, 2**32 - 2)
+        actual = torch.full((nbytes,), 0xAB, dtype=torch.uint8)
+        native_kernels.ops.quantize_chunks(x, fmt, 3, 1, actual, 2**32 - 2)
+        assert_same_packs(actual, expected, fmt, 3, numel)
 
 
 def test_public_ops_checks(monkeypatch):

@@ -23,7 +23,7 @@ import torch
 from .format import BlockFormat
 from .native_loader import NativeBackend, build_path
 
-ABI_VERSION = 3
+ABI_VERSION = 4
 """The ``zeropp_cpu_abi_version()`` this module is written for (kernels/cpu/quant.cpp)."""
 
 LIBRARY_NAME = "libzeropp_cpu.so"
@@ -66,6 +66,7 @@ class Library:
             "zeropp_hadamard": [ptr, i64, i32, i32, ptr, i32],
             "zeropp_quantize_chunks_rotated": [ptr, i32, i64, i32, i32, i64, i64, i32, ptr, i32, u32, i32],
             "zeropp_reduce_dequantize_rotated": [ptr, i32, i32, i32, i64, i32, ptr, i32, i64, f32, i32],
+            "zeropp_noise_thresholds": [u32, i64, i64, ptr],
         }
         for name, argtypes in signatures.items():
             if not hasattr(lib, name):
@@ -128,6 +129,17 @@ class Library:
         ``divisor`` rounded to float32, as the reference's tensor is)."""
         self._call("zeropp_reduce_dequantize_rotated", buf.data_ptr(), fmt.bits, fmt.block_size, groups,
                    chunk_numel, size, out.data_ptr(), _DTYPES[out.dtype], out.numel(), divisor)
+
+    def noise_thresholds(self, seed: int, first: int, n: int) -> torch.Tensor:
+        """``1 - u`` (float32, ``n`` values) of the stochastic rounding's noise for ``seed`` and the indices from
+        ``first`` on (``format.py``), as the library's quantize kernels compute it (a test hook: it reaches indices
+        past ``2**32``, which no op of a testable size does)."""
+        out = torch.empty(n, dtype=torch.float32)
+        status = self._lib.zeropp_noise_thresholds(seed, first, n, out.data_ptr())
+        if status:
+            raise NativeLibraryError(f"zeropp_noise_thresholds refused first={first}, n={n} (status {status}): both "
+                                     "must be >= 0")
+        return out
 
 
 _backend = NativeBackend("ZEROPP_NATIVE_LIB", DEFAULT_PATH, Library, NativeLibraryError)
