@@ -96,7 +96,7 @@ stamp_value="$ROOT $(cksum < pyproject.toml | cut -d' ' -f1) $(cksum < setup.sh 
 if [ -x "$VPY" ] && [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$stamp_value" ] \
     && "$VPY" - "$ROOT" 2>/dev/null <<'EOF'
 import os, sys
-import numpy, pytest, hypothesis, pytest_benchmark, scikit_build_core, torch, matplotlib, mkdocs, mkdocstrings  # noqa: F401
+import numpy, pytest, xdist, hypothesis, pytest_benchmark, scikit_build_core, torch, matplotlib, mkdocs, mkdocstrings  # noqa: F401
 import zeropp
 sys.exit(os.path.dirname(os.path.dirname(os.path.realpath(zeropp.__file__))) != sys.argv[1])
 EOF

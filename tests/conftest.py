@@ -29,9 +29,20 @@ from zeropp.quant import native, native_cuda  # noqa: E402
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Start the background jobs (``ahead.py``) of the fixtures the collected tests use (none when only collecting)."""
-    if not session.config.option.collectonly:
+    """Start the background jobs (``ahead.py``) of the fixtures the collected tests use (none when only collecting).
+    Not in a pytest-xdist worker: each worker collects every test but runs only some, and the other workers keep the
+    CPU busy anyway, so a fixture there starts its own job when it asks."""
+    if not session.config.option.collectonly and "PYTEST_XDIST_WORKER" not in os.environ:
         ahead.start_needed(session.items)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Under pytest-xdist (``-n``; the README's test command runs 2 workers) each test file runs whole on one worker,
+    so a module-scoped fixture (one multi-rank launch that a file's tests share) runs once."""
+    from xdist.scheduler import LoadFileScheduling
+
+    return LoadFileScheduling(config, log)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:

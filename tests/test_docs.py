@@ -98,5 +98,5 @@ def test_readme_commands_are_what_ci_runs() -> None:
     assert readme[2] == "```bash", readme[:5]
     demo, tests = (line.split("#")[0].strip() for line in readme[3:5])
     assert demo == "./setup.sh && .venv/bin/python -m zeropp.bench.training --quick"
-    assert tests == "./setup.sh && .venv/bin/python -m pytest -q"
+    assert tests == "./setup.sh && .venv/bin/python -m pytest -q -n 2"
     assert tests in (ROOT / ".ci" / "run").read_text().splitlines()
