@@ -105,6 +105,14 @@ def start_needed(items: list) -> None:
                 _start(job, NICE)
 
 
+def registered_first(items: list) -> None:
+    """Reorder ``items`` in place (stably) so that the tests of the files that registered a job come first. Under
+    pytest-xdist, where no job starts ahead, the worker that takes such a file then runs its job at the start, beside
+    the other worker's tests, instead of at the end of the session where nothing else would run beside it."""
+    files = {job.test_file for job in _JOBS.values()}
+    items.sort(key=lambda item: str(Path(str(item.path)).resolve()) not in files)
+
+
 def result(test_file: str, fixture: str) -> tuple[Path, Any]:
     """The job's folder and what its function returned, waiting for it (started here if nothing started it).
     Raises ``AheadError`` if the job failed or ran past ``TIMEOUT_S``."""

@@ -36,6 +36,13 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         ahead.start_needed(session.items)
 
 
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
+    """In a pytest-xdist worker: the files whose fixture runs a job of ``ahead.py`` first (every worker collects the
+    same order, as xdist requires)."""
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        ahead.registered_first(items)
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """Under pytest-xdist (``-n``; the README's test command runs 2 workers) each test file runs whole on one worker,
