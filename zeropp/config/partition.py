@@ -247,6 +247,19 @@ def parse_mics(block: Mapping[str, Any], p: Problems) -> tuple[int, bool]:
     return size, hierarchical
 
 
+def _refusals(config: Any, entries: tuple, what: str) -> list[str]:
+    """One message per ``(on, key, why)`` of ``entries`` that is on, then per option no grouped point combines with
+    (the offload tiers, OneBitAdam), each naming ``what`` refuses it."""
+    z = config.zero_optimization
+    common = (
+        (z.offload, "zero_optimization.offload_optimizer / offload_param / zeropp.memory_budget",
+         "the cross-group all-reduce reads every gradient shard on the device"),
+        (config.optimizer is not None and config.optimizer.type == "OneBitAdam", "optimizer.type=OneBitAdam",
+         "its compressed phase exchanges momenta over the whole world, not a shard group"),
+    )
+    return [f"{key}: not combined with {what} in this build: {why}" for on, key, why in (*entries, *common) if on]
+
+
 def mics_refusals(config: Any, size: int | None = None, ranks_per_node: int | None = None) -> list[str]:
     """Why each option of ``config`` (a ``zeropp.config.Config``) that MiCS over groups of ``size`` ranks, with
     ``ranks_per_node`` per node, does not combine with in this build is refused, one message each (empty: none).
@@ -254,23 +267,14 @@ def mics_refusals(config: Any, size: int | None = None, ranks_per_node: int | No
     with either unknown (None) it is refused."""
     z = config.zero_optimization
     w = "zero_optimization"
-    out = []
-    for on, key, why in (
+    return _refusals(config, (
         (z.zero_hpz_partition_size > 1 and (size is None or ranks_per_node is None or size <= ranks_per_node),
          f"{w}.zero_hpz_partition_size",
          "hpZ's secondary shard inside the node is what a MiCS group inside a node already is: shrink "
          "mics_shard_size instead (hpZ runs with groups of whole nodes, mics_shard_size above the ranks per node)"),
         (z.zeropp.weight_deltas, f"{w}.zeropp.weight_deltas", "weight deltas update hpZ secondaries, which MiCS "
          "does not have"),
-        (z.offload, f"{w}.offload_optimizer / offload_param / zeropp.memory_budget",
-         "the cross-group all-reduce reads every gradient shard on the device"),
-        (config.optimizer is not None and config.optimizer.type == "OneBitAdam", "optimizer.type=OneBitAdam",
-         "its compressed phase exchanges momenta over the whole world, not a shard group"),
-    ):
-        if on:
-            out.append(f"{key}: not combined with MiCS (mics_shard_size / zeropp.partition (k, k, k), k below the "
-                       f"world) in this build: {why}")
-    return out
+    ), "MiCS (mics_shard_size / zeropp.partition (k, k, k), k below the world)")
 
 
 def grouped_refusals(config: Any) -> list[str]:
@@ -279,19 +283,10 @@ def grouped_refusals(config: Any) -> list[str]:
     none). hpZ and weight deltas need stage 3, which the config refuses already."""
     z = config.zero_optimization
     w = "zero_optimization"
-    out = []
-    for on, key, why in (
+    return _refusals(config, (
         (z.zero_quantized_weights, f"{w}.zero_quantized_weights",
          "qwZ's gather of the stepped shards inside a group is not tested; the groups gather exactly"),
         (z.zero_quantized_gradients, f"{w}.zero_quantized_gradients",
          "qgZ would quantize the reduce-scatter inside the group while the cross-group all-reduce stays exact fp32; "
          "that split is not built"),
-        (z.offload, f"{w}.offload_optimizer / offload_param / zeropp.memory_budget",
-         "the cross-group all-reduce reads every gradient shard on the device"),
-        (config.optimizer is not None and config.optimizer.type == "OneBitAdam", "optimizer.type=OneBitAdam",
-         "its compressed phase exchanges momenta over the whole world, not a shard group"),
-    ):
-        if on:
-            out.append(f"{key}: not combined with a grouped stage-{z.stage} partition (zeropp.partition "
-                       f"(1, 1, k) or (1, k, k), k below the world) in this build: {why}")
-    return out
+    ), f"a grouped stage-{z.stage} partition (zeropp.partition (1, 1, k) or (1, k, k), k below the world)")
