@@ -190,11 +190,12 @@ def precision_cases(rank: int, world: int, k: int, steps: int = 3) -> dict:
     """bf16 at each of ``PRECISION_POINTS`` over ``k`` against bf16 at the same stage over the world with the same
     micro-batch and accumulation (``"bf16-s{stage}-a{accum}"``: the distance of the fp32 masters relative to the
     update, and the masters' sums for the every-rank check; the stage's own point, not ZeRO-3, since stage 1 sums
-    its micro-batches in the bf16 ``.grad``: 1.8e-2 of the update from ZeRO-3 at accumulation 2); then fp16 (loss scale 2^8, hysteresis 1) under MiCS and ``(1, 1,
-    k)`` with an Inf in one element of one weight's gradient on rank 1 (one group) at step 1: per step whether
-    it was skipped and the loss scale (equal on every rank: the Inf reaches the other groups through the
-    cross-group all-reduce, which runs before the check), the skipped step leaving masters, shards and moments
-    unchanged bit for bit (checked here), and the distance to fp16 ZeRO-3 with the same Inf."""
+    its micro-batches in the bf16 ``.grad``: 1.8e-2 of the update from ZeRO-3 at accumulation 2); then fp16 (loss
+    scale 2^8, hysteresis 1) under MiCS and ``(1, 1, k)`` with an Inf in one element of one weight's gradient on
+    rank 1 (one group) at step 1: per step whether it was skipped and the loss scale (equal on every rank: the Inf
+    reaches the other groups through the cross-group all-reduce, which runs before the check), the skipped step
+    leaving masters, shards and moments unchanged bit for bit (checked here), and the distance to fp16 ZeRO-3 with
+    the same Inf."""
     out: dict = {}
     data = batches(steps, 2 * 2 * world)
 
