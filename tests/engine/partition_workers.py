@@ -3,8 +3,9 @@
 single-process training (engine_workers.py's reference), their byte counters against the formulas (and, at stages 1
 and 2, with the model states' bytes, against ``zeropp.plan``'s prediction), and checkpoints moved between MiCS,
 ZeRO-3 and the grouped stage-1/2 points; MiCS with qwZ and qgZ
-(``quantized_cases``) against exact MiCS, the quantized cross-group all-reduce against its bound, and checkpoints
-MiCS+qgZ <-> ZeRO-3. One launch per layout runs every case."""
+(``quantized_cases``) against exact MiCS, the quantized cross-group all-reduce against its bound, checkpoints
+MiCS+qgZ <-> ZeRO-3, and bf16 and fp16 (an overflow skipped on every group alike) at the grouped points
+(``precision_cases``). One launch per layout runs every case."""
 
 from __future__ import annotations
 
@@ -154,6 +155,7 @@ def mics_cases(rank: int, world: int, root: str, sizes: list[int], checkpoints: 
         if k > comm.get_default_topology().ranks_per_node:
             out.update(hpz_case(rank, world, k, exact[k][0], steps))
     if checkpoints:
+        out.update(precision_cases(rank, world, sizes[0]))
         out.update(auto_cases(rank, world))
         out.update(_checkpoints(rank, world, root, sizes[0]))
         out.update(_quantized_checkpoints(rank, world, root, sizes[0]))
@@ -164,6 +166,76 @@ def mics_cases(rank: int, world: int, root: str, sizes: list[int], checkpoints: 
                 raise AssertionError(f"{zero} was accepted")
             except ConfigError as e:
                 out[key] = str(e)
+    return out
+
+
+PRECISION_POINTS = ((3, 1), (1, 2), (2, 2))
+"""(stage, accumulation) of each grouped point ``precision_cases`` runs in bf16: MiCS, ``(1, 1, k)``, ``(1, k, k)``."""
+
+
+def _masters_and_state(engine, opt) -> dict[str, torch.Tensor]:
+    """What a skipped step leaves alone, bit for bit: each unit's fp32 master and compute shards, its whole
+    parameters (stages 1 and 2) and the optimizer's moments."""
+    snap = {}
+    for i, unit in enumerate(engine.units):
+        snap[f"master{i}"], snap[f"shard{i}"] = unit.master.clone(), unit.shard.clone()
+        if not unit.sharded:
+            snap[f"full{i}"] = unit.full.clone()
+        for kind, ts in opt.state.items():
+            snap[f"{kind}{i}"] = ts[i].clone()
+    return snap
+
+
+def precision_cases(rank: int, world: int, k: int, steps: int = 3) -> dict:
+    """bf16 at each of ``PRECISION_POINTS`` over ``k`` against bf16 at the same stage over the world with the same
+    micro-batch and accumulation (``"bf16-s{stage}-a{accum}"``: the distance of the fp32 masters relative to the
+    update, and the masters' sums for the every-rank check; the stage's own point, not ZeRO-3, since stage 1 sums
+    its micro-batches in the bf16 ``.grad``: 1.8e-2 of the update from ZeRO-3 at accumulation 2); then fp16 (loss
+    scale 2^8, hysteresis 1) under MiCS and ``(1, 1, k)`` with an Inf in one element of one weight's gradient on
+    rank 1 (one group) at step 1: per step whether it was skipped and the loss scale (equal on every rank: the Inf
+    reaches the other groups through the cross-group all-reduce, which runs before the check), the skipped step
+    leaving masters, shards and moments unchanged bit for bit (checked here), and the distance to fp16 ZeRO-3 with
+    the same Inf."""
+    out: dict = {}
+    data = batches(steps, 2 * 2 * world)
+
+    def run(config: dict, accum: int, inject: bool) -> tuple[dict[str, torch.Tensor], list[tuple[bool, float]]]:
+        engine, opt, _, _ = zeropp.initialize(model=GPT(MODEL, seed=rank), config=config)
+        weight = dict(engine.module.named_parameters())["blocks.0.mlp.c_fc.weight"]
+        record = []
+        for step, batch in enumerate(data):
+            handle = None
+            if inject and step == 1 and rank == 1:
+                def spoil(g: torch.Tensor) -> torch.Tensor:
+                    g = g.clone()
+                    g.view(-1)[3] = float("inf")
+                    return g
+                handle = weight.register_hook(spoil)
+            before = _masters_and_state(engine, opt)
+            _train(engine, rank, world, 2, accum, [batch])
+            if handle is not None:
+                handle.remove()
+            after = _masters_and_state(engine, opt)
+            assert all(torch.equal(before[n], after[n]) for n in before) == engine.overflow, (config, step)
+            record.append((engine.overflow, engine.loss_scale))
+        masters = mics_masters(engine)
+        engine.destroy()
+        return masters, record
+
+    bf16 = {"bf16": {"enabled": True}}
+    for stage, accum in PRECISION_POINTS:
+        got, _ = run({**_config(2, accum, _zero(stage, k, accum)), **bf16}, accum, False)
+        want, _ = run({**_config(2, accum, {"stage": stage}), **bf16}, accum, False)
+        key = f"bf16-s{stage}-a{accum}"
+        out[key] = _rel_to_update(got, want)
+        out[key + "-weights"] = {n: float(p.double().sum()) for n, p in got.items()}
+    fp16 = {"fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}}
+    want, want_record = run({**_config(2, 1, {"stage": 3}), **fp16}, 1, True)
+    for stage in (3, 1):
+        got, record = run({**_config(2, 1, _zero(stage, k, 1)), **fp16}, 1, True)
+        key = f"fp16-s{stage}-inf"
+        out[key] = {"record": record, "zero3_record": want_record, "vs_zero3": _rel_to_update(got, want)}
+        out[key + "-weights"] = {n: float(p.double().sum()) for n, p in got.items()}
     return out
 
 
