@@ -1,7 +1,8 @@
 """Worker functions for tests/engine/test_partition.py: the grouped points (``zeropp.engine.partition``: MiCS
 ``(k, k, k)`` at stage 3, ``(1, 1, k)`` at stage 1, ``(1, k, k)`` at stage 2) on real gloo processes, against plain
-single-process training (engine_workers.py's reference), their byte counters against the formulas (and, at stages 1
-and 2, with the model states' bytes, against ``zeropp.plan``'s prediction), and checkpoints moved between MiCS,
+single-process training (engine_workers.py's reference), their byte counters against the formulas and against
+``zeropp.plan``'s prediction (the cross-group all-reduce's calls and bytes at every point, exact and qgZ; at stages
+1 and 2 every kind, with the model states' bytes), and checkpoints moved between MiCS,
 ZeRO-3 and the grouped stage-1/2 points; MiCS with qwZ and qgZ
 (``quantized_cases``) against exact MiCS, the quantized cross-group all-reduce against its bound, checkpoints
 MiCS+qgZ <-> ZeRO-3, and bf16 and fp16 (an overflow skipped on every group alike) at the grouped points
@@ -57,6 +58,15 @@ def _expected_all_reduce(engine) -> dict[str, int]:
     t = once + once
     return {"calls": 1, "sent_intra": t.sent_intra, "sent_inter": t.sent_inter, "recv_intra": t.recv_intra,
             "recv_inter": t.recv_inter}
+
+
+def _planned_all_reduce(plan: Plan, world: int, rank: int, accum: int) -> dict[str, int]:
+    """``zeropp.plan``'s cross-group all-reduce of ``plan`` (tiny:nobias in float32) for this rank, in
+    ``comm.stats()``'s form: its calls per step and its bytes."""
+    colls = [c for c in collectives(from_preset("tiny:nobias"), plan,
+                                    Layout(world, comm.get_default_topology().ranks_per_node, rank), accum, 4)
+             if c.kind == "all_reduce"]
+    return {"calls": sum(c.calls for c in colls), **totals(colls)["all_reduce"]}
 
 
 def _expected_stage12(engine, accum: int) -> dict[str, dict[str, int]]:
@@ -126,6 +136,8 @@ def mics_cases(rank: int, world: int, root: str, sizes: list[int], checkpoints: 
             stats = comm.stats()
             assert stats["all_reduce"] == _expected_all_reduce(engine), (stats["all_reduce"],
                                                                           _expected_all_reduce(engine))
+            point = {1: (1, 1, k), 2: (1, k, k), 3: (k, k, k)}[stage]
+            assert _planned_all_reduce(Plan(Partition(*point)), world, rank, accum) == stats["all_reduce"]
             rs = stats["reduce_scatter"]
             same = sum(mics.world.node_of(q) == mics.world.node for q in mics.groups[mics.index])
             assert rs["sent_inter"] == 0 if same == k else rs["sent_inter"] > 0, rs
@@ -133,7 +145,6 @@ def mics_cases(rank: int, world: int, root: str, sizes: list[int], checkpoints: 
                 for kind, want in _expected_stage12(engine, accum).items():
                     got = {f: v for f, v in stats[kind].items() if f != "calls"}
                     assert got == want, (kind, got, want)
-                point = (1, 1, k) if stage == 1 else (1, k, k)
                 planned = totals(collectives(from_preset("tiny:nobias"), Plan(Partition(*point)),
                                              Layout(world, mics.world.ranks_per_node, rank), accum, 4))
                 got = {kind: {f: v for f, v in stats[kind].items() if f != "calls"} for kind in planned}
@@ -349,6 +360,7 @@ def quantized_cases(rank: int, world: int, k: int, exact: tuple[dict[str, torch.
     block = engine.config.zero_optimization.zeropp.block_size
     got, want = comm.stats()["all_reduce"], _expected_quantized_all_reduce(engine, 4, block)
     assert got == want, (got, want)
+    assert _planned_all_reduce(Plan(Partition(k, k, k), weight_bits=8, gradient_bits=4), world, rank, 1) == got
     masters = mics_masters(engine)
     key = f"k{k}-qwz8-qgz4"
     out = {key + "-vs-mics": _rel_to_update(masters, exact[0]),

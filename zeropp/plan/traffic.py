@@ -22,8 +22,11 @@ Per step with ``A`` micro-batches, ``P`` ranks, ``d`` per node, ``n`` nodes, eac
 * stages 1 and 2 gather the stepped shards after the optimizer step (qwZ bits when on);
 * G or OS sharded over fewer than ``P`` ranks (the grouped points the engine runs, MiCS and ``(1, 1, k)`` /
   ``(1, k, k)``, and the points it does not): gradients reduced within the G group (the OS group when G is whole)
-  and all-reduced across the groups once per step, the stepped OS shards gathered into the P layout. With qgZ that
-  all-reduce is quantized (``zeropp.comm.all_reduce(bits=...)``, as the engine runs it under MiCS): its bytes are
+  and all-reduced across the groups once per step, the stepped OS shards gathered into the P layout. As the engine
+  runs it (``zeropp.engine.partition.MicsGroups.sync_gradients``), that all-reduce is one call per step on every
+  unit's float32 gradient shard laid end to end (``N`` elements, whatever the compute dtype), cut into
+  ``ceil(N / R)``-element slices over the ``R`` groups. With qgZ (G sharded) it is quantized
+  (``zeropp.comm.all_reduce(bits=...)``, as the engine runs it under MiCS): its bytes are
   ``zeropp.comm.all_reduce``'s formula, its time a ring all-reduce of packed slices.
 
 Persistent units (``stage3_param_persistence_threshold``) and reuse (``stage3_max_reuse_distance``) are not modelled:
@@ -152,26 +155,28 @@ def _reduce(unit: str, phase: str, calls: int, group: int, layout: Layout, numel
     return out
 
 
-def _all_reduce(unit: str, numel: int, replicas: int, layout: Layout, stride: int, dtype_bytes: int,
-                bits: int | None = None) -> Collective:
-    """Ring all-reduce of ``numel`` elements over ``replicas`` ranks ``stride`` apart: a reduce-scatter and an
-    all-gather of ``numel / replicas`` each, so twice a gather's bytes. Quantized (``bits``): slices of ``B`` packed
-    bytes, ``r`` replicas per node on ``n`` nodes; the qgZ reduce-scatter sends ``n`` packs to each node peer and
-    one to each other node, the all-gather one pack to every other replica (``zeropp.comm.all_reduce``), timed as a
-    ring all-reduce of ``B``; its kernels quantize and dequantize the tensor twice (read, packs, reduced slice)."""
+def _all_reduce(numel: int, replicas: int, layout: Layout, stride: int, bits: int | None = None) -> Collective:
+    """The engine's cross-group gradient all-reduce (``zeropp.engine.partition.MicsGroups.sync_gradients``): one call
+    per step on ``numel`` float32 elements (every unit's gradient shard laid end to end) over ``replicas`` ranks
+    ``stride`` apart. Exact: a ring all-reduce, a reduce-scatter and an all-gather of ``s = ceil(numel / replicas)``
+    elements each, so twice a gather's bytes of ``4 s`` (``zeropp.comm.all_reduce``). Quantized (``bits``): slices
+    of ``B`` packed bytes, ``r`` replicas per node on ``n`` nodes; the qgZ reduce-scatter sends ``n`` packs to each
+    node peer and one to each other node, the all-gather one pack to every other replica (``zeropp.comm.all_reduce``),
+    timed as a ring all-reduce of ``B``; its kernels quantize and dequantize the tensor twice (read, packs, reduced
+    slice)."""
     same = layout.same_node(replicas, stride)
     per_node = layout.groups_per_node(replicas, stride)
     s = -(-numel // replicas)
     if bits is None:
-        chunk = s * dtype_bytes
+        chunk = s * 4
         t = gather_traffic(chunk, replicas, same)
-        return Collective("all_reduce", "cross-group gradient all-reduce", unit, "boundary", "ring", replicas,
+        return Collective("all_reduce", "cross-group gradient all-reduce", "(all)", "boundary", "ring", replicas,
                           same, per_node, chunk, 1, t + t)
     pack = BlockFormat(bits, DEFAULT_BLOCK_SIZE).packed_bytes(s)
     nodes = replicas // same
     intra, inter = (same - 1) * (nodes + 1) * pack, (nodes - 1 + replicas - same) * pack
     kernel = 2 * numel * 4 + 3 * replicas * pack + s * 4 + pack
-    return Collective("all_reduce", "cross-group gradient all-reduce (quantized)", unit, "boundary", "ring",
+    return Collective("all_reduce", "cross-group gradient all-reduce (quantized)", "(all)", "boundary", "ring",
                       replicas, same, per_node, pack, 1, Traffic(intra, inter, intra, inter), kernel)
 
 
@@ -209,7 +214,8 @@ def _delta_exchange(model: ModelSpec, plan: Plan, layout: Layout, align: int, dt
 
 def collectives(model: ModelSpec, plan: Plan, layout: Layout, accum: int, dtype_bytes: int) -> list[Collective]:
     """Every collective of one optimizer step of ``plan`` for rank ``layout.rank`` (see the module docstring);
-    ``dtype_bytes`` is the compute dtype's size (the exact gathers and reduce-scatters move it)."""
+    ``dtype_bytes`` is the compute dtype's size (the exact gathers and reduce-scatters move it; the cross-group
+    all-reduce moves float32)."""
     world, d = layout.world, layout.ranks_per_node
     if accum < 1:
         raise ValueError(f"gradient accumulation steps {accum!r} must be at least 1")
@@ -218,6 +224,7 @@ def collectives(model: ModelSpec, plan: Plan, layout: Layout, accum: int, dtype_
     align = alignment(plan)
     h = plan.hpz
     out: list[Collective] = []
+    cross = 0  # elements of this rank's gradient shards all-reduced across the groups, every unit's
     for unit, count in model.groups():
         if unit.numel == 0:
             continue
@@ -245,19 +252,20 @@ def collectives(model: ModelSpec, plan: Plan, layout: Layout, accum: int, dtype_
         if g > 1:
             sg = shard_numel(unit, align, g)
             out += _reduce(name, "backward", accum, g, layout, sg, plan, dtype_bytes)
-            if g < world:
-                out.append(_all_reduce(name, sg, world // g, layout, g, dtype_bytes, plan.gradient_bits))
+            cross += count * sg
         else:
             so = shard_numel(unit, align, o)
             out += _reduce(name, "boundary", 1, o, layout, so, plan, dtype_bytes)
-            if o < world:
-                out.append(_all_reduce(name, so, world // o, layout, o, dtype_bytes))
+            cross += count * so
         if o > p:
             so = shard_numel(unit, align, o)
             group = o // p
             out.append(_gather("stepped-shard gather", name, "step", 1, group, layout.same_node(group, p),
                                layout.groups_per_node(group, p), so, plan.weight_bits, dtype_bytes))
         out[start:] = [replace(c, calls=c.calls * count) for c in out[start:]]  # identical units: planned once
+    reduced = g if g > 1 else o  # the ranks a gradient shard is reduced over
+    if reduced < world and cross:
+        out.append(_all_reduce(cross, world // reduced, layout, reduced, plan.gradient_bits if g > 1 else None))
     if plan.weight_deltas:
         out.append(_delta_exchange(model, plan, layout, align, dtype_bytes))
     return out
