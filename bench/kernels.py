@@ -8,7 +8,7 @@
 Rows (int4 unless the name says int8 or int2; sizes count input elements, output elements for dequantize), for
 every size, dtype and block size asked for:
 
-* quantize / dequantize, int8, int4 and int2, one pack; int4 rounded stochastically (``seeded``);
+* quantize / dequantize, int8, int4 and int2, one pack; int4 and int2 rounded stochastically (``seeded``);
 * dequantize of an all-gathered W-pack buffer (qwZ: ``--world`` packs, one per rank) straight into the output;
 * swizzled quantize (qgZ step 1: ``--nodes`` x ``--ranks-per-node`` packs in the two-hop order), int4 and int2;
 * fused dequantize-reduce-requantize of d = 2, 4, 8 runs of ``--nodes`` packs (qgZ step 3), int4; int2 at d = 2;
@@ -177,9 +177,10 @@ def row_names(world: int, nodes: int, rpn: int) -> list[str]:
     """The names of the rows, in table order, for ``world`` gathered packs and ``nodes`` x ``rpn`` ranks (what
     ``--kernels`` accepts)."""
     return ["quantize int8", "dequantize int8", "quantize int4", "dequantize int4", "quantize int2", "dequantize int2",
-            "quantize int4 seeded", f"dequantize gathered int8 x{world}", f"hadamard_rotate s={ROTATION_SIZE}",
-            f"hadamard_unrotate s={ROTATION_SIZE}", f"swizzle_quantize int4 {nodes}x{rpn}",
-            f"swizzle_quantize int2 {nodes}x{rpn}", *(f"reduce_requantize int4 d={d}" for d in (2, 4, 8)),
+            "quantize int4 seeded", "quantize int2 seeded", f"dequantize gathered int8 x{world}",
+            f"hadamard_rotate s={ROTATION_SIZE}", f"hadamard_unrotate s={ROTATION_SIZE}",
+            f"swizzle_quantize int4 {nodes}x{rpn}", f"swizzle_quantize int2 {nodes}x{rpn}",
+            *(f"reduce_requantize int4 d={d}" for d in (2, 4, 8)),
             "reduce_requantize int2 d=2", "reduce_requantize int8->int4 d=2", "reduce_requantize int8->int4 d=2 seeded",
             "reduce_requantize int8->int2 d=2", f"reduce_dequantize int4 g={nodes}",
             f"reduce_dequantize int2 g={nodes}",
@@ -234,6 +235,7 @@ def build_cases(n: int, dtype: torch.dtype, block_size: int, world: int, nodes: 
         rows[f"quantize int{fmt.bits}"] = lambda fmt=fmt: quantize_row(fmt)
         rows[f"dequantize int{fmt.bits}"] = lambda fmt=fmt: dequantize_row(fmt)
     rows["quantize int4 seeded"] = lambda: quantize_row(fmt4, SEED)
+    rows["quantize int2 seeded"] = lambda: quantize_row(fmt2, SEED)
 
     def gathered_row() -> Case:
         """qwZ: the all-gathered buffer holds one int8 pack per rank; dequantize straight into the full weights."""

@@ -20,13 +20,14 @@
 //    float; in double, then rounded, for a subnormal scale), then the floor of |p| and the comparison of its
 //    fraction with 1 - u, all exact. The hash is 32-bit lane arithmetic with its per-index key computed once per
 //    run of indices that share their high 32 bits (noise_thresholds), so it vectorizes: 8 lanes in the AVX2
-//    kernels, which round stochastically for every normal scale (int8 and int4), the compiler's in the portable
-//    ones (int2, and the blocks with a subnormal scale).
+//    kernels, which round stochastically for every normal scale (int8, int4 and int2), the compiler's in the
+//    portable ones (and for the blocks with a subnormal scale).
 //
 // Three sets of kernels, chosen when the library is first called: the AVX-512 kernels (the AVX2 ones with their
 // own fused int4 reduce-requantize, which needs AVX-512 F, BW, VL and VBMI2) on x86-64 CPUs that have them, the
-// AVX2 kernels (AVX2, FMA and F16C, 8 floats a vector; vcvtph2ps and vcvtps2ph are exact IEEE conversions) on
-// those that have these, and the portable kernels (plain C++, one element at a time; fmaf is the C library's exact
+// AVX2 kernels (AVX2, FMA and F16C, 8 floats a vector; vcvtph2ps and vcvtps2ph are exact IEEE conversions; int2
+// codes quantized and dequantized, their same-format reductions left to the portable kernels) on those that have
+// these, and the portable kernels (plain C++, one element at a time; fmaf is the C library's exact
 // FMA) elsewhere. ZEROPP_NO_AVX512 builds the AVX2 and portable ones, ZEROPP_BASELINE_ONLY the portable ones alone
 // (two more libraries, so that the tests run every set on a CPU that has AVX-512).
 #include <algorithm>
@@ -433,6 +434,12 @@ template <int Bits>
 ZEROPP_AVX2_INLINE __m256 decode8(const uint8_t* codes, int i) {
     if constexpr (Bits == 8) {
         return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i))));
+    } else if constexpr (Bits == 2) {  // the 2 bytes in every lane; code k shifted to the top, then back down
+        uint16_t word;
+        std::memcpy(&word, codes + i / 4, 2);
+        const __m256i shifts = _mm256_setr_epi32(30, 28, 26, 24, 22, 20, 18, 16);
+        const __m256i top = _mm256_sllv_epi32(_mm256_set1_epi32(word), shifts);
+        return _mm256_cvtepi32_ps(_mm256_srai_epi32(top, 30));
     } else {  // the 4 bytes in every lane; nibble k shifted to the top, then arithmetically back down
         uint32_t word;
         std::memcpy(&word, codes + i / 2, 4);
@@ -495,6 +502,19 @@ ZEROPP_AVX2_INLINE __m256i stochastic_codes8(const Storage<D>* x, __m256 r, cons
     return _mm256_sign_epi32(c, _mm256_castps_si256(p));
 }
 
+// The int2 bytes of byte codes (|q| <= 1, element order): the 32-bit lane k holds the byte of codes 4k .. 4k + 3
+// (code 4k + j in bits 2j, 2j + 1): their low 2 bits, pairs summed as even + 4 odd (maddubs), then those as
+// low + 16 high (madd).
+ZEROPP_AVX2_INLINE __m128i int2_quads(__m128i bytes) {
+    const __m128i pairs = _mm_maddubs_epi16(_mm_and_si128(bytes, _mm_set1_epi8(3)), _mm_set1_epi16(0x0401));
+    return _mm_madd_epi16(pairs, _mm_set1_epi32(0x00100001));
+}
+
+ZEROPP_AVX2_INLINE __m256i int2_quads(__m256i bytes) {
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_and_si256(bytes, _mm256_set1_epi8(3)), _mm256_set1_epi16(0x0401));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi32(0x00100001));
+}
+
 // The sixteen codes (int32, |q| <= 127) of a 16-element block stored.
 template <int Bits>
 ZEROPP_AVX2_INLINE void store_codes16(uint8_t* codes, __m256i q0, __m256i q1) {
@@ -502,6 +522,10 @@ ZEROPP_AVX2_INLINE void store_codes16(uint8_t* codes, __m256i q0, __m256i q1) {
     const __m128i bytes = _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1));
     if constexpr (Bits == 8) {
         _mm_storeu_si128(reinterpret_cast<__m128i*>(codes), bytes);
+    } else if constexpr (Bits == 2) {
+        const __m128i quads = int2_quads(bytes);
+        const uint32_t packed = uint32_t(_mm_cvtsi128_si32(_mm_packus_epi16(_mm_packus_epi32(quads, quads), quads)));
+        std::memcpy(codes, &packed, 4);
     } else {  // low nibbles of each byte pair: the even one times 1 plus the odd one times 16
         const __m128i nibbles = _mm_and_si128(bytes, _mm_set1_epi8(0xF));
         const __m128i pairs = _mm_maddubs_epi16(nibbles, _mm_set1_epi16(0x1001));
@@ -517,6 +541,10 @@ ZEROPP_AVX2_INLINE void store_codes32(uint8_t* codes, int i, __m256i q0, __m256i
     const __m256i bytes = _mm256_permutevar8x32_epi32(mixed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     if constexpr (Bits == 8) {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + i), bytes);
+    } else if constexpr (Bits == 2) {
+        const __m256i quads = int2_quads(bytes);
+        const __m128i words = _mm_packus_epi32(_mm256_castsi256_si128(quads), _mm256_extracti128_si256(quads, 1));
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + i / 4), _mm_packus_epi16(words, words));
     } else {  // low nibbles of each byte pair: the even one times 1 plus the odd one times 16
         const __m256i nibbles = _mm256_and_si256(bytes, _mm256_set1_epi8(0xF));
         const __m256i pairs = _mm256_maddubs_epi16(nibbles, _mm256_set1_epi16(0x1001));
@@ -736,7 +764,7 @@ ZEROPP_AVX2_INLINE void mean_blocks(const Run<const uint8_t>& in, int64_t stride
     }
 }
 
-struct Kernels {  // as portable::Kernels (int8 and int4)
+struct Kernels {  // as portable::Kernels; int2's same-format reductions are the portable ones
     // 8 elements a vector, a pack at a time.
     template <int Bits>
     ZEROPP_AVX2 static void sum_elements(const Run<const uint8_t>& in, int64_t stride, int groups, int block,
@@ -808,23 +836,31 @@ struct Kernels {  // as portable::Kernels (int8 and int4)
     template <int Bits>
     ZEROPP_AVX2 static void reduce_requantize(const Run<const uint8_t>& in, int64_t stride, int groups, int block,
                                               const Run<uint8_t>& out) {
-        switch (groups) {
-            case 2: return reduce_requantize_groups<Bits, 2>(in, stride, groups, block, out);
-            case 4: return reduce_requantize_groups<Bits, 4>(in, stride, groups, block, out);
-            case 8: return reduce_requantize_groups<Bits, 8>(in, stride, groups, block, out);
-            default: return reduce_requantize_groups<Bits, 0>(in, stride, groups, block, out);
+        if constexpr (Bits == 2) {
+            portable::Kernels::reduce_requantize<2>(in, stride, groups, block, out);
+        } else {
+            switch (groups) {
+                case 2: return reduce_requantize_groups<Bits, 2>(in, stride, groups, block, out);
+                case 4: return reduce_requantize_groups<Bits, 4>(in, stride, groups, block, out);
+                case 8: return reduce_requantize_groups<Bits, 8>(in, stride, groups, block, out);
+                default: return reduce_requantize_groups<Bits, 0>(in, stride, groups, block, out);
+            }
         }
     }
 
     template <int Bits, int D>
     ZEROPP_AVX2 static void reduce_dequantize(const Run<const uint8_t>& in, int64_t stride, int groups, int block,
                                               float divisor, Storage<D>* out) {
-        const bool multiply = exact_reciprocal(divisor), units = block >= 16 * kSumUnits;
-        const __m256 by = _mm256_set1_ps(multiply ? 1.0f / divisor : divisor);
-        if (multiply && units) return mean_blocks<Bits, D, kSumUnits, true>(in, stride, groups, block, by, out);
-        if (units) return mean_blocks<Bits, D, kSumUnits, false>(in, stride, groups, block, by, out);
-        if (multiply) return mean_blocks<Bits, D, 1, true>(in, stride, groups, block, by, out);
-        mean_blocks<Bits, D, 1, false>(in, stride, groups, block, by, out);
+        if constexpr (Bits == 2) {
+            portable::Kernels::reduce_dequantize<2, D>(in, stride, groups, block, divisor, out);
+        } else {
+            const bool multiply = exact_reciprocal(divisor), units = block >= 16 * kSumUnits;
+            const __m256 by = _mm256_set1_ps(multiply ? 1.0f / divisor : divisor);
+            if (multiply && units) return mean_blocks<Bits, D, kSumUnits, true>(in, stride, groups, block, by, out);
+            if (units) return mean_blocks<Bits, D, kSumUnits, false>(in, stride, groups, block, by, out);
+            if (multiply) return mean_blocks<Bits, D, 1, true>(in, stride, groups, block, by, out);
+            mean_blocks<Bits, D, 1, false>(in, stride, groups, block, by, out);
+        }
     }
 };
 
@@ -926,7 +962,7 @@ struct Kernels : avx2::Kernels {
     template <int Bits>
     ZEROPP_AVX512 static void reduce_requantize(const Run<const uint8_t>& in, int64_t stride, int groups, int block,
                                                 const Run<uint8_t>& out) {
-        if (Bits == 8 || block < kUnit) return avx2::Kernels::reduce_requantize<Bits>(in, stride, groups, block, out);
+        if (Bits != 4 || block < kUnit) return avx2::Kernels::reduce_requantize<Bits>(in, stride, groups, block, out);
         switch (groups) {
             case 2: return reduce_requantize_int4<2>(in, stride, groups, block, out);
             case 4: return reduce_requantize_int4<4>(in, stride, groups, block, out);
@@ -1016,7 +1052,7 @@ void reduce_requantize_jobs(const uint8_t* buf, const Layout& f, int groups, int
 // packs and elements of jobs [first_job, end_job): job = m * units + u covers elements [u * L, (u + 1) * L) of pack
 // m, L the larger block size (whole blocks of both layouts); elements past the input blocks sum to 0. With `noise`
 // rounded stochastically, element e of pack m with the noise of index m * chunk_numel + e. The sums and the
-// quantization run Isa's kernels where it has them (int8 and int4), else the portable ones.
+// quantization run Isa's kernels.
 template <class Isa, int Bits, int OutBits>
 void reduce_requantize_general_jobs(const uint8_t* buf, const Layout& f, const Layout& o, int groups, int64_t chunks,
                                     int64_t chunk_numel, uint8_t* out, const Noise* noise, int64_t first_job,
@@ -1024,23 +1060,21 @@ void reduce_requantize_general_jobs(const uint8_t* buf, const Layout& f, const L
     const int64_t blocks = f.blocks(chunk_numel), pack_bytes = f.pack_bytes(chunk_numel);
     const int64_t out_blocks = o.blocks(chunk_numel), out_pack_bytes = o.pack_bytes(chunk_numel);
     const int64_t unit = std::max(f.block, o.block), units = (out_blocks * o.block + unit - 1) / unit;
-    using Sum = std::conditional_t<Bits == 2, portable::Kernels, Isa>;
-    using Quantize = std::conditional_t<OutBits == 2, portable::Kernels, Isa>;
     float acc[kMaxBlock];
     for (int64_t job = first_job; job < end_job; ++job) {
         const int64_t m = job / units, start = job % units * unit;
         const int64_t end_block = std::min((start + unit) / f.block, blocks);
         for (int64_t b = start / f.block; b < end_block; ++b) {
-            Sum::template sum_elements<Bits>(f.run(buf + m * pack_bytes, blocks, b, 1), chunks * pack_bytes, groups,
+            Isa::template sum_elements<Bits>(f.run(buf + m * pack_bytes, blocks, b, 1), chunks * pack_bytes, groups,
                                              f.block, acc + (b * f.block - start));
         }
         std::fill(acc + (end_block * f.block - start), acc + unit, 0.0f);
         const int64_t first_out = start / o.block, out_end = std::min((start + unit) / o.block, out_blocks);
         if (out_end > first_out) {
-            Quantize::template quantize<OutBits, kFloat32>(acc + (first_out * o.block - start), o.block,
-                                                           o.run(out + m * out_pack_bytes, out_blocks, first_out,
-                                                                 out_end - first_out),
-                                                           noise, m * chunk_numel + first_out * o.block);
+            Isa::template quantize<OutBits, kFloat32>(acc + (first_out * o.block - start), o.block,
+                                                      o.run(out + m * out_pack_bytes, out_blocks, first_out,
+                                                            out_end - first_out),
+                                                      noise, m * chunk_numel + first_out * o.block);
         }
     }
 }
@@ -1238,8 +1272,10 @@ template <template <class> class Op, class Isa, typename... Args>
 void run_format(int bits, int dtype, Args... args) {
     if (bits == 8) {
         run_dtype<Op, Isa, 8>(dtype, args...);
-    } else {
+    } else if (bits == 4) {
         run_dtype<Op, Isa, 4>(dtype, args...);
+    } else {
+        run_dtype<Op, Isa, 2>(dtype, args...);
     }
 }
 
@@ -1253,10 +1289,9 @@ bool avx512_usable() {
 }
 #endif
 
-// The same with the best kernels for this CPU; int2 codes have the portable kernels alone.
+// The same with the best kernels for this CPU.
 template <template <class> class Op, typename... Args>
 void dispatch(int bits, int dtype, Args... args) {
-    if (bits == 2) return run_dtype<Op, portable::Kernels, 2>(dtype, args...);
 #if ZEROPP_AVX512_KERNELS
     if (avx512_usable()) return run_format<Op, avx512::Kernels>(bits, dtype, args...);
 #endif

@@ -159,7 +159,7 @@ def test_kernels_are_chosen_by_exact_name(torch_backend, tmp_path, capsys):
     names = kernels.row_names(3, 2, 4)
     built = kernels.build_cases(1 << 10, torch.float16, 128, 3, 2, 4, torch.device("cpu"), None,
                                 kernel_check.Reference())
-    assert [c.name for c in built] == names and len(set(names)) == 24
+    assert [c.name for c in built] == names and len(set(names)) == 25
     assert "dequantize gathered int8 x3" in names and "swizzle_quantize int4 2x4" in names
     assert "hadamard_rotate s=32" in names and "reduce_requantize int8->int2 d=2" in names
     assert "swizzle_quantize_rotated int4 2x4 s=32" in names and "reduce_dequantize_rotated int4 g=2 s=32" in names
