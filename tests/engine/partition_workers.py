@@ -100,12 +100,14 @@ CASES = ((3, 2, 1, 0.0), (3, 1, 2, 0.5), (1, 1, 2, 0.5), (2, 1, 2, 0.0))
 """(stage, micro-batch, accumulation, clipping) of each grouped case."""
 
 
-def mics_cases(rank: int, world: int, root: str, sizes: list[int], checkpoints: bool, steps: int = 4) -> dict:
+def mics_cases(rank: int, world: int, root: str, sizes: list[int], checkpoints: bool, precision: int = 0,
+               steps: int = 4) -> dict:
     """For each group size in ``sizes`` and each of ``CASES`` (MiCS at accumulation 1 and 2, clipping on in the
     second; ``(1, 1, k)`` and ``(1, k, k)`` at accumulation 2, for the last size only: the layouts' last sizes are
     a group inside a node, a whole node and two nodes): train against the single-process reference and
     return the worst relative errors; check the groups' layout, that every rank ends with the same weights, the
-    byte counters of one boundary; then, with ``checkpoints``, move a checkpoint MiCS -> ZeRO-3 -> MiCS and MiCS ->
+    byte counters of one boundary; with ``precision`` (a group size), bf16 and fp16 at the grouped points over it
+    (``precision_cases``); then, with ``checkpoints``, move a checkpoint MiCS -> ZeRO-3 -> MiCS and MiCS ->
     ``(1, k, k)`` -> ``(1, 1, k)`` -> MiCS."""
     out: dict = {}
     exact: dict[int, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
@@ -165,8 +167,9 @@ def mics_cases(rank: int, world: int, root: str, sizes: list[int], checkpoints: 
         out.update(quantized_cases(rank, world, k, exact[k], steps))
         if k > comm.get_default_topology().ranks_per_node:
             out.update(hpz_case(rank, world, k, exact[k][0], steps))
+    if precision:
+        out.update(precision_cases(rank, world, precision))
     if checkpoints:
-        out.update(precision_cases(rank, world, sizes[0]))
         out.update(auto_cases(rank, world))
         out.update(_checkpoints(rank, world, root, sizes[0]))
         out.update(_quantized_checkpoints(rank, world, root, sizes[0]))
@@ -202,11 +205,13 @@ def precision_cases(rank: int, world: int, k: int, steps: int = 3) -> dict:
     micro-batch and accumulation (``"bf16-s{stage}-a{accum}"``: the distance of the fp32 masters relative to the
     update, and the masters' sums for the every-rank check; the stage's own point, not ZeRO-3, since stage 1 sums
     its micro-batches in the bf16 ``.grad``: 1.8e-2 of the update from ZeRO-3 at accumulation 2); then fp16 (loss
-    scale 2^8, hysteresis 1) under MiCS and ``(1, 1, k)`` with an Inf in one element of one weight's gradient on
-    rank 1 (one group) at step 1: per step whether it was skipped and the loss scale (equal on every rank: the Inf
-    reaches the other groups through the cross-group all-reduce, which runs before the check), the skipped step
-    leaving masters, shards and moments unchanged bit for bit (checked here), and the distance to fp16 ZeRO-3 with
-    the same Inf."""
+    scale 2^8, hysteresis 1) under MiCS, ``(1, 1, k)`` and ``(1, k, k)`` with an Inf in one element of one weight's
+    gradient on rank 1 (one group) at step 1: per step whether it was skipped and the loss scale (equal on every
+    rank, checked here after each step: the Inf reaches the other groups through the cross-group all-reduce, which
+    runs before the check), the skipped step leaving masters, shards and moments unchanged bit for bit (checked
+    here), and the distance to fp16 ZeRO-3 with the same Inf. At every grouped run the last step's cross-group
+    all-reduce counters equal ``_expected_all_reduce``'s (checked here): the fp32 gradient shards, 4 bytes an
+    element in bf16 and fp16 too, twice what the compute dtype would send."""
     out: dict = {}
     data = batches(steps, 2 * 2 * world)
 
@@ -223,12 +228,19 @@ def precision_cases(rank: int, world: int, k: int, steps: int = 3) -> dict:
                     return g
                 handle = weight.register_hook(spoil)
             before = _masters_and_state(engine, opt)
+            comm.reset_stats()
             _train(engine, rank, world, 2, accum, [batch])
             if handle is not None:
                 handle.remove()
             after = _masters_and_state(engine, opt)
             assert all(torch.equal(before[n], after[n]) for n in before) == engine.overflow, (config, step)
             record.append((engine.overflow, engine.loss_scale))
+            mine = torch.tensor(record[-1], dtype=torch.float64)
+            every = [torch.empty_like(mine) for _ in range(world)]
+            torch.distributed.all_gather(every, mine)
+            assert all(torch.equal(e, mine) for e in every), ("skipped or scaled unlike other ranks", step, every)
+        if engine.mics is not None:
+            assert comm.stats()["all_reduce"] == _expected_all_reduce(engine), (config, comm.stats()["all_reduce"])
         masters = mics_masters(engine)
         engine.destroy()
         return masters, record
@@ -242,7 +254,7 @@ def precision_cases(rank: int, world: int, k: int, steps: int = 3) -> dict:
         out[key + "-weights"] = {n: float(p.double().sum()) for n, p in got.items()}
     fp16 = {"fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}}
     want, want_record = run({**_config(2, 1, {"stage": 3}), **fp16}, 1, True)
-    for stage in (3, 1):
+    for stage in (3, 1, 2):
         got, record = run({**_config(2, 1, _zero(stage, k, 1)), **fp16}, 1, True)
         key = f"fp16-s{stage}-inf"
         out[key] = {"record": record, "zero3_record": want_record, "vs_zero3": _rel_to_update(got, want)}
