@@ -25,9 +25,8 @@
 //
 // Three sets of kernels, chosen when the library is first called: the AVX-512 kernels (the AVX2 ones with their
 // own fused int4 reduce-requantize, which needs AVX-512 F, BW, VL and VBMI2) on x86-64 CPUs that have them, the
-// AVX2 kernels (AVX2, FMA and F16C, 8 floats a vector; vcvtph2ps and vcvtps2ph are exact IEEE conversions; int2
-// codes quantized and dequantized, their same-format reductions left to the portable kernels) on those that have
-// these, and the portable kernels (plain C++, one element at a time; fmaf is the C library's exact
+// AVX2 kernels (AVX2, FMA and F16C, 8 floats a vector; vcvtph2ps and vcvtps2ph are exact IEEE conversions) on
+// those that have these, and the portable kernels (plain C++, one element at a time; fmaf is the C library's exact
 // FMA) elsewhere. ZEROPP_NO_AVX512 builds the AVX2 and portable ones, ZEROPP_BASELINE_ONLY the portable ones alone
 // (two more libraries, so that the tests run every set on a CPU that has AVX-512).
 #include <algorithm>
@@ -627,8 +626,11 @@ ZEROPP_AVX2_INLINE void encode(const Storage<D>* x, int block, float scale, floa
     }
 }
 
-// The reductions keep the sums of 16 elements in two vectors: elements 0..7 and 8..15 for int8; for int4 the even
-// and the odd elements, which a byte's two nibbles split into at less cost than into element order.
+// The reductions keep the sums of 16 elements in two vectors: elements 0..7 and 8..15 for int8 and int2 (element
+// order); for int4 the even and the odd elements, which a byte's two nibbles split into at less cost than into
+// element order.
+template <int Bits>
+constexpr bool kElementOrder = Bits != 4;
 
 // Sixteen codes from element i of a block's codes, as floats in the sums' order.
 template <int Bits>
@@ -636,6 +638,14 @@ ZEROPP_AVX2_INLINE void decode16(const uint8_t* codes, int i, __m256& first, __m
     if constexpr (Bits == 8) {
         first = decode8<8>(codes, i);
         second = decode8<8>(codes, i + 8);
+    } else if constexpr (Bits == 2) {  // the 4 bytes in every lane; code k shifted to the top, then back down
+        uint32_t word;
+        std::memcpy(&word, codes + i / 4, 4);
+        const __m256i words = _mm256_set1_epi32(int(word));
+        const __m256i low = _mm256_sllv_epi32(words, _mm256_setr_epi32(30, 28, 26, 24, 22, 20, 18, 16));
+        const __m256i high = _mm256_sllv_epi32(words, _mm256_setr_epi32(14, 12, 10, 8, 6, 4, 2, 0));
+        first = _mm256_cvtepi32_ps(_mm256_srai_epi32(low, 30));
+        second = _mm256_cvtepi32_ps(_mm256_srai_epi32(high, 30));
     } else {  // each byte sign-extended; its low nibble shifted to the top and back down, its high one down
         const __m256i bytes = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i / 2)));
         first = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(bytes, 28), 28));
@@ -646,7 +656,7 @@ ZEROPP_AVX2_INLINE void decode16(const uint8_t* codes, int i, __m256& first, __m
 // Sixteen values in the sums' order stored as dtype D, in element order.
 template <int Bits, int D>
 ZEROPP_AVX2_INLINE void store_sums16(Storage<D>* p, __m256 first, __m256 second) {
-    if constexpr (Bits == 8) {
+    if constexpr (kElementOrder<Bits>) {
         store16<D>(p, first, second);
     } else if constexpr (D == kFloat32) {  // unpack works per 128-bit lane
         const __m256 low = _mm256_unpacklo_ps(first, second), high = _mm256_unpackhi_ps(first, second);
@@ -704,8 +714,8 @@ ZEROPP_AVX2_INLINE float sum_block(const Run<const uint8_t>& in, int64_t stride,
 // The codes of a block's sums acc[0..block) (in the sums' order) for its `scale`, as encode.
 template <int Bits>
 ZEROPP_AVX2_INLINE void encode_sums(const float* acc, int block, float scale, float r, uint8_t* codes) {
-    if constexpr (Bits == 8) {
-        encode<8, kFloat32>(acc, block, scale, r, codes);
+    if constexpr (kElementOrder<Bits>) {
+        encode<Bits, kFloat32>(acc, block, scale, r, codes);
     } else if (!(scale >= FLT_MIN && scale <= FLT_MAX)) {
         float v[kMaxBlock];  // in element order: element 16 u + 2 j + h is acc[16 u + 8 h + j]
         for (int i = 0; i < block; ++i) v[i] = acc[i / 16 * 16 + i % 2 * 8 + i % 16 / 2];
@@ -764,7 +774,7 @@ ZEROPP_AVX2_INLINE void mean_blocks(const Run<const uint8_t>& in, int64_t stride
     }
 }
 
-struct Kernels {  // as portable::Kernels; int2's same-format reductions are the portable ones
+struct Kernels {  // as portable::Kernels
     // 8 elements a vector, a pack at a time.
     template <int Bits>
     ZEROPP_AVX2 static void sum_elements(const Run<const uint8_t>& in, int64_t stride, int groups, int block,
@@ -836,31 +846,23 @@ struct Kernels {  // as portable::Kernels; int2's same-format reductions are the
     template <int Bits>
     ZEROPP_AVX2 static void reduce_requantize(const Run<const uint8_t>& in, int64_t stride, int groups, int block,
                                               const Run<uint8_t>& out) {
-        if constexpr (Bits == 2) {
-            portable::Kernels::reduce_requantize<2>(in, stride, groups, block, out);
-        } else {
-            switch (groups) {
-                case 2: return reduce_requantize_groups<Bits, 2>(in, stride, groups, block, out);
-                case 4: return reduce_requantize_groups<Bits, 4>(in, stride, groups, block, out);
-                case 8: return reduce_requantize_groups<Bits, 8>(in, stride, groups, block, out);
-                default: return reduce_requantize_groups<Bits, 0>(in, stride, groups, block, out);
-            }
+        switch (groups) {
+            case 2: return reduce_requantize_groups<Bits, 2>(in, stride, groups, block, out);
+            case 4: return reduce_requantize_groups<Bits, 4>(in, stride, groups, block, out);
+            case 8: return reduce_requantize_groups<Bits, 8>(in, stride, groups, block, out);
+            default: return reduce_requantize_groups<Bits, 0>(in, stride, groups, block, out);
         }
     }
 
     template <int Bits, int D>
     ZEROPP_AVX2 static void reduce_dequantize(const Run<const uint8_t>& in, int64_t stride, int groups, int block,
                                               float divisor, Storage<D>* out) {
-        if constexpr (Bits == 2) {
-            portable::Kernels::reduce_dequantize<2, D>(in, stride, groups, block, divisor, out);
-        } else {
-            const bool multiply = exact_reciprocal(divisor), units = block >= 16 * kSumUnits;
-            const __m256 by = _mm256_set1_ps(multiply ? 1.0f / divisor : divisor);
-            if (multiply && units) return mean_blocks<Bits, D, kSumUnits, true>(in, stride, groups, block, by, out);
-            if (units) return mean_blocks<Bits, D, kSumUnits, false>(in, stride, groups, block, by, out);
-            if (multiply) return mean_blocks<Bits, D, 1, true>(in, stride, groups, block, by, out);
-            mean_blocks<Bits, D, 1, false>(in, stride, groups, block, by, out);
-        }
+        const bool multiply = exact_reciprocal(divisor), units = block >= 16 * kSumUnits;
+        const __m256 by = _mm256_set1_ps(multiply ? 1.0f / divisor : divisor);
+        if (multiply && units) return mean_blocks<Bits, D, kSumUnits, true>(in, stride, groups, block, by, out);
+        if (units) return mean_blocks<Bits, D, kSumUnits, false>(in, stride, groups, block, by, out);
+        if (multiply) return mean_blocks<Bits, D, 1, true>(in, stride, groups, block, by, out);
+        mean_blocks<Bits, D, 1, false>(in, stride, groups, block, by, out);
     }
 };
 

@@ -328,8 +328,7 @@ def test_native_special_values_every_path(block_size, bits, dtype, native_kernel
     paths for blocks of 16, 32 and more elements (8192, the largest, is alone in its batch), the portable encoding
     they fall back on for zero, NaN, Inf and subnormal scales, and the final division by a power of two (a
     multiplication, also by a subnormal reciprocal) and by other divisors (3, and 2^-130, whose reciprocal
-    overflows). Int2 (vector quantize and dequantize, portable reductions) skips 8192, whose path int8 and int4
-    reach."""
+    overflows). Int2 skips 8192, whose path int8 and int4 reach."""
     fmt = BlockFormat(bits, block_size)
     x = special_blocks(block_size, fmt.qmax).to(dtype)
     numel = x.numel()

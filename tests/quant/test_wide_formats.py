@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 from test_kernels import (  # noqa: F401 (fixtures)
+    DTYPES,
     Kernels,
     assert_same_floats,
     assert_same_packs,
@@ -286,6 +287,35 @@ def test_native_stochastic_quantize_dtypes(native_kernels, gen):
         actual = torch.full((nbytes,), 0xAB, dtype=torch.uint8)
         native_kernels.ops.quantize_chunks(x, fmt, 3, 1, actual, 2**32 - 2)
         assert_same_packs(actual, expected, fmt, 3, numel)
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 128])
+def test_native_int2_same_format_reductions(block_size, native_kernels, gen):
+    """The native same-format int2 reductions (the vector kernels sum int2 in element order, a 16-element unit at a
+    time below 64 elements a block, four units from 64 on) on fresh random packs whose codes are random bytes (every
+    2-bit pattern at every position, -2 included, which the spec decodes though quantize never writes it) under the
+    reference's scales, 10 blocks a pack, the last ragged: the reduce-requantize of 2, 3, 4 and 8 groups (the group
+    counts the kernels specialize, and another) and the reduce-dequantize of 3 groups into every dtype, divided by a
+    power of two (a multiplication) and by 3 (a division), into an output one element short of the pack."""
+    fmt = BlockFormat(2, block_size)
+    chunk_numel = 9 * block_size + 3
+    code_bytes = fmt.code_bytes(chunk_numel)
+
+    def packs(count: int) -> torch.Tensor:
+        buf = random_packs(fmt, count, chunk_numel, gen)
+        buf.view(count, -1)[:, :code_bytes] = torch.randint(0, 256, (count, code_bytes), generator=gen,
+                                                            dtype=torch.uint8)
+        return buf
+
+    for groups, chunks in ((2, 3), (3, 1), (4, 2), (8, 1)):
+        check_requantize(native_kernels, packs(groups * chunks), fmt, groups, chunks, chunk_numel, None, None)
+    buf = packs(3)
+    for dtype, divisor in itertools.product(DTYPES, (4.0, 3.0)):
+        expected32 = torch.empty(chunk_numel - 1, dtype=torch.float32)
+        reference.reduce_dequantize(buf, fmt, 3, chunk_numel, expected32, divisor)
+        out = torch.full((chunk_numel - 1,), float("nan"), dtype=dtype)
+        native_kernels.ops.reduce_dequantize(buf, fmt, 3, chunk_numel, out, divisor)
+        assert_same_floats(out, expected32.to(dtype))
 
 
 def test_public_ops_checks(monkeypatch):
