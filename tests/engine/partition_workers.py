@@ -1,5 +1,6 @@
 """Worker functions for tests/engine/test_partition.py: the grouped points (``zeropp.engine.partition``: MiCS
-``(k, k, k)`` at stage 3, ``(1, 1, k)`` at stage 1, ``(1, k, k)`` at stage 2) on real gloo processes, against plain
+``(k, k, k)`` at stage 3, ``(1, 1, k)`` at stage 1, ``(1, k, k)`` and ``(1, g, o)`` with ``g < o`` at stage 2,
+``split_cases``) on real gloo processes, against plain
 single-process training (engine_workers.py's reference), their byte counters against the formulas and against
 ``zeropp.plan``'s prediction (the cross-group all-reduce's calls and bytes at every point, exact and qgZ; at stages
 1 and 2 every kind, with the model states' bytes), and checkpoints moved between MiCS,

@@ -234,6 +234,8 @@ def _all_plans(world: int, ranks_per_node: int, offload: tuple[str, ...]) -> Ite
             # gradients reduced across nodes: by the reduce-scatter, or by the all-reduce across G groups (MiCS's)
             cross_node_reduce = part.grads > d or (part.grads == 1 and part.optimizer > d) or \
                 (1 < part.grads < world and multinode)
+            if 1 < part.grads < part.optimizer:  # the boundary's reduce-scatter across the G groups is exact fp32
+                cross_node_reduce = part.grads > d or (part.optimizer < world and multinode)
             for gbits, gintra in GRADIENT_BITS if cross_node_reduce else GRADIENT_BITS[:1]:
                 hpzs = [1] + ([d] if part.params > d and d > 1 and multinode else [])
                 for hpz in hpzs:
