@@ -183,7 +183,7 @@ def split_cases(rank: int, world: int, root: str, splits: list[list[int]], check
         out[key + "-weights"] = {n: float(p.double().sum()) for n, p in engine.full_parameters().items()}
         engine.destroy()
         out[key + "-inf"] = _split_skip(rank, world, g, o)
-    if checkpoints:
+    if checkpoints and splits:
         _split_checkpoints(rank, world, root, *splits[0])
     return out
 
