@@ -133,8 +133,8 @@ def split_cases(rank: int, world: int, root: str, splits: list[list[int]], check
     """``(1, g, o)`` for each ``(g, o)`` of ``splits`` at accumulation 2 with clipping: against single-process
     training (``"p1-g{g}-o{o}"``: the worst relative errors; the clipped norms within 1e-5), every rank's weights
     (``-weights``), the groups' layout, the last boundary's byte counters against the formula (``_expected_split``)
-    and ``zeropp.plan``'s traffic, the model states' bytes against ``zeropp.plan.memory``; an Inf in one gradient
-    element on rank 1 at step 1 skips that step on every rank alike, leaving masters, shards and moments unchanged
+    and ``zeropp.plan``'s traffic, the model states' bytes against ``zeropp.plan.memory``; for the first split, an Inf
+    in one gradient element on rank 1 at step 1 skips that step on every rank alike, leaving masters, shards and moments unchanged
     bit for bit (``"p1-g{g}-o{o}-inf"``: per step whether it was skipped). With ``checkpoints`` (the first
     split): stage 2 -> ``(1, g, o)`` -> ``(1, 1, o)`` -> stage 3 -> ``(1, g, o)``, each load bit for bit."""
     out: dict = {}
@@ -182,7 +182,8 @@ def split_cases(rank: int, world: int, root: str, splits: list[list[int]], check
         out[key] = {"norm": max(e[0] for e in errors.values()), "max": max(e[1] for e in errors.values())}
         out[key + "-weights"] = {n: float(p.double().sum()) for n, p in engine.full_parameters().items()}
         engine.destroy()
-        out[key + "-inf"] = _split_skip(rank, world, g, o)
+        if (g, o) == tuple(splits[0]):
+            out[key + "-inf"] = _split_skip(rank, world, g, o)
     if checkpoints and splits:
         _split_checkpoints(rank, world, root, *splits[0])
     return out
