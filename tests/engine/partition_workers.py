@@ -130,13 +130,13 @@ def _expected_split(engine, accum: int) -> dict[str, dict[str, int]]:
 
 def split_cases(rank: int, world: int, root: str, splits: list[list[int]], checkpoints: bool,
                 steps: int = 4) -> dict:
-    """``(1, g, o)`` for each ``(g, o)`` of ``splits`` at accumulation 2 with clipping: against single-process
-    training (``"p1-g{g}-o{o}"``: the worst relative errors; the clipped norms within 1e-5), every rank's weights
+    """``(1, g, o)`` for each ``(g, o)`` of ``splits`` at accumulation 2 with clipping: against single-process training
+    (``"p1-g{g}-o{o}"``: the worst relative errors; the clipped norms within 1e-5), every rank's weights
     (``-weights``), the groups' layout, the last boundary's byte counters against the formula (``_expected_split``)
-    and ``zeropp.plan``'s traffic, the model states' bytes against ``zeropp.plan.memory``; for the first split, an Inf
-    in one gradient element on rank 1 at step 1 skips that step on every rank alike, leaving masters, shards and moments unchanged
-    bit for bit (``"p1-g{g}-o{o}-inf"``: per step whether it was skipped). With ``checkpoints`` (the first
-    split): stage 2 -> ``(1, g, o)`` -> ``(1, 1, o)`` -> stage 3 -> ``(1, g, o)``, each load bit for bit."""
+    and ``zeropp.plan``'s traffic, the model states' bytes against ``zeropp.plan.memory``; for the first split, an
+    Inf in one gradient element on rank 1 at step 1 skips that step on every rank alike, leaving masters, shards and
+    moments unchanged bit for bit (``"p1-g{g}-o{o}-inf"``: per step whether it was skipped). With ``checkpoints``
+    (the first split): stage 2 -> ``(1, g, o)`` -> ``(1, 1, o)`` -> stage 3 -> ``(1, g, o)``, each load bit for bit."""
     out: dict = {}
     micro, accum, clip = 1, 2, 0.5
     for g, o in splits:

@@ -17,8 +17,8 @@ parameters over ``h`` ranks of a node. The engine runs stages 1-3 with hpZ, qwZ/
 and int2 gradients included), weight deltas and the offload tiers, and the grouped points: MiCS
 (``mics_shard_size``) with qwZ, qgZ (its cross-group all-reduce quantized too) and, for groups of whole nodes, hpZ;
 ``(1, 1, k)``, ``(1, k, k)`` and ``(1, g, o)`` with ``g < o`` (``zeropp.partition`` at stage 1 / 2, exact
-collectives; see ``Partition.grouped_stage``); other partitions are the planner's alone (``Plan.unsupported`` says why a plan cannot
-run).
+collectives; see ``Partition.grouped_stage``); other partitions are the planner's alone (``Plan.unsupported`` says
+why a plan cannot run).
 """
 
 from __future__ import annotations

@@ -4,9 +4,9 @@ Bytes come from the formulas the engine's counters record and its tests check (`
 ``gather_traffic`` for ring all-gathers and exact reduce-scatters, ``all_to_all_traffic`` for qgZ's two hops; pack
 sizes from ``zeropp.quant.BlockFormat.packed_bytes``), applied to the engine's unit layout (``shard_numel``, the
 layout of ``zeropp.engine.unit.flat_layout``). For the partitions the engine runs (stages 1-3, hpZ, weight deltas,
-and the grouped stage-1/2 points ``(1, 1, k)``, ``(1, k, k)`` and ``(1, g, o)``) the totals per kind equal ``zeropp.comm.stats()``
-after one step (tests/engine/test_zeropp.py, tests/engine/test_partition.py); the other points of the space use the
-same formulas on their groups.
+and the grouped stage-1/2 points ``(1, 1, k)``, ``(1, k, k)`` and ``(1, g, o)``) the totals per kind equal
+``zeropp.comm.stats()`` after one step (tests/engine/test_zeropp.py, tests/engine/test_partition.py); the other
+points of the space use the same formulas on their groups.
 
 Per step with ``A`` micro-batches, ``P`` ranks, ``d`` per node, ``n`` nodes, each unit of shard ``S`` elements:
 
