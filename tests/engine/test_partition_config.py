@@ -97,6 +97,10 @@ def test_grouped_refusals():
         assert sum(needle in line for line in refused) == 1, (needle, refused)
     assert all("not combined with a grouped stage-" in line for line in refused)
     assert grouped_refusals(parse(4, stage=1, zeropp={"partition": part(1, 1, 2)})) == []
+    split = load_config({**BASE, "zero_optimization": {"stage": 2, "zero_quantized_gradients": True,
+                                                       "zeropp": {"partition": part(1, 2, 4)}}}, world_size=4)
+    refused = grouped_refusals(split)
+    assert len(refused) == 1 and "zero_quantized_gradients" in refused[0] and "(1, g, o)" in refused[0], refused
 
 
 @pytest.mark.parametrize("world,d,k", [(4, 2, 2), (8, 4, 4), (8, 4, 2), (8, 2, 2), (8, 2, 4), (16, 4, 8)])
