@@ -1,7 +1,8 @@
 """The grouped points in the engine: a stage's engine run inside node-aligned groups of ``k`` ranks, ``k`` below
 the world, with the groups' gradient shards averaged once per accumulation boundary (``zeropp.config.partition``):
 MiCS ``(k, k, k)`` at stage 3 (``mics_shard_size`` or ``zeropp.partition``), ``(1, 1, k)`` at stage 1 and
-``(1, k, k)`` at stage 2 (``zeropp.partition``; AMSP's replicated parameters with G and OS sharded over ``k``).
+``(1, k, k)`` at stage 2 (``zeropp.partition``; AMSP's replicated parameters with G and OS sharded over ``k``); and
+``(1, g, o)`` with ``1 < g < o`` at stage 2 (``SplitGroups``, last paragraph).
 
 The ``W`` ranks are cut into ``W / k`` node-aligned *shard groups* of ``k`` ranks: ``k`` consecutive local indices of
 one node when ``k`` divides the ranks per node ``d``, else ``k / d`` consecutive whole nodes. Inside its shard group
@@ -29,6 +30,20 @@ eagerly over the world before the units are built (each group's units then broad
 A checkpoint is written by the first group alone (``save``): the groups hold the same state, so it is ZeRO-3's
 checkpoint at ``k`` ranks (stage 1's or 2's for those points), and loads at any world size, stage or partition;
 every group loads it.
+
+The units' fp32 gradient shards are views into one buffer (``attach``, before the first backward), so the
+cross-group all-reduce runs in place on it, with no temporary copy.
+
+``(1, g, o)``, ``1 < g < o`` (``o`` up to the world; ``partition_groups`` picks the class): stage 2's engine over
+the ``o``-rank shard groups (the units laid out over ``o`` ranks, the optimizer stepping the ``1 / o`` shard, the
+stepped shards all-gathered over ``o``), with its gradient reduction split in two. Every micro-batch each unit's
+gradient is reduce-scattered exactly over this rank's ``g`` group only (``shard_group_ranks`` over ``g``, inside
+the shard group; ``Collectives``' ``GradientSplit``): the rank receives the ``o / g`` rows of the ``o`` layout that
+belong to the ranks at its position in every ``g`` group of its shard group (its *peers*), added into the units'
+fp32 ``grad_accumulator`` views of one buffer. At the boundary ``SplitGroups.sync_gradients`` reduce-scatters that
+buffer over the peers (exact fp32, one call for all units), which leaves each rank its own row (the shard group's
+mean of its ``1 / o`` sub-shard) in its gradient shard, zeroes the buffer and, when ``o`` is below the world,
+all-reduces the shards over the replica groups as above. A checkpoint is stage 2's at ``o`` ranks.
 """
 
 from __future__ import annotations
@@ -61,8 +76,9 @@ def shard_group_ranks(topology: comm.Topology, size: int) -> list[list[int]]:
 
 
 class MicsGroups:
-    """The shard and replica groups of a grouped point (MiCS or the stage-1/2 points) over ``size`` ranks (module docstring); creating it is a collective
-    over ``topology``'s group (every rank makes its own groups, in the same order).
+    """The shard and replica groups of a grouped point (MiCS or the stage-1/2 points) over ``size`` ranks (module
+    docstring); creating it is a collective over ``topology``'s group (every rank makes its own groups, in the same
+    order).
 
     Attributes:
         world: the data-parallel topology (all ``W`` ranks).
