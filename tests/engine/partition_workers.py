@@ -342,8 +342,8 @@ def _masters_and_state(engine, opt) -> dict[str, torch.Tensor]:
 
 
 def precision_cases(rank: int, world: int, k: int, steps: int = 3) -> dict:
-    """bf16 at each of ``PRECISION_POINTS`` over ``k`` against bf16 at the same stage over the world with the same
-    micro-batch and accumulation (``"bf16-s{stage}-a{accum}"``: the distance of the fp32 masters relative to the
+    """bf16 at each of ``PRECISION_POINTS`` over ``k``, and at ``(1, k, world)``, against bf16 at the same stage over
+    the world with the same micro-batch and accumulation (``"bf16-s{stage}-a{accum}"``: the distance of the fp32 masters relative to the
     update, and the masters' sums for the every-rank check; the stage's own point, not ZeRO-3, since stage 1 sums
     its micro-batches in the bf16 ``.grad``: 1.8e-2 of the update from ZeRO-3 at accumulation 2); then fp16 (loss
     scale 2^8, hysteresis 1) under MiCS and ``(1, 1, k)`` with an Inf in one element of one weight's gradient on
@@ -384,6 +384,9 @@ def precision_cases(rank: int, world: int, k: int, steps: int = 3) -> dict:
         key = f"bf16-s{stage}-a{accum}"
         out[key] = _rel_to_update(got, want)
         out[key + "-weights"] = {n: float(p.double().sum()) for n, p in got.items()}
+    got, _ = run({**_config(2, 2, _split_zero(k, world)), **bf16}, 2, False)  # against the last: stage 2
+    out["bf16-split-a2"] = _rel_to_update(got, want)
+    out["bf16-split-a2-weights"] = {n: float(p.double().sum()) for n, p in got.items()}
     fp16 = {"fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}}
     want, want_record = run({**_config(2, 1, {"stage": 3}), **fp16}, 1, True)
     for stage in (3, 1):

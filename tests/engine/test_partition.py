@@ -84,8 +84,8 @@ def test_grouped_points_match_single_process_training(tmp_path, world, d, sizes,
 
 
 def check_precision(results: list[dict]) -> None:
-    """``partition_workers.precision_cases``: bf16 at MiCS, ``(1, 1, k)`` and ``(1, k, k)`` within ``BF16_BAR`` of
-    bf16 at the same stage over the world (measured 0.0, 0.0 and 1.5e-9); fp16 under MiCS and ``(1, 1, k)`` with an
+    """``partition_workers.precision_cases``: bf16 at MiCS, ``(1, 1, k)``, ``(1, k, k)`` and ``(1, k, W)`` within
+    ``BF16_BAR`` of bf16 at the same stage over the world (measured 0.0, 0.0, 1.5e-9 and 1.5e-9); fp16 under MiCS and ``(1, 1, k)`` with an
     Inf on one rank of one group skips that step (and only it) on every rank, halves the loss scale alike, and ends
     within ``BF16_BAR`` of fp16 ZeRO-3 with the same Inf (measured 0.0). Pops what it checks; the caller checks the
     ``-weights`` sums (every rank alike)."""
