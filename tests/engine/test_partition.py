@@ -39,8 +39,7 @@ O(1))."""
 
 @pytest.mark.parametrize(
     "world, d, sizes, splits, checkpoints",
-    [(4, 2, [2], [[2, 4]], True), (8, 4, [4, 2], [[4, 8], [2, 4]], False),
-     (8, 2, [2, 4], [[2, 8], [2, 4]], False)],
+    [(4, 2, [2], [[2, 4]], True), (8, 4, [4, 2], [[4, 8]], False), (8, 2, [2, 4], [[2, 8], [2, 4]], False)],
     ids=["world4-2x2", "world8-2x4", "world8-4x2"],
 )
 def test_grouped_points_match_single_process_training(tmp_path, world, d, sizes, splits, checkpoints):
@@ -48,8 +47,8 @@ def test_grouped_points_match_single_process_training(tmp_path, world, d, sizes,
     MiCS and MiCS+qgZ -> ZeRO-3 -> MiCS+qgZ and stage 2 -> (1, 2, 4) -> (1, 1, 4) -> stage 3 -> (1, 2, 4) (exact
     each way), runs ``"partition": "auto"`` (``partition_workers.auto_cases``) and bf16 and fp16 at the grouped
     points (``check_precision``). Every layout runs ``(1, g, o)`` for each ``(g, o)`` of ``splits``
-    (``partition_workers.split_cases``: (1, node, world) on each, and (1, 2, 4) inside a node of 4 and over two
-    nodes of 2), the first with an Inf on one rank skipping the same step on every rank."""
+    (``partition_workers.split_cases``: (1, node, world) on each, and (1, 2, 4) over two nodes of 2), the first with an
+    Inf on one rank skipping the same step on every rank."""
     results = launch("partition_workers:mics_cases", world, tmp_path, env={"ZEROPP_RANKS_PER_NODE": str(d)},
                      timeout=600, sizes=sizes, root=str(tmp_path), checkpoints=checkpoints, splits=splits)
     records = [r.pop("p1-g{}-o{}-inf".format(*splits[0])) for r in results]
