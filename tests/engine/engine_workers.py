@@ -339,7 +339,8 @@ def text_batches(steps: int, batch: int, seed: int = 4321) -> list[tuple[torch.T
 
 def state_bytes(engine) -> dict[str, int]:
     """Bytes of the engine's resident states on this rank after a step, by what ``zeropp.plan.memory`` calls them:
-    ``params`` (the units' compute buffers and shards), ``grads`` (the fp32 gradient shards), ``optimizer`` (fp32
+    ``params`` (the units' compute buffers and shards), ``grads`` (the fp32 gradient shards and, at ``(1, g, o)``,
+    the accumulated rows), ``optimizer`` (fp32
     masters and the optimizer's states); each storage counted once, freed (resized to 0) ones not at all."""
     seen: set[int] = set()
     out = {"params": 0, "grads": 0, "optimizer": 0}
@@ -354,6 +355,8 @@ def state_bytes(engine) -> dict[str, int]:
         add("params", u.full)
         add("params", u.shard)
         add("grads", u.grad_shard)
+        if u.grad_accumulator is not None:
+            add("grads", u.grad_accumulator)
         add("optimizer", u.master)
     for tensors in engine.optimizer.state.values():
         for t in tensors:

@@ -1,5 +1,6 @@
 """Worker functions for tests/engine/test_partition.py: the grouped points (``zeropp.engine.partition``: MiCS
-``(k, k, k)`` at stage 3, ``(1, 1, k)`` at stage 1, ``(1, k, k)`` at stage 2) on real gloo processes, against plain
+``(k, k, k)`` at stage 3, ``(1, 1, k)`` at stage 1, ``(1, k, k)`` and ``(1, g, o)`` with ``g < o`` at stage 2,
+``split_cases``) on real gloo processes, against plain
 single-process training (engine_workers.py's reference), their byte counters against the formulas and against
 ``zeropp.plan``'s prediction (the cross-group all-reduce's calls and bytes at every point, exact and qgZ; at stages
 1 and 2 every kind, with the model states' bytes), and checkpoints moved between MiCS,
@@ -100,7 +101,150 @@ CASES = ((3, 2, 1, 0.0), (3, 1, 2, 0.5), (1, 1, 2, 0.5), (2, 1, 2, 0.0))
 """(stage, micro-batch, accumulation, clipping) of each grouped case."""
 
 
-def mics_cases(rank: int, world: int, root: str, sizes: list[int], checkpoints: bool, precision: int = 0,
+def _expected_split(engine, accum: int) -> dict[str, dict[str, int]]:
+    """``(1, g, o)``'s counters for one boundary, by hand (``zeropp.comm.accounting``): every micro-batch an exact
+    fp32 reduce-scatter over the ``g`` group delivering ``o / g`` rows of every unit's ``o``-layout (``(o / g) N``
+    elements per rank, ``N`` the units' shard elements in all); at the boundary one over the ``o / g`` peers
+    delivering ``N``, then (``o`` below the world) the all-reduce over the replicas; the stepped shards all-gathered
+    over the ``o`` group."""
+    split = engine.mics
+    numel = sum(u.shard_numel for u in engine.units)
+    rows = split.gradient_split.rows
+
+    def ring(chunk: int, topo, calls: int = 1) -> comm.Traffic:
+        once = gather_traffic(chunk, topo.world_size, topo.same_node_count(topo.group))
+        t = comm.Traffic()
+        for _ in range(calls):
+            t = t + once
+        return t
+
+    traffic = {"reduce_scatter": ring(rows * numel * 4, split.gradient_topology, accum)
+               + ring(numel * 4, split.peer_topology),
+               "all_gather": ring(numel * 4, split.shard_topology)}
+    out = {kind: {"sent_intra": t.sent_intra, "sent_inter": t.sent_inter, "recv_intra": t.recv_intra,
+                  "recv_inter": t.recv_inter} for kind, t in traffic.items()}
+    if split.replicas > 1:
+        out["all_reduce"] = {f: v for f, v in _expected_all_reduce(engine).items() if f != "calls"}
+    return out
+
+
+def split_cases(rank: int, world: int, root: str, splits: list[list[int]], checkpoints: bool,
+                steps: int = 4) -> dict:
+    """``(1, g, o)`` for each ``(g, o)`` of ``splits`` at accumulation 2 with clipping: against single-process training
+    (``"p1-g{g}-o{o}"``: the worst relative errors; the clipped norms within 1e-5), every rank's weights
+    (``-weights``), the groups' layout, the last boundary's byte counters against the formula (``_expected_split``)
+    and ``zeropp.plan``'s traffic, the model states' bytes against ``zeropp.plan.memory``; for the first split, an
+    Inf in one gradient element on rank 1 at step 1 skips that step on every rank alike, leaving masters, shards and
+    moments unchanged bit for bit (``"p1-g{g}-o{o}-inf"``: per step whether it was skipped). With ``checkpoints``
+    (the first split): stage 2 -> ``(1, g, o)`` -> ``(1, 1, o)`` -> stage 3 -> ``(1, g, o)``, each load bit for bit."""
+    out: dict = {}
+    micro, accum, clip = 1, 2, 0.5
+    for g, o in splits:
+        config = _config(micro, accum, _split_zero(g, o), clip)
+        model, ref = GPT(MODEL, seed=rank), GPT(MODEL, seed=0)
+        engine, opt, _, _ = zeropp.initialize(model=model, config=config)
+        split = engine.mics
+        assert engine.stage == 2 and split.size == o and engine.comm.world_size == o and split.replicas == world // o
+        assert split.gradient_topology.world_size == g and split.peer_topology.world_size == o // g
+        assert split.gradient_split.rows == o // g and all(u.grad_accumulator.shape == (o // g, u.shard_numel)
+                                                           for u in engine.units)
+        node = set(split.world.nodes[split.world.node])
+        assert set(split.gradient_topology.ranks) <= node or node <= set(split.gradient_topology.ranks)
+        ref_opt = torch_optimizer(ADAMW, list(ref.parameters()))
+        data = batches(steps, micro * accum * world)
+        norms = []
+        for step, (inputs, targets) in enumerate(data):
+            if step == steps - 1:
+                comm.reset_stats()
+            _train(engine, rank, world, micro, accum, [(inputs, targets)])
+            _, ref_loss = ref(inputs, targets)
+            ref_loss.backward()
+            norms.append((engine.get_global_grad_norm(),
+                          torch.nn.utils.clip_grad_norm_(ref.parameters(), clip).item()))
+            ref_opt.step()
+            ref_opt.zero_grad()
+        stats = comm.stats()
+        got = {kind: {f: v for f, v in t.items() if f != "calls"} for kind, t in stats.items()
+               if kind in ("reduce_scatter", "all_gather", "all_reduce") and t["calls"]}
+        want = _expected_split(engine, accum)
+        assert got == want, ("formula", got, want)
+        plan = Plan(Partition(1, g, o))
+        planned = totals(collectives(from_preset("tiny:nobias"), plan,
+                                     Layout(world, split.world.ranks_per_node, rank), accum, 4))
+        assert got == planned, ("zeropp.plan", got, planned)
+        mem = memory(from_preset("tiny:nobias"), plan, world, micro, 64, 4)
+        assert state_bytes(engine) == {key: mem[key] for key in ("params", "grads", "optimizer")}, (
+            state_bytes(engine), mem)
+        for got_norm, want_norm in norms:
+            assert abs(got_norm - want_norm) <= 1e-5 * want_norm, (got_norm, want_norm)
+        errors = relative_errors(engine.full_parameters(), ref)
+        key = f"p1-g{g}-o{o}"
+        out[key] = {"norm": max(e[0] for e in errors.values()), "max": max(e[1] for e in errors.values())}
+        out[key + "-weights"] = {n: float(p.double().sum()) for n, p in engine.full_parameters().items()}
+        engine.destroy()
+        if (g, o) == tuple(splits[0]):
+            out[key + "-inf"] = _split_skip(rank, world, g, o)
+    if checkpoints and splits:
+        _split_checkpoints(rank, world, root, *splits[0])
+    return out
+
+
+def _split_zero(g: int, o: int) -> dict:
+    return {"stage": 2, "zeropp": {"partition": {"parameters": 1, "gradients": g, "optimizer": o}}}
+
+
+def _split_skip(rank: int, world: int, g: int, o: int, steps: int = 3) -> list[bool]:
+    """``(1, g, o)`` in fp32 with an Inf in one element of one weight's gradient on rank 1 at step 1 (its first
+    micro-batch): per step whether it was skipped (the same on every rank: the Inf reaches the other ranks through
+    the boundary's reductions, before the check); the skipped step leaves masters, shards, whole parameters and
+    moments unchanged bit for bit (checked here)."""
+    engine, opt, _, _ = zeropp.initialize(model=GPT(MODEL, seed=rank), config=_config(1, 2, _split_zero(g, o)))
+    weight = dict(engine.module.named_parameters())["blocks.0.mlp.c_fc.weight"]
+    record = []
+    for step, batch in enumerate(batches(steps, 2 * world)):
+        handle = None
+        if step == 1 and rank == 1:
+            def spoil(grad: torch.Tensor) -> torch.Tensor:
+                grad = grad.clone()
+                grad.view(-1)[3] = float("inf")
+                return grad
+            handle = weight.register_hook(spoil)
+        before = _masters_and_state(engine, opt)
+        _train(engine, rank, world, 1, 2, [batch])
+        if handle is not None:
+            handle.remove()
+        after = _masters_and_state(engine, opt)
+        assert all(torch.equal(before[n], after[n]) for n in before) == engine.overflow, step
+        assert all(not u.grad_accumulator.any() for u in engine.units)  # nothing carried into the next window
+        record.append(engine.overflow)
+    engine.destroy()
+    return record
+
+
+def _split_checkpoints(rank: int, world: int, root: str, g: int, o: int) -> None:
+    """Stage 2 saves; ``(1, g, o)`` loads it (the same weights, bit for bit), trains a step and saves; ``(1, 1, o)``
+    loads that, trains and saves; stage 3 loads that, trains and saves; ``(1, g, o)`` loads that. Each load bit for
+    bit."""
+    data = batches(1, 2 * world)
+    ckpt = Path(root) / "ckpt-split"
+    chain = (("stage2", {"stage": 2}), ("split", _split_zero(g, o)), ("stage1-o", _zero(1, o, 2)),
+             ("stage3", {"stage": 3}), ("split-again", _split_zero(g, o)))
+    saver, previous = None, None
+    for seed, (tag, zero) in enumerate(chain):
+        engine = zeropp.initialize(model=GPT(MODEL, seed=seed + 10), config=_config(2, 1, zero))[0]
+        if saver is not None:
+            engine.load_checkpoint(ckpt, tag=previous)
+            want = saver.full_parameters()
+            assert all(torch.equal(want[n], p) for n, p in engine.full_parameters().items()), tag
+            saver.destroy()
+        _train(engine, rank, world, 2, 1, data)
+        engine.save_checkpoint(ckpt, tag=tag)
+        saver, previous = engine, tag
+    saver.destroy()
+
+
+def mics_cases(rank: int, world: int, root: str, sizes: list[int], checkpoints: bool, splits: list[list[int]],
+               precision: int = 0,
                steps: int = 4) -> dict:
     """For each group size in ``sizes`` and each of ``CASES`` (MiCS at accumulation 1 and 2, clipping on in the
     second; ``(1, 1, k)`` and ``(1, k, k)`` at accumulation 2, for the last size only: the layouts' last sizes are
@@ -108,8 +252,8 @@ def mics_cases(rank: int, world: int, root: str, sizes: list[int], checkpoints: 
     return the worst relative errors; check the groups' layout, that every rank ends with the same weights, the
     byte counters of one boundary; with ``precision`` (a group size), bf16 and fp16 at the grouped points over it
     (``precision_cases``); then, with ``checkpoints``, move a checkpoint MiCS -> ZeRO-3 -> MiCS and MiCS ->
-    ``(1, k, k)`` -> ``(1, 1, k)`` -> MiCS."""
-    out: dict = {}
+    ``(1, k, k)`` -> ``(1, 1, k)`` -> MiCS; then ``split_cases`` for ``splits``."""
+    out: dict = split_cases(rank, world, root, splits, checkpoints, steps)
     exact: dict[int, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
     for k in sizes:
         for stage, micro, accum, clip in CASES if k == sizes[-1] else CASES[:2]:
@@ -201,8 +345,8 @@ def _masters_and_state(engine, opt) -> dict[str, torch.Tensor]:
 
 
 def precision_cases(rank: int, world: int, k: int, steps: int = 3) -> dict:
-    """bf16 at each of ``PRECISION_POINTS`` over ``k`` against bf16 at the same stage over the world with the same
-    micro-batch and accumulation (``"bf16-s{stage}-a{accum}"``: the distance of the fp32 masters relative to the
+    """bf16 at each of ``PRECISION_POINTS`` over ``k``, and at ``(1, k, world)``, against bf16 at the same stage over
+    the world with the same micro-batch and accumulation (``"bf16-s{stage}-a{accum}"``: the distance of the fp32 masters relative to the
     update, and the masters' sums for the every-rank check; the stage's own point, not ZeRO-3, since stage 1 sums
     its micro-batches in the bf16 ``.grad``: 1.8e-2 of the update from ZeRO-3 at accumulation 2); then fp16 (loss
     scale 2^8, hysteresis 1) under MiCS, ``(1, 1, k)`` and ``(1, k, k)`` with an Inf in one element of one weight's
@@ -252,6 +396,9 @@ def precision_cases(rank: int, world: int, k: int, steps: int = 3) -> dict:
         key = f"bf16-s{stage}-a{accum}"
         out[key] = _rel_to_update(got, want)
         out[key + "-weights"] = {n: float(p.double().sum()) for n, p in got.items()}
+    got, _ = run({**_config(2, 2, _split_zero(k, world)), **bf16}, 2, False)  # against the last: stage 2
+    out["bf16-split-a2"] = _rel_to_update(got, want)
+    out["bf16-split-a2-weights"] = {n: float(p.double().sum()) for n, p in got.items()}
     fp16 = {"fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}}
     want, want_record = run({**_config(2, 1, {"stage": 3}), **fp16}, 1, True)
     for stage in (3, 1, 2):

@@ -67,6 +67,21 @@ def test_grouped_stage_points(world, d, k):
         assert f"it runs at stage {stage}: set zero_optimization.stage to {stage}" in message, message
 
 
+@pytest.mark.parametrize("world,d,g,o", [(4, 2, 2, 4), (8, 4, 4, 8), (8, 2, 2, 8), (8, 4, 2, 4), (8, 2, 2, 4),
+                                         (16, 4, 4, 8)])
+def test_split_points(world, d, g, o):
+    """``(1, g, o)`` with ``1 < g < o`` runs at stage 2 (``o`` up to the world; ``"node"`` and ``"world"`` spelled
+    too), and names stage 2 when given at another stage."""
+    c = parse(world, stage=2, zeropp={"partition": part(1, g, o)})
+    assert c.zero.partition_point(world, d) == (1, g, o)
+    assert Config.parse(to_dict(c), world) == c
+    if g == d and o == world:
+        named = parse(world, stage=2, zeropp={"partition": part(1, "node", "world")})
+        assert named.zero.partition_point(world, d) == (1, g, o)
+    for stage in (1, 3):
+        assert "it runs at stage 2" in err(world, stage=stage, zeropp={"partition": part(1, g, o)})
+
+
 def test_grouped_refusals():
     """The options the grouped stage-1/2 points do not combine with are refused at initialize, each with why."""
     from zeropp.config.partition import grouped_refusals
@@ -82,6 +97,10 @@ def test_grouped_refusals():
         assert sum(needle in line for line in refused) == 1, (needle, refused)
     assert all("not combined with a grouped stage-" in line for line in refused)
     assert grouped_refusals(parse(4, stage=1, zeropp={"partition": part(1, 1, 2)})) == []
+    split = load_config({**BASE, "zero_optimization": {"stage": 2, "zero_quantized_gradients": True,
+                                                       "zeropp": {"partition": part(1, 2, 4)}}}, world_size=4)
+    refused = grouped_refusals(split)
+    assert len(refused) == 1 and "zero_quantized_gradients" in refused[0] and "(1, g, o)" in refused[0], refused
 
 
 @pytest.mark.parametrize("world,d,k", [(4, 2, 2), (8, 4, 4), (8, 4, 2), (8, 2, 2), (8, 2, 4), (16, 4, 8)])
@@ -140,9 +159,11 @@ def test_mics_shard_size_of_the_world_is_stage_3():
          ["partition=(4, 4, 4) is not the point of zero_optimization.stage=1 (1, 1, 4)", "runs at stage 3"]),
         (4, {"stage": 2, "zeropp": {"partition": part(1, 1, 4)}},
          ["partition=(1, 1, 4) is not the point of zero_optimization.stage=2 (1, 4, 4)", "runs at stage 1"]),
-        (8, {"stage": 2, "zeropp": {"partition": part(1, 2, 8)}},
-         ["partition=(1, 2, 8) is not run by the engine", "second reduce-scatter", "(1, 2, 2) or (1, 1, 8) run",
-          "stage 3 = (8, 8, 8)"]),
+        (8, {"stage": 1, "zeropp": {"partition": part(1, 2, 8)}},
+         ["partition=(1, 2, 8) is not the point of zero_optimization.stage=1 (1, 1, 8)", "runs at stage 2"]),
+        (8, {"stage": 2, "zeropp": {"partition": part(2, 2, 8)}},
+         ["partition=(2, 2, 8) is not run by the engine", "would step a sub-shard", "stage 3 = (8, 8, 8)",
+          "(1, g, o) at stage 2"]),
         (8, {"stage": 3, "zeropp": {"partition": part(2, 8, 8)}},
          ["partition=(2, 8, 8) is not run by the engine", "hpZ approximates", "zero_hpz_partition_size=2"]),
         (4, {"stage": 2, "mics_shard_size": 2}, ["mics_shard_size=2", "stage-3 partition", "it is 2"]),
@@ -197,8 +218,8 @@ def test_partition_contradicting_mics_shard_size():
                                                      "a multiple of it"]),
         (12, 4, {"stage": 3, "zeropp": {"partition": part(6, 6, 6)}},
          ["partition.parameters=6 must divide the ranks per node (4)", "partition.optimizer=6"]),
-        (12, 4, {"stage": 2, "zeropp": {"partition": part(1, "node", 12)}},
-         ["partition=(1, 4, 12) is not run by the engine", "(1, 4, 4) or (1, 1, 12) run"]),
+        (12, 4, {"stage": 1, "zeropp": {"partition": part(1, "node", 12)}},
+         ["partition=(1, 4, 12) is not the point of zero_optimization.stage=1", "it runs at stage 2"]),
     ],
 )
 def test_topology_checks(world, d, zero, needles):

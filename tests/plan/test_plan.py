@@ -176,6 +176,10 @@ def test_memory_order_offload_and_what_runs_today() -> None:
             ("parameters", "gradients", "optimizer"), point))}}
         lossy = predict(model, Plan(Partition(*point), gradient_bits=4), c, batch)
         assert "qgZ refused" in lossy.unsupported and lossy.config is None
+    split = predict(model, Plan(Partition(1, 2, world)), c, batch)  # (1, node, world): G over 2, OS over 4
+    assert split.label == "P1/G2/OS4" and split.unsupported is None, split.unsupported
+    assert split.config == {"stage": 2, "zeropp": {"partition": {"parameters": 1, "gradients": 2, "optimizer": 4}}}
+    assert split.memory["grads"] == mem["z2"]["grads"] * 3  # the OS shard plus world / 2 = 2 accumulated rows
     amsp = predict(model, Plan(Partition(2, world, world)), c, batch)
     assert amsp.unsupported is not None and amsp.config is None
     tight = rank_plans(model, cluster(1e9, memory=1e6), batch, ("none",))

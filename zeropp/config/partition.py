@@ -13,7 +13,9 @@ count ``k``; a copy sharded over ``k < W`` ranks is replicated across the ``W / 
 ``stage`` is the shorthand: stage 1 is ``(1, 1, W)``, stage 2 ``(1, W, W)``, stage 3 ``(W, W, W)``. The engine
 also runs, for ``2 <= k < W``, the *grouped* points, its stage inside each group of ``k`` ranks with the groups'
 gradient shards averaged once per accumulation boundary (``zeropp.engine.partition``): ``(1, 1, k)`` at stage 1,
-``(1, k, k)`` at stage 2 and ``(k, k, k)`` at stage 3, MiCS (DeepSpeed's ``mics_shard_size = k``). A
+``(1, k, k)`` at stage 2 and ``(k, k, k)`` at stage 3, MiCS (DeepSpeed's ``mics_shard_size = k``), and at stage 2
+``(1, g, o)`` with ``1 < g < o`` (``o`` up to the world): gradients reduce-scattered over groups of ``g`` every
+micro-batch, then across the ``o / g`` groups of an ``o`` group at the boundary, optimizer states over ``o``. A
 ``partition`` must be the point of its ``stage`` or its stage's grouped point (``engine_stage``); other points of the
 space are the planner's alone and are refused naming why (``unbuilt_reason``) and what runs. ``mics_refusals`` and
 ``grouped_refusals`` name the options the grouped points do not combine with.
@@ -105,13 +107,16 @@ def _aligned(k: int, ranks_per_node: int) -> bool:
 
 
 def engine_stage(point: tuple[int, int, int], world: int) -> int | None:
-    """The stage whose engine runs ``point`` ``(p, g, o)`` at ``world`` ranks: the stages' own points and, for
-    ``2 <= k < world``, the grouped points ``(1, 1, k)`` (1), ``(1, k, k)`` (2) and ``(k, k, k)`` (3, MiCS); None for
-    the points the engine does not run."""
-    o = point[2]
+    """The stage whose engine runs ``point`` ``(p, g, o)`` at ``world`` ranks: the stages' own points, for
+    ``2 <= k < world`` the grouped points ``(1, 1, k)`` (1), ``(1, k, k)`` (2) and ``(k, k, k)`` (3, MiCS), and
+    ``(1, g, o)`` with ``1 < g < o``, ``g`` dividing ``o`` (2; ``o`` may be the world); None for the points the engine
+    does not run."""
+    p, g, o = point
     for stage in (1, 2, 3):
         if point == stage_point(stage, world):
             return stage
+    if p == 1 and 1 < g < o and o % g == 0:
+        return 2
     if not 2 <= o < world:
         return None
     return {(1, 1, o): 1, (1, o, o): 2, (o, o, o): 3}.get(point)
@@ -123,11 +128,6 @@ def unbuilt_reason(point: tuple[int, int, int], world: int) -> str:
     p, g, o = point
     if o == 1:
         return "every rank holding everything is plain data parallelism, which is not supported"
-    if p == 1 and 1 < g < o:
-        return (f"gradients sharded over {g} ranks but optimizer states over {o} would need a second reduce-scatter "
-                f"of each gradient shard across the {o // g} groups at the boundary and a gather of the stepped "
-                f"sub-shards back, and the engine's units hold one shard size for both; (1, {g}, {g}) or "
-                f"(1, 1, {o}) run")
     if 1 < p < g:
         return (f"parameters gathered inside groups of {p} with gradients and optimizer states over {g}/{o} ranks "
                 f"is what hpZ approximates (zero_hpz_partition_size={p} at stage 3: the backward gathers from a "
@@ -147,7 +147,8 @@ def partition_problems(stage: int, partition: PartitionConfig | str | None, mics
     w = "zero_optimization"
     runs = (f"the engine runs stage 1 = (1, 1, {world}), stage 2 = (1, {world}, {world}), stage 3 = "
             f"({world}, {world}, {world}) and, with k >= 2 a node-aligned divisor of {world} below it, (1, 1, k) at "
-            f"stage 1, (1, k, k) at stage 2 and MiCS (k, k, k) at stage 3, as (parameters, gradients, optimizer)")
+            f"stage 1, (1, k, k) at stage 2 and MiCS (k, k, k) at stage 3, and (1, g, o) at stage 2 with 1 < g < o, "
+            f"g dividing o, as (parameters, gradients, optimizer)")
     if mics_shard_size != MICS_OFF:
         key = f"{w}.mics_shard_size"
         if stage != 3:
@@ -279,14 +280,16 @@ def mics_refusals(config: Any, size: int | None = None, ranks_per_node: int | No
 
 def grouped_refusals(config: Any) -> list[str]:
     """Why each option of ``config`` (a ``zeropp.config.Config``) that the grouped stage-1/2 points ``(1, 1, k)``
-    and ``(1, k, k)`` (``k`` below the world) do not combine with in this build is refused, one message each (empty:
-    none). hpZ and weight deltas need stage 3, which the config refuses already."""
+    and ``(1, k, k)`` (``k`` below the world) and ``(1, g, o)`` (``1 < g < o``) do not combine with in this build is
+    refused, one message each (empty: none). hpZ and weight deltas need stage 3, which the config refuses
+    already."""
     z = config.zero_optimization
     w = "zero_optimization"
     return _refusals(config, (
         (z.zero_quantized_weights, f"{w}.zero_quantized_weights",
          "qwZ's gather of the stepped shards inside a group is not tested; the groups gather exactly"),
         (z.zero_quantized_gradients, f"{w}.zero_quantized_gradients",
-         "qgZ would quantize the reduce-scatter inside the group while the cross-group all-reduce stays exact fp32; "
+         "qgZ would quantize the reduce-scatter inside the group while the cross-group reductions stay exact fp32; "
          "that split is not built"),
-    ), f"a grouped stage-{z.stage} partition (zeropp.partition (1, 1, k) or (1, k, k), k below the world)")
+    ), f"a grouped stage-{z.stage} partition (zeropp.partition (1, 1, k) or (1, k, k), k below the world, or "
+       f"(1, g, o) with 1 < g < o)")

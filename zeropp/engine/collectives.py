@@ -12,6 +12,7 @@ group; ``wait_all_arrived`` is ``comm.Arrival``'s check on a gloo side group of 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -19,6 +20,30 @@ import torch.distributed as dist
 
 from .. import comm
 from ..quant import DEFAULT_BLOCK_SIZE, BlockFormat
+
+
+@dataclass(frozen=True, eq=False)
+class GradientSplit:
+    """Gradients sharded finer than the optimizer states, ``(1, g, o)`` with ``g < o`` (``zeropp.engine.partition``):
+    the units are laid out over the ``o`` ranks of the ``Collectives``' topology (row ``r`` of a unit's flat buffer
+    viewed as ``(o, S)``: the ``o``-group rank ``r``'s shard), but each micro-batch's gradients are reduce-scattered
+    over this rank's ``g`` group only, each rank receiving ``o / g`` rows.
+
+    Attributes:
+        topology: this rank's ``g`` group (its rank ``j``: the ``j``-th chunk of the send order).
+        order: ``o`` row indices, int64: the send order of the rows, ``g`` chunks of ``o / g`` rows; chunk ``j``
+            holds the rows of the ranks at position ``j`` of every ``g`` group of the ``o`` group, in the order of
+            their own group (the peers that reduce-scatter the chunk again at the boundary), so that peer ``q``
+            ends with its own row.
+    """
+
+    topology: comm.Topology
+    order: torch.Tensor
+
+    @property
+    def rows(self) -> int:
+        """Rows each rank receives per reduce-scatter, ``o / g``."""
+        return self.order.numel() // self.topology.world_size
 
 
 class Collectives:
@@ -50,6 +75,8 @@ class Collectives:
         arrival_timeout: how long ``wait_all_arrived`` waits on the group's first rank (``comm.Arrival.of``: its
             side group is made with the first engine over ``topology``, a collective over the data-parallel group,
             when it has more than one rank).
+        gradient_split: ``(1, g, o)``: the gradient reduce-scatter runs over a ``g`` group of ``topology``'s ``o``
+            ranks (``GradientSplit``; exact only); ``None`` (default): over ``topology``.
     """
 
     def __init__(
@@ -69,6 +96,7 @@ class Collectives:
         communication_dtype: torch.dtype = torch.float32,
         onebit: bool = False,
         arrival_timeout: timedelta,
+        gradient_split: GradientSplit | None = None,
     ) -> None:
         if error_feedback and gradient_bits is None:
             raise ValueError("error_feedback needs quantized gradients (gradient_bits 8 or 4)")
@@ -78,6 +106,9 @@ class Collectives:
             raise ValueError(f"gradient_bits_intra={gradient_bits_intra} needs quantized gradients (gradient_bits)")
         if stochastic_rounding and gradient_bits is None:
             raise ValueError("stochastic_rounding needs quantized gradients (gradient_bits 8, 4 or 2)")
+        if gradient_split is not None and gradient_bits is not None:
+            raise ValueError("gradient_split reduce-scatters exactly; qgZ (gradient_bits) is not built for it")
+        self.gradient_split = gradient_split
         self.topology = topology
         self.weight_bits = weight_bits
         self.gradient_bits = gradient_bits
@@ -109,6 +140,9 @@ class Collectives:
         they are on and ``gradient_bits`` quantizes. One object
         per format (``self`` for this one's), so units of one format can share a bucket."""
         other = self._formats.get((weight_bits, gradient_bits))
+        if other is None and gradient_bits is not None and self.gradient_split is not None:
+            raise ValueError(f"gradient_bits={gradient_bits} (zeropp.rules) with a gradient_split: the split "
+                             "reduce-scatters exactly; qgZ is not built for it")
         if other is None:
             other = copy.copy(self)
             other.weight_bits, other.gradient_bits = weight_bits, gradient_bits
@@ -145,6 +179,12 @@ class Collectives:
         """dtype of the flat gradient buffer a unit hands to ``reduce_scatter_grads``: float32 under qgZ, else
         ``communication_dtype``."""
         return torch.float32 if self.gradient_bits is not None else self.communication_dtype
+
+    @property
+    def gradient_rows(self) -> int:
+        """Rows of a unit's ``(P, S)`` flat gradient each rank receives per reduce-scatter: 1, or ``o / g`` with a
+        ``gradient_split``."""
+        return 1 if self.gradient_split is None else self.gradient_split.rows
 
     @property
     def world_size(self) -> int:
@@ -237,10 +277,16 @@ class Collectives:
         ``gradient_rotation`` is, with ``error_feedback``'s residuals when given, rounded stochastically from
         ``seed`` (``rounding_seed``) when given; exact in ``communication_dtype`` otherwise). Handles must be
         waited on in the order they were started, the same on every rank (qgZ's second hop runs inside
-        ``wait()``)."""
+        ``wait()``). With a ``gradient_split``: ``full``'s ``P`` rows are copied into its send order (one copy of
+        ``full``) and averaged over its ``g`` group, ``out`` receiving ``gradient_rows`` rows (chunk ``j`` of the
+        order for the group's rank ``j``)."""
         wire = None if self.gradient_bits is not None or full.dtype == torch.float32 else full.dtype
+        topology, split = self.topology, self.gradient_split
+        if split is not None:
+            full = torch.index_select(full.view(self.world_size, -1), 0, split.order.to(full.device)).view(-1)
+            topology = split.topology
         return comm.reduce_scatter(
-            full, bits=self.gradient_bits, op=comm.ReduceOp.AVG, topology=self.topology, out=out,
+            full, bits=self.gradient_bits, op=comm.ReduceOp.AVG, topology=topology, out=out,
             block_size=self.block_size, error_feedback=error_feedback, wire_dtype=wire, async_op=True,
             rotation=self.gradient_rotation, intra_bits=self.gradient_bits_intra, seed=seed,
         )

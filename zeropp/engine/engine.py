@@ -43,7 +43,7 @@ from .hooks import GradientReadiness, install_entry_hooks, install_stage3_hooks
 from .loss_scaler import LossScaler
 from .monitor import Monitor
 from .onebit import OneBitAdam
-from .partition import MicsGroups
+from .partition import partition_groups
 from .materialize import Materializer, MetaInit
 from .offload import OffloadError, OptimizerOffload
 from .optimizer import PartitionedOptimizer, state_kinds
@@ -92,10 +92,9 @@ class ZeroEngine:
         self.topology = topology
         zero = config.zero_optimization
         self.stage = zero.stage
-        shards = zero.partition_point(topology.world_size, topology.ranks_per_node)[2]
-        self.mics = MicsGroups(topology, shards) if shards < topology.world_size else None
-        """The grouped points (MiCS at stage 3, ``(1, 1, k)`` / ``(1, k, k)`` at stages 1 / 2;
-        ``zeropp.engine.partition``): the shard and replica groups; None at the stages' own points."""
+        self.mics = partition_groups(topology, zero.partition_point(topology.world_size, topology.ranks_per_node))
+        """The grouped points (MiCS at stage 3, ``(1, 1, k)`` / ``(1, k, k)`` at stages 1 / 2, ``(1, g, o)`` at
+        stage 2; ``zeropp.engine.partition``): the shard and replica groups; None at the stages' own points."""
         if self.mics is not None and zero.gradient_bits is not None:
             self.mics.quantize_replicas(zero.gradient_bits, zero.zeropp.block_size)
         self.comm = Collectives(
@@ -113,6 +112,7 @@ class ZeroEngine:
             communication_dtype=communication_dtype(config),
             onebit=config.optimizer is not None and config.optimizer.type == "OneBitAdam",
             arrival_timeout=timedelta(seconds=zero.zeropp.entry_check_timeout),
+            gradient_split=None if self.mics is None else self.mics.gradient_split,
         )
         self.entry_check = EntryCheck(self.comm)
         self.compute_dtype = compute_dtype(config)
@@ -163,6 +163,8 @@ class ZeroEngine:
                                        shard_home=self.param_offload.home if self.param_offload.enabled else None))
                 self.offload.admit(u, self.units[u].master)
                 modules[plan.name] = plan.module
+        if self.mics is not None:
+            self.mics.attach(self.units)
         self.optimizer = PartitionedOptimizer(
             config.optimizer, self.units, model_parameters,
             make_state=lambda u, kind: self.offload.zeros(u, self.units[u].master, kind))

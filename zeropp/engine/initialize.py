@@ -169,8 +169,8 @@ def _check_supported(cfg: Config, topo: comm.Topology) -> None:
             f"zero_optimization.zero_hpz_partition_size={hpz} must divide the ranks per node ({d} here: "
             f"{topo.num_nodes} node(s) of {d} ranks, set by ${comm.ENV_RANKS_PER_NODE} or the hosts); use one of "
             f"{divisors}")
-    shards = z.partition_point(topo.world_size, topo.ranks_per_node)[2]
-    grouped = shards < topo.world_size
+    _, grads, shards = z.partition_point(topo.world_size, topo.ranks_per_node)
+    grouped = shards < topo.world_size or 1 < grads < shards
     refused = [] if not grouped else mics_refusals(cfg, shards, d) if z.stage == 3 else grouped_refusals(cfg)
     if refused:
         raise ConfigError("; ".join(refused))

@@ -219,9 +219,12 @@ class PartitionedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients accumulated since the last optimizer step (``ZeroEngine.zero_grad``): every unit's
-        fp32 gradient shard and the parameters' ``.grad``. ``set_to_none`` is accepted for torch's signature."""
+        fp32 gradient shard (and ``(1, g, o)``'s accumulated rows, ``Unit.grad_accumulator``) and the parameters'
+        ``.grad``. ``set_to_none`` is accepted for torch's signature."""
         for unit in self.units:
             unit.grad_shard.zero_()
+            if unit.grad_accumulator is not None:
+                unit.grad_accumulator.zero_()
             for p in unit.params:
                 p.grad = None
         if self.onebit is not None:

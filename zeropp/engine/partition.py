@@ -1,7 +1,8 @@
 """The grouped points in the engine: a stage's engine run inside node-aligned groups of ``k`` ranks, ``k`` below
 the world, with the groups' gradient shards averaged once per accumulation boundary (``zeropp.config.partition``):
 MiCS ``(k, k, k)`` at stage 3 (``mics_shard_size`` or ``zeropp.partition``), ``(1, 1, k)`` at stage 1 and
-``(1, k, k)`` at stage 2 (``zeropp.partition``; AMSP's replicated parameters with G and OS sharded over ``k``).
+``(1, k, k)`` at stage 2 (``zeropp.partition``; AMSP's replicated parameters with G and OS sharded over ``k``); and
+``(1, g, o)`` with ``1 < g < o`` at stage 2 (``SplitGroups``, last paragraph).
 
 The ``W`` ranks are cut into ``W / k`` node-aligned *shard groups* of ``k`` ranks: ``k`` consecutive local indices of
 one node when ``k`` divides the ranks per node ``d``, else ``k / d`` consecutive whole nodes. Inside its shard group
@@ -29,6 +30,20 @@ eagerly over the world before the units are built (each group's units then broad
 A checkpoint is written by the first group alone (``save``): the groups hold the same state, so it is ZeRO-3's
 checkpoint at ``k`` ranks (stage 1's or 2's for those points), and loads at any world size, stage or partition;
 every group loads it.
+
+The units' fp32 gradient shards are views into one buffer (``attach``, before the first backward), so the
+cross-group all-reduce runs in place on it, with no temporary copy.
+
+``(1, g, o)``, ``1 < g < o`` (``o`` up to the world; ``partition_groups`` picks the class): stage 2's engine over
+the ``o``-rank shard groups (the units laid out over ``o`` ranks, the optimizer stepping the ``1 / o`` shard, the
+stepped shards all-gathered over ``o``), with its gradient reduction split in two. Every micro-batch each unit's
+gradient is reduce-scattered exactly over this rank's ``g`` group only (``shard_group_ranks`` over ``g``, inside
+the shard group; ``Collectives``' ``GradientSplit``): the rank receives the ``o / g`` rows of the ``o`` layout that
+belong to the ranks at its position in every ``g`` group of its shard group (its *peers*), added into the units'
+fp32 ``grad_accumulator`` views of one buffer. At the boundary ``SplitGroups.sync_gradients`` reduce-scatters that
+buffer over the peers (exact fp32, one call for all units), which leaves each rank its own row (the shard group's
+mean of its ``1 / o`` sub-shard) in its gradient shard, zeroes the buffer and, when ``o`` is below the world,
+all-reduces the shards over the replica groups as above. A checkpoint is stage 2's at ``o`` ranks.
 """
 
 from __future__ import annotations
@@ -42,6 +57,7 @@ from torch import nn
 
 from .. import comm
 from ..quant import DEFAULT_BLOCK_SIZE
+from .collectives import GradientSplit
 from .unit import Unit
 
 T = TypeVar("T")
@@ -60,8 +76,9 @@ def shard_group_ranks(topology: comm.Topology, size: int) -> list[list[int]]:
 
 
 class MicsGroups:
-    """The shard and replica groups of a grouped point (MiCS or the stage-1/2 points) over ``size`` ranks (module docstring); creating it is a collective
-    over ``topology``'s group (every rank makes its own groups, in the same order).
+    """The shard and replica groups of a grouped point (MiCS or the stage-1/2 points) over ``size`` ranks (module
+    docstring); creating it is a collective over ``topology``'s group (every rank makes its own groups, in the same
+    order).
 
     Attributes:
         world: the data-parallel topology (all ``W`` ranks).
@@ -86,6 +103,11 @@ class MicsGroups:
         self.replica_bits: int | None = None
         self.replica_block_size = DEFAULT_BLOCK_SIZE
         self.replica_topology: comm.Topology | None = None
+        self.gradient_split: GradientSplit | None = None
+        """The engine's ``Collectives`` reduce-scatter gradients over the shard group (None) or, ``SplitGroups``,
+        over a ``g`` group inside it."""
+        self.gradients = torch.zeros(0)
+        """Every unit's fp32 ``grad_shard`` end to end (``attach``): the units' ``grad_shard`` are views into it."""
 
     def quantize_replicas(self, bits: int, block_size: int) -> None:
         """Quantize the cross-group gradient all-reduce in ``bits`` (blocks of ``block_size``) from now on; a
@@ -108,22 +130,22 @@ class MicsGroups:
         for tensor in [*module.parameters(), *module.buffers()]:
             dist.broadcast(tensor.data, src=first, group=self.world.group)
 
+    def attach(self, units: list[Unit]) -> None:
+        """Make every unit's (zero) ``grad_shard`` a view into one fp32 buffer, ``gradients``, in unit order, so
+        that ``sync_gradients`` reduces them in place (no temporary copy). Before the first backward."""
+        self.gradients = _flat_views(units, 1, "grad_shard")
+
     def sync_gradients(self, units: list[Unit]) -> None:
-        """Average every unit's fp32 gradient shard over the replica group: one all-reduce of the shards laid end
-        to end (``comm.all_reduce``, ``ReduceOp.AVG``; quantized after ``quantize_replicas``), copied back."""
-        shards = [unit.grad_shard for unit in units if unit.grad_shard.numel()]
-        if not shards:
+        """Average every unit's fp32 gradient shard over the replica group: one all-reduce, in place, of
+        ``gradients`` (the shards laid end to end, ``attach``; ``comm.all_reduce``, ``ReduceOp.AVG``; quantized after
+        ``quantize_replicas``)."""
+        if not self.gradients.numel() or self.replicas == 1:
             return
-        flat = torch.cat(shards)
         if self.replica_topology is None:
-            comm.all_reduce(flat, group=self.replica_group, topology=self.world, op=comm.ReduceOp.AVG)
+            comm.all_reduce(self.gradients, group=self.replica_group, topology=self.world, op=comm.ReduceOp.AVG)
         else:
-            comm.all_reduce(flat, topology=self.replica_topology, op=comm.ReduceOp.AVG, bits=self.replica_bits,
-                            block_size=self.replica_block_size)
-        at = 0
-        for shard in shards:
-            shard.copy_(flat[at : at + shard.numel()])
-            at += shard.numel()
+            comm.all_reduce(self.gradients, topology=self.replica_topology, op=comm.ReduceOp.AVG,
+                            bits=self.replica_bits, block_size=self.replica_block_size)
 
     def save(self, write: Callable[[], T]) -> T:
         """Run ``write`` (a checkpoint save, a collective of the shard group) on the first group only; its result
@@ -139,3 +161,77 @@ class MicsGroups:
         if error is not None:
             raise error
         return result  # type: ignore[return-value]
+
+
+class SplitGroups(MicsGroups):
+    """The groups of ``(1, g, o)``, ``1 < g < o`` (module docstring): the ``o``-rank shard groups and their replica
+    groups (``MicsGroups`` over ``o``; one group and no replicas when ``o`` is the world), and inside each shard
+    group its ``o / g`` node-aligned ``g`` groups (``shard_group_ranks``). Creating it is a collective over
+    ``topology``'s group.
+
+    Attributes:
+        gradient_topology: this rank's ``g`` group (the micro-batches' reduce-scatter).
+        peer_topology: the ``o / g`` ranks of this rank's shard group at its position in their ``g`` group, by
+            ascending rank (the boundary's reduce-scatter).
+        gradient_split: what the engine's ``Collectives`` reduce over (``GradientSplit``).
+        accumulator: every unit's ``grad_accumulator`` (``attach``), ``(o / g, N)`` fp32 with ``N`` the units'
+            shard elements in all: row ``q`` is peer ``q``'s row of every unit, end to end.
+    """
+
+    def __init__(self, topology: comm.Topology, gradients: int, optimizer: int) -> None:
+        super().__init__(topology, optimizer)
+        mine = self.groups[self.index]
+        parts = [part for part in shard_group_ranks(topology, gradients) if set(part) <= set(mine)]
+        part = next(part for part in parts if topology.global_rank in part)
+        j = part.index(topology.global_rank)
+        d = topology.ranks_per_node
+        self.gradient_topology = comm.Topology(topology.subgroup(part), ranks_per_node=min(gradients, d),
+                                               host=topology.host, timeout=topology.timeout)
+        self.peer_topology = comm.Topology(topology.subgroup(sorted(p[j] for p in parts)),
+                                           ranks_per_node=max(1, min(optimizer, d) // gradients),
+                                           host=topology.host, timeout=topology.timeout)
+        order = [mine.index(r) for i in range(gradients) for r in sorted(p[i] for p in parts)]
+        self.gradient_split = GradientSplit(self.gradient_topology, torch.tensor(order, dtype=torch.int64))
+        self.accumulator = torch.zeros(0)
+
+    def attach(self, units: list[Unit]) -> None:
+        """``MicsGroups.attach``, and every unit's ``grad_accumulator`` made a ``(o / g, S)`` view into one zero
+        fp32 buffer, ``accumulator``."""
+        super().attach(units)
+        self.accumulator = _flat_views(units, self.gradient_split.rows, "grad_accumulator")  # type: ignore[union-attr]
+
+    def sync_gradients(self, units: list[Unit]) -> None:
+        """At the boundary: reduce-scatter ``accumulator`` over the peers (exact fp32, ``ReduceOp.AVG``: each rank
+        gets its own row, the shard group's mean of its ``1 / o`` sub-shard of every unit) into ``gradients`` (the
+        ``grad_shard`` views), zero ``accumulator``, then average ``gradients`` over the replica groups
+        (``MicsGroups.sync_gradients``; none when ``o`` is the world)."""
+        if self.accumulator.numel():
+            comm.reduce_scatter(self.accumulator, op=comm.ReduceOp.AVG, topology=self.peer_topology,
+                                out=self.gradients)
+            self.accumulator.zero_()
+        super().sync_gradients(units)
+
+
+def partition_groups(topology: comm.Topology, point: tuple[int, int, int]) -> MicsGroups | None:
+    """The groups the engine runs the partition ``point`` ``(p, g, o)`` over ``topology`` with: ``SplitGroups`` for
+    ``1 < g < o``, ``MicsGroups`` over ``o`` for the other grouped points (``o`` below the world), None for the
+    stages' own points. A collective over ``topology``'s group."""
+    _, g, o = point
+    if 1 < g < o:
+        return SplitGroups(topology, g, o)
+    return MicsGroups(topology, o) if o < topology.world_size else None
+
+
+def _flat_views(units: list[Unit], rows: int, attribute: str) -> torch.Tensor:
+    """One zero fp32 buffer of ``rows`` rows of every unit's ``shard_numel`` elements end to end, on the units'
+    gradient device; each unit's ``attribute`` set to its columns (a 1-D view for one row, else ``(rows, S)``)."""
+    numel = sum(unit.shard_numel for unit in units)
+    device = units[0].grad_shard.device if units else torch.device("cpu")
+    flat = torch.zeros(rows * numel, dtype=torch.float32, device=device)
+    view = flat.view(rows, numel)
+    at = 0
+    for unit in units:
+        part = view[:, at : at + unit.shard_numel]
+        setattr(unit, attribute, part[0] if rows == 1 else part)
+        at += unit.shard_numel
+    return flat

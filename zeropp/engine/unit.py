@@ -129,6 +129,11 @@ class Unit:
         else:  # an offload tier's home (zeropp.engine.offload)
             self.master = optimizer_side(self.shard_numel, "master").copy_(local)
             self.grad_shard = optimizer_side(self.shard_numel, "grad_shard").zero_()
+        self.grad_accumulator: torch.Tensor | None = None
+        """``(1, g, o)`` (``comm.gradient_split``): the fp32 ``(o / g, S)`` rows of the flat gradient this rank
+        accumulates between boundaries, which each micro-batch's reduce-scatter adds into instead of ``grad_shard``
+        (a view set by ``zeropp.engine.partition.SplitGroups.attach``; its boundary reduction fills ``grad_shard``);
+        ``None`` otherwise."""
         self._full_nbytes = self.full.untyped_storage().nbytes()
         self.hpz = comm.hpz if sharded else 1
         self.secondary: torch.Tensor | None = None  # hpZ: this rank's 1/hpz of the gathered values
@@ -635,10 +640,11 @@ def reduce_bucketed(
     for unit, unit_grads in zip(units, grads, strict=True):
         unit.pack_gradients(unit_grads, rows[:, at : at + unit.shard_numel])
         at += unit.shard_numel
-    received = torch.empty(width, dtype=torch.float32, device=flat.device)
+    received = torch.empty(comm.gradient_rows * width, dtype=torch.float32, device=flat.device)
     work = comm.reduce_scatter_grads(flat, received, error_feedback=first.error_feedback if len(units) == 1 else None,
                                      seed=comm.rounding_seed(micro_step, first.name))
-    return GradientReduction(work, received, [u.grad_shard for u in units], flat, first.reduce_buffers)
+    targets = [u.grad_shard if u.grad_accumulator is None else u.grad_accumulator for u in units]
+    return GradientReduction(work, received, targets, flat, first.reduce_buffers, rows=comm.gradient_rows)
 
 
 class _BucketPart:
@@ -697,14 +703,18 @@ class GradientReduction:
         grad_shards: list[torch.Tensor] | None = None,
         flat: torch.Tensor | None = None,
         buffers: ReduceBuffers | None = None,
+        rows: int = 1,
     ):
         """``work`` ``None``: a reduction already complete (one rank: nothing to wait for or add). ``received``:
-        this rank's slice, the ``grad_shards`` of the units end to end."""
+        this rank's slice, the ``grad_shards`` of the units end to end; with a ``gradient_split``, ``rows`` rows, each
+        the units' row end to end, added into the units' ``(rows, S)`` ``grad_accumulator`` views given as
+        ``grad_shards``."""
         self._work: _comm.CollectiveWork | None = work
         self._received = received
         self._grad_shards = grad_shards or []
         self._flat = flat
         self._buffers = buffers
+        self._rows = rows
         self.numel = 0 if flat is None else flat.numel()
 
     def wait(self) -> None:
@@ -714,10 +724,12 @@ class GradientReduction:
             return
         self._work.wait()
         self._work = None
+        received = self._received.view(self._rows, -1)
         at = 0
         for grad_shard in self._grad_shards:  # an offloaded grad_shard: the slice copied to the host first
-            grad_shard.add_(moved(self._received[at : at + grad_shard.numel()], grad_shard.device))
-            at += grad_shard.numel()
+            n = grad_shard.shape[-1]
+            grad_shard.add_(moved(received[:, at : at + n].reshape(grad_shard.shape), grad_shard.device))
+            at += n
         if self._flat is not None and self._buffers is not None:
             self._buffers.give(self._flat)
             self._flat = None

@@ -9,7 +9,10 @@
   weight deltas' reconstruction (``S_p``, kept for good) and, with qwZ, the secondary's qwZ pack (the intra-node
   gathers send it; made once per step);
 * ``grads``: the float32 gradient shards the optimizer reads (``S_o`` per unit; ``zeropp.engine.unit``'s
-  ``grad_shard``), and with gradients sharded finer than the optimizer (never in this space) nothing more;
+  ``grad_shard``), and with gradients sharded over fewer ranks than the optimizer (``(1, g, o)``, ``g < o``) the
+  float32 rows accumulated between boundaries (``(o / g) S_o`` per unit, ``Unit.grad_accumulator``). The grouped
+  points' cross-group reductions work in place on these (``zeropp.engine.partition``: the shards are views of one
+  buffer), so they add no temporary;
 * ``grad_accum``: ZeRO-1's whole gradients (compute dtype) kept unreduced through the accumulation window;
 * ``optimizer``: the float32 master (``S_o``) and AdamW's two moments (``2 S_o``) per unit: 0 on the device when
   offloaded (``offload_optimizer`` cpu or nvme);
@@ -50,6 +53,8 @@ def memory(model: ModelSpec, plan: Plan, world: int, micro: int, seq: int, dtype
         else:
             out["params"] += count * (part.optimizer + 1) * so * b
         out["grads"] += count * 4 * so
+        if 1 < part.grads < part.optimizer:
+            out["grads"] += count * 4 * (part.optimizer // part.grads) * so
         if part.grads == 1:
             out["grad_accum"] += count * unit.numel * b
         if plan.offload == "none":

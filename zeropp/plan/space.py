@@ -16,9 +16,9 @@ with the cross-group gradient all-reduce once per accumulation window; hpZ is Ze
 parameters over ``h`` ranks of a node. The engine runs stages 1-3 with hpZ, qwZ/qgZ bits (``gradient_bits_intra``
 and int2 gradients included), weight deltas and the offload tiers, and the grouped points: MiCS
 (``mics_shard_size``) with qwZ, qgZ (its cross-group all-reduce quantized too) and, for groups of whole nodes, hpZ;
-``(1, 1, k)`` and ``(1, k, k)`` (``zeropp.partition`` at stage 1 / 2, exact collectives; see
-``Partition.grouped_stage``); other partitions are the planner's alone (``Plan.unsupported`` says why a plan cannot
-run).
+``(1, 1, k)``, ``(1, k, k)`` and ``(1, g, o)`` with ``g < o`` (``zeropp.partition`` at stage 1 / 2, exact
+collectives; see ``Partition.grouped_stage``); other partitions are the planner's alone (``Plan.unsupported`` says
+why a plan cannot run).
 """
 
 from __future__ import annotations
@@ -56,9 +56,12 @@ class Partition:
 
     def grouped_stage(self, world: int) -> int | None:
         """The stage whose engine runs this partition inside groups of ``k`` ranks, ``1 < k < world``
-        (``zeropp.engine.partition``): 1 for ``(1, 1, k)``, 2 for ``(1, k, k)``, 3 for MiCS ``(k, k, k)``; None
-        otherwise."""
+        (``zeropp.engine.partition``): 1 for ``(1, 1, k)``, 2 for ``(1, k, k)``, 3 for MiCS ``(k, k, k)``; and 2 for
+        ``(1, g, o)`` with ``1 < g < o`` (``o`` up to the world: gradients over ``g``, optimizer states over
+        ``o``); None otherwise."""
         k = self.optimizer
+        if self.params == 1 and 1 < self.grads < k:
+            return 2
         if not 1 < k < world:
             return None
         return {(1, 1, k): 1, (1, k, k): 2, (k, k, k): 3}.get((self.params, self.grads, k))
@@ -168,7 +171,7 @@ class Plan:
         grouped = self.partition.grouped_stage(world)
         if stage is None and grouped is None:
             raise ValueError(f"partition {self.partition} has no zero_optimization config yet: "
-                             f"only stages 1-3, MiCS, (1, 1, k) and (1, k, k) run today")
+                             f"only stages 1-3, MiCS, (1, 1, k), (1, k, k) and (1, g, o) run today")
         extra: dict[str, Any] = {}
         if grouped == 3:
             zero: dict[str, Any] = {"stage": 3, "mics_shard_size": self.partition.mics_size(world)}
@@ -231,6 +234,8 @@ def _all_plans(world: int, ranks_per_node: int, offload: tuple[str, ...]) -> Ite
             # gradients reduced across nodes: by the reduce-scatter, or by the all-reduce across G groups (MiCS's)
             cross_node_reduce = part.grads > d or (part.grads == 1 and part.optimizer > d) or \
                 (1 < part.grads < world and multinode)
+            if 1 < part.grads < part.optimizer:  # the boundary's reduce-scatter across the G groups is exact fp32
+                cross_node_reduce = part.grads > d or (part.optimizer < world and multinode)
             for gbits, gintra in GRADIENT_BITS if cross_node_reduce else GRADIENT_BITS[:1]:
                 hpzs = [1] + ([d] if part.params > d and d > 1 and multinode else [])
                 for hpz in hpzs:

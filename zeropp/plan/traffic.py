@@ -4,9 +4,9 @@ Bytes come from the formulas the engine's counters record and its tests check (`
 ``gather_traffic`` for ring all-gathers and exact reduce-scatters, ``all_to_all_traffic`` for qgZ's two hops; pack
 sizes from ``zeropp.quant.BlockFormat.packed_bytes``), applied to the engine's unit layout (``shard_numel``, the
 layout of ``zeropp.engine.unit.flat_layout``). For the partitions the engine runs (stages 1-3, hpZ, weight deltas,
-and the grouped stage-1/2 points ``(1, 1, k)`` and ``(1, k, k)``) the totals per kind equal ``zeropp.comm.stats()``
-after one step (tests/engine/test_zeropp.py, tests/engine/test_partition.py); the other points of the space use the
-same formulas on their groups.
+and the grouped stage-1/2 points ``(1, 1, k)``, ``(1, k, k)`` and ``(1, g, o)``) the totals per kind equal
+``zeropp.comm.stats()`` after one step (tests/engine/test_zeropp.py, tests/engine/test_partition.py); the other
+points of the space use the same formulas on their groups.
 
 Per step with ``A`` micro-batches, ``P`` ranks, ``d`` per node, ``n`` nodes, each unit of shard ``S`` elements:
 
@@ -20,9 +20,13 @@ Per step with ``A`` micro-batches, ``P`` ranks, ``d`` per node, ``n`` nodes, eac
   exact (ring, in the compute dtype) or qgZ (an all-to-all inside the node of ``n`` packs per peer, then one across
   nodes of one pack per peer);
 * stages 1 and 2 gather the stepped shards after the optimizer step (qwZ bits when on);
-* G or OS sharded over fewer than ``P`` ranks (the grouped points the engine runs, MiCS and ``(1, 1, k)`` /
-  ``(1, k, k)``, and the points it does not): gradients reduced within the G group (the OS group when G is whole)
-  and all-reduced across the groups once per step, the stepped OS shards gathered into the P layout. As the engine
+* G sharded over fewer ranks than OS (``(1, g, o)``, ``g < o``): each micro-batch's reduce-scatter over the G group
+  delivers ``o / g`` rows of the OS layout (``(o / g) S_o`` elements per rank), accumulated in float32; at the
+  boundary one exact float32 reduce-scatter of every unit's rows, end to end, across the ``o / g`` G groups of the
+  OS group (``zeropp.engine.partition.SplitGroups``) leaves each rank its ``S_o`` per unit;
+* OS sharded over fewer than ``P`` ranks (the grouped points the engine runs, MiCS, ``(1, 1, k)``, ``(1, k, k)`` and
+  ``(1, g, o)``, and the points it does not): gradients reduced within the OS group as above and all-reduced across
+  the groups once per step, the stepped OS shards gathered into the P layout. As the engine
   runs it (``zeropp.engine.partition.MicsGroups.sync_gradients``), that all-reduce is one call per step on every
   unit's float32 gradient shard laid end to end (``N`` elements, whatever the compute dtype), cut into
   ``ceil(N / R)``-element slices over the ``R`` groups. With qgZ (G sharded) it is quantized
@@ -180,6 +184,18 @@ def _all_reduce(numel: int, replicas: int, layout: Layout, stride: int, bits: in
                       replicas, same, per_node, pack, 1, Traffic(intra, inter, intra, inter), kernel)
 
 
+def _peer_reduce(numel: int, peers: int, layout: Layout, stride: int) -> Collective:
+    """``(1, g, o)``, ``g < o``: the boundary's exact reduce-scatter across the ``o / g`` G groups of an OS group
+    (``zeropp.engine.partition.SplitGroups.sync_gradients``): one call per step on the ``peers * numel`` float32
+    rows this rank accumulated (``numel``: every unit's OS shard, end to end) over ``peers`` ranks ``stride``
+    apart, each receiving its ``4 numel`` bytes."""
+    same = layout.same_node(peers, stride)
+    chunk = numel * 4
+    return Collective("reduce_scatter", "boundary gradient reduce-scatter across the G groups", "(all)", "boundary",
+                      "ring", peers, same, layout.groups_per_node(peers, stride), chunk, 1,
+                      gather_traffic(chunk, peers, same))
+
+
 def _delta_exchange(model: ModelSpec, plan: Plan, layout: Layout, align: int, dtype_bytes: int) -> Collective:
     """Weight deltas: one exchange per step of every unit's int4 delta pack to the holders of this rank's shard
     (``zeropp.engine.weight_deltas``: positions are local indices modulo ``h``; the secondary at position ``i``
@@ -249,23 +265,22 @@ def collectives(model: ModelSpec, plan: Plan, layout: Layout, accum: int, dtype_
                     if calls:
                         out.append(_gather("parameter gather", name, phase, calls, p, same, per_node, sp,
                                            plan.weight_bits, dtype_bytes))
-        if g > 1:
-            sg = shard_numel(unit, align, g)
-            out += _reduce(name, "backward", accum, g, layout, sg, plan, dtype_bytes)
-            cross += count * sg
+        so = shard_numel(unit, align, o)
+        if g > 1:  # the engine's layout: the o-layout's rows, o / g of them per rank of the G group
+            out += _reduce(name, "backward", accum, g, layout, (o // g) * so, plan, dtype_bytes)
         else:
-            so = shard_numel(unit, align, o)
             out += _reduce(name, "boundary", 1, o, layout, so, plan, dtype_bytes)
-            cross += count * so
+        cross += count * so
         if o > p:
             so = shard_numel(unit, align, o)
             group = o // p
             out.append(_gather("stepped-shard gather", name, "step", 1, group, layout.same_node(group, p),
                                layout.groups_per_node(group, p), so, plan.weight_bits, dtype_bytes))
         out[start:] = [replace(c, calls=c.calls * count) for c in out[start:]]  # identical units: planned once
-    reduced = g if g > 1 else o  # the ranks a gradient shard is reduced over
-    if reduced < world and cross:
-        out.append(_all_reduce(cross, world // reduced, layout, reduced, plan.gradient_bits if g > 1 else None))
+    if 1 < g < o and cross:
+        out.append(_peer_reduce(cross, o // g, layout, g))
+    if o < world and cross:  # the ranks a gradient shard is reduced over: the OS group
+        out.append(_all_reduce(cross, world // o, layout, o, plan.gradient_bits if g > 1 else None))
     if plan.weight_deltas:
         out.append(_delta_exchange(model, plan, layout, align, dtype_bytes))
     return out

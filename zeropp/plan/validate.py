@@ -213,6 +213,7 @@ def _states(engine: Any) -> dict[str, int]:
         add("params", u.shard)
         add("secondary", u.secondary)
         add("grads", u.grad_shard)
+        add("grads", u.grad_accumulator)
         add("optimizer", u.master)
     for tensors in engine.optimizer.state.values():
         for t in tensors.values() if isinstance(tensors, dict) else tensors:
