@@ -176,7 +176,13 @@ def test_memory_order_offload_and_what_runs_today() -> None:
             ("parameters", "gradients", "optimizer"), point))}}
         lossy = predict(model, Plan(Partition(*point), gradient_bits=4), c, batch)
         assert "qgZ refused" in lossy.unsupported and lossy.config is None
-    amsp = predict(model, Plan(Partition(2, world, world)), c, batch)
+    resident = predict(model, Plan(Partition(2, world, world), weight_bits=8), c, batch)  # hpZ's copy kept
+    assert resident.unsupported is None and resident.label == f"P2/G{world}/OS{world} qwZ8", resident.label
+    assert resident.config == {"stage": 3, "zero_quantized_weights": True, "zeropp": {
+        "weight_bits": 8, "partition": {"parameters": 2, "gradients": "world", "optimizer": "world"}}}
+    assert "weight deltas" in predict(model, Plan(Partition(2, world, world), hpz=2, weight_deltas=True), c,
+                                      batch).unsupported
+    amsp = predict(model, Plan(Partition(2, 2, world)), c, batch)
     assert amsp.unsupported is not None and amsp.config is None
     tight = rank_plans(model, cluster(1e9, memory=1e6), batch, ("none",))
     assert not tight[0].fits and "No plan fits" in why(tight)
