@@ -592,6 +592,7 @@ def resident_cases(rank: int, world: int, root: str, checkpoints: bool, steps: i
             engine.destroy()
     if checkpoints:
         out.update(_resident_checkpoints(rank, world, root))
+        out.update(resident_combos(rank, world))
     return out
 
 
@@ -637,3 +638,34 @@ def _resident_checkpoints(rank: int, world: int, root: str) -> dict:
         raise AssertionError("offload_param at the resident point was accepted")
     except ConfigError as e:
         return {"resident-checkpoints": True, "refused-resident": str(e)}
+
+
+RESIDENT_COMBOS = {
+    "qwz8-qgz4": ({"zero_quantized_weights": True, "zero_quantized_gradients": True}, {}, {}),
+    "offload-cpu": ({"offload_optimizer": {"device": "cpu"}}, {}, {}),
+    "bf16": ({}, {}, {"bf16": {"enabled": True}}),
+    "deltas": ({}, {"weight_deltas": True}, {}),
+}
+"""What the resident point composes with (docs/partition.md): name -> (``zero_optimization`` keys, ``zeropp``
+keys, top-level keys), each run at ``(node, W, W)`` and at ZeRO-3 with the same options (with hpZ over the node
+for weight deltas, which need it there)."""
+
+
+def resident_combos(rank: int, world: int, steps: int = 2) -> dict:
+    """Each of ``RESIDENT_COMBOS`` at ``(node, W, W)`` against ZeRO-3 with the same options: the same fp32 masters
+    after ``steps`` steps, bit for bit (qwZ's gathers quantize the same blocks of the same values, inside the node
+    from the slices' pack or over the world from the shards), or, with weight deltas, hpZ + weight deltas over the
+    node's ranks, which the resident point then is."""
+    out = {}
+    d = comm.get_default_topology().ranks_per_node
+    data = batches(steps, 2 * world)
+    for name, (zero, zeropp_keys, top) in RESIDENT_COMBOS.items():
+        masters = []
+        for base in (_resident_zero("node"), {"stage": 3, **({"zero_hpz_partition_size": d} if zeropp_keys else {})}):
+            config = {**_config(2, 1, {**base, **zero, "zeropp": {**base.get("zeropp", {}), **zeropp_keys}}), **top}
+            engine = zeropp.initialize(model=GPT(MODEL, seed=rank), config=config)[0]
+            _train(engine, rank, world, 2, 1, data)
+            masters.append(mics_masters(engine))
+            engine.destroy()
+        out[f"resident-{name}-bit-identical"] = all(torch.equal(masters[0][n], masters[1][n]) for n in masters[1])
+    return out
