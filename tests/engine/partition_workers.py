@@ -604,7 +604,8 @@ def _spoil(g: torch.Tensor) -> torch.Tensor:
 
 def _resident_checkpoints(rank: int, world: int, root: str) -> dict:
     """ZeRO-3 trains a step and saves; ``(node, W, W)`` loads it (the same weights, bit for bit), steps beside
-    ZeRO-3 (bit for bit) and saves; ZeRO-3 loads that (bit for bit). Then a refused combination's message."""
+    ZeRO-3 (bit for bit) and saves; ZeRO-3 loads that (bit for bit). Then both take a ``gathered_parameters``
+    write-back from rank 1 and step on (bit for bit), and a refused combination's message."""
     data = batches(3, 2 * world)
     ckpt = Path(root) / "ckpt"
 
@@ -627,9 +628,15 @@ def _resident_checkpoints(rank: int, world: int, root: str) -> dict:
     back = engine({"stage": 3}, 6)
     back.load_checkpoint(ckpt, tag="resident")
     assert same(resident, back)
-    for e in (zero3, back):
+    for e in (zero3, back, resident):
         _train(e, rank, world, 2, 1, data[2:])
-    assert same(zero3, back)
+    assert same(zero3, back) and same(zero3, resident)
+    for e in (zero3, resident):  # a write-back replaces the slices of one unit outside the tier
+        with e.gathered_parameters(e.module.blocks[1], modifier_rank=1), torch.no_grad():
+            if rank == 1:
+                e.module.blocks[1].mlp.c_fc.weight.mul_(0.5)
+        _train(e, rank, world, 2, 1, data[:1])
+    assert same(zero3, resident)
     for e in (zero3, resident, back):
         e.destroy()
     try:

@@ -997,8 +997,8 @@ class ZeroEngine:
 
     def refresh_weight_deltas(self) -> None:
         """``zeropp.weight_deltas``: make every hpZ secondary and reconstruction the exact current weights again (an
-        exact all-gather per unit, ``zeropp.engine.weight_deltas``); every rank calls it, at an accumulation
-        boundary. No-op when weight deltas are off."""
+        exact all-gather per unit, ``zeropp.engine.weight_deltas``; at the resident point ``(p, W, W)`` one exchange
+        of the exact shards); every rank calls it, at an accumulation boundary. No-op when neither is on."""
         self._check_alive("refresh_weight_deltas()")
         if self._backward_pending or self._forward_pending:
             raise EngineUsageError("refresh_weight_deltas() between a forward/backward and its step(); call it at an "
