@@ -652,9 +652,11 @@ RESIDENT_COMBOS = {
     "offload-cpu": ({"offload_optimizer": {"device": "cpu"}}, {}, {}),
     "bf16": ({}, {}, {"bf16": {"enabled": True}}),
     "deltas": ({}, {"weight_deltas": True}, {}),
+    "onebit": ({}, {}, {"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "weight_decay": 0.1,
+                                                                       "freeze_step": 1}}}),
 }
-"""What the resident point composes with (docs/partition.md): name -> (``zero_optimization`` keys, ``zeropp``
-keys, top-level keys), each run at ``(node, W, W)`` and at ZeRO-3 with the same options (with hpZ over the node
+"""What the resident point composes with (docs/partition.md; OneBitAdam's second step is compressed): name ->
+(``zero_optimization`` keys, ``zeropp`` keys, top-level keys), each run at ``(node, W, W)`` and at ZeRO-3 with the same options (with hpZ over the node
 for weight deltas, which need it there)."""
 
 

@@ -79,8 +79,8 @@ def check_resident(results: list[dict], d: int, checkpoints: bool) -> None:
     """``partition_workers.resident_cases``: the resident point ``(p, W, W)`` (``p`` the ranks per node, and 2 on
     nodes of 4) trained bit-identically to ZeRO-3 on every rank (asserted there, with its byte counters), and its
     step's cross-node bytes below ZeRO-3's forward and backward gathers (by ``d``: measured 119,104 against
-    870,656 at 2 x 2); at 2 x 2 also with qwZ and qgZ, optimizer offload, bf16 and weight deltas, each bit for
-    bit against ZeRO-3 with the same options. Pops what it checks."""
+    870,656 at 2 x 2); at 2 x 2 also with qwZ and qgZ, optimizer offload, bf16, weight deltas and OneBitAdam,
+    each bit for bit against ZeRO-3 with the same options. Pops what it checks."""
     sizes = ["node"] + ([2] if d == 4 else [])
     for p in sizes:
         assert all(r.pop(f"resident-{p}-bit-identical") for r in results), p
@@ -88,7 +88,7 @@ def check_resident(results: list[dict], d: int, checkpoints: bool) -> None:
             inter, zero3 = r.pop(f"resident-{p}-inter"), r.pop(f"resident-{p}-zero3-inter")
             assert 0 < inter < zero3, (p, inter, zero3)
     if checkpoints:  # and the options it composes with, each against ZeRO-3 with them (resident_combos)
-        for name in ("qwz8-qgz4", "offload-cpu", "bf16", "deltas"):
+        for name in ("qwz8-qgz4", "offload-cpu", "bf16", "deltas", "onebit"):
             assert all(r.pop(f"resident-{name}-bit-identical") for r in results), name
         assert all(r.pop("resident-checkpoints") for r in results)
         assert "offload_param: not combined with zeropp.partition" in results[0].pop("refused-resident")
