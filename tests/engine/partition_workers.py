@@ -656,8 +656,8 @@ RESIDENT_COMBOS = {
                                                                        "freeze_step": 1}}}),
 }
 """What the resident point composes with (docs/partition.md; OneBitAdam's second step is compressed): name ->
-(``zero_optimization`` keys, ``zeropp`` keys, top-level keys), each run at ``(node, W, W)`` and at ZeRO-3 with the same options (with hpZ over the node
-for weight deltas, which need it there)."""
+(``zero_optimization`` keys, ``zeropp`` keys, top-level keys), each run at ``(node, W, W)`` and at ZeRO-3 with
+the same options (with hpZ over the node for weight deltas, which need it there)."""
 
 
 def resident_combos(rank: int, world: int, steps: int = 2) -> dict:

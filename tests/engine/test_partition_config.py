@@ -243,3 +243,7 @@ def test_resident_point_refusals():
     assert len(refused) == 2, refused
     assert "zero_hpz_partition_size=2: not combined with zeropp.partition (4, world, world)" in refused[0]
     assert "set it to 4" in refused[0] and "offload_param" in refused[1]
+    refused = resident_refusals(parse(8, stage=3, zeropp={**resident, "delta_refresh_interval": 1}), 4)
+    assert len(refused) == 1 and "delta_refresh_interval / delta_refresh_bits" in refused[0], refused
+    assert resident_refusals(parse(8, stage=3, zero_hpz_partition_size=4, zeropp={
+        **resident, "weight_deltas": True, "delta_refresh_interval": 1}), 4) == []

@@ -318,6 +318,10 @@ def resident_refusals(config: Any, size: int) -> list[str]:
         (z.offload_param.enabled, f"{w}.offload_param", why_offload),
         (z.zeropp.memory_budget is not None, f"{w}.zeropp.memory_budget", why_offload + " (the budget may place "
          "parameters off it)"),
+        (not z.zeropp.weight_deltas and (z.zeropp.delta_refresh_interval or z.zeropp.delta_refresh_bits is not None),
+         f"{w}.zeropp.delta_refresh_interval / delta_refresh_bits", "they refresh weight deltas' reconstructions, and "
+         "without zeropp.weight_deltas the resident copy is rebuilt exactly after every step: leave them out, or "
+         "turn weight deltas on"),
     )
     return [f"{key}: not combined with zeropp.partition ({size}, world, world) in this build: {why}"
             for on, key, why in entries if on]
