@@ -7,7 +7,8 @@ single-process training (engine_workers.py's reference), their byte counters aga
 ZeRO-3 and the grouped stage-1/2 points; MiCS with qwZ and qgZ
 (``quantized_cases``) against exact MiCS, the quantized cross-group all-reduce against its bound, checkpoints
 MiCS+qgZ <-> ZeRO-3, and bf16 and fp16 (an overflow skipped on every group alike) at the grouped points
-(``precision_cases``). One launch per layout runs every case."""
+(``precision_cases``); the resident point ``(p, W, W)`` against ZeRO-3, bit for bit, with its counters and
+checkpoints (``resident_cases``). One launch per layout runs every case."""
 
 from __future__ import annotations
 
@@ -313,6 +314,7 @@ def mics_cases(rank: int, world: int, root: str, sizes: list[int], checkpoints: 
             out.update(hpz_case(rank, world, k, exact[k][0], steps))
     if precision:
         out.update(precision_cases(rank, world, precision))
+    out.update(resident_cases(rank, world, root, checkpoints))
     if checkpoints:
         out.update(auto_cases(rank, world))
         out.update(_checkpoints(rank, world, root, sizes[0]))
@@ -643,3 +645,195 @@ def _as_module(params: dict[str, torch.Tensor]) -> torch.nn.Module:
         for n, p in model.named_parameters():
             p.copy_(params[n])
     return model
+
+
+def _resident_zero(p: int | str, accum_zero: dict | None = None) -> dict:
+    """The resident point ``(p, W, W)`` at stage 3, every unit gathered at every use (so each forward and backward
+    gather is counted), with ``accum_zero``'s extra keys."""
+    return {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+            "zeropp": {"partition": {"parameters": p, "gradients": "world", "optimizer": "world"}},
+            **(accum_zero or {})}
+
+
+def _expected_resident(engine, accum: int) -> dict[str, dict[str, int]]:
+    """The resident point's counters for one applied step, by hand: every unit's exact stepped shard (``S b``
+    bytes) sent to each holder but this rank (``exchange``, once), the holders found from the partition layout
+    (the secondary at position ``i`` of a node's ``h``-rank partition holds shards ``i G .. (i + 1) G - 1``,
+    ``G = W / h``); every forward and backward gather of every unit inside the partition, ``(h - 1) G S b`` bytes
+    each, none across nodes: two per micro-batch, one for the root unit (whole from its forward to the end of the
+    backward)."""
+    topo, h = engine.comm.topology, engine.comm.hpz
+    world, me = topo.world_size, topo.rank
+    group = world // h
+
+    def position(r: int) -> int:
+        g = topo.ranks[r]
+        return topo.nodes[topo.node_of(g)].index(g) % h
+
+    def node(r: int) -> int:
+        return topo.node_of(topo.ranks[r])
+
+    b = engine.units[0].full.element_size()
+    s = sum(u.shard_numel for u in engine.units) * b
+    uses = sum((1 if u.name == "" else 2) * u.shard_numel for u in engine.units) * b * accum
+    holders = [j for j in range(world) if position(j) == me // group and j != me]
+    owners = [o for o in range(position(me) * group, (position(me) + 1) * group) if o != me]
+    same = [sum(node(q) == node(me) for q in peers) for peers in (holders, owners)]
+    exchange = {"calls": 1, "sent_intra": same[0] * s, "sent_inter": (len(holders) - same[0]) * s,
+                "recv_intra": same[1] * s, "recv_inter": (len(owners) - same[1]) * s}
+    gathered = (h - 1) * group * uses
+    calls = sum(1 if u.name == "" else 2 for u in engine.units) * accum
+    gather = {"calls": calls, "sent_intra": gathered, "sent_inter": 0,
+              "recv_intra": gathered, "recv_inter": 0}
+    return {"exchange": exchange, "all_gather": gather}
+
+
+def resident_cases(rank: int, world: int, root: str, checkpoints: bool, steps: int = 4) -> dict:
+    """The resident point ``(p, W, W)`` (``zeropp.engine.weight_deltas``' exact mode) for ``p`` the ranks per node
+    and, where a node has 4 ranks, 2: trained beside exact ZeRO-3 (accumulation 2, clipping on, an Inf in one
+    gradient element on rank 1 at step 1), the same fp32 masters, compute weights and gradient norms bit for bit
+    at every step; the skipped step moves nothing and changes nothing; the last step's byte counters equal
+    ``_expected_resident`` and ``zeropp.plan``'s prediction of the point, the reduce-scatter's equal ZeRO-3's, and
+    the model states' and secondaries' bytes equal ``zeropp.plan.memory``. With ``checkpoints`` a checkpoint moves
+    ZeRO-3 -> ``(node, W, W)`` -> ZeRO-3, bit for bit, and a refused combination is reported."""
+    out: dict = {}
+    d = comm.get_default_topology().ranks_per_node
+    data = batches(steps, 2 * world)
+    for p in ["node"] + ([2] if d == 4 else []):
+        engines = [zeropp.initialize(model=GPT(MODEL, seed=rank), config=_config(1, 2, zero, 0.5))[0]
+                   for zero in (_resident_zero(p), _resident_zero(world, {"zeropp": {}}))]
+        resident, zero3 = engines
+        assert resident.comm.hpz == (d if p == "node" else p) and zero3.comm.hpz == 1
+        assert resident.mics is None and resident.weight_deltas is not None and resident.weight_deltas.exact
+        for step, batch in enumerate(data):
+            stats = {}
+            for engine in engines:
+                w = dict(engine.module.named_parameters())["blocks.0.mlp.c_fc.weight"]
+                handle = w.register_hook(_spoil) if step == 1 and rank == 1 else None
+                before = _masters_and_state(engine, engine.optimizer) if step == 1 else None
+                secondaries = [u.secondary.clone() for u in engine.units] if step == 1 and engine is resident else None
+                if step == steps - 1 or step == 1:
+                    comm.reset_stats()
+                _train(engine, rank, world, 1, 2, [batch])
+                stats[id(engine)] = comm.stats()
+                if handle is not None:
+                    handle.remove()
+                if step == 1:  # the Inf reached every rank through the reduce-scatter: skipped everywhere
+                    assert engine.overflow and engine.skipped_steps == 1
+                    after = _masters_and_state(engine, engine.optimizer)
+                    assert all(torch.equal(before[n], after[n]) for n in before)
+                    if secondaries is not None:
+                        assert stats[id(engine)]["exchange"]["calls"] == 0, stats[id(engine)]
+                        assert all(torch.equal(a, u.secondary) for a, u in zip(secondaries, engine.units))
+            got, want = mics_masters(resident), mics_masters(zero3)
+            assert all(torch.equal(got[n], want[n]) for n in want), (p, step)
+            assert resident.get_global_grad_norm() == zero3.get_global_grad_norm(), (p, step)
+            if step == steps - 1:
+                counted = stats[id(resident)]
+                for kind, expected in _expected_resident(resident, 2).items():
+                    assert counted[kind] == expected, (p, kind, counted[kind], expected)
+                assert counted["reduce_scatter"] == stats[id(zero3)]["reduce_scatter"]
+                plan = Plan(Partition(resident.comm.hpz, world, world))
+                planned = totals(collectives(from_preset("tiny:nobias"), plan, Layout(world, d, rank), 2, 4))
+                got = {kind: {f: v for f, v in counted[kind].items() if f != "calls"} for kind in planned}
+                assert got == planned, ("zeropp.plan", p, got, planned)
+                mem = memory(from_preset("tiny:nobias"), plan, world, 1, 64, 4)
+                assert state_bytes(resident) == {key: mem[key] for key in ("params", "grads", "optimizer")}, (
+                    state_bytes(resident), mem)
+                assert mem["secondary"] == sum(u.secondary.nbytes for u in resident.units), mem
+                out[f"resident-{p}-zero3-inter"] = stats[id(zero3)]["all_gather"]["sent_inter"]
+                out[f"resident-{p}-inter"] = counted["exchange"]["sent_inter"]
+        a, b = resident.full_parameters(), zero3.full_parameters()
+        assert all(torch.equal(a[n], b[n]) for n in b)
+        out[f"resident-{p}-bit-identical"] = True
+        out[f"resident-{p}-weights"] = {n: float(t.double().sum()) for n, t in a.items()}
+        for engine in engines:
+            engine.destroy()
+    if checkpoints:
+        out.update(_resident_checkpoints(rank, world, root))
+        out.update(resident_combos(rank, world))
+    return out
+
+
+def _spoil(g: torch.Tensor) -> torch.Tensor:
+    g = g.clone()
+    g.view(-1)[3] = float("inf")
+    return g
+
+
+def _resident_checkpoints(rank: int, world: int, root: str) -> dict:
+    """ZeRO-3 trains a step and saves; ``(node, W, W)`` loads it (the same weights, bit for bit), steps beside
+    ZeRO-3 (bit for bit) and saves; ZeRO-3 loads that (bit for bit). Then both take a ``gathered_parameters``
+    write-back from rank 1 and step on (bit for bit), and a refused combination's message."""
+    data = batches(3, 2 * world)
+    ckpt = Path(root) / "ckpt"
+
+    def engine(zero: dict, seed: int):
+        return zeropp.initialize(model=GPT(MODEL, seed=seed), config=_config(2, 1, zero))[0]
+
+    def same(a, b) -> bool:
+        return all(torch.equal(a.full_parameters()[n], p) for n, p in b.full_parameters().items())
+
+    zero3 = engine({"stage": 3}, 0)
+    _train(zero3, rank, world, 2, 1, data[:1])
+    zero3.save_checkpoint(ckpt, tag="zero3-for-resident")
+    resident = engine(_resident_zero("node"), 5)
+    resident.load_checkpoint(ckpt, tag="zero3-for-resident")
+    assert same(zero3, resident)
+    for e in (zero3, resident):
+        _train(e, rank, world, 2, 1, data[1:2])
+    assert same(zero3, resident)
+    resident.save_checkpoint(ckpt, tag="resident")
+    back = engine({"stage": 3}, 6)
+    back.load_checkpoint(ckpt, tag="resident")
+    assert same(resident, back)
+    for e in (zero3, back, resident):
+        _train(e, rank, world, 2, 1, data[2:])
+    assert same(zero3, back) and same(zero3, resident)
+    for e in (zero3, resident):  # a write-back replaces the slices of one unit outside the tier
+        with e.gathered_parameters(e.module.blocks[1], modifier_rank=1), torch.no_grad():
+            if rank == 1:
+                e.module.blocks[1].mlp.c_fc.weight.mul_(0.5)
+        _train(e, rank, world, 2, 1, data[:1])
+    assert same(zero3, resident)
+    for e in (zero3, resident, back):
+        e.destroy()
+    try:
+        zeropp.initialize(model=GPT(MODEL, seed=0), config=_config(2, 1, _resident_zero(
+            "node", {"offload_param": {"device": "cpu"}})))
+        raise AssertionError("offload_param at the resident point was accepted")
+    except ConfigError as e:
+        return {"resident-checkpoints": True, "refused-resident": str(e)}
+
+
+RESIDENT_COMBOS = {
+    "qwz8-qgz4": ({"zero_quantized_weights": True, "zero_quantized_gradients": True}, {}, {}),
+    "offload-cpu": ({"offload_optimizer": {"device": "cpu"}}, {}, {}),
+    "bf16": ({}, {}, {"bf16": {"enabled": True}}),
+    "deltas": ({}, {"weight_deltas": True}, {}),
+    "onebit": ({}, {}, {"optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3, "weight_decay": 0.1,
+                                                                       "freeze_step": 1}}}),
+}
+"""What the resident point composes with (docs/partition.md; OneBitAdam's second step is compressed): name ->
+(``zero_optimization`` keys, ``zeropp`` keys, top-level keys), each run at ``(node, W, W)`` and at ZeRO-3 with
+the same options (with hpZ over the node for weight deltas, which need it there)."""
+
+
+def resident_combos(rank: int, world: int, steps: int = 2) -> dict:
+    """Each of ``RESIDENT_COMBOS`` at ``(node, W, W)`` against ZeRO-3 with the same options: the same fp32 masters
+    after ``steps`` steps, bit for bit (qwZ's gathers quantize the same blocks of the same values, inside the node
+    from the slices' pack or over the world from the shards), or, with weight deltas, hpZ + weight deltas over the
+    node's ranks, which the resident point then is."""
+    out = {}
+    d = comm.get_default_topology().ranks_per_node
+    data = batches(steps, 2 * world)
+    for name, (zero, zeropp_keys, top) in RESIDENT_COMBOS.items():
+        masters = []
+        for base in (_resident_zero("node"), {"stage": 3, **({"zero_hpz_partition_size": d} if zeropp_keys else {})}):
+            config = {**_config(2, 1, {**base, **zero, "zeropp": {**base.get("zeropp", {}), **zeropp_keys}}), **top}
+            engine = zeropp.initialize(model=GPT(MODEL, seed=rank), config=config)[0]
+            _train(engine, rank, world, 2, 1, data)
+            masters.append(mics_masters(engine))
+            engine.destroy()
+        out[f"resident-{name}-bit-identical"] = all(torch.equal(masters[0][n], masters[1][n]) for n in masters[1])
+    return out

@@ -45,12 +45,13 @@ O(1))."""
     ids=["world4-2x2", "world8-2x4", "world8-4x2"],
 )
 def test_grouped_points_match_single_process_training(tmp_path, world, d, sizes, splits, checkpoints, precision):
-    """Each layout also runs bf16 and fp16 at the grouped points over ``precision`` ranks (``check_precision``) and
+    """Each layout also runs bf16 and fp16 at the grouped points over ``precision`` ranks (``check_precision``),
     ``(1, g, o)`` for each ``(g, o)`` of ``splits`` (``partition_workers.split_cases``: (1, node, world) on each,
-    and (1, 2, 4) over two nodes of 2), the first with an Inf on one rank skipping the same step on every rank.
-    World 4 also moves checkpoints MiCS -> ZeRO-3 -> MiCS, ZeRO-3 -> (1, 1, k), MiCS -> (1, k, k) -> (1, 1, k) ->
-    MiCS, MiCS+qgZ -> ZeRO-3 -> MiCS+qgZ and stage 2 -> (1, 2, 4) -> (1, 1, 4) -> stage 3 -> (1, 2, 4) (exact each
-    way) and runs ``"partition": "auto"`` (``partition_workers.auto_cases``)."""
+    and (1, 2, 4) over two nodes of 2), the first with an Inf on one rank skipping the same step on every rank, and
+    the resident point ``(p, W, W)`` (``check_resident``). World 4 also moves checkpoints ZeRO-3 -> ``(node, W, W)``
+    -> ZeRO-3, MiCS -> ZeRO-3 -> MiCS, ZeRO-3 -> (1, 1, k), MiCS -> (1, k, k) -> (1, 1, k) -> MiCS, MiCS+qgZ ->
+    ZeRO-3 -> MiCS+qgZ and stage 2 -> (1, 2, 4) -> (1, 1, 4) -> stage 3 -> (1, 2, 4) (exact each way) and runs
+    ``"partition": "auto"`` (``partition_workers.auto_cases``)."""
     results = launch("partition_workers:mics_cases", world, tmp_path, env={"ZEROPP_RANKS_PER_NODE": str(d)},
                      timeout=600, sizes=sizes, root=str(tmp_path), checkpoints=checkpoints, splits=splits,
                      precision=precision)
@@ -65,6 +66,7 @@ def test_grouped_points_match_single_process_training(tmp_path, world, d, sizes,
         assert results[0].pop("auto") == 2  # MiCS inside each node: the planner's pick for the tiny GPT on 2 x 2
     if precision:
         check_precision(results)
+    check_resident(results, d, checkpoints)
     assert ("k4-hpz-bit-identical" in results[0]) == (world == 8 and d == 2)  # groups of whole nodes (4 x 2)
     for key in [key for key in results[0] if key.endswith("-hpz-bit-identical")]:
         assert all(r.pop(key) for r in results), key
@@ -84,6 +86,25 @@ def test_grouped_points_match_single_process_training(tmp_path, world, d, sizes,
             assert errors < 1e-5, (key, errors)
         else:
             assert errors["norm"] < 1e-5 and errors["max"] < 1e-4, (key, errors)
+
+
+def check_resident(results: list[dict], d: int, checkpoints: bool) -> None:
+    """``partition_workers.resident_cases``: the resident point ``(p, W, W)`` (``p`` the ranks per node, and 2 on
+    nodes of 4) trained bit-identically to ZeRO-3 on every rank (asserted there, with its byte counters), and its
+    step's cross-node bytes below ZeRO-3's forward and backward gathers (by ``d``: measured 119,104 against
+    870,656 at 2 x 2); at 2 x 2 also with qwZ and qgZ, optimizer offload, bf16, weight deltas and OneBitAdam,
+    each bit for bit against ZeRO-3 with the same options. Pops what it checks."""
+    sizes = ["node"] + ([2] if d == 4 else [])
+    for p in sizes:
+        assert all(r.pop(f"resident-{p}-bit-identical") for r in results), p
+        for r in results:
+            inter, zero3 = r.pop(f"resident-{p}-inter"), r.pop(f"resident-{p}-zero3-inter")
+            assert 0 < inter < zero3, (p, inter, zero3)
+    if checkpoints:  # and the options it composes with, each against ZeRO-3 with them (resident_combos)
+        for name in ("qwz8-qgz4", "offload-cpu", "bf16", "deltas", "onebit"):
+            assert all(r.pop(f"resident-{name}-bit-identical") for r in results), name
+        assert all(r.pop("resident-checkpoints") for r in results)
+        assert "offload_param: not combined with zeropp.partition" in results[0].pop("refused-resident")
 
 
 def check_precision(results: list[dict]) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from zeropp.config import Config, ConfigError, load_config, to_dict
-from zeropp.config.partition import PartitionConfig, stage_point
+from zeropp.config.partition import PartitionConfig, resident_refusals, resident_size, stage_point
 
 BASE = {"train_micro_batch_size_per_gpu": 1}
 
@@ -163,9 +163,13 @@ def test_mics_shard_size_of_the_world_is_stage_3():
          ["partition=(1, 2, 8) is not the point of zero_optimization.stage=1 (1, 1, 8)", "runs at stage 2"]),
         (8, {"stage": 2, "zeropp": {"partition": part(2, 2, 8)}},
          ["partition=(2, 2, 8) is not run by the engine", "would step a sub-shard", "stage 3 = (8, 8, 8)",
-          "(1, g, o) at stage 2"]),
-        (8, {"stage": 3, "zeropp": {"partition": part(2, 8, 8)}},
-         ["partition=(2, 8, 8) is not run by the engine", "hpZ approximates", "zero_hpz_partition_size=2"]),
+          "(1, g, o) at stage 2", "(k, 8, 8) at stage 3"]),
+        (8, {"stage": 3, "zeropp": {"partition": part(2, 4, 4)}},
+         ["partition=(2, 4, 4) is not run by the engine", "(2, 8, 8) or (4, 4, 4) run"]),
+        (8, {"stage": 2, "zeropp": {"partition": part(2, "world", "world")}},
+         ["partition=(2, 8, 8) is not the point of zero_optimization.stage=2", "runs at stage 3"]),
+        (8, {"stage": 3, "zeropp": {"weight_deltas": True}}, ["weight_deltas=true", "hpZ off",
+                                                              '"parameters": "node"']),
         (4, {"stage": 2, "mics_shard_size": 2}, ["mics_shard_size=2", "stage-3 partition", "it is 2"]),
         (6, {"stage": 3, "mics_shard_size": 4}, ["mics_shard_size=4 must divide", "(6 ranks)"]),
         (4, {"stage": 3, "mics_shard_size": 0}, ["mics_shard_size=0 must be -1 (off"]),
@@ -231,3 +235,36 @@ def test_topology_checks(world, d, zero, needles):
         c.zero.partition_point(world, d)
     for needle in needles:
         assert needle in str(e.value), (needle, str(e.value))
+
+
+@pytest.mark.parametrize("world,d,p,want", [(4, 2, "node", 2), (8, 4, "node", 4), (8, 4, 2, 2), (8, 2, "node", 2),
+                                            (16, 8, 4, 4)])
+def test_resident_point(world, d, p, want):
+    """``(p, W, W)`` at stage 3 with ``p`` dividing the ranks per node is the resident point (``engine_stage`` 3);
+    with weight deltas it needs no ``zero_hpz_partition_size``; ``"node"`` on one node is ZeRO-3."""
+    c = parse(world, stage=3, zeropp={"partition": part(p, "world", "world"), "weight_deltas": True})
+    point = c.zero.partition_point(world, d)
+    assert point == (want, world, world) and resident_size(point, world) == want
+    assert c.zero.partition_point(world, world) == (world,) * 3 if p == "node" else True
+    assert resident_size(stage_point(3, world), world) is None and resident_size((1, world, world), world) is None
+
+
+def test_resident_point_refusals():
+    """Parameters over groups that span nodes are refused at the topology check (hpZ's partition lives in one
+    node); ``resident_refusals`` names another hpZ size and the parameter offload tiers, and accepts the same hpZ
+    size."""
+    c = parse(8, stage=3, zeropp={"partition": part(4, "world", "world")})
+    with pytest.raises(ConfigError, match=r"partition=\(4, 8, 8\) keeps the parameters over groups of 4 ranks, "
+                                          r"which span nodes \(2 ranks per node\)"):
+        c.zero.partition_point(8, 2)
+    resident = {"partition": part("node", "world", "world")}
+    assert resident_refusals(parse(8, stage=3, zero_hpz_partition_size=4, zeropp=resident), 4) == []
+    refused = resident_refusals(parse(8, stage=3, zero_hpz_partition_size=2, offload_param={"device": "cpu"},
+                                      zeropp=resident), 4)
+    assert len(refused) == 2, refused
+    assert "zero_hpz_partition_size=2: not combined with zeropp.partition (4, world, world)" in refused[0]
+    assert "set it to 4" in refused[0] and "offload_param" in refused[1]
+    refused = resident_refusals(parse(8, stage=3, zeropp={**resident, "delta_refresh_interval": 1}), 4)
+    assert len(refused) == 1 and "delta_refresh_interval / delta_refresh_bits" in refused[0], refused
+    assert resident_refusals(parse(8, stage=3, zero_hpz_partition_size=4, zeropp={
+        **resident, "weight_deltas": True, "delta_refresh_interval": 1}), 4) == []

@@ -180,7 +180,13 @@ def test_memory_order_offload_and_what_runs_today() -> None:
     assert split.label == "P1/G2/OS4" and split.unsupported is None, split.unsupported
     assert split.config == {"stage": 2, "zeropp": {"partition": {"parameters": 1, "gradients": 2, "optimizer": 4}}}
     assert split.memory["grads"] == mem["z2"]["grads"] * 3  # the OS shard plus world / 2 = 2 accumulated rows
-    amsp = predict(model, Plan(Partition(2, world, world)), c, batch)
+    resident = predict(model, Plan(Partition(2, world, world), weight_bits=8), c, batch)  # hpZ's copy kept
+    assert resident.unsupported is None and resident.label == f"P2/G{world}/OS{world} qwZ8", resident.label
+    assert resident.config == {"stage": 3, "zero_quantized_weights": True, "zeropp": {
+        "weight_bits": 8, "partition": {"parameters": 2, "gradients": "world", "optimizer": "world"}}}
+    assert "weight deltas" in predict(model, Plan(Partition(2, world, world), hpz=2, weight_deltas=True), c,
+                                      batch).unsupported
+    amsp = predict(model, Plan(Partition(2, 2, world)), c, batch)
     assert amsp.unsupported is not None and amsp.config is None
     tight = rank_plans(model, cluster(1e9, memory=1e6), batch, ("none",))
     assert not tight[0].fits and "No plan fits" in why(tight)

@@ -19,6 +19,7 @@ from .partition import (
     parse_partition,
     partition_point,
     partition_problems,
+    resident_given,
 )
 from .readers import (
     as_bool,
@@ -340,17 +341,20 @@ class ZeroppConfig:
         return cls(**values)
 
 
-def _weight_deltas_consistency(p: Problems, stage: int | None, hpz: int, offload_param: OffloadParamConfig) -> None:
+def _weight_deltas_consistency(p: Problems, stage: int | None, hpz: int, offload_param: OffloadParamConfig,
+                               resident: bool) -> None:
     """``zeropp.weight_deltas`` updates the stage-3 hpZ secondary partition in place of its per-step gather
-    (``zeropp.engine.weight_deltas``): it needs both, and the secondary stays on the device between steps."""
+    (``zeropp.engine.weight_deltas``): it needs both (``resident``: a ``zeropp.partition`` ``(p, W, W)``, whose
+    parameter partition is the secondary), and the secondary stays on the device between steps."""
     key = "zero_optimization.zeropp.weight_deltas"
     if stage is not None and stage != 3:
         p.add(key, f"{key}=true updates the stage-3 hpZ secondary partition between steps; set "
                    f"zero_optimization.stage to 3 (it is {stage}) or weight_deltas to false")
-    elif hpz <= 1:
+    elif hpz <= 1 and not resident:
         p.add(key, f"{key}=true sends each step's weight change to the hpZ secondary partitions, and "
                    "zero_optimization.zero_hpz_partition_size is 1 (hpZ off): set it to a divisor above 1 of the "
-                   "ranks per node (e.g. the ranks per node), or weight_deltas to false")
+                   "ranks per node (e.g. the ranks per node), give zeropp.partition {\"parameters\": \"node\", "
+                   "\"gradients\": \"world\", \"optimizer\": \"world\"}, or set weight_deltas to false")
     if offload_param.enabled:
         p.add(key, f"{key}=true keeps the hpZ secondary partition and the reconstruction of this rank's shard on "
                    "the device between steps, which zero_optimization.offload_param moves off it: this build does "
@@ -498,7 +502,8 @@ class ZeroConfig:
             for key, message in partition_problems(stage, zeropp.partition, mics_size, world_size, None):
                 p.add(key, message)
         if zeropp.weight_deltas:
-            _weight_deltas_consistency(p, stage if p.ok(f"{w}.stage") else None, hpz, offload_param)
+            _weight_deltas_consistency(p, stage if p.ok(f"{w}.stage") else None, hpz, offload_param,
+                                       resident_given(zeropp.partition, world_size))
         if zeropp.error_feedback and not qg and p.ok(f"{w}.zero_quantized_gradients"):
             p.add(f"{w}.zeropp.error_feedback",
                   f"{w}.zeropp.error_feedback={json_value(zeropp.error_feedback)} needs "

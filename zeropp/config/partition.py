@@ -15,10 +15,13 @@ also runs, for ``2 <= k < W``, the *grouped* points, its stage inside each group
 gradient shards averaged once per accumulation boundary (``zeropp.engine.partition``): ``(1, 1, k)`` at stage 1,
 ``(1, k, k)`` at stage 2 and ``(k, k, k)`` at stage 3, MiCS (DeepSpeed's ``mics_shard_size = k``), and at stage 2
 ``(1, g, o)`` with ``1 < g < o`` (``o`` up to the world): gradients reduce-scattered over groups of ``g`` every
-micro-batch, then across the ``o / g`` groups of an ``o`` group at the boundary, optimizer states over ``o``. A
-``partition`` must be the point of its ``stage`` or its stage's grouped point (``engine_stage``); other points of the
-space are the planner's alone and are refused naming why (``unbuilt_reason``) and what runs. ``mics_refusals`` and
-``grouped_refusals`` name the options the grouped points do not combine with.
+micro-batch, then across the ``o / g`` groups of an ``o`` group at the boundary, optimizer states over ``o``; and at
+stage 3 the *resident* point ``(p, W, W)``, ``p`` dividing ``d``: ZeRO-3's gradients and optimizer states with the
+parameters kept over ``p`` ranks of a node (hpZ's secondary made permanent), rebuilt exactly from the stepped shards
+after each step (``resident_size``). A ``partition`` must be one of its ``stage``'s points (``engine_stage``); other
+points of the space are the planner's alone and are refused naming why (``unbuilt_reason``) and what runs.
+``mics_refusals``, ``grouped_refusals`` and ``resident_refusals`` name the options those points do not combine
+with.
 
 ``"partition": "auto"`` (stage 3, without ``mics_shard_size``) leaves the choice between ZeRO-3 and MiCS to the
 planner: ``zeropp.initialize`` replaces it by the point ``zeropp.engine.auto_partition`` picks for the model, the
@@ -106,17 +109,36 @@ def _aligned(k: int, ranks_per_node: int) -> bool:
     return ranks_per_node % k == 0 or k % ranks_per_node == 0
 
 
+def resident_size(point: tuple[int, int, int], world: int) -> int | None:
+    """``p`` when ``point`` is the resident point ``(p, W, W)``, ``2 <= p < W`` (``world = W``): the parameters kept
+    as a partition over ``p`` ranks (module docstring); None for every other point."""
+    p = point[0]
+    return p if 2 <= p < world and point == (p, world, world) else None
+
+
+def resident_given(partition: PartitionConfig | str | None, world: int) -> bool:
+    """Whether ``partition`` (as parsed, the ranks per node unknown) asks for a resident point ``(p, W, W)``:
+    gradients and optimizer states over the world, parameters over fewer ranks but more than one (``"node"``
+    counts: it is the world only on one node, where ``partition_point`` then runs ZeRO-3)."""
+    if not isinstance(partition, PartitionConfig):
+        return False
+    p, g, o = partition.factors(world, None)
+    return g == o == world and p not in (1, world)
+
+
 def engine_stage(point: tuple[int, int, int], world: int) -> int | None:
     """The stage whose engine runs ``point`` ``(p, g, o)`` at ``world`` ranks: the stages' own points, for
-    ``2 <= k < world`` the grouped points ``(1, 1, k)`` (1), ``(1, k, k)`` (2) and ``(k, k, k)`` (3, MiCS), and
-    ``(1, g, o)`` with ``1 < g < o``, ``g`` dividing ``o`` (2; ``o`` may be the world); None for the points the engine
-    does not run."""
+    ``2 <= k < world`` the grouped points ``(1, 1, k)`` (1), ``(1, k, k)`` (2) and ``(k, k, k)`` (3, MiCS),
+    ``(1, g, o)`` with ``1 < g < o``, ``g`` dividing ``o`` (2; ``o`` may be the world) and the resident point
+    ``(k, world, world)`` (3); None for the points the engine does not run."""
     p, g, o = point
     for stage in (1, 2, 3):
         if point == stage_point(stage, world):
             return stage
     if p == 1 and 1 < g < o and o % g == 0:
         return 2
+    if resident_size(point, world) is not None:
+        return 3
     if not 2 <= o < world:
         return None
     return {(1, 1, o): 1, (1, o, o): 2, (o, o, o): 3}.get(point)
@@ -129,11 +151,11 @@ def unbuilt_reason(point: tuple[int, int, int], world: int) -> str:
     if o == 1:
         return "every rank holding everything is plain data parallelism, which is not supported"
     if 1 < p < g:
-        return (f"parameters gathered inside groups of {p} with gradients and optimizer states over {g}/{o} ranks "
-                f"is what hpZ approximates (zero_hpz_partition_size={p} at stage 3: the backward gathers from a "
-                f"secondary copy over {p} ranks, the forward from the {o}-rank shards; with zeropp.weight_deltas "
-                f"and delta_refresh_interval=1 both gather from the secondary, rebuilt exactly after each step); the "
-                f"engine's units gather from one shard group, so the point itself is not built")
+        return (f"parameters resident over {p} ranks with gradients over {g} and optimizer states over {o} ranks: of "
+                f"these points the engine runs ({p}, {world}, {world}) alone (hpZ's secondary over {p} ranks of a node "
+                f"made permanent, rebuilt from the world's stepped shards after each step); gradients or optimizer "
+                f"states below the world would need the groups' shards reduced across groups as well; "
+                f"({p}, {world}, {world}) or ({g}, {g}, {g}) run")
     return (f"parameters and gradients over {g} ranks with optimizer states over {o} would step a sub-shard of "
             f"the gradient shard; not built: ({o}, {o}, {o}) or ({g}, {g}, {g}) run")
 
@@ -147,8 +169,9 @@ def partition_problems(stage: int, partition: PartitionConfig | str | None, mics
     w = "zero_optimization"
     runs = (f"the engine runs stage 1 = (1, 1, {world}), stage 2 = (1, {world}, {world}), stage 3 = "
             f"({world}, {world}, {world}) and, with k >= 2 a node-aligned divisor of {world} below it, (1, 1, k) at "
-            f"stage 1, (1, k, k) at stage 2 and MiCS (k, k, k) at stage 3, and (1, g, o) at stage 2 with 1 < g < o, "
-            f"g dividing o, as (parameters, gradients, optimizer)")
+            f"stage 1, (1, k, k) at stage 2 and MiCS (k, k, k) at stage 3, (1, g, o) at stage 2 with 1 < g < o, "
+            f"g dividing o, and (k, {world}, {world}) at stage 3 with k dividing the ranks per node, as (parameters, "
+            f"gradients, optimizer)")
     if mics_shard_size != MICS_OFF:
         key = f"{w}.mics_shard_size"
         if stage != 3:
@@ -207,6 +230,11 @@ def partition_problems(stage: int, partition: PartitionConfig | str | None, mics
         elif runs_at != stage:
             out.append((_WHERE, f"{_WHERE}={_label(given)} is not the point of {w}.stage={stage} {_label(point)} "
                                 f"nor its grouped point; it runs at stage {runs_at}: set {w}.stage to {runs_at}"))
+        elif ranks_per_node is not None and resident_size(given, world) and ranks_per_node % pg:
+            out.append((_WHERE, f"{_WHERE}={_label(given)} keeps the parameters over groups of {pg} ranks, which "
+                                f"span nodes ({ranks_per_node} ranks per node): the resident copy is hpZ's secondary "
+                                f"partition, built inside one node (comm.Topology.partition_ranks); use \"node\" or "
+                                f"a divisor of {ranks_per_node} for parameters, or ({pg}, {pg}, {pg}) (MiCS)"))
     return out
 
 
@@ -276,6 +304,31 @@ def mics_refusals(config: Any, size: int | None = None, ranks_per_node: int | No
         (z.zeropp.weight_deltas, f"{w}.zeropp.weight_deltas", "weight deltas update hpZ secondaries, which MiCS "
          "does not have"),
     ), "MiCS (mics_shard_size / zeropp.partition (k, k, k), k below the world)")
+
+
+def resident_refusals(config: Any, size: int) -> list[str]:
+    """Why each option of ``config`` (a ``zeropp.config.Config``) that the resident point ``(size, W, W)`` does not
+    combine with in this build is refused, one message each (empty: none). ``zero_hpz_partition_size`` equal to
+    ``size`` says the same thing twice and is accepted; weight deltas turn the exact rebuild of the resident copy
+    into their quantized updates (the resident point is then hpZ with weight deltas)."""
+    z = config.zero_optimization
+    w = "zero_optimization"
+    why_offload = ("the parameters' resident copy over the group stays on the device between steps; this build "
+                   "does not move it")
+    entries = (
+        (z.zero_hpz_partition_size not in (1, size), f"{w}.zero_hpz_partition_size={z.zero_hpz_partition_size}",
+         f"the resident copy over {size} ranks is hpZ's secondary partition, of one size: leave "
+         f"zero_hpz_partition_size out or set it to {size}"),
+        (z.offload_param.enabled, f"{w}.offload_param", why_offload),
+        (z.zeropp.memory_budget is not None, f"{w}.zeropp.memory_budget", why_offload + " (the budget may place "
+         "parameters off it)"),
+        (not z.zeropp.weight_deltas and (z.zeropp.delta_refresh_interval or z.zeropp.delta_refresh_bits is not None),
+         f"{w}.zeropp.delta_refresh_interval / delta_refresh_bits", "they refresh weight deltas' reconstructions, and "
+         "without zeropp.weight_deltas the resident copy is rebuilt exactly after every step: leave them out, or "
+         "turn weight deltas on"),
+    )
+    return [f"{key}: not combined with zeropp.partition ({size}, world, world) in this build: {why}"
+            for on, key, why in entries if on]
 
 
 def grouped_refusals(config: Any) -> list[str]:

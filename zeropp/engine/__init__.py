@@ -26,7 +26,8 @@ One file per responsibility:
 * ``offload.py``: ``OptimizerOffload``, where each unit's optimizer side lives (device, CPU, NVMe swap files);
 * ``param_offload.py``: ``ParamOffload``, stage 3's compute shards in host memory or NVMe swap files;
 * ``placement.py``: ``memory_budget``, each unit's optimizer tier chosen from what the first step measured;
-* ``weight_deltas.py``: ``WeightDeltas``, the hpZ secondary kept across steps and updated by quantized weight changes.
+* ``weight_deltas.py``: ``WeightDeltas``, the hpZ secondary kept across steps and updated by quantized weight changes
+  (or, at the resident point ``(p, W, W)``, by the exact stepped shards).
 """
 
 from .checkpoint import CheckpointError, consolidate

@@ -34,6 +34,7 @@ from torch import nn
 
 from .. import comm
 from ..config import Config, ConfigError
+from ..config.partition import resident_size
 from ..offload import SwapError
 from . import checkpoint, gathered, host_memory, placement, reuse
 from .collectives import Collectives
@@ -92,9 +93,12 @@ class ZeroEngine:
         self.topology = topology
         zero = config.zero_optimization
         self.stage = zero.stage
-        self.mics = partition_groups(topology, zero.partition_point(topology.world_size, topology.ranks_per_node))
+        point = zero.partition_point(topology.world_size, topology.ranks_per_node)
+        resident = resident_size(point, topology.world_size)
+        self.mics = partition_groups(topology, point)
         """The grouped points (MiCS at stage 3, ``(1, 1, k)`` / ``(1, k, k)`` at stages 1 / 2, ``(1, g, o)`` at
-        stage 2; ``zeropp.engine.partition``): the shard and replica groups; None at the stages' own points."""
+        stage 2; ``zeropp.engine.partition``): the shard and replica groups; None at the stages' own points and the
+        resident point."""
         if self.mics is not None and zero.gradient_bits is not None:
             self.mics.quantize_replicas(zero.gradient_bits, zero.zeropp.block_size)
         self.comm = Collectives(
@@ -102,7 +106,7 @@ class ZeroEngine:
             weight_bits=zero.weight_bits,
             gradient_bits=zero.gradient_bits,
             block_size=zero.zeropp.block_size,
-            hpz=zero.zero_hpz_partition_size if self.stage == 3 else 1,
+            hpz=resident or (zero.zero_hpz_partition_size if self.stage == 3 else 1),  # (p, W, W): hpZ over p
             error_feedback=zero.zeropp.error_feedback,
             error_feedback_beta=zero.zeropp.error_feedback_beta if zero.zeropp.error_feedback == "loco" else 0.0,
             gradient_rotation=zero.gradient_rotation,
@@ -190,9 +194,10 @@ class ZeroEngine:
         self._attach(self.param_offload.nvme, lambda: self.param_offload.attach(self.units))
         self.weight_deltas = (WeightDeltas(self.units, self.comm, refresh_interval=zero.zeropp.delta_refresh_interval,
                                            refresh_bits=zero.zeropp.delta_refresh_bits)
-                              if zero.zeropp.weight_deltas else None)
+                              if zero.zeropp.weight_deltas or resident else None)
         """``zeropp.weight_deltas``: the tier that keeps the hpZ secondaries and sends each step's quantized weight
-        change (``zeropp.engine.weight_deltas``); None when off."""
+        change; at the resident point ``(p, W, W)`` without them, the same tier sending the exact stepped shards
+        (``zeropp.engine.weight_deltas``); None when neither."""
         if sharded:
             self._hooks.append(module.register_forward_pre_hook(lambda *_: self._begin_forward()))
             for unit in self.units:
@@ -996,8 +1001,8 @@ class ZeroEngine:
 
     def refresh_weight_deltas(self) -> None:
         """``zeropp.weight_deltas``: make every hpZ secondary and reconstruction the exact current weights again (an
-        exact all-gather per unit, ``zeropp.engine.weight_deltas``); every rank calls it, at an accumulation
-        boundary. No-op when weight deltas are off."""
+        exact all-gather per unit, ``zeropp.engine.weight_deltas``; at the resident point ``(p, W, W)`` one exchange
+        of the exact shards); every rank calls it, at an accumulation boundary. No-op when neither is on."""
         self._check_alive("refresh_weight_deltas()")
         if self._backward_pending or self._forward_pending:
             raise EngineUsageError("refresh_weight_deltas() between a forward/backward and its step(); call it at an "

@@ -66,6 +66,20 @@ error away with the weights' change. A unit whose secondary was dropped or repla
 refreshed (as above) at the next step instead of being sent a delta. A skipped step (non-finite gradients) sends
 nothing: the weights did not change. The reconstruction is not saved in checkpoints: a load refreshes, so a resumed
 run equals an uninterrupted run that refreshes at the step of the save.
+
+Exact mode: the resident point ``(p, W, W)`` (``zeropp.partition``; ``zeropp.config.partition.resident_size``).
+Without weight deltas (``delta_bits`` None) the same tier keeps the secondaries over ``h = p`` ranks of a node as
+the parameters' permanent partition and, after each applied step, each owner sends its *exact* stepped compute
+shard (``S b`` bytes, the compute dtype) to the same holders by the same ``exchange``; each holder copies it into
+its secondary. No reconstruction is kept (the secondary holds the compute shards' values exactly), no periodic
+refresh is needed, and a refresh (construction, loads, ``refresh()``) is that same exchange. Every forward and
+backward gather then runs inside the ``h``-rank partition on the exact compute weights (or, under qwZ, on qwZ's pack
+of them: ``pack_secondary``, as above), so training is exact ZeRO-3's, bit for bit: the same layout (no block
+alignment unless qwZ or qgZ ask for it), the same gradient reduce-scatter over the world, the same step. Bytes per
+applied step, per rank (``"exchange"``): ``sum_units S b`` to each holder but itself, ``(P - d) / h`` of them
+across nodes and ``d / h`` (less one when this rank is its own holder) inside; against hpZ's step-first gather,
+``(P - d) S b`` across nodes per unit, ``1 / h`` of it. (Weight deltas' exact refresh all-gathers whole units
+instead, to keep their byte counts; with deltas the resident point is hpZ with weight deltas, not exact.)
 """
 
 from __future__ import annotations
@@ -100,11 +114,13 @@ class WeightDeltas:
 
     Args:
         units: the engine's units (those with a sharded trainable buffer take part).
-        comm: the engine's collectives, with ``hpz > 1`` and ``delta_bits`` set.
+        comm: the engine's collectives, with ``hpz > 1``; ``delta_bits`` set for weight deltas, None for the exact
+            mode (the resident point, module docstring).
         refresh_interval: applied steps between refreshes (0: none but the explicit ones).
         refresh_bits: ``None`` for exact refreshes, or 8 for int8 ones (module docstring).
 
     Attributes:
+        exact: the exact mode (no ``delta_bits``): the stepped shards are sent as they are.
         holders: the data-parallel ranks whose secondary holds this rank's shard (this rank possibly among them).
         owners: the data-parallel ranks whose shards this rank's secondary holds.
         steps_since_refresh: applied steps since the last full refresh.
@@ -112,8 +128,12 @@ class WeightDeltas:
 
     def __init__(self, units: list[Unit], comm: Collectives, *, refresh_interval: int = 0,
                  refresh_bits: int | None = None) -> None:
-        if comm.hpz <= 1 or comm.delta_bits is None:
-            raise ValueError(f"weight deltas need hpZ (hpz={comm.hpz}) and delta_bits (got {comm.delta_bits})")
+        if comm.hpz <= 1:
+            raise ValueError(f"weight deltas and the resident point need hpZ's partition (hpz={comm.hpz})")
+        self.exact = comm.delta_bits is None
+        if self.exact and (refresh_interval or refresh_bits is not None):
+            raise ValueError(f"the exact mode (delta_bits None) sends exact shards every step: refresh_interval="
+                             f"{refresh_interval} and refresh_bits={refresh_bits} apply to weight deltas only")
         if refresh_interval < 0:
             raise ValueError(f"refresh_interval={refresh_interval} must be 0 (no periodic refresh) or positive")
         self.comm = comm
@@ -135,15 +155,18 @@ class WeightDeltas:
 
     def reconstruction(self, unit: Unit) -> torch.Tensor:
         """The reconstruction of this rank's shard of ``unit`` (compute dtype, ``unit.shard_numel`` elements): what
-        the holders' secondaries hold for it."""
+        the holders' secondaries hold for it (the compute shard itself in the exact mode)."""
+        if self.exact:
+            return unit.shard
         return self._reconstruction[self.units.index(unit)]
 
     @property
     def resident_bytes(self) -> int:
         """Bytes this tier keeps on this rank between steps: the secondaries, their qwZ packs (under qwZ) and the
         reconstructions."""
+        own = self._reconstruction if not self.exact else [u.shard[:0] for u in self.units]
         return sum(u.secondary.nbytes + u.secondary_pack_bytes + r.nbytes
-                   for u, r in zip(self.units, self._reconstruction) if u.secondary is not None)
+                   for u, r in zip(self.units, own) if u.secondary is not None)
 
     @torch.no_grad()
     def refresh(self, units: list[Unit] | None = None) -> None:
@@ -151,7 +174,9 @@ class WeightDeltas:
         exact all-gather per unit over the data-parallel group; with ``refresh_bits``, quantized, one exchange of
         every picked unit's pack against zero. A collective, at a step boundary (units not in use)."""
         picked = range(len(self.units)) if units is None else [self.units.index(u) for u in units]
-        if self.refresh_bits is not None:
+        if self.exact:
+            self._send_exact(list(picked))
+        elif self.refresh_bits is not None:
             self._refresh_quantized(list(picked))
         else:
             self._refresh_exact(picked)
@@ -181,6 +206,9 @@ class WeightDeltas:
         ``refresh_interval`` steps have passed since the last, else each unit's delta to its holders (units whose
         secondary was replaced outside this tier are refreshed). A collective."""
         self.steps_since_refresh += 1
+        if self.exact:
+            self._send_exact(list(range(len(self.units))))
+            return
         if self.refresh_interval and self.steps_since_refresh >= self.refresh_interval:
             self.refresh()
             return
@@ -227,4 +255,30 @@ class WeightDeltas:
                 start = (o - self._first_owner) * size
                 comm.add_delta(row[at : at + nbytes], unit.secondary[start : start + size], bits)
             unit.pack_secondary()
+            at += nbytes
+
+    def _send_exact(self, picked: list[int]) -> None:
+        """The exact mode: each unit of ``picked`` sends its compute shard, as it is, to its holders, which copy it
+        into their secondaries (one ``exchange`` for all; a secondary dropped outside this tier is made anew)."""
+        if not picked:
+            return
+        comm, me = self.comm, self.comm.rank
+        shards = [self.units[k].device_shard().view(torch.uint8) for k in picked]
+        payload = torch.cat(shards)
+        for k in picked:
+            self.units[k].release_shard()
+        received = comm.exchange(payload, [j for j in self.holders if j != me], [o for o in self.owners if o != me])
+        others = iter(received)
+        rows = {o: payload if o == me else next(others) for o in self.owners}
+        at = 0
+        for k, own in zip(picked, shards):
+            unit, size, nbytes = self.units[k], self.units[k].shard_numel, own.numel()
+            a, b = unit.secondary_range()
+            if unit.secondary is None or unit.secondary is not self._installed[k]:
+                unit.secondary = torch.empty(b - a, dtype=unit.full.dtype, device=unit.full.device)
+            for o, row in rows.items():
+                start = (o - self._first_owner) * size
+                unit.secondary[start : start + size].view(torch.uint8).copy_(row[at : at + nbytes])
+            unit.pack_secondary()
+            self._installed[k] = unit.secondary
             at += nbytes

@@ -7,7 +7,9 @@
 * ``gathered``: stage 3's working set of whole units, the two largest (the one computing and the one prefetched);
 * ``secondary``: hpZ's secondary partition (``p S_p / h`` per unit, held from the first gather to the step), plus
   weight deltas' reconstruction (``S_p``, kept for good) and, with qwZ, the secondary's qwZ pack (the intra-node
-  gathers send it; made once per step);
+  gathers send it; made once per step); at the resident point ``(p, P, P)`` the units are ZeRO-3's (``S_p`` is
+  ``S_P``) and the secondary over ``h = p`` ranks is kept for good (with its qwZ pack under qwZ; no
+  reconstruction);
 * ``grads``: the float32 gradient shards the optimizer reads (``S_o`` per unit; ``zeropp.engine.unit``'s
   ``grad_shard``), and with gradients sharded over fewer ranks than the optimizer (``(1, g, o)``, ``g < o``) the
   float32 rows accumulated between boundaries (``(o / g) S_o`` per unit, ``Unit.grad_accumulator``). The grouped
@@ -35,21 +37,24 @@ def memory(model: ModelSpec, plan: Plan, world: int, micro: int, seq: int, dtype
     """Bytes per rank by holder (see the module docstring)."""
     part = plan.partition
     align = alignment(plan)
+    resident = part.resident(world) is not None
+    h = plan.secondary(world)
     b = dtype_bytes
     out = dict.fromkeys(("params", "gathered", "secondary", "grads", "grad_accum", "optimizer", "activations"), 0)
     whole = []
     for unit, count in model.groups():  # identical units once, times their count
         so = shard_numel(unit, align, part.optimizer)
-        sp = shard_numel(unit, align, part.params)
+        ranks = world if resident else part.params
+        sp = shard_numel(unit, align, ranks)
         if part.params > 1:
             out["params"] += count * sp * b
-            whole += [part.params * sp * b] * min(count, 2)
-            if plan.hpz > 1:
-                secondary = part.params * sp // plan.hpz
+            whole += [ranks * sp * b] * min(count, 2)
+            if h > 1:
+                secondary = ranks * sp // h
                 out["secondary"] += count * secondary * b
-                if plan.weight_deltas:
+                if plan.weight_deltas or resident:
                     packed = pack_bytes(secondary, plan.weight_bits, b) if plan.weight_bits else 0
-                    out["secondary"] += count * (sp * b + packed)
+                    out["secondary"] += count * ((0 if resident and not plan.weight_deltas else sp * b) + packed)
         else:
             out["params"] += count * (part.optimizer + 1) * so * b
         out["grads"] += count * 4 * so

@@ -17,8 +17,10 @@ parameters over ``h`` ranks of a node. The engine runs stages 1-3 with hpZ, qwZ/
 and int2 gradients included), weight deltas and the offload tiers, and the grouped points: MiCS
 (``mics_shard_size``) with qwZ, qgZ (its cross-group all-reduce quantized too) and, for groups of whole nodes, hpZ;
 ``(1, 1, k)``, ``(1, k, k)`` and ``(1, g, o)`` with ``g < o`` (``zeropp.partition`` at stage 1 / 2, exact
-collectives; see ``Partition.grouped_stage``); other partitions are the planner's alone (``Plan.unsupported`` says
-why a plan cannot run).
+collectives; see ``Partition.grouped_stage``); and the resident point ``(p, P, P)`` for ``p`` dividing the ranks
+per node (``Partition.resident``: ZeRO-3's shards with the parameters kept over ``p`` ranks of a node, hpZ's
+secondary made permanent and rebuilt by one exact exchange after each step) with qwZ, qgZ and the offload tiers;
+other partitions are the planner's alone (``Plan.unsupported`` says why a plan cannot run).
 """
 
 from __future__ import annotations
@@ -65,6 +67,12 @@ class Partition:
         if not 1 < k < world:
             return None
         return {(1, 1, k): 1, (1, k, k): 2, (k, k, k): 3}.get((self.params, self.grads, k))
+
+    def resident(self, world: int) -> int | None:
+        """``p`` when this is the resident point ``(p, world, world)``, ``1 < p < world``
+        (``zeropp.config.partition.resident_size``), else None."""
+        p = self.params
+        return p if 1 < p < world and self.grads == self.optimizer == world else None
 
     def stage(self, world: int) -> int | None:
         """The ZeRO stage this partition is, or None for the points the engine does not have yet."""
@@ -130,9 +138,21 @@ class Plan:
             parts.append(f"offload:{self.offload}")
         return " ".join(parts)
 
+    def secondary(self, world: int) -> int:
+        """Ranks of the hpZ secondary partition the engine runs: ``p`` at the resident point, else ``hpz``."""
+        return self.partition.resident(world) or self.hpz
+
     def unsupported(self, world: int, ranks_per_node: int) -> str | None:
         """Why the engine cannot run this plan today, or None when it can."""
         stage = self.partition.stage(world)
+        resident = self.partition.resident(world)
+        if resident is not None:
+            if ranks_per_node % resident:
+                return (f"the resident point keeps parameters over {resident} ranks, across nodes; the engine keeps "
+                        f"them inside a node (docs/partition.md)")
+            if self.hpz not in (1, resident) or self.weight_deltas:
+                return "the resident point runs with qwZ, qgZ and offload; hpZ and weight deltas are its own copy"
+            return None
         grouped = self.partition.grouped_stage(world)
         if grouped == 3:
             hpz_refused = self.hpz > 1 and self.partition.params <= ranks_per_node
@@ -169,12 +189,15 @@ class Plan:
         """
         stage = self.partition.stage(world)
         grouped = self.partition.grouped_stage(world)
-        if stage is None and grouped is None:
+        if stage is None and grouped is None and self.partition.resident(world) is None:
             raise ValueError(f"partition {self.partition} has no zero_optimization config yet: "
-                             f"only stages 1-3, MiCS, (1, 1, k), (1, k, k) and (1, g, o) run today")
+                             f"only stages 1-3, MiCS, (1, 1, k), (1, k, k), (1, g, o) and (p, W, W) run today")
         extra: dict[str, Any] = {}
-        if grouped == 3:
-            zero: dict[str, Any] = {"stage": 3, "mics_shard_size": self.partition.mics_size(world)}
+        if self.partition.resident(world) is not None:
+            zero: dict[str, Any] = {"stage": 3}
+            extra["partition"] = {"parameters": self.partition.params, "gradients": "world", "optimizer": "world"}
+        elif grouped == 3:
+            zero = {"stage": 3, "mics_shard_size": self.partition.mics_size(world)}
         elif grouped is not None:
             zero = {"stage": grouped}
             extra["partition"] = {"parameters": self.partition.params, "gradients": self.partition.grads,

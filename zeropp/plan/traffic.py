@@ -20,6 +20,10 @@ Per step with ``A`` micro-batches, ``P`` ranks, ``d`` per node, ``n`` nodes, eac
   exact (ring, in the compute dtype) or qgZ (an all-to-all inside the node of ``n`` packs per peer, then one across
   nodes of one pack per peer);
 * stages 1 and 2 gather the stepped shards after the optimizer step (qwZ bits when on);
+* the resident point ``(p, P, P)`` (``zeropp.engine.weight_deltas``' exact mode): the units sharded over ``P`` as
+  at stage 3, every forward and backward gather from the secondaries over ``p`` ranks of a node (``P S / p``
+  elements each; under qwZ their pack, made once per step), and one ``exchange`` per step of every unit's exact
+  stepped shard (``S b`` bytes) to the holders of this rank's shard;
 * G sharded over fewer ranks than OS (``(1, g, o)``, ``g < o``): each micro-batch's reduce-scatter over the G group
   delivers ``o / g`` rows of the OS layout (``(o / g) S_o`` elements per rank), accumulated in float32; at the
   boundary one exact float32 reduce-scatter of every unit's rows, end to end, across the ``o / g`` G groups of the
@@ -200,10 +204,15 @@ def _delta_exchange(model: ModelSpec, plan: Plan, layout: Layout, align: int, dt
     """Weight deltas: one exchange per step of every unit's int4 delta pack to the holders of this rank's shard
     (``zeropp.engine.weight_deltas``: positions are local indices modulo ``h``; the secondary at position ``i``
     holds the shards of ranks ``i G .. (i + 1) G - 1``, ``G = P / h``); its kernels include, with qwZ, the one
-    quantize per step of each updated secondary (``G S`` elements) that the intra-node gathers then send."""
-    world, d, h = layout.world, layout.ranks_per_node, plan.hpz
+    quantize per step of each updated secondary (``G S`` elements) that the intra-node gathers then send. At the
+    resident point without deltas, the exact stepped shards instead (``S b`` bytes per unit, no kernel but qwZ's
+    repack)."""
+    world, d = layout.world, layout.ranks_per_node
+    h = plan.secondary(world)
+    exact = not plan.weight_deltas
     fmt = BlockFormat(4, DEFAULT_BLOCK_SIZE)
-    nbytes = sum(count * fmt.packed_bytes(shard_numel(u, align, world)) for u, count in model.groups())
+    nbytes = sum(count * (shard_numel(u, align, world) * dtype_bytes if exact
+                          else fmt.packed_bytes(shard_numel(u, align, world))) for u, count in model.groups())
     group = world // h
 
     def position(r: int) -> int:
@@ -224,8 +233,10 @@ def _delta_exchange(model: ModelSpec, plan: Plan, layout: Layout, align: int, dt
         for u, count in model.groups():
             secondary = group * shard_numel(u, align, world)
             repack += count * (secondary * dtype_bytes + pack_bytes(secondary, plan.weight_bits, dtype_bytes))
-    return Collective("exchange", "weight-delta exchange", "(all)", "step", "pairwise", len(holders) + 1,
-                      sent_intra + 1, d, nbytes, 1, t, 2.0 * nbytes * (1 + len(holders)) + repack)
+    what, kernel = ("stepped-shard exchange", 0.0) if exact else ("weight-delta exchange",
+                                                                  2.0 * nbytes * (1 + len(holders)))
+    return Collective("exchange", what, "(all)", "step", "pairwise", len(holders) + 1, sent_intra + 1, d, nbytes, 1,
+                      t, kernel + repack)
 
 
 def collectives(model: ModelSpec, plan: Plan, layout: Layout, accum: int, dtype_bytes: int) -> list[Collective]:
@@ -238,7 +249,8 @@ def collectives(model: ModelSpec, plan: Plan, layout: Layout, accum: int, dtype_
     part = plan.partition
     p, g, o = part.params, part.grads, part.optimizer
     align = alignment(plan)
-    h = plan.hpz
+    h = plan.secondary(world)
+    resident = part.resident(world) is not None
     out: list[Collective] = []
     cross = 0  # elements of this rank's gradient shards all-reduced across the groups, every unit's
     for unit, count in model.groups():
@@ -247,16 +259,17 @@ def collectives(model: ModelSpec, plan: Plan, layout: Layout, accum: int, dtype_
         start = len(out)
         name = unit.name
         if p > 1:
-            sp = shard_numel(unit, align, p)
+            sp = shard_numel(unit, align, world if resident else p)  # resident: the units are ZeRO-3's
             backward = 0 if name == "" else accum  # the root unit stays whole from its forward to its backward
             same, per_node = layout.same_node(p), layout.groups_per_node(p)
-            secondary = p * sp // h
-            if h > 1 and not plan.weight_deltas:  # the step's first gather makes the secondaries
+            secondary = (world if resident else p) * sp // h
+            kept = plan.weight_deltas or resident  # the secondaries stay from step to step
+            if h > 1 and not kept:  # the step's first gather makes the secondaries
                 out.append(_gather("parameter gather", name, "forward", 1, p, same, per_node, sp, plan.weight_bits,
                                    dtype_bytes))
             if h > 1:
-                bits = plan.weight_bits if plan.weight_deltas else None  # deltas: the secondary's qwZ pack
-                for phase, calls in (("forward", accum - (not plan.weight_deltas)), ("backward", backward)):
+                bits = plan.weight_bits if kept else None  # kept: the secondary's qwZ pack
+                for phase, calls in (("forward", accum - (not kept)), ("backward", backward)):
                     if calls:
                         out.append(_gather("hpZ secondary gather", name, phase, calls, h, h, d // h, secondary,
                                            bits, dtype_bytes, packed=True))
@@ -271,7 +284,7 @@ def collectives(model: ModelSpec, plan: Plan, layout: Layout, accum: int, dtype_
         else:
             out += _reduce(name, "boundary", 1, o, layout, so, plan, dtype_bytes)
         cross += count * so
-        if o > p:
+        if o > p and not resident:
             so = shard_numel(unit, align, o)
             group = o // p
             out.append(_gather("stepped-shard gather", name, "step", 1, group, layout.same_node(group, p),
@@ -281,7 +294,7 @@ def collectives(model: ModelSpec, plan: Plan, layout: Layout, accum: int, dtype_
         out.append(_peer_reduce(cross, o // g, layout, g))
     if o < world and cross:  # the ranks a gradient shard is reduced over: the OS group
         out.append(_all_reduce(cross, world // o, layout, o, plan.gradient_bits if g > 1 else None))
-    if plan.weight_deltas:
+    if plan.weight_deltas or resident:
         out.append(_delta_exchange(model, plan, layout, align, dtype_bytes))
     return out
 
