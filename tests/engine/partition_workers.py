@@ -385,7 +385,7 @@ def precision_cases(rank: int, world: int, k: int, steps: int = 3) -> dict:
             every = [torch.empty_like(mine) for _ in range(world)]
             torch.distributed.all_gather(every, mine)
             assert all(torch.equal(e, mine) for e in every), ("skipped or scaled unlike other ranks", step, every)
-        if engine.mics is not None:
+        if engine.mics is not None and engine.mics.replicas > 1:  # (1, k, W) has no cross-group all-reduce
             assert comm.stats()["all_reduce"] == _expected_all_reduce(engine), (config, comm.stats()["all_reduce"])
         masters = mics_masters(engine)
         engine.destroy()
