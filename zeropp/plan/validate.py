@@ -9,7 +9,8 @@ the compute rate with every rank running at once), then train each plan for ``--
 weights, with ``EVERY_GATHER`` (the planner models no persistent or kept units). Measured per plan:
 
 * **step time**: the median, over the steps after ``--warmup``, of the wall time from a barrier before the forward
-  to a barrier after ``step()`` (the slowest rank's step), seconds;
+  to a barrier after ``step()`` (the slowest rank's step), seconds; beside it rank 0's own forward, backward and
+  ``step()`` times (medians, no barriers: where the time goes);
 * **memory**: the engine's resident model states on rank 0, bytes, each storage counted once: ``params`` (the
   units' compute buffers and shards), ``secondary`` (hpZ secondaries, the larger of their bytes after the forward and
   after the backward; the step drops them), ``grads`` (fp32 gradient shards) and ``optimizer`` (fp32 masters and AdamW's states), against the
@@ -158,6 +159,7 @@ def compare(case: Case, cluster: Cluster, measured: dict[str, Any], preset: str,
         "mem_ok": abs(mem_ratio - 1) <= mem_tol,
         "pred_total_MB": pred.memory_total / 1e6, "rss_peak_MB": measured["rss_peak"] / 1e6,
         "step_times_s": " ".join(f"{t:.4f}" for t in measured["times"]),
+        **{f"meas_{k}_s": v for k, v in measured.get("phases_s", {}).items()},
         **{f"pred_{k}_B": pred.memory[k] for k in MEMORY_TERMS},
         **{f"meas_{k}_B": measured["memory"][k] for k in MEMORY_TERMS},
     }
@@ -245,23 +247,31 @@ def _run_plan(name: str, args: argparse.Namespace, topo: Any) -> dict[str, Any]:
     engine, _, _, _ = zeropp.initialize(model=GPT(GPTConfig.preset(args.model), seed=0), config=config, topology=topo)
     engine.train()
     g = torch.Generator().manual_seed(1000 + rank)
-    times, secondary = [], 0
+    times, phases, secondary = [], [], 0
     for _ in range(args.steps):
         tokens = torch.randint(0, 256, (args.micro, args.seq + 1), generator=g)
         dist.barrier()
         t0 = time.perf_counter()
         _, loss = engine(tokens[:, :-1], tokens[:, 1:])
+        t1 = time.perf_counter()
         after_forward = _states(engine)["secondary"]
+        t2 = time.perf_counter()
         engine.backward(loss)
+        t3 = time.perf_counter()
         secondary = max(after_forward, _states(engine)["secondary"])
+        t4 = time.perf_counter()
         engine.step()
+        t5 = time.perf_counter()
         dist.barrier()
         times.append(time.perf_counter() - t0)
+        phases.append((t1 - t0, t3 - t2, t5 - t4))
     memory = {**_states(engine), "secondary": secondary}
     rss_peak = _rss()[1] - rss0
     del engine
     gc.collect()
-    return {"times": times, "step_s": statistics.median(times[args.warmup:]), "memory": memory,
+    phase = {name: statistics.median(p[i] for p in phases[args.warmup:])
+             for i, name in enumerate(("forward", "backward", "step"))}
+    return {"times": times, "step_s": statistics.median(times[args.warmup:]), "phases_s": phase, "memory": memory,
             "rss_peak": rss_peak}
 
 
