@@ -128,9 +128,9 @@ def _overlap(topology: Topology, numel: int, matmul: torch.Tensor, repeats: int,
         compute()
         work.wait()
 
-    times = torch.tensor([comm, _median_time(compute, repeats, device, group), _median_time(both, repeats, device,
-                                                                                            group)],
-                         dtype=torch.float64)
+    alone = _median_time(compute, repeats, device, group)
+    together = _median_time(both, repeats, device, group)
+    times = torch.tensor([comm, alone, together], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
     return overlap_of(*times.tolist())
 
