@@ -69,9 +69,11 @@ def test_model_step_rate_and_analyse_of_a_kept_folder(tmp_path) -> None:
     slow = predict(spec, plan_of("mics-qgz", 2, 2), replace(cluster, flops=1e10), batch)
     assert slow.step_time == pytest.approx(fast.step_time + fast.breakdown["compute"])
     states = {k: slow.memory[k] for k in ("params", "secondary", "grads", "optimizer")}
-    measured = {"step_s": slow.step_time, "times": [1.0, slow.step_time], "rss_peak": 0, "memory": states}
+    measured = {"step_s": slow.step_time, "times": [1.0, slow.step_time], "rss_peak": 0, "memory": states,
+                "phases_s": {"forward": 0.1, "backward": 0.2, "step": 0.05}}
     row = compare(case, cluster, measured, "tiny", 1, 32, 0.15, 0.10, model_flops=1e10)
-    assert row["time_ratio"] == pytest.approx(1.0) and row["time_ok"]
+    assert row["time_ratio"] == pytest.approx(1.0) and row["time_ok"] and row["meas_step_s"] == slow.step_time
+    assert (row["rank0_forward_s"], row["rank0_backward_s"], row["rank0_step_s"]) == (0.1, 0.2, 0.05)
     assert row["time_ratio_matmul"] == pytest.approx(slow.step_time / fast.step_time)
     assert row["pred_quant_s"] == pytest.approx(fast.breakdown["quant"]) and row["pred_quant_s"] > 0
     (tmp_path / "cluster0.json").write_text(cluster.to_json())

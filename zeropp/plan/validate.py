@@ -159,7 +159,7 @@ def compare(case: Case, cluster: Cluster, measured: dict[str, Any], preset: str,
         "mem_ok": abs(mem_ratio - 1) <= mem_tol,
         "pred_total_MB": pred.memory_total / 1e6, "rss_peak_MB": measured["rss_peak"] / 1e6,
         "step_times_s": " ".join(f"{t:.4f}" for t in measured["times"]),
-        **{f"meas_{k}_s": v for k, v in measured.get("phases_s", {}).items()},
+        **{f"rank0_{k}_s": v for k, v in measured.get("phases_s", {}).items()},
         **{f"pred_{k}_B": pred.memory[k] for k in MEMORY_TERMS},
         **{f"meas_{k}_B": measured["memory"][k] for k in MEMORY_TERMS},
     }
