@@ -115,12 +115,6 @@ def test_cpu_cluster_terms_by_hand() -> None:
     assert slow == pytest.approx(kernel / 1e9)
     with pytest.raises(ValueError, match="kernel_bw=0"):
         replace(c, kernel_bw=0)
-    # the optimizer step: 28 + 4 bytes per element of the rank's N / 2, at optimizer_bw where measured, else mem_bw
-    assert predict(model, plan, c, Batch(1, 64, 1, 4)).breakdown["optimizer"] == pytest.approx(shard * 32 / 1e10)
-    cpu = predict(model, plan, replace(c, optimizer_bw=2e8), Batch(1, 64, 1, 4)).breakdown["optimizer"]
-    assert cpu == pytest.approx(shard * 32 / 2e8)
-    with pytest.raises(ValueError, match="optimizer_bw=-1"):
-        replace(c, optimizer_bw=-1.0)
     # on gloo the gradient reduce-scatter (a ring of 2) is two steps of shard * 4 bytes, the gather one step of the
     # int8 pack; the kernels, the collectives and the compute add up
     p = predict(model, plan, replace(c, backend="gloo", kernel_bw=1e9), Batch(1, 64, 1, 4))
@@ -348,7 +342,7 @@ def test_calibration_at_world_4_as_2x2_writes_a_cluster_file_the_planner_reads(t
     assert all(r == results[0] for r in results)  # every rank the same numbers (the slowest rank's)
     fitted = results[0]
     assert (fitted["nodes"], fitted["ranks_per_node"]) == (2, 2)
-    for name in ("intra_bw", "inter_bw", "memory", "flops", "mem_bw", "kernel_bw", "optimizer_bw"):
+    for name in ("intra_bw", "inter_bw", "memory", "flops", "mem_bw", "kernel_bw"):
         assert math.isfinite(fitted[name]) and fitted[name] > 0, (name, fitted[name])
     for name in ("intra_latency", "inter_latency"):  # the robust fit may put a latency at 0 under load
         assert math.isfinite(fitted[name]) and fitted[name] >= 0, (name, fitted[name])

@@ -20,9 +20,6 @@ so every rank writes the same numbers):
 * **memory bandwidth**: a copy of ``copy_bytes`` bytes, read and written: ``mem_bw``.
 * **quantization kernels**: an int8 quantize and dequantize of ``copy_bytes`` of float32, their bytes counted as
   ``zeropp.plan.traffic`` counts them (each reads or writes the values and the pack): ``kernel_bw``.
-* **optimizer**: one AdamW step of ``copy_bytes / 16`` float32 elements with the kernel the engine runs (the
-  native CPU step of ``zeropp.optim.native`` where it is built, else torch's fused step and a copy of the result),
-  counted as ``zeropp.plan.search`` counts it (``28 + 4`` bytes per element): ``optimizer_bw``.
 * **overlap**: an all-gather of ``chunk`` bytes per rank over every rank, started asynchronously while the rank runs
   as many matmuls as take about as long, against each alone: ``overlap = (t_comm + t_compute - t_both) /
   min(t_comm, t_compute)``, clamped to [0, 1]. On a GPU the collective runs on its own engine (about 1); on a CPU
@@ -149,27 +146,6 @@ def _kernel_time(numel: int, repeats: int, device: torch.device) -> tuple[float,
     return seconds, 2 * (numel * 4 + BlockFormat(8).packed_bytes(numel))
 
 
-def _optimizer_time(numel: int, repeats: int, device: torch.device) -> tuple[float, int]:
-    """(seconds, bytes) of one AdamW step of ``numel`` float32 elements and the copy of the result into a float32
-    compute buffer, as the engine runs it (module docstring); bytes ``numel * (28 + 4)``."""
-    from ..optim import native
-
-    param, grad, m, v, out = (torch.rand(numel, dtype=torch.float32, device=device) for _ in range(5))
-    if device.type == "cpu" and native.available():
-        def step() -> None:
-            native.adam_step(param, grad, m, v, step=1, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-                             weight_decay=0.01, decoupled=True, out=out)
-    else:
-        weight = torch.nn.Parameter(param)
-        weight.grad = grad
-        adamw = torch.optim.AdamW([weight], lr=1e-3, weight_decay=0.01, fused=True)
-
-        def step() -> None:
-            adamw.step()
-            out.copy_(weight.detach())
-    return _median_time(step, repeats, device), numel * (28 + 4)
-
-
 def measure(topology: Topology, *, chunk_bytes: int = 4 << 20, matmul: int = 1024, copy_bytes: int = 64 << 20,
             repeats: int = 5, device: torch.device | None = None) -> Cluster:
     """Measure the cluster of ``topology`` (a collective over its group: every rank calls it with the same
@@ -210,10 +186,9 @@ def measure(topology: Topology, *, chunk_bytes: int = 4 << 20, matmul: int = 102
     dst = torch.empty_like(src)
     copy_s = _median_time(lambda: dst.copy_(src), repeats, device)
     kernel_s, kernel_bytes = _kernel_time(copy_bytes // 4, repeats, device)
-    optimizer_s, optimizer_bytes = _optimizer_time(max(1, copy_bytes // 16), repeats, device)
-    times = torch.tensor([*steps, matmul_s, copy_s, kernel_s, optimizer_s], dtype=torch.float64)
+    times = torch.tensor([*steps, matmul_s, copy_s, kernel_s], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=topology.group)  # the slowest rank's, the same everywhere
-    *steps, matmul_s, copy_s, kernel_s, optimizer_s = times.tolist()
+    *steps, matmul_s, copy_s, kernel_s = times.tolist()
     sizes = [4 * numel for numel in numels]
     intra_alpha, intra_beta = fit_line("intra-node", sizes, steps[:len(sizes)])
     inter_alpha, inter_beta = fit_line("inter-node", sizes, steps[len(sizes):])
@@ -225,7 +200,6 @@ def measure(topology: Topology, *, chunk_bytes: int = 4 << 20, matmul: int = 102
     backend = "gloo" if dist.get_backend(topology.group) == "gloo" else "nccl"
     return Cluster(n, d, 1.0 / intra_beta, d / inter_beta, intra_alpha, inter_alpha, memory,
                    2.0 * matmul**3 / matmul_s, 2.0 * copy_bytes / copy_s, kernel_bw=kernel_bytes / kernel_s,
-                   optimizer_bw=optimizer_bytes / optimizer_s,
                    overlap=overlap, backend=backend)
 
 
@@ -259,8 +233,7 @@ def main(path: str) -> int:
                   f"inter {cluster.inter_bw * 8 / 1e9:.4g} Gbit/s per node "
                   f"(alpha {cluster.inter_latency * 1e6:.3g} us), "
                   f"{cluster.flops / 1e12:.4g} TFLOP/s, {cluster.mem_bw / 1e9:.4g} GB/s memory, "
-                  f"{cluster.kernel_bw / 1e9:.4g} GB/s quantization kernels, {cluster.optimizer_bw / 1e9:.4g} GB/s "
-                  f"optimizer, overlap {cluster.overlap:.2f}; "
+                  f"{cluster.kernel_bw / 1e9:.4g} GB/s quantization kernels, overlap {cluster.overlap:.2f}; "
                   f"not measured: "
                   f"{', '.join(NOT_MEASURED)} (defaults)")
     finally:

@@ -16,9 +16,7 @@ default) times them at ``mem_bw``, which ``bench/cost_model.py`` predicts for th
 kernels compute more per byte than a copy and the calibration measures them. ``overlap`` is the fraction of compute
 time that can hide communication (1: every prefetched gather and every bucketed reduce-scatter runs under compute;
 0: nothing overlaps, as on a CPU cluster whose collectives copy and sum on the cores the ranks compute on: the
-calibration measures it). ``optimizer_bw`` is the rate of the optimizer step on the device where it is not the
-memory bandwidth (bytes of ``zeropp.plan.search``'s count, ``28 + b`` per element, per second): ``None`` times it at
-``mem_bw``; on a CPU the AdamW kernel runs well below a copy's bandwidth and the calibration measures it. ``backend`` is the collective library
+calibration measures it). ``backend`` is the collective library
 (``BACKENDS``): torch's gloo runs an exact ``reduce_scatter_tensor`` as an all-reduce of the whole tensor and a copy
 of the rank's slice (``ProcessGroupGloo::reduce_scatter_tensor_coalesced``), twice a ring reduce-scatter's steps;
 NCCL runs a ring reduce-scatter.
@@ -56,7 +54,6 @@ class Cluster:
     host_mem_bw: float = 20e9
     nvme_bw: float = 3e9
     kernel_bw: float | None = None
-    optimizer_bw: float | None = None
     overlap: float = 1.0
     backend: str = "nccl"
 
@@ -71,10 +68,9 @@ class Cluster:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v > 0 and not math.isnan(v)):
                 raise ValueError(f"cluster {name}={v!r} must be a positive number")
-        for name in ("kernel_bw", "optimizer_bw"):
-            v = getattr(self, name)
-            if v is not None and not (isinstance(v, (int, float)) and v > 0 and not math.isnan(v)):
-                raise ValueError(f"cluster {name}={v!r} must be a positive number, or None (mem_bw)")
+        if self.kernel_bw is not None and not (isinstance(self.kernel_bw, (int, float)) and self.kernel_bw > 0
+                                               and not math.isnan(self.kernel_bw)):
+            raise ValueError(f"cluster kernel_bw={self.kernel_bw!r} must be a positive number, or None (mem_bw)")
         for name in ("intra_latency", "inter_latency"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0 <= v < math.inf):

@@ -11,8 +11,7 @@ another, so a phase's communication is the sum of its calls. The collectives at 
 the quantization kernels (on the compute stream) are exposed. The optimizer is memory-bound: AdamW reads and writes
 ``28 + b`` bytes per element it steps (master, two moments, gradient; the new compute-dtype weight), on the device,
 or on the host when offloaded, plus the gradient down and the weight up over ``host_bw`` (and for NVMe the three
-float32 states read and written over ``nvme_bw``). On the device the step runs at ``Cluster.optimizer_bw`` where a
-calibration measured it (a CPU's AdamW kernel), else at ``mem_bw``.
+float32 states read and written over ``nvme_bw``).
 """
 
 from __future__ import annotations
@@ -109,7 +108,7 @@ def predict(model: ModelSpec, plan: Plan, cluster: Cluster, batch: Batch) -> Pre
     so = sum(count * shard_numel(u, alignment(plan), plan.partition.optimizer) for u, count in model.groups())
     b = batch.dtype_bytes
     on_host = plan.offload != "none"
-    optimizer = so * (28 + b) / (cluster.host_mem_bw if on_host else cluster.optimizer_bw or cluster.mem_bw)
+    optimizer = so * (28 + b) / (cluster.host_mem_bw if on_host else cluster.mem_bw)
     io = 0.0
     if on_host:
         io = so * (4 + b) / cluster.host_bw + (so * 24 / cluster.nvme_bw if plan.offload == "nvme" else 0.0)
