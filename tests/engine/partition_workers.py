@@ -23,9 +23,8 @@ import zeropp
 from zeropp import comm
 from zeropp.comm.accounting import gather_traffic
 from zeropp.config import ConfigError
-from zeropp.engine.auto_partition import default_cluster
 from zeropp.models import GPT
-from zeropp.plan import Batch, Partition, Plan, from_preset, predict
+from zeropp.plan import Batch, Cluster, Partition, Plan, from_preset, predict
 from zeropp.plan.memory import memory
 from zeropp.plan.traffic import Layout, collectives, totals
 from zeropp.plan.space import shard_factors
@@ -443,7 +442,7 @@ def auto_cases(rank: int, world: int, steps: int = 2) -> dict:
         auto, _, _, _ = zeropp.initialize(model=GPT(MODEL, seed=rank), config=_config(2, 1, zero))
     topo = auto.topology
     n, d = topo.num_nodes, topo.ranks_per_node
-    spec, cluster = from_preset("tiny:nobias"), default_cluster(n, d)
+    spec, cluster = from_preset("tiny:nobias"), Cluster.default(n, d)
     times = {k: predict(spec, Plan(Partition(k, k, k), gradient_bits=4), cluster, Batch(2, spec.seq, 1, 4))
              for k in shard_factors(world, d) if k >= 2}
     want = min((k for k in times if times[k].fits), key=lambda k: times[k].step_time)

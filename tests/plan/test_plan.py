@@ -100,6 +100,56 @@ def test_zero1_step_communication_by_hand() -> None:
         replace(c, backend="mpi")
 
 
+def test_cpu_cluster_terms_by_hand() -> None:
+    # qwZ int8 on a one-unit model over 2 nodes of 1 rank (stage 3, overlap 0): the gather quantizes N / 2 elements
+    # and dequantizes 2 packs of them (values and pack each), at the measured kernel rate instead of mem_bw
+    n = 1_048_576
+    model = ModelSpec("one", (UnitSpec("", (n,)),), 1, 64, 64, 64, 256)
+    c = Cluster(2, 1, 1e12, 1e8, 0.0, 0.0, 64 * GIB, 1e12, 1e10, overlap=0.0)
+    plan = Plan(Partition(2, 2, 2), weight_bits=8)
+    shard = n // 2
+    pack = BlockFormat(8).packed_bytes(shard)
+    kernel = (shard * 4 + pack) * (2 + 1)
+    assert predict(model, plan, c, Batch(1, 64, 1, 4)).breakdown["quant"] == pytest.approx(kernel / 1e10)
+    slow = predict(model, plan, replace(c, kernel_bw=1e9), Batch(1, 64, 1, 4)).breakdown["quant"]
+    assert slow == pytest.approx(kernel / 1e9)
+    with pytest.raises(ValueError, match="kernel_bw=0"):
+        replace(c, kernel_bw=0)
+    # on gloo the gradient reduce-scatter (a ring of 2) is two steps of shard * 4 bytes, the gather one step of the
+    # int8 pack; the kernels, the collectives and the compute add up
+    p = predict(model, plan, replace(c, backend="gloo", kernel_bw=1e9), Batch(1, 64, 1, 4))
+    assert p.breakdown["comm_inter"] == pytest.approx(2 * shard * 4 / 1e8 + pack / 1e8)
+    assert p.step_time == pytest.approx(sum(p.breakdown.values()))
+    assert p.step_time - p.breakdown["compute"] - p.breakdown["optimizer"] == pytest.approx(
+        kernel / 1e9 + (2 * shard * 4 + pack) / 1e8)
+
+
+def test_calibration_fits_and_overlap_by_hand() -> None:
+    from zeropp.plan.calibrate import fit_line, overlap_of
+
+    sizes = [4, 1 << 19, 1 << 21, 1 << 22]
+    times = [2e-4 + 1e-9 * b for b in sizes]
+    assert fit_line("intra", sizes, times) == pytest.approx((2e-4, 1e-9))
+    # one stalled size (the one-element step, 0.1 s under load) moves neither: the median slope and intercept
+    alpha, beta = fit_line("intra", sizes, [0.1, *times[1:]])
+    assert (alpha, beta) == (pytest.approx(2e-4), pytest.approx(1e-9))
+    with pytest.raises(ValueError, match="lost in noise"):
+        fit_line("inter", sizes, [1e-3, 9e-4, 8e-4, 7e-4])
+    assert overlap_of(1.0, 3.0, 3.0) == 1.0 and overlap_of(1.0, 3.0, 4.0) == 0.0
+    assert overlap_of(2.0, 3.0, 4.0) == pytest.approx(0.5) and overlap_of(1.0, 1.0, 2.5) == 0.0
+
+
+def test_cli_defaults_are_cluster_default() -> None:
+    from zeropp.engine import auto_partition
+    from zeropp.plan.__main__ import _parser, cluster_from_args
+
+    assert cluster_from_args(_parser().parse_args([])) == Cluster.default(2, 8)
+    changed = cluster_from_args(_parser().parse_args(["--nodes", "4", "--inter", "400gbit", "--overlap", "0"]))
+    assert changed == replace(Cluster.default(4, 8), inter_bw=400e9 / 8, overlap=0.0)
+    topology = type("T", (), {"num_nodes": 3, "ranks_per_node": 4})()
+    assert auto_partition.cluster_for(topology) == Cluster.default(3, 4)
+
+
 @pytest.mark.parametrize("point, bits", [((2, 2, 2), None), ((2, 2, 2), 4), ((1, 1, 2), None), ((1, 2, 2), None)])
 def test_cross_group_all_reduce_is_the_engines_one_call(point: tuple[int, int, int], bits: int | None) -> None:
     # world 12 as 2 nodes x 6, groups of 2 inside a node: rank 0's R = 6 replicas (ranks 0, 2, .., 10), 3 per node.
@@ -302,8 +352,11 @@ def test_calibration_at_world_4_as_2x2_writes_a_cluster_file_the_planner_reads(t
     assert all(r == results[0] for r in results)  # every rank the same numbers (the slowest rank's)
     fitted = results[0]
     assert (fitted["nodes"], fitted["ranks_per_node"]) == (2, 2)
-    for name in ("intra_bw", "inter_bw", "intra_latency", "inter_latency", "memory", "flops", "mem_bw"):
+    for name in ("intra_bw", "inter_bw", "memory", "flops", "mem_bw", "kernel_bw"):
         assert math.isfinite(fitted[name]) and fitted[name] > 0, (name, fitted[name])
+    for name in ("intra_latency", "inter_latency"):  # the robust fit may put a latency at 0 under load
+        assert math.isfinite(fitted[name]) and fitted[name] >= 0, (name, fitted[name])
+    assert 0.0 <= fitted["overlap"] <= 1.0 and fitted["backend"] == "gloo"
     loaded = Cluster.from_json(path)
     assert loaded == Cluster(**fitted)
     assert main(["--model", "tiny", "--cluster", str(path), "--json", "--top", "1"]) == 0

@@ -4,6 +4,8 @@ jobs themselves are run by hand (docs/results/planner.md); nothing here times an
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from zeropp.config import load_config
@@ -49,3 +51,40 @@ def test_row_ratios_and_tolerances() -> None:
     assert fast["time_ok"] and fast["plan"] == "ZeRO-3"
     text = table([row, fast])
     assert text.count("\n") == 3 and "| no " in text and "| yes " in text
+
+
+def test_model_step_rate_and_analyse_of_a_kept_folder(tmp_path) -> None:
+    # the prediction uses the model's own compute rate when the job measured it (the matmul rate's ratio kept);
+    # --analyse re-applies the planner to the kept files (manifest, job, calibration) and gives the same row
+    import argparse
+    import json
+
+    from zeropp.plan.validate import analyse, main
+
+    cluster = Cluster(2, 2, 1e9, 1.25e8, 1e-5, 1e-4, 8e9, 2e10, 5e9, kernel_bw=2e9, overlap=0.0, backend="gloo")
+    case = Case("mics-qgz", "1gbit", 2, 2)
+    batch = Batch(1, 32, 1, 4)
+    spec = from_preset("tiny", 32)
+    fast = predict(spec, plan_of("mics-qgz", 2, 2), cluster, batch)
+    slow = predict(spec, plan_of("mics-qgz", 2, 2), replace(cluster, flops=1e10), batch)
+    assert slow.step_time == pytest.approx(fast.step_time + fast.breakdown["compute"])
+    states = {k: slow.memory[k] for k in ("params", "secondary", "grads", "optimizer")}
+    measured = {"step_s": slow.step_time, "times": [1.0, slow.step_time], "rss_peak": 0, "memory": states,
+                "phases_s": {"forward": 0.1, "backward": 0.2, "step": 0.05}}
+    row = compare(case, cluster, measured, "tiny", 1, 32, 0.15, 0.10, model_flops=1e10)
+    assert row["time_ratio"] == pytest.approx(1.0) and row["time_ok"] and row["meas_step_s"] == slow.step_time
+    assert (row["rank0_forward_s"], row["rank0_backward_s"], row["rank0_step_s"]) == (0.1, 0.2, 0.05)
+    assert row["time_ratio_matmul"] == pytest.approx(slow.step_time / fast.step_time)
+    assert row["pred_quant_s"] == pytest.approx(fast.breakdown["quant"]) and row["pred_quant_s"] > 0
+    (tmp_path / "cluster0.json").write_text(cluster.to_json())
+    (tmp_path / "job0.json").write_text(json.dumps({"cluster": "cluster0.json", "load": [[1, 1, 1], [2, 2, 2]],
+                                                    "model_flops": 1e10, "plans": {"mics-qgz": measured}}))
+    (tmp_path / "manifest.json").write_text(json.dumps([{"nodes": 2, "ranks_per_node": 2, "rate": "1gbit",
+                                                         "plans": ["mics-qgz"], "out": "job0.json",
+                                                         "cluster": "cluster0.json"}]))
+    args = argparse.Namespace(model="tiny", micro=1, seq=32, time_tol=0.15, mem_tol=0.10)
+    kept = analyse(str(tmp_path), args)
+    assert len(kept) == 1 and kept[0]["time_ratio"] == pytest.approx(1.0) and kept[0]["cal_overlap"] == 0.0
+    assert main(["--analyse", str(tmp_path), "--model", "tiny", "--seq", "32", "--csv",
+                 str(tmp_path / "out.csv")]) == 0
+    assert (tmp_path / "out.csv").read_text().count("\n") == 2

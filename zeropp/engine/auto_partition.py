@@ -10,7 +10,7 @@ What the planner is told:
   ``max_position_embeddings``, else ``DEFAULT_SEQ``);
 * the cluster: the topology's nodes and ranks per node, with the rates of ``$ZEROPP_PLAN_CLUSTER`` (a JSON file of
   ``zeropp.plan.Cluster`` fields, e.g. written by ``python -m zeropp.plan --calibrate``; its nodes and ranks per
-  node must be the topology's) or else ``default_cluster``'s (the planner's command-line defaults);
+  node must be the topology's) or else ``Cluster.default``'s (the planner's command-line defaults);
 * the batch: the config's micro-batch and accumulation steps and its compute dtype, at the model's context.
 
 The candidates are ZeRO-3 ``(W, W, W)`` and MiCS ``(k, k, k)`` for every node-aligned ``k`` from 2 below ``W``
@@ -50,13 +50,6 @@ DEFAULT_SEQ = 2048
 """The context assumed for a model whose ``config`` names none."""
 
 
-def default_cluster(nodes: int, ranks_per_node: int) -> Cluster:
-    """``python -m zeropp.plan``'s default rates (an H100 node) on ``nodes`` x ``ranks_per_node`` ranks: 3.6
-    Tbit/s per rank inside a node, 100 Gbit/s per node across, 5 and 20 us latency, 80 GiB and 400 TFLOP/s
-    achieved per rank, 2.966 TB/s of memory bandwidth."""
-    return Cluster(nodes, ranks_per_node, 3.6e12 / 8, 100e9 / 8, 5e-6, 20e-6, float(80 * 2**30), 400e12, 2.966e12)
-
-
 def model_spec(module: nn.Module, unit_policy: UnitPolicy | None = None) -> ModelSpec:
     """``module`` as the planner sees it (module docstring)."""
     units = tuple(UnitSpec(plan.name, tuple(p.numel() for _, p in plan.params))
@@ -75,7 +68,7 @@ def model_spec(module: nn.Module, unit_policy: UnitPolicy | None = None) -> Mode
 
 
 def cluster_for(topology: comm.Topology) -> Cluster:
-    """The cluster of ``topology``: ``$ZEROPP_PLAN_CLUSTER``'s rates, else ``default_cluster``'s.
+    """The cluster of ``topology``: ``$ZEROPP_PLAN_CLUSTER``'s rates, else ``Cluster.default``'s.
 
     Raises:
         ConfigError: the file cannot be read, or describes another shape than the topology's.
@@ -83,7 +76,7 @@ def cluster_for(topology: comm.Topology) -> Cluster:
     nodes, d = topology.num_nodes, topology.ranks_per_node
     path = os.environ.get(ENV_CLUSTER)
     if not path:
-        return default_cluster(nodes, d)
+        return Cluster.default(nodes, d)
     try:
         cluster = Cluster.from_json(path)
     except (ValueError, TypeError) as e:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 from ..bench.report import parse_size
 from ..cluster.rates import parse_rate
@@ -20,9 +21,17 @@ from .search import Batch, rank
 from .space import LOSSY, OFFLOAD_TIERS
 
 
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in the help, except ``None`` (the cluster options, whose defaults are ``Cluster.default``'s and
+    named in their help)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        return action.help if action.default is None else super()._get_help_string(action)
+
+
 def _parser() -> argparse.ArgumentParser:
     a = argparse.ArgumentParser(prog="python -m zeropp.plan", description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=_Help)
     m = a.add_argument_group("model (a preset or config.json, or --params/--layers/--hidden)")
     m.add_argument("--model", help="a zeropp.models preset (tiny, mini, small, gpt2, ...; ':nobias' for no biases) "
                                    "or a Hugging Face config.json")
@@ -38,14 +47,18 @@ def _parser() -> argparse.ArgumentParser:
                         "rank, under torchrun or python -m zeropp.cluster); nothing is planned")
     c.add_argument("--nodes", type=int, default=2)
     c.add_argument("--ranks-per-node", type=int, default=8)
-    c.add_argument("--intra", default="3.6tbit", help="intra-node bandwidth per rank")
-    c.add_argument("--inter", default="100gbit", help="inter-node bandwidth per node (all its NICs)")
-    c.add_argument("--intra-latency-us", type=float, default=5.0)
-    c.add_argument("--inter-latency-us", type=float, default=20.0)
-    c.add_argument("--memory", default="80G", help="memory per rank (bytes; K, M, G suffixes are binary)")
-    c.add_argument("--flops", type=float, default=400e12, help="achieved training FLOP/s per rank")
-    c.add_argument("--mem-bw", type=float, default=2.966e12, help="memory bandwidth per rank, bytes/s")
-    c.add_argument("--overlap", type=float, default=1.0, help="fraction of compute that hides communication")
+    h100 = Cluster.default()
+    c.add_argument("--intra", help=f"intra-node bandwidth per rank (default {h100.intra_bw * 8 / 1e12:g}tbit)")
+    c.add_argument("--inter", help=f"inter-node bandwidth per node, all its NICs (default "
+                                   f"{h100.inter_bw * 8 / 1e9:g}gbit)")
+    c.add_argument("--intra-latency-us", type=float, help=f"(default {h100.intra_latency * 1e6:g})")
+    c.add_argument("--inter-latency-us", type=float, help=f"(default {h100.inter_latency * 1e6:g})")
+    c.add_argument("--memory", help=f"memory per rank (bytes; K, M, G suffixes are binary; default "
+                                    f"{h100.memory / 2**30:g}G)")
+    c.add_argument("--flops", type=float, help=f"achieved training FLOP/s per rank (default {h100.flops:g})")
+    c.add_argument("--mem-bw", type=float, help=f"memory bandwidth per rank, bytes/s (default {h100.mem_bw:g})")
+    c.add_argument("--overlap", type=float, help=f"fraction of compute that hides communication (default "
+                                                 f"{h100.overlap:g})")
     b = a.add_argument_group("batch")
     b.add_argument("--micro", type=int, default=1, help="micro-batch per rank (sequences)")
     b.add_argument("--seq", type=int, help="sequence length (default: the model's context)")
@@ -78,19 +91,25 @@ def model_from_args(args: argparse.Namespace) -> ModelSpec:
 def cluster_from_args(args: argparse.Namespace) -> Cluster:
     if args.cluster_file:
         return Cluster.from_json(args.cluster_file)
-    try:
-        memory = parse_size(args.memory)
-    except ValueError:
-        raise ValueError(f"--memory={args.memory!r} is not a size; use bytes or K, M, G (binary), e.g. 80G") from None
-    rates = []
-    for flag, value in (("--intra", args.intra), ("--inter", args.inter)):
+    changes: dict[str, float] = {}
+    if args.memory is not None:
         try:
-            rates.append(parse_rate(value) / 8)
-        except ValueError as e:
-            raise ValueError(f"{flag}: {e}") from None
-    return Cluster(args.nodes, args.ranks_per_node, rates[0], rates[1],
-                   args.intra_latency_us * 1e-6, args.inter_latency_us * 1e-6, float(memory),
-                   args.flops, args.mem_bw, overlap=args.overlap)
+            changes["memory"] = float(parse_size(args.memory))
+        except ValueError:
+            raise ValueError(f"--memory={args.memory!r} is not a size; use bytes or K, M, G (binary), e.g. 80G") \
+                from None
+    for flag, field, value in (("--intra", "intra_bw", args.intra), ("--inter", "inter_bw", args.inter)):
+        if value is not None:
+            try:
+                changes[field] = parse_rate(value) / 8
+            except ValueError as e:
+                raise ValueError(f"{flag}: {e}") from None
+    for field, value, scale in (("intra_latency", args.intra_latency_us, 1e-6),
+                                ("inter_latency", args.inter_latency_us, 1e-6), ("flops", args.flops, 1.0),
+                                ("mem_bw", args.mem_bw, 1.0), ("overlap", args.overlap, 1.0)):
+        if value is not None:
+            changes[field] = value * scale
+    return replace(Cluster.default(args.nodes, args.ranks_per_node), **changes)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,19 +7,28 @@ the planner reads (``--cluster FILE``). Run it on every rank, under torchrun or 
 What it measures (each a median over ``repeats`` timed calls after one warm-up, the slowest rank's median taken
 so every rank writes the same numbers):
 
-* **links**: ring all-gathers (``torch.distributed.all_gather``, the algorithm ``zeropp.plan.cost`` models) of a
-  one-element and a ``chunk``-byte shard per rank, over the node's ranks (``Topology.intra_group``) and over the
-  ranks of one local index on every node (``Topology.inter_group``; the ``d`` such groups run at once and share
-  each node's link, as ``cost.call_time`` assumes). A ring of ``g`` ranks takes ``g - 1`` steps; a step of ``c``
-  bytes takes ``alpha + c / bw`` inside a node and ``alpha + d c / inter_bw`` across nodes. The one-element step
-  is the latency ``alpha``, the slope between the two sizes the bandwidth.
+* **links**: ring all-gathers (``torch.distributed.all_gather``, the algorithm ``zeropp.plan.cost`` models) of
+  ``SIZES`` shards per rank (one element, and 1/8, 1/2 and all of ``chunk`` bytes), over the node's ranks
+  (``Topology.intra_group``) and over the ranks of one local index on every node (``Topology.inter_group``; the
+  ``d`` such groups run at once and share each node's link, as ``cost.call_time`` assumes). A ring of ``g`` ranks
+  takes ``g - 1`` steps; a step of ``c`` bytes takes ``alpha + c / bw`` inside a node and ``alpha + d c /
+  inter_bw`` across nodes. The line through the step times is fitted robustly (``fit_line``, a repeated median),
+  so one size stalled by load moves neither the latency nor the bandwidth (a single one-element step gave 68 ms
+  for a 2 ms link under a load of 28).
 * **compute**: a square matmul of ``matmul`` rows in the compute dtype (bf16 on a GPU, float32 on a CPU),
-  ``2 n^3`` FLOPs per call: ``flops``.
+  ``2 n^3`` FLOPs per call: ``flops``. (A model's own step may run slower: ``zeropp.plan.validate`` measures that.)
 * **memory bandwidth**: a copy of ``copy_bytes`` bytes, read and written: ``mem_bw``.
+* **quantization kernels**: an int8 quantize and dequantize of ``copy_bytes`` of float32, their bytes counted as
+  ``zeropp.plan.traffic`` counts them (each reads or writes the values and the pack): ``kernel_bw``.
+* **overlap**: an all-gather of ``chunk`` bytes per rank over every rank, started asynchronously while the rank runs
+  as many matmuls as take about as long, against each alone: ``overlap = (t_comm + t_compute - t_both) /
+  min(t_comm, t_compute)``, clamped to [0, 1]. On a GPU the collective runs on its own engine (about 1); on a CPU
+  cluster whose collectives copy and sum on the cores the ranks compute on, it competes with compute (about 0),
+  except for the time it waits on a slow link.
 * **memory per rank**: the device's total memory, or on a CPU the host's physical memory over its ranks.
 
 Not measured (left at ``Cluster``'s defaults, the file says which): the host link, host memory and NVMe bandwidths
-of the offload tiers, and ``overlap``.
+of the offload tiers.
 """
 
 from __future__ import annotations
@@ -36,7 +45,10 @@ import torch.distributed as dist
 from ..comm.topology import Topology
 from .cluster import Cluster
 
-NOT_MEASURED = ("host_bw", "host_mem_bw", "nvme_bw", "overlap")
+NOT_MEASURED = ("host_bw", "host_mem_bw", "nvme_bw")
+
+SIZES = (0.0, 0.125, 0.5, 1.0)
+"""The all-gather shards per rank, fractions of ``chunk_bytes`` (0: one element)."""
 """``Cluster`` fields a calibration leaves at their defaults."""
 
 
@@ -70,16 +82,68 @@ def _ring_step(group: dist.ProcessGroup, numel: int, repeats: int, device: torch
     return _median_time(lambda: dist.all_gather(out, shard, group=group), repeats, device, group) / (size - 1)
 
 
-def _fit(name: str, small: float, large: float, nbytes: int) -> tuple[float, float]:
-    """(latency s, seconds per byte) from a one-element step and an ``nbytes`` step.
+def fit_line(name: str, sizes: list[int], times: list[float]) -> tuple[float, float]:
+    """(latency s, seconds per byte) of ``times[i] = alpha + beta * sizes[i]`` for distinct ``sizes``, robustly
+    (Siegel's repeated median: one stalled measurement of four moves neither): ``beta`` the median over the sizes of
+    the median slope from that size to the others, ``alpha`` the median of ``times[i] - beta * sizes[i]``, at
+    least 0.
 
     Raises:
-        ValueError: when the large step is not slower than the small one (the difference is lost in noise).
+        ValueError: when the slope is not positive (the sizes are lost in noise).
     """
-    if not large > small:
-        raise ValueError(f"calibration of the {name} link: a step of {nbytes} bytes took {large:.3g} s, not more than "
-                         f"a one-element step ({small:.3g} s): the size is lost in noise; raise chunk_bytes")
-    return small, (large - small) / (nbytes - 4)
+    beta = statistics.median(statistics.median((times[j] - times[i]) / (sizes[j] - sizes[i])
+                                               for j in range(len(sizes)) if j != i) for i in range(len(sizes)))
+    if not beta > 0:
+        raise ValueError(f"calibration of the {name} link: ring steps of {sizes} bytes took "
+                         f"{[f'{t:.3g}' for t in times]} s, not growing with the size: the sizes are lost in noise; "
+                         f"raise chunk_bytes")
+    return max(0.0, statistics.median(t - beta * b for b, t in zip(sizes, times))), beta
+
+
+def overlap_of(comm: float, compute: float, both: float) -> float:
+    """The fraction of the shorter of a collective (``comm`` seconds alone) and a computation (``compute`` seconds
+    alone) that hid under the other when both ran at once in ``both`` seconds, clamped to [0, 1]: 1 when ``both``
+    is the longer alone, 0 when it is their sum (or more)."""
+    return min(1.0, max(0.0, (comm + compute - both) / min(comm, compute)))
+
+
+def _overlap(topology: Topology, numel: int, matmul: torch.Tensor, repeats: int, device: torch.device) -> float:
+    """The fraction of the shorter of an all-gather over every rank and a run of matmuls that hides under the other
+    when both run at once (module docstring); every rank's the same (the slowest rank's times)."""
+    group = topology.group
+    shard = torch.ones(numel, dtype=torch.float32, device=device)
+    out = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
+    comm = _median_time(lambda: dist.all_gather(out, shard, group=group), repeats, device, group)
+    one = _median_time(lambda: matmul @ matmul, repeats, device, group)
+    count = torch.tensor([max(1, round(comm / max(one, 1e-9)))], dtype=torch.float64)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    k = int(count.item())
+
+    def compute() -> None:
+        for _ in range(k):
+            matmul @ matmul
+
+    def both() -> None:
+        work = dist.all_gather(out, shard, group=group, async_op=True)
+        compute()
+        work.wait()
+
+    alone = _median_time(compute, repeats, device, group)
+    together = _median_time(both, repeats, device, group)
+    times = torch.tensor([comm, alone, together], dtype=torch.float64)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    return overlap_of(*times.tolist())
+
+
+def _kernel_time(numel: int, repeats: int, device: torch.device) -> tuple[float, int]:
+    """(seconds, bytes) of an int8 quantize and dequantize of ``numel`` float32 elements, the bytes counted as
+    ``zeropp.plan.traffic`` counts a kernel's (the values and the pack, once each per kernel)."""
+    from ..quant import BlockFormat, dequantize, quantize
+
+    x = torch.randn(numel, dtype=torch.float32, device=device)
+    y = torch.empty_like(x)
+    seconds = _median_time(lambda: dequantize(quantize(x, 8), out=y), repeats, device)
+    return seconds, 2 * (numel * 4 + BlockFormat(8).packed_bytes(numel))
 
 
 def measure(topology: Topology, *, chunk_bytes: int = 4 << 20, matmul: int = 1024, copy_bytes: int = 64 << 20,
@@ -89,9 +153,10 @@ def measure(topology: Topology, *, chunk_bytes: int = 4 << 20, matmul: int = 102
 
     Args:
         topology: the data-parallel layout; needs at least 2 nodes and 2 ranks per node (both link classes).
-        chunk_bytes: the large all-gather shard per rank, bytes (a multiple of 4).
+        chunk_bytes: the largest all-gather shard per rank, bytes (a multiple of 32, so each of ``SIZES`` is a
+            whole number of float32 elements).
         matmul: the matmul's side, rows.
-        copy_bytes: the copied buffer, bytes.
+        copy_bytes: the copied (and quantized) buffer, bytes.
         repeats: timed calls per measurement.
         device: where tensors live (default: the current CUDA device if CUDA is available, else the CPU).
 
@@ -102,35 +167,40 @@ def measure(topology: Topology, *, chunk_bytes: int = 4 << 20, matmul: int = 102
     if d < 2 or n < 2:
         raise ValueError(f"calibration needs at least 2 nodes and 2 ranks per node to measure both link classes; "
                          f"this layout is {n} node(s) x {d} rank(s)")
-    for name, value, least in (("chunk_bytes", chunk_bytes, 8), ("matmul", matmul, 1), ("copy_bytes", copy_bytes, 4),
-                               ("repeats", repeats, 1)):
+    for name, value, least in (("chunk_bytes", chunk_bytes, 32), ("matmul", matmul, 1),
+                               ("copy_bytes", copy_bytes, 4), ("repeats", repeats, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise ValueError(f"calibration {name}={value!r} must be an integer >= {least}")
-    if chunk_bytes % 4:
-        raise ValueError(f"calibration chunk_bytes={chunk_bytes} must be a multiple of 4 (float32 elements)")
+    if chunk_bytes % 32:
+        raise ValueError(f"calibration chunk_bytes={chunk_bytes} must be a multiple of 32 (1/8 of it whole float32 "
+                         f"elements)")
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    steps = {}
-    for link, group in (("intra", topology.intra_group), ("inter", topology.inter_group)):
-        steps[link] = (_ring_step(group, 1, repeats, device), _ring_step(group, chunk_bytes // 4, repeats, device))
+    numels = [max(1, int(f * chunk_bytes) // 4) for f in SIZES]
+    steps = [_ring_step(group, numel, repeats, device) for group in (topology.intra_group, topology.inter_group)
+             for numel in numels]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     a = torch.randn(matmul, matmul, device=device, dtype=dtype)
     matmul_s = _median_time(lambda: a @ a, repeats, device)
     src = torch.empty(copy_bytes // 4, dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     copy_s = _median_time(lambda: dst.copy_(src), repeats, device)
-    times = torch.tensor([*steps["intra"], *steps["inter"], matmul_s, copy_s], dtype=torch.float64)
+    kernel_s, kernel_bytes = _kernel_time(copy_bytes // 4, repeats, device)
+    times = torch.tensor([*steps, matmul_s, copy_s, kernel_s], dtype=torch.float64)
     dist.all_reduce(times, op=dist.ReduceOp.MAX, group=topology.group)  # the slowest rank's, the same everywhere
-    intra_small, intra_large, inter_small, inter_large, matmul_s, copy_s = times.tolist()
-    intra_alpha, intra_beta = _fit("intra-node", intra_small, intra_large, chunk_bytes)
-    inter_alpha, inter_beta = _fit("inter-node", inter_small, inter_large, chunk_bytes)
+    *steps, matmul_s, copy_s, kernel_s = times.tolist()
+    sizes = [4 * numel for numel in numels]
+    intra_alpha, intra_beta = fit_line("intra-node", sizes, steps[:len(sizes)])
+    inter_alpha, inter_beta = fit_line("inter-node", sizes, steps[len(sizes):])
+    overlap = _overlap(topology, chunk_bytes // 4, a, repeats, device)
     if device.type == "cuda":
         memory = float(torch.cuda.get_device_properties(device).total_memory)
     else:
         memory = float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) / d
     backend = "gloo" if dist.get_backend(topology.group) == "gloo" else "nccl"
     return Cluster(n, d, 1.0 / intra_beta, d / inter_beta, intra_alpha, inter_alpha, memory,
-                   2.0 * matmul**3 / matmul_s, 2.0 * copy_bytes / copy_s, backend=backend)
+                   2.0 * matmul**3 / matmul_s, 2.0 * copy_bytes / copy_s, kernel_bw=kernel_bytes / kernel_s,
+                   overlap=overlap, backend=backend)
 
 
 def run(path: str, topology: Topology | None = None, **kwargs: Any) -> Cluster:
@@ -162,7 +232,9 @@ def main(path: str) -> int:
                   f"{cluster.intra_bw * 8 / 1e9:.4g} Gbit/s per rank (alpha {cluster.intra_latency * 1e6:.3g} us), "
                   f"inter {cluster.inter_bw * 8 / 1e9:.4g} Gbit/s per node "
                   f"(alpha {cluster.inter_latency * 1e6:.3g} us), "
-                  f"{cluster.flops / 1e12:.4g} TFLOP/s, {cluster.mem_bw / 1e9:.4g} GB/s memory; not measured: "
+                  f"{cluster.flops / 1e12:.4g} TFLOP/s, {cluster.mem_bw / 1e9:.4g} GB/s memory, "
+                  f"{cluster.kernel_bw / 1e9:.4g} GB/s quantization kernels, overlap {cluster.overlap:.2f}; "
+                  f"not measured: "
                   f"{', '.join(NOT_MEASURED)} (defaults)")
     finally:
         dist.destroy_process_group()

@@ -10,13 +10,19 @@ Rates: ``flops`` is the dense training throughput one rank reaches (FLOP/s, achi
 memory bandwidth (bytes/s: the quantization kernels and the optimizer step are memory-bound, ``bench/cost_model.py``
 predicts the rewritten kernels at floor/time 1.0), ``host_bw`` the device-host link per rank and ``nvme_bw`` the
 NVMe bandwidth per rank (offload tiers), ``host_mem_bw`` the host memory bandwidth per rank (a CPU optimizer step).
-``overlap`` is the fraction of compute time that can hide communication (1: every prefetched gather and every
-bucketed reduce-scatter runs under compute; 0: nothing overlaps). ``backend`` is the collective library
+``kernel_bw`` is the rate of the
+quantization kernels (bytes read and written per second) where it is not the memory bandwidth: ``None`` (the
+default) times them at ``mem_bw``, which ``bench/cost_model.py`` predicts for the GPU kernels; on a CPU the native
+kernels compute more per byte than a copy and the calibration measures them. ``overlap`` is the fraction of compute
+time that can hide communication (1: every prefetched gather and every bucketed reduce-scatter runs under compute;
+0: nothing overlaps, as on a CPU cluster whose collectives copy and sum on the cores the ranks compute on: the
+calibration measures it). ``backend`` is the collective library
 (``BACKENDS``): torch's gloo runs an exact ``reduce_scatter_tensor`` as an all-reduce of the whole tensor and a copy
 of the rank's slice (``ProcessGroupGloo::reduce_scatter_tensor_coalesced``), twice a ring reduce-scatter's steps;
 NCCL runs a ring reduce-scatter.
 
-A calibration run (``--calibrate``, a later slice) writes these fields as JSON; ``Cluster.from_json`` reads them.
+A calibration run (``--calibrate``, ``zeropp.plan.calibrate``) writes these fields as JSON; ``Cluster.from_json``
+reads them.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ class Cluster:
     host_bw: float = 25e9
     host_mem_bw: float = 20e9
     nvme_bw: float = 3e9
+    kernel_bw: float | None = None
     overlap: float = 1.0
     backend: str = "nccl"
 
@@ -61,12 +68,23 @@ class Cluster:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and v > 0 and not math.isnan(v)):
                 raise ValueError(f"cluster {name}={v!r} must be a positive number")
+        if self.kernel_bw is not None and not (isinstance(self.kernel_bw, (int, float)) and self.kernel_bw > 0
+                                               and not math.isnan(self.kernel_bw)):
+            raise ValueError(f"cluster kernel_bw={self.kernel_bw!r} must be a positive number, or None (mem_bw)")
         for name in ("intra_latency", "inter_latency"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0 <= v < math.inf):
                 raise ValueError(f"cluster {name}={v!r} s must be a finite number >= 0")
         if not 0.0 <= self.overlap <= 1.0:
             raise ValueError(f"cluster overlap={self.overlap!r} must be in [0, 1]")
+
+    @classmethod
+    def default(cls, nodes: int = 2, ranks_per_node: int = 8) -> Cluster:
+        """H100 nodes, the defaults of ``python -m zeropp.plan`` and of ``"partition": "auto"`` without a
+        calibration file (``zeropp.engine.auto_partition``): 3.6 Tbit/s per rank inside a node (NVLink), 100 Gbit/s
+        per node across, 5 and 20 us latency, 80 GiB, 400 TFLOP/s achieved and 2.966 TB/s of memory bandwidth per
+        rank, NCCL, full overlap."""
+        return cls(nodes, ranks_per_node, 3.6e12 / 8, 100e9 / 8, 5e-6, 20e-6, float(80 * 2**30), 400e12, 2.966e12)
 
     @property
     def world(self) -> int:

@@ -12,8 +12,10 @@ the quantization kernels.
 * pairwise (all-to-all, exchange): every rank sends its bytes straight to each peer at once; the node link carries
   the inter-node bytes of all the node's ranks: ``alpha + max(intra bytes / intra_bw, node's inter bytes /
   inter_bw)``, one latency (the sends are posted together).
-* kernels (qwZ/qgZ quantize, dequantize, fused reduce): memory-bound, ``bytes read and written / mem_bw``
-  (``bench/cost_model.py`` predicts the rewritten kernels at floor/time 1.0 on an H100).
+* kernels (qwZ/qgZ quantize, dequantize, fused reduce): ``bytes read and written / kernel_bw``, memory-bound at
+  ``mem_bw`` unless the cluster has a measured ``kernel_bw`` (``bench/cost_model.py`` predicts the rewritten GPU
+  kernels at floor/time 1.0 on an H100; the CPU's native kernels run below the copy's bandwidth, and
+  ``zeropp.plan.calibrate`` measures them).
 
 Each call's time is attributed to the link class that bounds it ("intra" or "inter").
 """
@@ -46,5 +48,5 @@ def call_time(c: Collective, cluster: Cluster) -> tuple[float, str]:
 
 
 def kernel_time(c: Collective, cluster: Cluster) -> float:
-    """Seconds of one call's quantization kernels (memory-bound)."""
-    return c.kernel_bytes / cluster.mem_bw
+    """Seconds of one call's quantization kernels: their bytes at ``kernel_bw`` (``mem_bw`` when not measured)."""
+    return c.kernel_bytes / (cluster.kernel_bw or cluster.mem_bw)
