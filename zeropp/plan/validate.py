@@ -49,12 +49,13 @@ from .search import Batch, predict
 from .space import Partition, Plan
 
 PLANS = ("zero1", "zero2", "zero3", "zero3-hpz", "zeropp", "zeropp-w4", "zero3-qgz", "mics", "mics-qgz",
-         "zero1-node", "zero2-node")
+         "zero1-node", "zero2-node", "split-node", "resident-node")
 """Named plans, each on any layout of ``d`` ranks per node and ``P`` ranks: ZeRO-1/2/3, ZeRO-3 with hpZ over the
 node, ZeRO++ (qwZ int8, qgZ int4, hpZ over the node), the same with qwZ int4, ZeRO-3 with qgZ int4 only, MiCS over
 the node (``(d, d, d)``, exact), MiCS with qgZ int4, and the grouped stage-1 and stage-2 points over the node
 (``(1, 1, d)``, ``(1, d, d)``: optimizer states, and gradients, sharded inside the node and the gradients
-all-reduced across nodes)."""
+all-reduced across nodes), gradients over the node with optimizer states over the world (``(1, d, W)``) and the
+resident point (``(d, W, W)``: ZeRO-3 with the parameters kept over the node)."""
 
 EVERY_GATHER = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
 """Added to each plan's ``zero_optimization``: what the planner models (every unit gathered at each use; no
@@ -72,7 +73,8 @@ def plan_of(name: str, nodes: int, ranks_per_node: int) -> Plan:
     """
     world, d = nodes * ranks_per_node, ranks_per_node
     full = Partition(world, world, world)
-    if name in ("zero3-hpz", "zeropp", "zeropp-w4", "mics", "mics-qgz", "zero1-node", "zero2-node") and d < 2:
+    if name in ("zero3-hpz", "zeropp", "zeropp-w4", "mics", "mics-qgz", "zero1-node", "zero2-node", "split-node",
+                "resident-node") and d < 2:
         raise ValueError(f"plan {name!r} needs at least 2 ranks per node (hpZ and the grouped points act over the "
                          f"node)")
     table = {
@@ -87,6 +89,8 @@ def plan_of(name: str, nodes: int, ranks_per_node: int) -> Plan:
         "mics-qgz": Plan(Partition(d, d, d), gradient_bits=4),
         "zero1-node": Plan(Partition(1, 1, d)),
         "zero2-node": Plan(Partition(1, d, d)),
+        "split-node": Plan(Partition(1, d, world)),
+        "resident-node": Plan(Partition(d, world, world)),
     }
     if name not in table:
         raise ValueError(f"unknown plan {name!r}; choose among {', '.join(PLANS)}")
@@ -337,14 +341,15 @@ def worker(args: argparse.Namespace) -> int:
 # ---- the driver ------------------------------------------------------------------------------------------------
 
 
-FAST_LINK_PLANS = ("zero1", "zero2", "zero3", "zeropp", "mics", "mics-qgz", "zero1-node", "zero2-node")
-SLOW_LINK_PLANS = ("zero3", "zeropp", "mics", "mics-qgz")
+FAST_LINK_PLANS = ("zero1", "zero2", "zero3", "zeropp", "mics", "mics-qgz", "zero1-node", "zero2-node", "split-node",
+                   "resident-node")
+SLOW_LINK_PLANS = ("zero3", "zeropp", "mics", "mics-qgz", "resident-node")
 DEFAULT_CASES = ",".join(
     [f"{p}@100mbit@2x2" for p in SLOW_LINK_PLANS]
     + [f"{p}@{r}@2x2" for r in ("1gbit", "10gbit") for p in FAST_LINK_PLANS]
     + [f"{p}@1gbit@{layout}" for layout in ("2x4", "4x2") for p in SLOW_LINK_PLANS]
     + [f"{p}@100mbit@{layout}" for layout in ("2x4", "4x2") for p in ("zeropp", "mics-qgz")])
-"""32 cases in 7 jobs: every named plan family at 1 and 10 Gbit/s on 2 x 2, the plans whose steps stay under ~15 s at
+"""39 cases in 7 jobs: every named plan family at 1 and 10 Gbit/s on 2 x 2, the plans whose steps stay under ~15 s at
 100 Mbit/s (ZeRO-1 and the grouped stage-1/2 points move the whole gradient across nodes: 10 s and more per step
 there), and 2 x 4 and 4 x 2 at 1 Gbit/s and 100 Mbit/s."""
 
