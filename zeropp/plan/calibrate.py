@@ -46,10 +46,10 @@ from ..comm.topology import Topology
 from .cluster import Cluster
 
 NOT_MEASURED = ("host_bw", "host_mem_bw", "nvme_bw")
+"""``Cluster`` fields a calibration leaves at their defaults."""
 
 SIZES = (0.0, 0.125, 0.5, 1.0)
 """The all-gather shards per rank, fractions of ``chunk_bytes`` (0: one element)."""
-"""``Cluster`` fields a calibration leaves at their defaults."""
 
 
 def _sync(device: torch.device) -> None:
