@@ -128,6 +128,27 @@ def _expected_split(engine, accum: int) -> dict[str, dict[str, int]]:
     return out
 
 
+def _train_beside(engine, ref, rank: int, world: int, micro: int, accum: int, clip: float,
+                  steps: int) -> list[tuple[float, float]]:
+    """``steps`` steps of ``engine`` and of the single-process reference ``ref`` (AdamW, clipping at ``clip``) on the
+    same batches, the byte counters reset before the last; with ``clip``, each step's (engine, reference) gradient
+    norms."""
+    ref_opt = torch_optimizer(ADAMW, list(ref.parameters()))
+    norms = []
+    for step, (inputs, targets) in enumerate(batches(steps, micro * accum * world)):
+        if step == steps - 1:
+            comm.reset_stats()
+        _train(engine, rank, world, micro, accum, [(inputs, targets)])
+        _, ref_loss = ref(inputs, targets)
+        ref_loss.backward()
+        if clip:
+            norms.append((engine.get_global_grad_norm(),
+                          torch.nn.utils.clip_grad_norm_(ref.parameters(), clip).item()))
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return norms
+
+
 def split_cases(rank: int, world: int, root: str, splits: list[list[int]], checkpoints: bool,
                 steps: int = 4) -> dict:
     """``(1, g, o)`` for each ``(g, o)`` of ``splits`` at accumulation 2 with clipping: against single-process training
@@ -150,19 +171,7 @@ def split_cases(rank: int, world: int, root: str, splits: list[list[int]], check
                                                            for u in engine.units)
         node = set(split.world.nodes[split.world.node])
         assert set(split.gradient_topology.ranks) <= node or node <= set(split.gradient_topology.ranks)
-        ref_opt = torch_optimizer(ADAMW, list(ref.parameters()))
-        data = batches(steps, micro * accum * world)
-        norms = []
-        for step, (inputs, targets) in enumerate(data):
-            if step == steps - 1:
-                comm.reset_stats()
-            _train(engine, rank, world, micro, accum, [(inputs, targets)])
-            _, ref_loss = ref(inputs, targets)
-            ref_loss.backward()
-            norms.append((engine.get_global_grad_norm(),
-                          torch.nn.utils.clip_grad_norm_(ref.parameters(), clip).item()))
-            ref_opt.step()
-            ref_opt.zero_grad()
+        norms = _train_beside(engine, ref, rank, world, micro, accum, clip, steps)
         stats = comm.stats()
         got = {kind: {f: v for f, v in t.items() if f != "calls"} for kind, t in stats.items()
                if kind in ("reduce_scatter", "all_gather", "all_reduce") and t["calls"]}
@@ -265,20 +274,7 @@ def mics_cases(rank: int, world: int, root: str, sizes: list[int], checkpoints: 
             assert engine.world_size == world and engine.train_batch_size() == micro * accum * world
             node = mics.world.nodes[mics.world.node]
             assert set(mics.groups[mics.index]) <= set(node) or set(node) <= set(mics.groups[mics.index])
-            ref_opt = torch_optimizer(ADAMW, list(ref.parameters()))
-            data = batches(steps, micro * accum * world)
-            norms = []
-            for step, (inputs, targets) in enumerate(data):
-                if step == steps - 1:
-                    comm.reset_stats()
-                _train(engine, rank, world, micro, accum, [(inputs, targets)])
-                _, ref_loss = ref(inputs, targets)
-                ref_loss.backward()
-                if clip:
-                    norms.append((engine.get_global_grad_norm(),
-                                  torch.nn.utils.clip_grad_norm_(ref.parameters(), clip).item()))
-                ref_opt.step()
-                ref_opt.zero_grad()
+            norms = _train_beside(engine, ref, rank, world, micro, accum, clip, steps)
             stats = comm.stats()
             assert stats["all_reduce"] == _expected_all_reduce(engine), (stats["all_reduce"],
                                                                           _expected_all_reduce(engine))
@@ -346,17 +342,17 @@ def _masters_and_state(engine, opt) -> dict[str, torch.Tensor]:
 
 
 def precision_cases(rank: int, world: int, k: int, steps: int = 3) -> dict:
-    """bf16 at each of ``PRECISION_POINTS`` over ``k``, and at ``(1, k, world)``, against bf16 at the same stage over
-    the world with the same micro-batch and accumulation (``"bf16-s{stage}-a{accum}"``: the distance of the fp32 masters relative to the
-    update, and the masters' sums for the every-rank check; the stage's own point, not ZeRO-3, since stage 1 sums
-    its micro-batches in the bf16 ``.grad``: 1.8e-2 of the update from ZeRO-3 at accumulation 2); then fp16 (loss
-    scale 2^8, hysteresis 1) under MiCS, ``(1, 1, k)`` and ``(1, k, k)`` with an Inf in one element of one weight's
-    gradient on rank 1 (one group) at step 1: per step whether it was skipped and the loss scale (equal on every
-    rank, checked here after each step: the Inf reaches the other groups through the cross-group all-reduce, which
-    runs before the check), the skipped step leaving masters, shards and moments unchanged bit for bit (checked
-    here), and the distance to fp16 ZeRO-3 with the same Inf. At every grouped run the last step's cross-group
-    all-reduce counters equal ``_expected_all_reduce``'s (checked here): the fp32 gradient shards, 4 bytes an
-    element in bf16 and fp16 too, twice what the compute dtype would send."""
+    """bf16 at each of ``PRECISION_POINTS`` over ``k``, and at ``(1, k, world)``, against bf16 at the same stage
+    over the world with the same micro-batch and accumulation (``"bf16-s{stage}-a{accum}"``: the distance of the
+    fp32 masters relative to the update, and the masters' sums for the every-rank check; the stage's own point, not
+    ZeRO-3, since stage 1 sums its micro-batches in the bf16 ``.grad``: 1.8e-2 of the update from ZeRO-3 at
+    accumulation 2); then fp16 (loss scale 2^8, hysteresis 1) under MiCS, ``(1, 1, k)`` and ``(1, k, k)`` with an
+    Inf in one element of one weight's gradient on rank 1 (one group) at step 1: per step whether it was skipped and
+    the loss scale (equal on every rank, checked here after each step: the Inf reaches the other groups through the
+    cross-group all-reduce, which runs before the check), the skipped step leaving masters, shards and moments
+    unchanged bit for bit (checked here), and the distance to fp16 ZeRO-3 with the same Inf. At every grouped run
+    the last step's cross-group all-reduce counters equal ``_expected_all_reduce``'s (checked here): the fp32
+    gradient shards, 4 bytes an element in bf16 and fp16 too, twice what the compute dtype would send."""
     out: dict = {}
     data = batches(steps, 2 * 2 * world)
 
@@ -431,25 +427,38 @@ def hpz_case(rank: int, world: int, k: int, exact: dict[str, torch.Tensor], step
     return {f"k{k}-hpz-bit-identical": all(torch.equal(masters[n], exact[n]) for n in exact)}
 
 
+def _auto_want(world: int, d: int, **options) -> tuple[int, int, int]:
+    """The fastest fitting of ZeRO-3, the MiCS points and the resident points as ``zeropp.plan.predict`` times them
+    for the tiny GPT's preset on the default cluster of this layout with ``options`` (computed here from the
+    preset, not from the module; MiCS left out under hpZ, which it refuses)."""
+    spec, cluster = from_preset("tiny:nobias"), Cluster.default(world // d, d)
+    factors = [k for k in shard_factors(world, d) if 2 <= k < world]
+    points = [(world,) * 3] + [(k, k, k) for k in factors if not options.get("hpz")]
+    points += [(p, world, world) for p in factors if d % p == 0 and options.get("hpz", p) == p]
+    times = {point: predict(spec, Plan(Partition(*point), **options), cluster, Batch(2, spec.seq, 1, 4))
+             for point in points}
+    return min((point for point in times if times[point].fits), key=lambda point: times[point].step_time)
+
+
 def auto_cases(rank: int, world: int, steps: int = 2) -> dict:
-    """``"partition": "auto"`` with qgZ: the point it applies is the fastest of ZeRO-3 and the MiCS points as
-    ``zeropp.plan.predict`` times them for the tiny GPT's preset on the default cluster of this layout (fitting
-    ones; computed here from the preset, not from the module); rank 0 alone prints it; training then matches the
-    explicit config of that point bit for bit. With hpZ (which MiCS refuses) it applies ZeRO-3."""
+    """``"partition": "auto"`` with qgZ: the point it applies is ``_auto_want``'s; rank 0 alone prints it; training
+    then matches the explicit config of that point bit for bit. With hpZ (which MiCS refuses) it applies ZeRO-3 or
+    the resident point over the hpZ size, as the planner times them."""
     zero = {"stage": 3, "zero_quantized_gradients": True, "zeropp": {"partition": "auto"}}
     printed = io.StringIO()
     with redirect_stdout(printed):
         auto, _, _, _ = zeropp.initialize(model=GPT(MODEL, seed=rank), config=_config(2, 1, zero))
     topo = auto.topology
-    n, d = topo.num_nodes, topo.ranks_per_node
-    spec, cluster = from_preset("tiny:nobias"), Cluster.default(n, d)
-    times = {k: predict(spec, Plan(Partition(k, k, k), gradient_bits=4), cluster, Batch(2, spec.seq, 1, 4))
-             for k in shard_factors(world, d) if k >= 2}
-    want = min((k for k in times if times[k].fits), key=lambda k: times[k].step_time)
-    k = auto.config.zero_optimization.partition_point(world, d)[0]
-    assert k == want and (auto.mics is None) == (k == world), (k, want)
-    assert (f"({k}, {k}, {k})" in printed.getvalue()) == (rank == 0), printed.getvalue()
-    explicit_zero = {"stage": 3, "zero_quantized_gradients": True, **({"mics_shard_size": k} if k < world else {})}
+    d = topo.ranks_per_node
+    want = _auto_want(world, d, gradient_bits=4)
+    point = auto.config.zero_optimization.partition_point(world, d)
+    assert point == want and (auto.mics is None) == (point[2] == world), (point, want)
+    assert ("({}, {}, {})".format(*point) in printed.getvalue()) == (rank == 0), printed.getvalue()
+    p, g, o = point
+    explicit_zero = {"stage": 3, "zero_quantized_gradients": True,
+                     **({"mics_shard_size": p} if p == o < world else {}),
+                     **({"zeropp": {"partition": {"parameters": p, "gradients": "world", "optimizer": "world"}}}
+                        if p < o == world else {})}
     explicit, _, _, _ = zeropp.initialize(model=GPT(MODEL, seed=rank), config=_config(2, 1, explicit_zero))
     data = batches(steps, 2 * world)
     for engine in (auto, explicit):
@@ -459,10 +468,11 @@ def auto_cases(rank: int, world: int, steps: int = 2) -> dict:
     with redirect_stdout(io.StringIO()):
         hpz, _, _, _ = zeropp.initialize(model=GPT(MODEL, seed=0), config=_config(2, 1, {
             "stage": 3, "zero_hpz_partition_size": 2, "zeropp": {"partition": "auto"}}))
-    assert hpz.mics is None and hpz.config.zero_optimization.partition_point(world, d) == (world,) * 3
+    hpz_point = hpz.config.zero_optimization.partition_point(world, d)
+    assert hpz.mics is None and hpz_point == _auto_want(world, d, hpz=2), hpz_point
     for engine in (auto, explicit, hpz):
         engine.destroy()
-    return {"auto": k}
+    return {"auto": point, "auto-hpz": hpz_point}
 
 
 def mics_masters(engine) -> dict[str, torch.Tensor]:

@@ -63,7 +63,9 @@ def test_grouped_points_match_single_process_training(tmp_path, world, d, sizes,
         assert "zero_hpz_partition_size: not combined with MiCS" in results[0].pop("refused")
         assert "zero_quantized_gradients: not combined with a grouped stage-1" in results[0].pop("refused-grouped")
         assert results[0].pop("qgz_checkpoints")
-        assert results[0].pop("auto") == 2  # MiCS inside each node: the planner's pick for the tiny GPT on 2 x 2
+        # the planner's picks for the tiny GPT on 2 x 2: MiCS inside each node with qgZ; the resident point under hpZ
+        assert tuple(results[0].pop("auto")) == (2, 2, 2)
+        assert tuple(results[0].pop("auto-hpz")) == (2, 4, 4)
     if precision:
         check_precision(results)
     check_resident(results, d, checkpoints)

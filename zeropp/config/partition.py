@@ -23,9 +23,10 @@ points of the space are the planner's alone and are refused naming why (``unbuil
 ``mics_refusals``, ``grouped_refusals`` and ``resident_refusals`` name the options those points do not combine
 with.
 
-``"partition": "auto"`` (stage 3, without ``mics_shard_size``) leaves the choice between ZeRO-3 and MiCS to the
-planner: ``zeropp.initialize`` replaces it by the point ``zeropp.engine.auto_partition`` picks for the model, the
-world and the options given, before anything else reads it (``partition_point`` refuses an unresolved ``"auto"``).
+``"partition": "auto"`` (stage 3, without ``mics_shard_size``) leaves the choice between ZeRO-3, MiCS and the
+resident points to the planner: ``zeropp.initialize`` replaces it by the point ``zeropp.engine.auto_partition`` picks
+for the model, the world and the options given, before anything else reads it (``partition_point`` refuses an
+unresolved ``"auto"``).
 
 Checks that need the ranks per node (``"node"``, node alignment) run at ``zeropp.initialize``
 (``partition_point``); the rest when the config is parsed, for its world size.
@@ -191,8 +192,8 @@ def partition_problems(stage: int, partition: PartitionConfig | str | None, mics
         return out
     if partition == AUTO:
         if stage != 3:
-            out.append((_WHERE, f"{_WHERE}=\"auto\" picks between the stage-3 points (ZeRO-3 and MiCS): set {w}.stage "
-                                f"to 3 (it is {stage}) or give the partition"))
+            out.append((_WHERE, f"{_WHERE}=\"auto\" picks between the stage-3 points (ZeRO-3, MiCS, resident): "
+                                f"set {w}.stage to 3 (it is {stage}) or give the partition"))
         elif mics_shard_size != MICS_OFF:
             out.append((_WHERE, f"{_WHERE}=\"auto\" contradicts {w}.mics_shard_size={mics_shard_size}: give one of "
                                 "them"))

@@ -13,13 +13,15 @@ What the planner is told:
   node must be the topology's) or else ``Cluster.default``'s (the planner's command-line defaults);
 * the batch: the config's micro-batch and accumulation steps and its compute dtype, at the model's context.
 
-The candidates are ZeRO-3 ``(W, W, W)`` and MiCS ``(k, k, k)`` for every node-aligned ``k`` from 2 below ``W``
-(``zeropp.plan.space.shard_factors``), each a ``zeropp.plan.Plan`` with the user's options (qwZ and qgZ bits, hpZ,
-weight deltas, the optimizer's offload tier); a MiCS point is left out when the options are ones it does not
-combine with (``mics_refusals``). The planner predicts each one the engine runs today (``Plan.unsupported``) and orders them as
-``zeropp.plan.rank`` does (fitting in memory first, then step time); the first wins. Only its partition is applied:
-the stage, bits and everything else stay the user's. The first rank of the topology decides and broadcasts the
-choice, and prints it once with the planner's reason (``zeropp.plan.why``).
+The candidates are ZeRO-3 ``(W, W, W)``, MiCS ``(k, k, k)`` for every node-aligned ``k`` from 2 below ``W``
+(``zeropp.plan.space.shard_factors``) and the resident point ``(p, W, W)`` for every ``p`` from 2 dividing the ranks
+per node (ZeRO-3 bit for bit, its parameters kept over ``p`` ranks of a node), each a ``zeropp.plan.Plan`` with the
+user's options (qwZ and qgZ bits, hpZ, weight deltas, the optimizer's offload tier); a MiCS or resident point is left
+out when the options are ones it does not combine with (``mics_refusals``, ``resident_refusals``). The planner
+predicts each one the engine runs today (``Plan.unsupported``) and orders them as ``zeropp.plan.rank`` does (fitting
+in memory first, then step time); the first wins. Only its partition is applied: the stage, bits and everything else
+stay the user's. The first rank of the topology decides and broadcasts the choice, and prints it once with the
+planner's reason (``zeropp.plan.why``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from torch import nn
 
 from .. import comm
 from ..config import Config, ConfigError
-from ..config.partition import AUTO, PartitionConfig, mics_refusals
+from ..config.partition import AUTO, PartitionConfig, mics_refusals, resident_refusals
 from ..plan import Batch, Cluster, ModelSpec, Partition, Plan, Prediction, UnitSpec, predict, why
 from ..plan.search import ordered
 from ..plan.space import shard_factors
@@ -88,15 +90,17 @@ def cluster_for(topology: comm.Topology) -> Cluster:
 
 
 def candidates(config: Config, world: int, ranks_per_node: int) -> list[Plan]:
-    """ZeRO-3 and (unless the options refuse it) every MiCS point, each with the user's options."""
+    """ZeRO-3 and (unless the options refuse them) every MiCS and resident point, each with the user's options."""
     z = config.zero_optimization
     tier = z.offload_optimizer.device if z.offload_optimizer.enabled else "none"
     options: dict[str, Any] = {"weight_bits": z.weight_bits, "gradient_bits": z.gradient_bits,
                                "gradient_bits_intra": z.gradient_bits_intra, "hpz": z.zero_hpz_partition_size,
                                "weight_deltas": z.zeropp.weight_deltas, "offload": tier}
-    sizes = [world] + [k for k in shard_factors(world, ranks_per_node)
-                       if 2 <= k < world and not mics_refusals(config, k, ranks_per_node)]
-    return [Plan(Partition(k, k, k), **options) for k in sizes]
+    factors = [k for k in shard_factors(world, ranks_per_node) if 2 <= k < world]
+    mics = [Partition(k, k, k) for k in factors if not mics_refusals(config, k, ranks_per_node)]
+    resident = [Partition(p, world, world) for p in factors
+                if ranks_per_node % p == 0 and not resident_refusals(config, p)]
+    return [Plan(part, **options) for part in [Partition(world, world, world), *mics, *resident]]
 
 
 def choose(config: Config, spec: ModelSpec, cluster: Cluster) -> list[Prediction]:
@@ -109,15 +113,16 @@ def choose(config: Config, spec: ModelSpec, cluster: Cluster) -> list[Prediction
 
 
 def _pick(config: Config, module: nn.Module, topology: comm.Topology,
-          unit_policy: UnitPolicy | None) -> tuple[int, str]:
-    """The planner's ``k`` (the partition ``(k, k, k)``) and its reason."""
+          unit_policy: UnitPolicy | None) -> tuple[tuple[int, int, int], str]:
+    """The planner's partition ``(p, g, o)`` and its reason."""
     world, d = topology.world_size, topology.ranks_per_node
     ranked = choose(config, model_spec(module, unit_policy), cluster_for(topology))
     if not ranked:
         why_not = "; ".join(f"{p.label(world, d)}: {p.unsupported(world, d)}" for p in candidates(config, world, d))
-        raise ConfigError(f"{_WHERE}=\"auto\": the planner runs none of ZeRO-3 and MiCS with these options "
-                          f"({why_not}); give the partition")
-    return ranked[0].plan.partition.params, why(ranked)
+        raise ConfigError(f"{_WHERE}=\"auto\": the planner runs none of ZeRO-3, MiCS and the resident points "
+                          f"with these options ({why_not}); give the partition")
+    part = ranked[0].plan.partition
+    return (part.params, part.grads, part.optimizer), why(ranked)
 
 
 def resolve(config: Config, module: nn.Module, topology: comm.Topology,
@@ -128,7 +133,7 @@ def resolve(config: Config, module: nn.Module, topology: comm.Topology,
     if z.zeropp.partition != AUTO:
         return config
     world = topology.world_size
-    picked: list[Any] = [world, "one rank: nothing to shard", None]
+    picked: list[Any] = [(world,) * 3, "one rank: nothing to shard", None]
     if topology.rank == 0 and world > 1:
         try:
             picked = [*_pick(config, module, topology, unit_policy), None]
@@ -136,13 +141,15 @@ def resolve(config: Config, module: nn.Module, topology: comm.Topology,
             picked = [None, "", str(e)]
     if world > 1:
         dist.broadcast_object_list(picked, src=topology.ranks[0], group=topology.group)
-    k, reason, error = picked
+    point, reason, error = picked
     if error is not None:
         raise ConfigError(error)
+    p, g, o = point
     if topology.rank == 0:
-        point = "ZeRO-3" if k == world else f"MiCS over groups of {k} ranks"
-        print(f"zeropp: {_WHERE}=\"auto\" -> ({k}, {k}, {k}) as (parameters, gradients, "
-              f"optimizer): {point}. {reason}", flush=True)
-    partition = PartitionConfig(k, k, k)
+        name = ("ZeRO-3" if p == world else f"MiCS over groups of {p} ranks" if p == o else
+                f"the resident point, ZeRO-3 with the parameters kept over {p} ranks of a node")
+        print(f"zeropp: {_WHERE}=\"auto\" -> ({p}, {g}, {o}) as (parameters, gradients, "
+              f"optimizer): {name}. {reason}", flush=True)
+    partition = PartitionConfig(p, g, o)
     return dataclasses.replace(config, zero_optimization=dataclasses.replace(
         z, zeropp=dataclasses.replace(z.zeropp, partition=partition)))
