@@ -149,6 +149,18 @@ def _train_beside(engine, ref, rank: int, world: int, micro: int, accum: int, cl
     return norms
 
 
+def _check_states_and_norms(engine, plan: Plan | None, world: int, micro: int,
+                            norms: list[tuple[float, float]]) -> None:
+    """The engine's model-state bytes equal ``zeropp.plan.memory``'s for ``plan`` (the tiny GPT, seq 64, fp32; not
+    checked when None), and each (engine, reference) gradient norm of ``norms`` agrees within 1e-5."""
+    if plan is not None:
+        mem = memory(from_preset("tiny:nobias"), plan, world, micro, 64, 4)
+        assert state_bytes(engine) == {key: mem[key] for key in ("params", "grads", "optimizer")}, (
+            state_bytes(engine), mem)
+    for got, want in norms:
+        assert abs(got - want) <= 1e-5 * want, (got, want)
+
+
 def split_cases(rank: int, world: int, root: str, splits: list[list[int]], checkpoints: bool,
                 steps: int = 4) -> dict:
     """``(1, g, o)`` for each ``(g, o)`` of ``splits`` at accumulation 2 with clipping: against single-process training
@@ -181,11 +193,7 @@ def split_cases(rank: int, world: int, root: str, splits: list[list[int]], check
         planned = totals(collectives(from_preset("tiny:nobias"), plan,
                                      Layout(world, split.world.ranks_per_node, rank), accum, 4))
         assert got == planned, ("zeropp.plan", got, planned)
-        mem = memory(from_preset("tiny:nobias"), plan, world, micro, 64, 4)
-        assert state_bytes(engine) == {key: mem[key] for key in ("params", "grads", "optimizer")}, (
-            state_bytes(engine), mem)
-        for got_norm, want_norm in norms:
-            assert abs(got_norm - want_norm) <= 1e-5 * want_norm, (got_norm, want_norm)
+        _check_states_and_norms(engine, plan, world, micro, norms)
         errors = relative_errors(engine.full_parameters(), ref)
         key = f"p1-g{g}-o{o}"
         out[key] = {"norm": max(e[0] for e in errors.values()), "max": max(e[1] for e in errors.values())}
@@ -202,6 +210,13 @@ def _split_zero(g: int, o: int) -> dict:
     return {"stage": 2, "zeropp": {"partition": {"parameters": 1, "gradients": g, "optimizer": o}}}
 
 
+def _spoil(grad: torch.Tensor) -> torch.Tensor:
+    """A gradient hook: the gradient with an Inf in its element 3."""
+    grad = grad.clone()
+    grad.view(-1)[3] = float("inf")
+    return grad
+
+
 def _split_skip(rank: int, world: int, g: int, o: int, steps: int = 3) -> list[bool]:
     """``(1, g, o)`` in fp32 with an Inf in one element of one weight's gradient on rank 1 at step 1 (its first
     micro-batch): per step whether it was skipped (the same on every rank: the Inf reaches the other ranks through
@@ -213,11 +228,7 @@ def _split_skip(rank: int, world: int, g: int, o: int, steps: int = 3) -> list[b
     for step, batch in enumerate(batches(steps, 2 * world)):
         handle = None
         if step == 1 and rank == 1:
-            def spoil(grad: torch.Tensor) -> torch.Tensor:
-                grad = grad.clone()
-                grad.view(-1)[3] = float("inf")
-                return grad
-            handle = weight.register_hook(spoil)
+            handle = weight.register_hook(_spoil)
         before = _masters_and_state(engine, opt)
         _train(engine, rank, world, 1, 2, [batch])
         if handle is not None:
@@ -291,11 +302,8 @@ def mics_cases(rank: int, world: int, root: str, sizes: list[int], checkpoints: 
                                              Layout(world, mics.world.ranks_per_node, rank), accum, 4))
                 got = {kind: {f: v for f, v in stats[kind].items() if f != "calls"} for kind in planned}
                 assert got == planned, ("zeropp.plan", got, planned)
-                mem = memory(from_preset("tiny:nobias"), Plan(Partition(*point)), world, micro, 64, 4)
-                assert state_bytes(engine) == {key: mem[key] for key in ("params", "grads", "optimizer")}, (
-                    state_bytes(engine), mem)
-            for got, want in norms:
-                assert abs(got - want) <= 1e-5 * want, (got, want)
+                _check_states_and_norms(engine, Plan(Partition(*point)), world, micro, [])
+            _check_states_and_norms(engine, None, world, micro, norms)
             errors = relative_errors(engine.full_parameters(), ref)
             key = f"s{stage}-k{k}-m{micro}-a{accum}-clip{clip}"
             if stage == 3 and accum == 1:
@@ -363,11 +371,7 @@ def precision_cases(rank: int, world: int, k: int, steps: int = 3) -> dict:
         for step, batch in enumerate(data):
             handle = None
             if inject and step == 1 and rank == 1:
-                def spoil(g: torch.Tensor) -> torch.Tensor:
-                    g = g.clone()
-                    g.view(-1)[3] = float("inf")
-                    return g
-                handle = weight.register_hook(spoil)
+                handle = weight.register_hook(_spoil)
             before = _masters_and_state(engine, opt)
             comm.reset_stats()
             _train(engine, rank, world, 2, accum, [batch])
@@ -600,6 +604,16 @@ def _quantized_checkpoints(rank: int, world: int, root: str, k: int) -> dict:
     return {"qgz_checkpoints": True}
 
 
+def _tiny_engine(zero: dict, seed: int):
+    """An engine of the tiny GPT (weights from ``seed``) under ``zero``, 2 sequences per rank per step."""
+    return zeropp.initialize(model=GPT(MODEL, seed=seed), config=_config(2, 1, zero))[0]
+
+
+def _same_weights(a, b) -> bool:
+    """Whether engines ``a`` and ``b`` hold the same whole parameters, bit for bit."""
+    return all(torch.equal(a.full_parameters()[n], p) for n, p in b.full_parameters().items())
+
+
 def _checkpoints(rank: int, world: int, root: str, k: int) -> dict:
     """Save under MiCS over ``k``, load under ZeRO-3 over the world and under ``(1, k, k)`` (the same weights, bit
     for bit), train all three on (the resumed runs against MiCS's), save under ZeRO-3 and load under MiCS and
@@ -608,21 +622,14 @@ def _checkpoints(rank: int, world: int, root: str, k: int) -> dict:
     out: dict = {}
     data = batches(2, 2 * world)
     ckpt = Path(root) / "ckpt"
-
-    def engine(zero: dict, seed: int):
-        return zeropp.initialize(model=GPT(MODEL, seed=seed), config=_config(2, 1, zero))[0]
-
-    def same(a, b) -> bool:
-        return all(torch.equal(a.full_parameters()[n], p) for n, p in b.full_parameters().items())
-
-    first = engine(_zero(3, k, 1), 0)
+    first = _tiny_engine(_zero(3, k, 1), 0)
     _train(first, rank, world, 2, 1, data[:1])
     path = first.save_checkpoint(ckpt, tag="mics")
     assert path == ckpt / "mics"
-    zero3, grouped2 = engine({"stage": 3}, 5), engine(_zero(2, k, 2), 7)
+    zero3, grouped2 = _tiny_engine({"stage": 3}, 5), _tiny_engine(_zero(2, k, 2), 7)
     for e in (zero3, grouped2):
         e.load_checkpoint(ckpt, tag="mics")
-        assert same(first, e)
+        assert _same_weights(first, e)
     for e in (first, zero3, grouped2):
         _train(e, rank, world, 2, 1, data[1:])
     for key, e in (("resumed_zero3_vs_mics", zero3), ("resumed_grouped2_vs_mics", grouped2)):
@@ -632,17 +639,17 @@ def _checkpoints(rank: int, world: int, root: str, k: int) -> dict:
     loaded = []
     for saver, tag, zero in moves:
         saver.save_checkpoint(ckpt, tag=tag)
-        back = engine(zero, 6)
+        back = _tiny_engine(zero, 6)
         if loaded:  # the (1, 1, k) engine also loads ZeRO-3's checkpoint first
             back.load_checkpoint(ckpt, tag="zero3")
-            assert same(zero3, back)
+            assert _same_weights(zero3, back)
         back.load_checkpoint(ckpt, tag=tag)
-        assert same(saver, back), tag
+        assert _same_weights(saver, back), tag
         loaded.append(back)
     loaded[1].save_checkpoint(ckpt, tag="grouped1")
-    mics_again = engine(_zero(3, k, 1), 8)
+    mics_again = _tiny_engine(_zero(3, k, 1), 8)
     mics_again.load_checkpoint(ckpt, tag="grouped1")
-    assert same(loaded[1], mics_again)
+    assert _same_weights(loaded[1], mics_again)
     for e in (first, zero3, grouped2, *loaded, mics_again):
         e.destroy()
     return out
@@ -764,47 +771,34 @@ def resident_cases(rank: int, world: int, root: str, checkpoints: bool, steps: i
     return out
 
 
-def _spoil(g: torch.Tensor) -> torch.Tensor:
-    g = g.clone()
-    g.view(-1)[3] = float("inf")
-    return g
-
-
 def _resident_checkpoints(rank: int, world: int, root: str) -> dict:
     """ZeRO-3 trains a step and saves; ``(node, W, W)`` loads it (the same weights, bit for bit), steps beside
     ZeRO-3 (bit for bit) and saves; ZeRO-3 loads that (bit for bit). Then both take a ``gathered_parameters``
     write-back from rank 1 and step on (bit for bit), and a refused combination's message."""
     data = batches(3, 2 * world)
     ckpt = Path(root) / "ckpt"
-
-    def engine(zero: dict, seed: int):
-        return zeropp.initialize(model=GPT(MODEL, seed=seed), config=_config(2, 1, zero))[0]
-
-    def same(a, b) -> bool:
-        return all(torch.equal(a.full_parameters()[n], p) for n, p in b.full_parameters().items())
-
-    zero3 = engine({"stage": 3}, 0)
+    zero3 = _tiny_engine({"stage": 3}, 0)
     _train(zero3, rank, world, 2, 1, data[:1])
     zero3.save_checkpoint(ckpt, tag="zero3-for-resident")
-    resident = engine(_resident_zero("node"), 5)
+    resident = _tiny_engine(_resident_zero("node"), 5)
     resident.load_checkpoint(ckpt, tag="zero3-for-resident")
-    assert same(zero3, resident)
+    assert _same_weights(zero3, resident)
     for e in (zero3, resident):
         _train(e, rank, world, 2, 1, data[1:2])
-    assert same(zero3, resident)
+    assert _same_weights(zero3, resident)
     resident.save_checkpoint(ckpt, tag="resident")
-    back = engine({"stage": 3}, 6)
+    back = _tiny_engine({"stage": 3}, 6)
     back.load_checkpoint(ckpt, tag="resident")
-    assert same(resident, back)
+    assert _same_weights(resident, back)
     for e in (zero3, back, resident):
         _train(e, rank, world, 2, 1, data[2:])
-    assert same(zero3, back) and same(zero3, resident)
+    assert _same_weights(zero3, back) and _same_weights(zero3, resident)
     for e in (zero3, resident):  # a write-back replaces the slices of one unit outside the tier
         with e.gathered_parameters(e.module.blocks[1], modifier_rank=1), torch.no_grad():
             if rank == 1:
                 e.module.blocks[1].mlp.c_fc.weight.mul_(0.5)
         _train(e, rank, world, 2, 1, data[:1])
-    assert same(zero3, resident)
+    assert _same_weights(zero3, resident)
     for e in (zero3, resident, back):
         e.destroy()
     try:
