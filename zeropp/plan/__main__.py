@@ -45,9 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--calibrate", metavar="FILE",
                    help="measure this cluster's links, compute and memory rates and write them to FILE (run on every "
                         "rank, under torchrun or python -m zeropp.cluster); nothing is planned")
-    c.add_argument("--nodes", type=int, default=2)
-    c.add_argument("--ranks-per-node", type=int, default=8)
     h100 = Cluster.default()
+    c.add_argument("--nodes", type=int, default=h100.nodes)
+    c.add_argument("--ranks-per-node", type=int, default=h100.ranks_per_node)
     c.add_argument("--intra", help=f"intra-node bandwidth per rank (default {h100.intra_bw * 8 / 1e12:g}tbit)")
     c.add_argument("--inter", help=f"inter-node bandwidth per node, all its NICs (default "
                                    f"{h100.inter_bw * 8 / 1e9:g}gbit)")
