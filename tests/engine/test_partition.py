@@ -51,7 +51,7 @@ def test_grouped_points_match_single_process_training(tmp_path, world, d, sizes,
     the resident point ``(p, W, W)`` (``check_resident``). World 4 also moves checkpoints ZeRO-3 -> ``(node, W, W)``
     -> ZeRO-3, MiCS -> ZeRO-3 -> MiCS, ZeRO-3 -> (1, 1, k), MiCS -> (1, k, k) -> (1, 1, k) -> MiCS, MiCS+qgZ ->
     ZeRO-3 -> MiCS+qgZ and stage 2 -> (1, 2, 4) -> (1, 1, 4) -> stage 3 -> (1, 2, 4) (exact each way) and runs
-    ``"partition": "auto"`` (``partition_workers.auto_cases``)."""
+    ``"partition": "auto"`` over every point the engine runs (``partition_workers.auto_cases``, ``check_auto``)."""
     results = launch("partition_workers:mics_cases", world, tmp_path, env={"ZEROPP_RANKS_PER_NODE": str(d)},
                      timeout=600, sizes=sizes, root=str(tmp_path), checkpoints=checkpoints, splits=splits,
                      precision=precision)
@@ -63,9 +63,7 @@ def test_grouped_points_match_single_process_training(tmp_path, world, d, sizes,
         assert "zero_hpz_partition_size: not combined with MiCS" in results[0].pop("refused")
         assert "zero_quantized_gradients: not combined with a grouped stage-1" in results[0].pop("refused-grouped")
         assert results[0].pop("qgz_checkpoints")
-        # the planner's picks for the tiny GPT on 2 x 2: MiCS inside each node with qgZ; the resident point under hpZ
-        assert tuple(results[0].pop("auto")) == (2, 2, 2)
-        assert tuple(results[0].pop("auto-hpz")) == (2, 4, 4)
+        check_auto(results)
     if precision:
         check_precision(results)
     check_resident(results, d, checkpoints)
@@ -88,6 +86,24 @@ def test_grouped_points_match_single_process_training(tmp_path, world, d, sizes,
             assert errors < 1e-5, (key, errors)
         else:
             assert errors["norm"] < 1e-5 and errors["max"] < 1e-4, (key, errors)
+
+
+AUTO_PICKS = {"default": (1, 2, 2), "zero3": (4, 4, 4), "mid": (1, 4, 4), "qgz": (2, 2, 2), "hpz": (2, 4, 4),
+              "stage2": (1, 2, 2)}
+"""``"partition": "auto"``'s picks for the tiny GPT on 2 x 2 (``partition_workers.auto_cases``, which checks each
+against the planner's first choice among the runnable points): at 80 GiB ZeRO-2 inside each node's pair (fewest
+bytes across nodes, no parameter gathers); with memory only ZeRO-3 fits in, ZeRO-3; with a little more, ZeRO-2; with
+qgZ (which the grouped stage-1/2 points refuse) MiCS inside each node; under hpZ (which stages 1, 2 and MiCS inside a
+node refuse) the resident point over the hpZ size; stage 2 as a ceiling keeps the first pick."""
+
+
+def check_auto(results: list[dict]) -> None:
+    """``partition_workers.auto_cases``: the same picks on every rank, ``AUTO_PICKS``, and a memory below every
+    point's refused on every rank. Pops what it checks."""
+    for name, point in AUTO_PICKS.items():
+        assert all(tuple(r.pop(f"auto-{name}")) == point for r in results), name
+    for r in results:
+        assert "no point at stage 3 or below fits in" in r.pop("auto-refused")
 
 
 def check_resident(results: list[dict], d: int, checkpoints: bool) -> None:
