@@ -53,7 +53,8 @@ from .engine import compute_dtype
 from .policy import UnitPolicy, plan_units
 
 ENV_CLUSTER = "ZEROPP_PLAN_CLUSTER"
-"""A JSON file of ``zeropp.plan.Cluster`` fields with this cluster's rates (``python -m zeropp.plan --calibrate``)."""
+"""A JSON file of ``zeropp.plan.Cluster`` fields with this cluster's rates and memory per rank (``python -m
+zeropp.plan --calibrate``)."""
 
 _WHERE = "zero_optimization.zeropp.partition"
 
@@ -131,8 +132,8 @@ def at_point(config: Config, point: tuple[int, int, int], ranks_per_node: int) -
     data["zero_optimization"]["stage"] = engine_stage(point, world)
     data["zero_optimization"]["zeropp"]["partition"] = dict(zip(PARTITION_KEYS, point))
     moved = Config.parse(data, world)
-    refused = point_refusals(moved, moved.zero_optimization.partition_point(world, ranks_per_node), world,
-                             ranks_per_node)
+    moved.zero_optimization.partition_point(world, ranks_per_node)  # the checks that need the ranks per node
+    refused = point_refusals(moved, point, world, ranks_per_node)
     if refused:
         raise ConfigError("; ".join(refused))
     return moved
