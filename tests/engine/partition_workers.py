@@ -365,12 +365,16 @@ def precision_cases(rank: int, world: int, k: int, steps: int = 3) -> dict:
     cross-group all-reduce, which runs before the check), the skipped step leaving masters, shards and moments
     unchanged bit for bit (checked here), and the distance to fp16 ZeRO-3 with the same Inf. At every grouped run
     the last step's cross-group all-reduce counters equal ``_expected_all_reduce``'s (checked here): the fp32
-    gradient shards, 4 bytes an element in bf16 and fp16 too, twice what the compute dtype would send."""
+    gradient shards, 4 bytes an element in bf16 and fp16 too, twice what the compute dtype would send. Last, fp16
+    at the resident point ``(node, W, W)`` with the same Inf: the same record as fp16 ZeRO-3, the skipped step
+    exchanging nothing and leaving the resident slices as they were, and ZeRO-3's fp32 masters bit for bit
+    (``"fp16-resident-inf-bit-identical"``)."""
     out: dict = {}
     data = batches(steps, 2 * 2 * world)
 
     def run(config: dict, accum: int, inject: bool) -> tuple[dict[str, torch.Tensor], list[tuple[bool, float]]]:
         engine, opt, _, _ = zeropp.initialize(model=GPT(MODEL, seed=rank), config=config)
+        resident = engine.weight_deltas is not None
         weight = dict(engine.module.named_parameters())["blocks.0.mlp.c_fc.weight"]
         record = []
         for step, batch in enumerate(data):
@@ -378,12 +382,16 @@ def precision_cases(rank: int, world: int, k: int, steps: int = 3) -> dict:
             if inject and step == 1 and rank == 1:
                 handle = weight.register_hook(_spoil)
             before = _masters_and_state(engine, opt)
+            slices = [u.secondary.clone() for u in engine.units] if resident and step == 1 else []
             comm.reset_stats()
             _train(engine, rank, world, 2, accum, [batch])
             if handle is not None:
                 handle.remove()
             after = _masters_and_state(engine, opt)
             assert all(torch.equal(before[n], after[n]) for n in before) == engine.overflow, (config, step)
+            if slices and engine.overflow:  # the Inf's step: nothing exchanged: the resident slices stay as they were
+                assert comm.stats()["exchange"]["calls"] == 0, comm.stats()["exchange"]
+                assert all(torch.equal(a, u.secondary) for a, u in zip(slices, engine.units)), step
             record.append((engine.overflow, engine.loss_scale))
             mine = torch.tensor(record[-1], dtype=torch.float64)
             every = [torch.empty_like(mine) for _ in range(world)]
@@ -412,6 +420,9 @@ def precision_cases(rank: int, world: int, k: int, steps: int = 3) -> dict:
         key = f"fp16-s{stage}-inf"
         out[key] = {"record": record, "zero3_record": want_record, "vs_zero3": _rel_to_update(got, want)}
         out[key + "-weights"] = {n: float(p.double().sum()) for n, p in got.items()}
+    got, record = run({**_config(2, 1, _resident_zero("node")), **fp16}, 1, True)
+    assert record == want_record and all(torch.equal(got[n], want[n]) for n in want), (record, want_record)
+    out["fp16-resident-inf-bit-identical"] = True
     return out
 
 

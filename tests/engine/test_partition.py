@@ -21,8 +21,9 @@ hop, 0.72 with two) with bit-identical outputs on every replica; its bytes equal
 
 bf16 and fp16 (3 steps; world 4 with k = 2, world 8 as 2 x 4 with k = 2, groups inside a node, and as 4 x 2 with
 k = 4, groups of two nodes): MiCS, ``(1, 1, k)`` and ``(1, k, k)`` in bf16 against the same stage over the world in
-bf16, bar ``BF16_BAR``; fp16 at the same three points with an Inf on one rank of one group skips that step on
-every rank (``check_precision``); the cross-group all-reduce sends fp32 in both (4 bytes an element).
+bf16, bar ``BF16_BAR``; fp16 at the same three points and at the resident point ``(node, W, W)`` with an Inf on one
+rank of one group skips that step on every rank (``check_precision``; the resident point bit for bit as fp16
+ZeRO-3); the cross-group all-reduce sends fp32 in both (4 bytes an element).
 """
 
 from __future__ import annotations
@@ -132,8 +133,11 @@ def check_precision(results: list[dict]) -> None:
     ``(1, 1, k)`` and ``(1, k, k)`` with an Inf on one rank of one group skips that step (and only it) on every
     rank, halves the loss scale alike, and ends within ``BF16_BAR`` of fp16 ZeRO-3 with the same Inf (measured 0 at
     world 4, 5.4e-9 at 2 x 4, 1.9e-9 at 4 x 2). With the cross-group all-reduce moved after the Inf/NaN check, the
-    group without the Inf steps while the other skips, and the workers' every-rank check fails at that step. Pops
-    what it checks; the caller checks the ``-weights`` sums (every rank alike)."""
+    group without the Inf steps while the other skips, and the workers' every-rank check fails at that step. fp16
+    at the resident point ``(node, W, W)`` with the same Inf: the same skipped step and loss scales as fp16 ZeRO-3,
+    its slices and states unchanged by the skipped step, and ZeRO-3's fp32 masters bit for bit (checked there).
+    Pops what it checks; the caller checks the ``-weights`` sums (every rank alike)."""
+    assert all(r.pop("fp16-resident-inf-bit-identical") for r in results)
     for key in [key for key in results[0] if key.startswith("bf16-") and not key.endswith("-weights")]:
         assert results[0].pop(key) < BF16_BAR, key
     fp16 = [key for key in results[0] if key.startswith("fp16-") and not key.endswith("-weights")]
