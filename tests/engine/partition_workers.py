@@ -6,13 +6,17 @@ single-process training (engine_workers.py's reference), their byte counters aga
 1 and 2 every kind, with the model states' bytes), and checkpoints moved between MiCS,
 ZeRO-3 and the grouped stage-1/2 points; MiCS with qwZ and qgZ
 (``quantized_cases``) against exact MiCS, the quantized cross-group all-reduce against its bound, checkpoints
-MiCS+qgZ <-> ZeRO-3, and bf16 and fp16 (an overflow skipped on every group alike) at the grouped points
-(``precision_cases``); the resident point ``(p, W, W)`` against ZeRO-3, bit for bit, with its counters and
-checkpoints (``resident_cases``). One launch per layout runs every case."""
+MiCS+qgZ <-> ZeRO-3, and bf16 and fp16 (an overflow skipped on every group alike) at the grouped points, and fp16
+at the resident point (``precision_cases``); the resident point ``(p, W, W)`` against ZeRO-3, bit for bit, with its
+counters and checkpoints (``resident_cases``); ``"partition": "auto"``'s picks against the planner's first choice
+among the runnable points, and its runs against the explicit configs (``auto_cases``). One launch per layout runs
+every case."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import os
 from contextlib import redirect_stdout
 from pathlib import Path
 
@@ -22,12 +26,13 @@ from engine_workers import MODEL, batches, relative_errors, state_bytes, torch_o
 import zeropp
 from zeropp import comm
 from zeropp.comm.accounting import gather_traffic
-from zeropp.config import ConfigError
+from zeropp.config import ConfigError, load_config
+from zeropp.engine import auto_partition
+from zeropp.engine.auto_partition import ENV_CLUSTER
 from zeropp.models import GPT
-from zeropp.plan import Batch, Cluster, Partition, Plan, from_preset, predict
+from zeropp.plan import Batch, Cluster, Partition, Plan, from_preset, partitions, predict
 from zeropp.plan.memory import memory
 from zeropp.plan.traffic import Layout, collectives, totals
-from zeropp.plan.space import shard_factors
 from zeropp.quant import BlockFormat
 
 ADAMW = {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.1}}
@@ -319,7 +324,7 @@ def mics_cases(rank: int, world: int, root: str, sizes: list[int], checkpoints: 
         out.update(precision_cases(rank, world, precision))
     out.update(resident_cases(rank, world, root, checkpoints))
     if checkpoints:
-        out.update(auto_cases(rank, world))
+        out.update(auto_cases(rank, world, root))
         out.update(_checkpoints(rank, world, root, sizes[0]))
         out.update(_quantized_checkpoints(rank, world, root, sizes[0]))
         for key, zero in (("refused", {"stage": 3, "mics_shard_size": sizes[0], "zero_hpz_partition_size": 2}),
@@ -360,12 +365,16 @@ def precision_cases(rank: int, world: int, k: int, steps: int = 3) -> dict:
     cross-group all-reduce, which runs before the check), the skipped step leaving masters, shards and moments
     unchanged bit for bit (checked here), and the distance to fp16 ZeRO-3 with the same Inf. At every grouped run
     the last step's cross-group all-reduce counters equal ``_expected_all_reduce``'s (checked here): the fp32
-    gradient shards, 4 bytes an element in bf16 and fp16 too, twice what the compute dtype would send."""
+    gradient shards, 4 bytes an element in bf16 and fp16 too, twice what the compute dtype would send. Last, fp16
+    at the resident point ``(node, W, W)`` with the same Inf: the same record as fp16 ZeRO-3, the skipped step
+    exchanging nothing and leaving the resident slices as they were, and ZeRO-3's fp32 masters bit for bit
+    (``"fp16-resident-inf-bit-identical"``)."""
     out: dict = {}
     data = batches(steps, 2 * 2 * world)
 
     def run(config: dict, accum: int, inject: bool) -> tuple[dict[str, torch.Tensor], list[tuple[bool, float]]]:
         engine, opt, _, _ = zeropp.initialize(model=GPT(MODEL, seed=rank), config=config)
+        resident = engine.weight_deltas is not None
         weight = dict(engine.module.named_parameters())["blocks.0.mlp.c_fc.weight"]
         record = []
         for step, batch in enumerate(data):
@@ -373,12 +382,16 @@ def precision_cases(rank: int, world: int, k: int, steps: int = 3) -> dict:
             if inject and step == 1 and rank == 1:
                 handle = weight.register_hook(_spoil)
             before = _masters_and_state(engine, opt)
+            slices = [u.secondary.clone() for u in engine.units] if resident and step == 1 else []
             comm.reset_stats()
             _train(engine, rank, world, 2, accum, [batch])
             if handle is not None:
                 handle.remove()
             after = _masters_and_state(engine, opt)
             assert all(torch.equal(before[n], after[n]) for n in before) == engine.overflow, (config, step)
+            if slices and engine.overflow:  # the Inf's step: nothing exchanged: the resident slices stay as they were
+                assert comm.stats()["exchange"]["calls"] == 0, comm.stats()["exchange"]
+                assert all(torch.equal(a, u.secondary) for a, u in zip(slices, engine.units)), step
             record.append((engine.overflow, engine.loss_scale))
             mine = torch.tensor(record[-1], dtype=torch.float64)
             every = [torch.empty_like(mine) for _ in range(world)]
@@ -407,6 +420,9 @@ def precision_cases(rank: int, world: int, k: int, steps: int = 3) -> dict:
         key = f"fp16-s{stage}-inf"
         out[key] = {"record": record, "zero3_record": want_record, "vs_zero3": _rel_to_update(got, want)}
         out[key + "-weights"] = {n: float(p.double().sum()) for n, p in got.items()}
+    got, record = run({**_config(2, 1, _resident_zero("node")), **fp16}, 1, True)
+    assert record == want_record and all(torch.equal(got[n], want[n]) for n in want), (record, want_record)
+    out["fp16-resident-inf-bit-identical"] = True
     return out
 
 
@@ -431,52 +447,114 @@ def hpz_case(rank: int, world: int, k: int, exact: dict[str, torch.Tensor], step
     return {f"k{k}-hpz-bit-identical": all(torch.equal(masters[n], exact[n]) for n in exact)}
 
 
-def _auto_want(world: int, d: int, **options) -> tuple[int, int, int]:
-    """The fastest fitting of ZeRO-3, the MiCS points and the resident points as ``zeropp.plan.predict`` times them
-    for the tiny GPT's preset on the default cluster of this layout with ``options`` (computed here from the
-    preset, not from the module; MiCS left out under hpZ, which it refuses)."""
+def _auto_want(world: int, d: int, stage: int = 3, memory: float | None = None,
+               **options) -> tuple[int, int, int] | None:
+    """The planner's first choice for the tiny GPT's preset (computed here from the preset, not from the module) on
+    the default cluster of this layout, with ``memory`` bytes per rank when given, among the points it marks
+    runnable (``Plan.unsupported``) at ``stage`` or below with ``options``: the fitting one of least step time (to
+    ``zeropp.plan.rank``'s 6 digits; then fewer calls, then less memory); None when none fits. The stage of a point
+    is the planner's (``Partition.stage``, ``grouped_stage``, ``resident``)."""
     spec, cluster = from_preset("tiny:nobias"), Cluster.default(world // d, d)
-    factors = [k for k in shard_factors(world, d) if 2 <= k < world]
-    points = [(world,) * 3] + [(k, k, k) for k in factors if not options.get("hpz")]
-    points += [(p, world, world) for p in factors if d % p == 0 and options.get("hpz", p) == p]
-    times = {point: predict(spec, Plan(Partition(*point), **options), cluster, Batch(2, spec.seq, 1, 4))
-             for point in points}
-    return min((point for point in times if times[point].fits), key=lambda point: times[point].step_time)
+    if memory is not None:
+        cluster = dataclasses.replace(cluster, memory=memory)
+    fitting = {}
+    for part in partitions(world, d):
+        plan = Plan(part, **options)
+        at = part.stage(world) or part.grouped_stage(world) or (3 if part.resident(world) else None)
+        if at is None or at > stage or plan.unsupported(world, d) is not None:
+            continue
+        t = predict(spec, plan, cluster, Batch(2, spec.seq, 1, 4))
+        if t.fits:
+            fitting[(part.params, part.grads, part.optimizer)] = (float(f"{t.step_time:.6g}"), t.calls,
+                                                                  t.memory_total)
+    return min(fitting, key=fitting.__getitem__) if fitting else None
 
 
-def auto_cases(rank: int, world: int, steps: int = 2) -> dict:
-    """``"partition": "auto"`` with qgZ: the point it applies is ``_auto_want``'s; rank 0 alone prints it; training
-    then matches the explicit config of that point bit for bit. With hpZ (which MiCS refuses) it applies ZeRO-3 or
-    the resident point over the hpZ size, as the planner times them."""
-    zero = {"stage": 3, "zero_quantized_gradients": True, "zeropp": {"partition": "auto"}}
-    printed = io.StringIO()
-    with redirect_stdout(printed):
-        auto, _, _, _ = zeropp.initialize(model=GPT(MODEL, seed=rank), config=_config(2, 1, zero))
-    topo = auto.topology
-    d = topo.ranks_per_node
-    want = _auto_want(world, d, gradient_bits=4)
-    point = auto.config.zero_optimization.partition_point(world, d)
-    assert point == want and (auto.mics is None) == (point[2] == world), (point, want)
-    assert ("({}, {}, {})".format(*point) in printed.getvalue()) == (rank == 0), printed.getvalue()
+def _memories(world: int, d: int, *only: Partition) -> list[int]:
+    """Memory per rank (bytes) that the tiny GPT's preset needs at each point of this layout (or at ``only``'s),
+    sorted, as the planner counts it (exact options, micro-batch 2, fp32)."""
+    spec, cluster = from_preset("tiny:nobias"), Cluster.default(world // d, d)
+    return sorted({predict(spec, Plan(part), cluster, Batch(2, spec.seq, 1, 4)).memory_total
+                   for part in only or partitions(world, d)})
+
+
+def _explicit_zero(point: tuple[int, int, int], world: int, extra: dict) -> dict:
+    """The ``zero_optimization`` block a user writes for ``point``, with ``extra``'s keys: the stage alone for a
+    stage's point, ``mics_shard_size`` for MiCS, ``zeropp.partition`` with its stage otherwise."""
     p, g, o = point
-    explicit_zero = {"stage": 3, "zero_quantized_gradients": True,
-                     **({"mics_shard_size": p} if p == o < world else {}),
-                     **({"zeropp": {"partition": {"parameters": p, "gradients": "world", "optimizer": "world"}}}
-                        if p < o == world else {})}
-    explicit, _, _, _ = zeropp.initialize(model=GPT(MODEL, seed=rank), config=_config(2, 1, explicit_zero))
+    stages = {(1, 1, world): 1, (1, world, world): 2, (world, world, world): 3}
+    if point in stages:
+        return {"stage": stages[point], **extra}
+    if p == g == o:
+        return {"stage": 3, "mics_shard_size": p, **extra}
+    stage = 3 if p > 1 else 1 if g == 1 else 2
+    return {"stage": stage, "zeropp": {"partition": {"parameters": p, "gradients": g, "optimizer": o}}, **extra}
+
+
+def _auto_resolve(rank: int, root: str, zero: dict, memory: float | None = None):
+    """``auto_partition.resolve`` (what ``zeropp.initialize`` runs first) of ``zero`` for the tiny GPT with
+    ``$ZEROPP_PLAN_CLUSTER`` naming the default cluster of this layout with ``memory`` bytes per rank (when given):
+    the resolved config and what it printed."""
+    printed = io.StringIO()
+    topo = comm.get_default_topology()
+    path = Path(root) / f"cluster-{rank}.json"
+    if memory is not None:
+        cluster = dataclasses.replace(Cluster.default(topo.num_nodes, topo.ranks_per_node), memory=memory)
+        path.write_text(cluster.to_json())
+        os.environ[ENV_CLUSTER] = str(path)
+    try:
+        with redirect_stdout(printed):
+            config = auto_partition.resolve(load_config(_config(2, 1, zero), topo.world_size), GPT(MODEL, seed=0), topo)
+    finally:
+        os.environ.pop(ENV_CLUSTER, None)
+    return config, printed.getvalue()
+
+
+def auto_cases(rank: int, world: int, root: str, steps: int = 2) -> dict:
+    """``"partition": "auto"`` at the default memory (80 GiB), at a memory between ZeRO-3's and the next larger
+    point's (only ZeRO-3 fits) and one between the next two, each with exact collectives, and with qgZ, with hpZ
+    (which the stage-1/2 points and MiCS inside a node refuse) and with stage 2 (a ceiling): the point and stage it
+    resolves to are ``_auto_want``'s, and rank 0 alone prints them. At the default memory and where memory forces
+    ZeRO-3, ``zeropp.initialize`` with the resolved config trains as the explicit config of the picked point
+    (``_explicit_zero``), bit for bit. A memory below every point's is refused on every rank."""
+    d = comm.get_default_topology().ranks_per_node
+    need = _memories(world, d)
+    zero3_memory = _memories(world, d, Partition(world, world, world))[0]
+    above = [m for m in need if m > zero3_memory]
+    memories = {"default": None, "zero3": (zero3_memory + above[0]) / 2, "mid": (above[0] + above[1]) / 2}
+    auto = {"zeropp": {"partition": "auto"}}
+    cases = [(name, {"stage": 3, **auto}, memory, {}) for name, memory in memories.items()]
+    cases += [("qgz", {"stage": 3, "zero_quantized_gradients": True, **auto}, None, {"gradient_bits": 4}),
+              ("hpz", {"stage": 3, "zero_hpz_partition_size": 2, **auto}, None, {"hpz": 2}),
+              ("stage2", {"stage": 2, **auto}, None, {})]
     data = batches(steps, 2 * world)
-    for engine in (auto, explicit):
-        _train(engine, rank, world, 2, 1, data)
-    a, b = mics_masters(auto), mics_masters(explicit)
-    assert all(torch.equal(a[name], b[name]) for name in a)
-    with redirect_stdout(io.StringIO()):
-        hpz, _, _, _ = zeropp.initialize(model=GPT(MODEL, seed=0), config=_config(2, 1, {
-            "stage": 3, "zero_hpz_partition_size": 2, "zeropp": {"partition": "auto"}}))
-    hpz_point = hpz.config.zero_optimization.partition_point(world, d)
-    assert hpz.mics is None and hpz_point == _auto_want(world, d, hpz=2), hpz_point
-    for engine in (auto, explicit, hpz):
-        engine.destroy()
-    return {"auto": point, "auto-hpz": hpz_point}
+    out: dict = {}
+    for name, zero, memory, options in cases:
+        config, printed = _auto_resolve(rank, root, zero, memory)
+        point = config.zero_optimization.partition_point(world, d)
+        want = _auto_want(world, d, zero["stage"], memory, **options)
+        assert point == want, (name, point, want)
+        stage = config.zero_optimization.stage
+        assert ("-> stage {}, ({}, {}, {})".format(stage, *point) in printed) == (rank == 0), (name, printed)
+        out[f"auto-{name}"] = point
+        if name in ("default", "zero3"):
+            explicit = _explicit_zero(point, world, {})
+            engines = [zeropp.initialize(model=GPT(MODEL, seed=rank), config=c)[0]
+                       for c in (config, _config(2, 1, explicit))]
+            assert all(e.config.zero_optimization.partition_point(world, d) == point for e in engines)
+            assert [e.stage for e in engines] == [stage, explicit["stage"]], (name, stage, explicit)
+            for e in engines:
+                _train(e, rank, world, 2, 1, data)
+            a, b = (mics_masters(e) for e in engines)
+            assert all(torch.equal(a[n], b[n]) for n in b), name
+            for e in engines:
+                e.destroy()
+    try:
+        _auto_resolve(rank, root, {"stage": 3, **auto}, need[0] / 2)
+        raise AssertionError("auto with too little memory was accepted")
+    except ConfigError as e:
+        out["auto-refused"] = str(e)
+    return out
 
 
 def mics_masters(engine) -> dict[str, torch.Tensor]:

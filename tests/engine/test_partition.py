@@ -21,8 +21,9 @@ hop, 0.72 with two) with bit-identical outputs on every replica; its bytes equal
 
 bf16 and fp16 (3 steps; world 4 with k = 2, world 8 as 2 x 4 with k = 2, groups inside a node, and as 4 x 2 with
 k = 4, groups of two nodes): MiCS, ``(1, 1, k)`` and ``(1, k, k)`` in bf16 against the same stage over the world in
-bf16, bar ``BF16_BAR``; fp16 at the same three points with an Inf on one rank of one group skips that step on
-every rank (``check_precision``); the cross-group all-reduce sends fp32 in both (4 bytes an element).
+bf16, bar ``BF16_BAR``; fp16 at the same three points and at the resident point ``(node, W, W)`` with an Inf on one
+rank of one group skips that step on every rank (``check_precision``; the resident point bit for bit as fp16
+ZeRO-3); the cross-group all-reduce sends fp32 in both (4 bytes an element).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def test_grouped_points_match_single_process_training(tmp_path, world, d, sizes,
     the resident point ``(p, W, W)`` (``check_resident``). World 4 also moves checkpoints ZeRO-3 -> ``(node, W, W)``
     -> ZeRO-3, MiCS -> ZeRO-3 -> MiCS, ZeRO-3 -> (1, 1, k), MiCS -> (1, k, k) -> (1, 1, k) -> MiCS, MiCS+qgZ ->
     ZeRO-3 -> MiCS+qgZ and stage 2 -> (1, 2, 4) -> (1, 1, 4) -> stage 3 -> (1, 2, 4) (exact each way) and runs
-    ``"partition": "auto"`` (``partition_workers.auto_cases``)."""
+    ``"partition": "auto"`` over every point the engine runs (``partition_workers.auto_cases``, ``check_auto``)."""
     results = launch("partition_workers:mics_cases", world, tmp_path, env={"ZEROPP_RANKS_PER_NODE": str(d)},
                      timeout=600, sizes=sizes, root=str(tmp_path), checkpoints=checkpoints, splits=splits,
                      precision=precision)
@@ -63,9 +64,7 @@ def test_grouped_points_match_single_process_training(tmp_path, world, d, sizes,
         assert "zero_hpz_partition_size: not combined with MiCS" in results[0].pop("refused")
         assert "zero_quantized_gradients: not combined with a grouped stage-1" in results[0].pop("refused-grouped")
         assert results[0].pop("qgz_checkpoints")
-        # the planner's picks for the tiny GPT on 2 x 2: MiCS inside each node with qgZ; the resident point under hpZ
-        assert tuple(results[0].pop("auto")) == (2, 2, 2)
-        assert tuple(results[0].pop("auto-hpz")) == (2, 4, 4)
+        check_auto(results)
     if precision:
         check_precision(results)
     check_resident(results, d, checkpoints)
@@ -88,6 +87,24 @@ def test_grouped_points_match_single_process_training(tmp_path, world, d, sizes,
             assert errors < 1e-5, (key, errors)
         else:
             assert errors["norm"] < 1e-5 and errors["max"] < 1e-4, (key, errors)
+
+
+AUTO_PICKS = {"default": (1, 2, 2), "zero3": (4, 4, 4), "mid": (1, 4, 4), "qgz": (2, 2, 2), "hpz": (2, 4, 4),
+              "stage2": (1, 2, 2)}
+"""``"partition": "auto"``'s picks for the tiny GPT on 2 x 2 (``partition_workers.auto_cases``, which checks each
+against the planner's first choice among the runnable points): at 80 GiB ZeRO-2 inside each node's pair (fewest
+bytes across nodes, no parameter gathers); with memory only ZeRO-3 fits in, ZeRO-3; with a little more, ZeRO-2; with
+qgZ (which the grouped stage-1/2 points refuse) MiCS inside each node; under hpZ (which stages 1, 2 and MiCS inside a
+node refuse) the resident point over the hpZ size; stage 2 as a ceiling keeps the first pick."""
+
+
+def check_auto(results: list[dict]) -> None:
+    """``partition_workers.auto_cases``: the same picks on every rank, ``AUTO_PICKS``, and a memory below every
+    point's refused on every rank. Pops what it checks."""
+    for name, point in AUTO_PICKS.items():
+        assert all(tuple(r.pop(f"auto-{name}")) == point for r in results), name
+    for r in results:
+        assert "no point at stage 3 or below fits in" in r.pop("auto-refused")
 
 
 def check_resident(results: list[dict], d: int, checkpoints: bool) -> None:
@@ -116,8 +133,11 @@ def check_precision(results: list[dict]) -> None:
     ``(1, 1, k)`` and ``(1, k, k)`` with an Inf on one rank of one group skips that step (and only it) on every
     rank, halves the loss scale alike, and ends within ``BF16_BAR`` of fp16 ZeRO-3 with the same Inf (measured 0 at
     world 4, 5.4e-9 at 2 x 4, 1.9e-9 at 4 x 2). With the cross-group all-reduce moved after the Inf/NaN check, the
-    group without the Inf steps while the other skips, and the workers' every-rank check fails at that step. Pops
-    what it checks; the caller checks the ``-weights`` sums (every rank alike)."""
+    group without the Inf steps while the other skips, and the workers' every-rank check fails at that step. fp16
+    at the resident point ``(node, W, W)`` with the same Inf: the same skipped step and loss scales as fp16 ZeRO-3,
+    its slices and states unchanged by the skipped step, and ZeRO-3's fp32 masters bit for bit (checked there).
+    Pops what it checks; the caller checks the ``-weights`` sums (every rank alike)."""
+    assert all(r.pop("fp16-resident-inf-bit-identical") for r in results)
     for key in [key for key in results[0] if key.startswith("bf16-") and not key.endswith("-weights")]:
         assert results[0].pop(key) < BF16_BAR, key
     fp16 = [key for key in results[0] if key.startswith("fp16-") and not key.endswith("-weights")]

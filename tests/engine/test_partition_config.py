@@ -8,6 +8,8 @@ import pytest
 
 from zeropp.config import Config, ConfigError, load_config, to_dict
 from zeropp.config.partition import PartitionConfig, resident_refusals, resident_size, stage_point
+from zeropp.engine import auto_partition
+from zeropp.plan import Cluster
 
 BASE = {"train_micro_batch_size_per_gpu": 1}
 
@@ -185,7 +187,6 @@ def test_mics_shard_size_of_the_world_is_stage_3():
          ["mics_hierarchical_params_gather='yes'"]),
         (4, {"stage": 3, "mics_shard_size": 4, "zeropp": {"partition": part(4, 2, 4)}},
          ["partition=(4, 2, 4)", "at most the next"]),
-        (4, {"stage": 2, "zeropp": {"partition": "auto"}}, ['partition="auto" picks between the stage-3', "it is 2"]),
         (4, {"stage": 3, "mics_shard_size": 2, "zeropp": {"partition": "auto"}},
          ['partition="auto" contradicts zero_optimization.mics_shard_size=2']),
         (4, {"stage": 3, "zeropp": {"partition": "Auto"}}, ["must be an object", "or \"auto\"", "got 'Auto'"]),
@@ -197,13 +198,59 @@ def test_errors(world, zero, needles):
         assert needle in message, (needle, message)
 
 
-def test_auto_parses_and_waits_for_initialize():
-    """``"auto"`` round-trips and is resolved by ``zeropp.initialize`` (tests/engine/test_partition.py); the point
-    is refused until then."""
-    c = parse(4, stage=3, zeropp={"partition": "auto"})
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_auto_parses_and_waits_for_initialize(stage):
+    """``"auto"`` at any stage round-trips and is resolved by ``zeropp.initialize``
+    (tests/engine/test_partition.py); the point is refused until then."""
+    c = parse(4, stage=stage, zeropp={"partition": "auto"})
     assert c.zero.zeropp.partition == "auto" and Config.parse(to_dict(c), 4) == c
     with pytest.raises(ConfigError, match="resolved by zeropp.initialize"):
         c.zero.partition_point(4, 2)
+
+
+GROUPED_2X2 = {(1, 1, 2), (1, 2, 2), (1, 2, 4)}
+"""The grouped stage-1/2 points of world 4 as 2 x 2 (exact collectives only, no offload)."""
+
+
+@pytest.mark.parametrize("stage, zero, want, reason", [
+    (3, {}, GROUPED_2X2 | {(1, 1, 4), (1, 4, 4), (4, 4, 4), (2, 2, 2), (2, 4, 4)}, None),
+    (2, {}, GROUPED_2X2 | {(1, 1, 4), (1, 4, 4)}, None),
+    (1, {}, {(1, 1, 4), (1, 1, 2)}, None),
+    (3, {"zero_quantized_gradients": True}, {(1, 1, 4), (1, 4, 4), (4, 4, 4), (2, 2, 2), (2, 4, 4)},
+     "zero_quantized_gradients: not combined with a grouped stage-"),
+    (3, {"zero_hpz_partition_size": 2}, {(4, 4, 4), (2, 4, 4)}, "zero_hpz_partition_size=2 applies to the stage-3"),
+    (3, {"offload_param": {"device": "cpu"}}, {(4, 4, 4)}, "offload_param: not combined with zeropp.partition"),
+    (3, {"offload_optimizer": {"device": "cpu"}}, {(1, 1, 4), (1, 4, 4), (4, 4, 4), (2, 4, 4)},
+     "offload_optimizer / offload_param / zeropp.memory_budget: not combined with MiCS"),
+])
+def test_auto_candidates_respect_each_points_refusals(stage, zero, want, reason):
+    """``"auto"`` weighs the points the engine runs at the stage or below (world 4 as 2 x 2), each validated as the
+    config given with that point by hand: the stage's own rules and each point's refusals leave points out, and
+    say why."""
+    config = parse(4, stage=stage, **zero, zeropp={"partition": "auto"})
+    plans, left_out = auto_partition.candidates(config, 4, 2)
+    got = {(p.partition.params, p.partition.grads, p.partition.optimizer) for p in plans}
+    assert got == want, got
+    assert len(left_out) == len(auto_partition.points(stage, 4, 2)) - len(want), left_out
+    assert reason is None or any(reason in line for line in left_out), left_out
+    if want:  # each candidate config is the one the user would write for its point, and initialize accepts it
+        for plan in plans:
+            part = plan.partition
+            moved = auto_partition.at_point(config, (part.params, part.grads, part.optimizer), 2)
+            assert moved.zero.stage <= stage
+
+
+def test_auto_memory_limit_is_the_budget_when_lower():
+    """``zeropp.memory_budget.device`` lowers the planner's memory per rank; without it, the cluster's."""
+    cluster = Cluster.default(2, 2)
+    plain = parse(4, stage=3, zeropp={"partition": "auto"})
+    assert auto_partition.memory_limit(plain, cluster) == cluster
+    budget = parse(4, stage=3, offload_optimizer={"device": "cpu"},
+                   zeropp={"partition": "auto", "memory_budget": {"device": 2**30}})
+    assert auto_partition.memory_limit(budget, cluster).memory == 2**30
+    roomy = parse(4, stage=3, offload_optimizer={"device": "cpu"},
+                  zeropp={"partition": "auto", "memory_budget": {"device": 2**40}})
+    assert auto_partition.memory_limit(roomy, cluster) == cluster
 
 
 def test_partition_contradicting_mics_shard_size():

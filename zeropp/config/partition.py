@@ -23,10 +23,11 @@ points of the space are the planner's alone and are refused naming why (``unbuil
 ``mics_refusals``, ``grouped_refusals`` and ``resident_refusals`` name the options those points do not combine
 with.
 
-``"partition": "auto"`` (stage 3, without ``mics_shard_size``) leaves the choice between ZeRO-3, MiCS and the
-resident points to the planner: ``zeropp.initialize`` replaces it by the point ``zeropp.engine.auto_partition`` picks
-for the model, the world and the options given, before anything else reads it (``partition_point`` refuses an
-unresolved ``"auto"``).
+``"partition": "auto"`` (without ``mics_shard_size``) leaves the choice to the planner among the points the engine
+runs at ``stage`` or below (the stage is a ceiling: stage 3 lets it pick any point, stage 2 never shards the
+parameters, stage 1 shards only the optimizer states): ``zeropp.initialize`` replaces it, and the stage, by the point
+``zeropp.engine.auto_partition`` picks for the model, the world, the memory limit and the options given, before
+anything else reads it (``partition_point`` refuses an unresolved ``"auto"``).
 
 Checks that need the ranks per node (``"node"``, node alignment) run at ``zeropp.initialize``
 (``partition_point``); the rest when the config is parsed, for its world size.
@@ -51,7 +52,7 @@ MICS_OFF = -1
 """DeepSpeed's ``mics_shard_size`` default: MiCS off."""
 
 AUTO = "auto"
-"""``zeropp.partition: "auto"``: the planner picks the stage-3 point (module docstring)."""
+"""``zeropp.partition: "auto"``: the planner picks the point, at the stage or below (module docstring)."""
 
 _WHERE = "zero_optimization.zeropp.partition"
 
@@ -191,10 +192,7 @@ def partition_problems(stage: int, partition: PartitionConfig | str | None, mics
     if partition is None:
         return out
     if partition == AUTO:
-        if stage != 3:
-            out.append((_WHERE, f"{_WHERE}=\"auto\" picks between the stage-3 points (ZeRO-3, MiCS, resident): "
-                                f"set {w}.stage to 3 (it is {stage}) or give the partition"))
-        elif mics_shard_size != MICS_OFF:
+        if mics_shard_size != MICS_OFF:
             out.append((_WHERE, f"{_WHERE}=\"auto\" contradicts {w}.mics_shard_size={mics_shard_size}: give one of "
                                 "them"))
         return out
@@ -330,6 +328,24 @@ def resident_refusals(config: Any, size: int) -> list[str]:
     )
     return [f"{key}: not combined with zeropp.partition ({size}, world, world) in this build: {why}"
             for on, key, why in entries if on]
+
+
+def point_refusals(config: Any, point: tuple[int, int, int], world: int, ranks_per_node: int) -> list[str]:
+    """Why each option of ``config`` (a ``zeropp.config.Config`` at ``point``'s stage) that the engine does not
+    combine with ``point`` ``(p, g, o)``, a point it runs at ``world`` ranks with ``ranks_per_node`` per node, is
+    refused, one message each (empty: none): ``resident_refusals``, ``mics_refusals`` or ``grouped_refusals`` by the
+    point's kind, and weight deltas where the point keeps no hpZ secondary."""
+    z = config.zero_optimization
+    _, grads, shards = point
+    resident = resident_size(point, world)
+    grouped = shards < world or 1 < grads < shards
+    refused = (resident_refusals(config, resident) if resident else [] if not grouped
+               else mics_refusals(config, shards, ranks_per_node) if z.stage == 3 else grouped_refusals(config))
+    if z.zeropp.weight_deltas and z.zero_hpz_partition_size <= 1 and not resident:  # "node" was the world: one node
+        refused.append(f"zero_optimization.zeropp.weight_deltas: the partition {point} keeps no hpZ secondary on "
+                       f"{world // ranks_per_node} node(s) of {ranks_per_node} ranks; give zero_hpz_partition_size, "
+                       "parameters below the world, or weight_deltas false")
+    return refused
 
 
 def grouped_refusals(config: Any) -> list[str]:

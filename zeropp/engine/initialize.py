@@ -15,7 +15,7 @@ from torch import nn
 from .. import comm
 from ..comm.process_group import init_distributed
 from ..config import Config, ConfigError, load_config
-from ..config.partition import grouped_refusals, mics_refusals, resident_refusals, resident_size
+from ..config.partition import point_refusals
 from . import auto_partition
 from .engine import ZeroEngine, compute_dtype
 from .materialize import MetaInit, ParamInitFn, meta_state
@@ -169,16 +169,7 @@ def _check_supported(cfg: Config, topo: comm.Topology) -> None:
             f"zero_optimization.zero_hpz_partition_size={hpz} must divide the ranks per node ({d} here: "
             f"{topo.num_nodes} node(s) of {d} ranks, set by ${comm.ENV_RANKS_PER_NODE} or the hosts); use one of "
             f"{divisors}")
-    point = z.partition_point(topo.world_size, topo.ranks_per_node)
-    _, grads, shards = point
-    resident = resident_size(point, topo.world_size)
-    grouped = shards < topo.world_size or 1 < grads < shards
-    refused = (resident_refusals(cfg, resident) if resident else [] if not grouped
-               else mics_refusals(cfg, shards, d) if z.stage == 3 else grouped_refusals(cfg))
-    if z.zeropp.weight_deltas and hpz <= 1 and not resident:  # "node" was the world: one node
-        refused.append(f"zero_optimization.zeropp.weight_deltas: the partition {point} keeps no hpZ secondary on "
-                       f"{topo.num_nodes} node(s) of {d} ranks; give zero_hpz_partition_size, parameters below the "
-                       "world, or weight_deltas false")
+    refused = point_refusals(cfg, z.partition_point(topo.world_size, d), topo.world_size, d)
     if refused:
         raise ConfigError("; ".join(refused))
     if cfg.optimizer is None:
