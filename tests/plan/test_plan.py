@@ -124,6 +124,23 @@ def test_cpu_cluster_terms_by_hand() -> None:
         kernel / 1e9 + (2 * shard * 4 + pack) / 1e8)
 
 
+def test_a_message_between_nodes_pays_at_least_the_intra_node_latency() -> None:
+    # ZeRO-3 on 2 x 2, one unit: the parameter gather is a ring of 4 across the nodes, 3 steps; qgZ's hop 2 an
+    # all-to-all of 2 nodes. A fitted alpha_inter (0) below alpha_intra (2 ms) is raised to it; above, kept.
+    n = 4096
+    model = ModelSpec("one", (UnitSpec("", (n,)),), 1, 64, 64, 64, 256)
+    c = Cluster(2, 2, 1e9, 1e8, 2e-3, 0.0, 64 * GIB, 1e12, 1e10)
+    gather = next(x for x in collectives(model, Plan(Partition(4, 4, 4)), Layout(4, 2), 1, 4) if x.kind == "all_gather")
+    assert gather.group == 4 and gather.same_node == 2
+    step = max(gather.chunk / 1e9, gather.groups_per_node * gather.chunk / 1e8)
+    assert call_time(gather, c) == pytest.approx((3 * (2e-3 + step), "inter"))
+    assert call_time(gather, replace(c, inter_latency=5e-3)) == pytest.approx((3 * (5e-3 + step), "inter"))
+    hop2 = next(x for x in collectives(model, Plan(Partition(4, 4, 4), gradient_bits=4), Layout(4, 2), 1, 4)
+                if x.what.startswith("qgZ hop 2"))
+    wire = max(hop2.traffic.sent_intra / 1e9, 2 * hop2.traffic.sent_inter / 1e8)
+    assert call_time(hop2, c) == pytest.approx((2e-3 + wire, "inter"))
+
+
 def test_calibration_fits_and_overlap_by_hand() -> None:
     from zeropp.plan.calibrate import fit_line, overlap_of
 
