@@ -124,6 +124,54 @@ def test_cpu_cluster_terms_by_hand() -> None:
         kernel / 1e9 + (2 * shard * 4 + pack) / 1e8)
 
 
+def test_a_message_between_nodes_pays_at_least_the_intra_node_latency() -> None:
+    # ZeRO-3 on 2 x 2, one unit: the parameter gather is a ring of 4 across the nodes, 3 steps; qgZ's hop 2 an
+    # all-to-all of 2 nodes. A fitted alpha_inter (0) below alpha_intra (2 ms) is raised to it; above, kept.
+    n = 4096
+    model = ModelSpec("one", (UnitSpec("", (n,)),), 1, 64, 64, 64, 256)
+    c = Cluster(2, 2, 1e9, 1e8, 2e-3, 0.0, 64 * GIB, 1e12, 1e10)
+    gather = next(x for x in collectives(model, Plan(Partition(4, 4, 4)), Layout(4, 2), 1, 4) if x.kind == "all_gather")
+    assert gather.group == 4 and gather.same_node == 2
+    step = max(gather.chunk / 1e9, gather.groups_per_node * gather.chunk / 1e8)
+    assert call_time(gather, c) == pytest.approx((3 * (2e-3 + step), "inter"))
+    assert call_time(gather, replace(c, inter_latency=5e-3)) == pytest.approx((3 * (5e-3 + step), "inter"))
+    hop2 = next(x for x in collectives(model, Plan(Partition(4, 4, 4), gradient_bits=4), Layout(4, 2), 1, 4)
+                if x.what.startswith("qgZ hop 2"))
+    wire = max(hop2.traffic.sent_intra / 1e9, 2 * hop2.traffic.sent_inter / 1e8)
+    assert call_time(hop2, c) == pytest.approx((2e-3 + wire, "inter"))
+
+
+def test_intra_node_calls_hide_under_their_own_overlap() -> None:
+    # MiCS-2 on 2 x 2, one unit, one micro-batch, gloo: the forward's one gather is inside the node (a ring of 2,
+    # intra-bound) and the root's, so unhidden; the backward's gradient reduce-scatter too (G = 2). Two units: the
+    # second's gathers hide. intra_overlap 0 exposes the intra-node time whatever overlap is; None falls back to it.
+    n = 1 << 20
+    model = ModelSpec("two", (UnitSpec("", (n,)), UnitSpec("b", (n,))), 1, 64, 64, 64, 256)
+    c = Cluster(2, 2, 1e9, 1e8, 1e-3, 1e-3, 64 * GIB, 1e10, 1e10, overlap=1.0, backend="gloo")
+    plan = Plan(Partition(2, 2, 2))
+    batch = Batch(1, 64, 1, 4)
+    colls = collectives(model, plan, Layout(4, 2), 1, 4)
+    by_phase = {ph: sum(x.calls * call_time(x, c)[0] for x in colls if x.phase == ph) for ph in ("forward", "backward")}
+    assert all(call_time(x, c)[1] == "intra" for x in colls if x.phase in ("forward", "backward"))
+    free = predict(model, plan, c, batch)
+    compute = free.breakdown["compute"]
+    root = {ph: sum(x.calls * call_time(x, c)[0] for x in colls if x.phase == ph and x.unit == "")
+            for ph in ("forward", "backward")}
+    hidden = min(by_phase["forward"] - root["forward"], compute / 3) + min(by_phase["backward"] - root["backward"],
+                                                                            2 * compute / 3)
+    assert hidden > 0.1 * (by_phase["forward"] + by_phase["backward"])
+    tail = sum(x.calls * call_time(x, c)[0] for x in colls if x.phase in ("boundary", "step"))
+    assert free.breakdown["comm_intra"] + free.breakdown["comm_inter"] == pytest.approx(
+        by_phase["forward"] + by_phase["backward"] - hidden + tail)
+    for overlap in (0.0, 1.0):
+        cpu = predict(model, plan, replace(c, overlap=overlap, overlap_intra=0.0), batch)
+        assert cpu.breakdown["comm_intra"] + cpu.breakdown["comm_inter"] == pytest.approx(
+            by_phase["forward"] + by_phase["backward"] + tail)
+    assert predict(model, plan, replace(c, overlap_intra=None), batch).step_time == free.step_time
+    with pytest.raises(ValueError, match="overlap_intra=2"):
+        replace(c, overlap_intra=2)
+
+
 def test_calibration_fits_and_overlap_by_hand() -> None:
     from zeropp.plan.calibrate import fit_line, overlap_of
 
@@ -356,7 +404,7 @@ def test_calibration_at_world_4_as_2x2_writes_a_cluster_file_the_planner_reads(t
         assert math.isfinite(fitted[name]) and fitted[name] > 0, (name, fitted[name])
     for name in ("intra_latency", "inter_latency"):  # the robust fit may put a latency at 0 under load
         assert math.isfinite(fitted[name]) and fitted[name] >= 0, (name, fitted[name])
-    assert 0.0 <= fitted["overlap"] <= 1.0 and fitted["backend"] == "gloo"
+    assert 0.0 <= fitted["overlap"] <= 1.0 and 0.0 <= fitted["overlap_intra"] <= 1.0 and fitted["backend"] == "gloo"
     loaded = Cluster.from_json(path)
     assert loaded == Cluster(**fitted)
     assert main(["--model", "tiny", "--cluster", str(path), "--json", "--top", "1"]) == 0

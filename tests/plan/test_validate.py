@@ -59,7 +59,7 @@ def test_model_step_rate_and_analyse_of_a_kept_folder(tmp_path) -> None:
     import argparse
     import json
 
-    from zeropp.plan.validate import analyse, main
+    from zeropp.plan.validate import analyse, main, summary
 
     cluster = Cluster(2, 2, 1e9, 1.25e8, 1e-5, 1e-4, 8e9, 2e10, 5e9, kernel_bw=2e9, overlap=0.0, backend="gloo")
     case = Case("mics-qgz", "1gbit", 2, 2)
@@ -85,6 +85,8 @@ def test_model_step_rate_and_analyse_of_a_kept_folder(tmp_path) -> None:
     args = argparse.Namespace(model="tiny", micro=1, seq=32, time_tol=0.15, mem_tol=0.10)
     kept = analyse(str(tmp_path), args)
     assert len(kept) == 1 and kept[0]["time_ratio"] == pytest.approx(1.0) and kept[0]["cal_overlap"] == 0.0
+    assert kept[0]["cal_overlap_intra"] == ""  # a file from before overlap_intra: the planner uses overlap
+    assert "1/1 rows from calibrations without overlap_intra" in summary(kept, args)
     assert main(["--analyse", str(tmp_path), "--model", "tiny", "--seq", "32", "--csv",
                  str(tmp_path / "out.csv")]) == 0
     assert (tmp_path / "out.csv").read_text().count("\n") == 2

@@ -24,7 +24,9 @@ so every rank writes the same numbers):
   as many matmuls as take about as long, against each alone: ``overlap = (t_comm + t_compute - t_both) /
   min(t_comm, t_compute)``, clamped to [0, 1]. On a GPU the collective runs on its own engine (about 1); on a CPU
   cluster whose collectives copy and sum on the cores the ranks compute on, it competes with compute (about 0),
-  except for the time it waits on a slow link.
+  except for the time it waits on a slow link. ``overlap_intra``: the same with the all-gather over the node's
+  ranks (``Topology.intra_group``), the time of the collectives the intra-node link bounds (on a CPU the loopback
+  is the cores' own copying: nothing to wait on).
 * **memory per rank**: the device's total memory, or on a CPU the host's physical memory over its ranks.
 
 Not measured (left at ``Cluster``'s defaults, the file says which): the host link, host memory and NVMe bandwidths
@@ -107,16 +109,17 @@ def overlap_of(comm: float, compute: float, both: float) -> float:
     return min(1.0, max(0.0, (comm + compute - both) / min(comm, compute)))
 
 
-def _overlap(topology: Topology, numel: int, matmul: torch.Tensor, repeats: int, device: torch.device) -> float:
-    """The fraction of the shorter of an all-gather over every rank and a run of matmuls that hides under the other
-    when both run at once (module docstring); every rank's the same (the slowest rank's times)."""
-    group = topology.group
+def _overlap(topology: Topology, group: dist.ProcessGroup, numel: int, matmul: torch.Tensor, repeats: int,
+             device: torch.device) -> float:
+    """The fraction of the shorter of an all-gather over ``group`` (this rank's: the world's or its node's) and a run
+    of matmuls that hides under the other when both run at once (module docstring); every rank's the same (the
+    slowest rank's times over ``topology.group``)."""
     shard = torch.ones(numel, dtype=torch.float32, device=device)
     out = [torch.empty_like(shard) for _ in range(dist.get_world_size(group))]
-    comm = _median_time(lambda: dist.all_gather(out, shard, group=group), repeats, device, group)
-    one = _median_time(lambda: matmul @ matmul, repeats, device, group)
+    comm = _median_time(lambda: dist.all_gather(out, shard, group=group), repeats, device, topology.group)
+    one = _median_time(lambda: matmul @ matmul, repeats, device, topology.group)
     count = torch.tensor([max(1, round(comm / max(one, 1e-9)))], dtype=torch.float64)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=topology.group)
     k = int(count.item())
 
     def compute() -> None:
@@ -128,10 +131,10 @@ def _overlap(topology: Topology, numel: int, matmul: torch.Tensor, repeats: int,
         compute()
         work.wait()
 
-    alone = _median_time(compute, repeats, device, group)
-    together = _median_time(both, repeats, device, group)
+    alone = _median_time(compute, repeats, device, topology.group)
+    together = _median_time(both, repeats, device, topology.group)
     times = torch.tensor([comm, alone, together], dtype=torch.float64)
-    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=topology.group)
     return overlap_of(*times.tolist())
 
 
@@ -192,7 +195,8 @@ def measure(topology: Topology, *, chunk_bytes: int = 4 << 20, matmul: int = 102
     sizes = [4 * numel for numel in numels]
     intra_alpha, intra_beta = fit_line("intra-node", sizes, steps[:len(sizes)])
     inter_alpha, inter_beta = fit_line("inter-node", sizes, steps[len(sizes):])
-    overlap = _overlap(topology, chunk_bytes // 4, a, repeats, device)
+    overlap = _overlap(topology, topology.group, chunk_bytes // 4, a, repeats, device)
+    overlap_intra = _overlap(topology, topology.intra_group, chunk_bytes // 4, a, repeats, device)
     if device.type == "cuda":
         memory = float(torch.cuda.get_device_properties(device).total_memory)
     else:
@@ -200,7 +204,7 @@ def measure(topology: Topology, *, chunk_bytes: int = 4 << 20, matmul: int = 102
     backend = "gloo" if dist.get_backend(topology.group) == "gloo" else "nccl"
     return Cluster(n, d, 1.0 / intra_beta, d / inter_beta, intra_alpha, inter_alpha, memory,
                    2.0 * matmul**3 / matmul_s, 2.0 * copy_bytes / copy_s, kernel_bw=kernel_bytes / kernel_s,
-                   overlap=overlap, backend=backend)
+                   overlap=overlap, backend=backend, overlap_intra=overlap_intra)
 
 
 def run(path: str, topology: Topology | None = None, **kwargs: Any) -> Cluster:
@@ -233,7 +237,8 @@ def main(path: str) -> int:
                   f"inter {cluster.inter_bw * 8 / 1e9:.4g} Gbit/s per node "
                   f"(alpha {cluster.inter_latency * 1e6:.3g} us), "
                   f"{cluster.flops / 1e12:.4g} TFLOP/s, {cluster.mem_bw / 1e9:.4g} GB/s memory, "
-                  f"{cluster.kernel_bw / 1e9:.4g} GB/s quantization kernels, overlap {cluster.overlap:.2f}; "
+                  f"{cluster.kernel_bw / 1e9:.4g} GB/s quantization kernels, overlap {cluster.overlap:.2f} "
+                  f"({cluster.overlap_intra:.2f} inside a node); "
                   f"not measured: "
                   f"{', '.join(NOT_MEASURED)} (defaults)")
     finally:

@@ -16,7 +16,10 @@ default) times them at ``mem_bw``, which ``bench/cost_model.py`` predicts for th
 kernels compute more per byte than a copy and the calibration measures them. ``overlap`` is the fraction of compute
 time that can hide communication (1: every prefetched gather and every bucketed reduce-scatter runs under compute;
 0: nothing overlaps, as on a CPU cluster whose collectives copy and sum on the cores the ranks compute on: the
-calibration measures it). ``backend`` is the collective library
+calibration measures it). ``overlap_intra`` is the same fraction for the collectives bounded by the intra-node link
+(``None``, the default: ``overlap``): on a CPU cluster a loopback collective is the cores' own copying and cannot
+hide under compute on them, while one that waits on a shaped node link can; the calibration measures both.
+``backend`` is the collective library
 (``BACKENDS``): torch's gloo runs an exact ``reduce_scatter_tensor`` as an all-reduce of the whole tensor and a copy
 of the rank's slice (``ProcessGroupGloo::reduce_scatter_tensor_coalesced``), twice a ring reduce-scatter's steps;
 NCCL runs a ring reduce-scatter.
@@ -56,6 +59,7 @@ class Cluster:
     kernel_bw: float | None = None
     overlap: float = 1.0
     backend: str = "nccl"
+    overlap_intra: float | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -77,6 +81,14 @@ class Cluster:
                 raise ValueError(f"cluster {name}={v!r} s must be a finite number >= 0")
         if not 0.0 <= self.overlap <= 1.0:
             raise ValueError(f"cluster overlap={self.overlap!r} must be in [0, 1]")
+        if self.overlap_intra is not None and not (isinstance(self.overlap_intra, (int, float))
+                                                   and 0.0 <= self.overlap_intra <= 1.0):
+            raise ValueError(f"cluster overlap_intra={self.overlap_intra!r} must be in [0, 1], or None (overlap)")
+
+    @property
+    def intra_overlap(self) -> float:
+        """``overlap_intra``, or ``overlap`` where it was not measured."""
+        return self.overlap if self.overlap_intra is None else self.overlap_intra
 
     @classmethod
     def default(cls, nodes: int = 2, ranks_per_node: int = 8) -> Cluster:

@@ -4,9 +4,12 @@ Step time = compute + quantization kernels + exposed communication (per link cla
 
 Overlap (the assumption): a micro-batch's forward takes 1/3 of its compute and its backward 2/3. The forward's
 gathers hide under the forward compute (prefetch) and the backward's gathers and gradient reduce-scatters under the
-backward compute (``overlap_comm``), up to ``Cluster.overlap`` of it, except the first gather of each forward and
-the last reduction of each backward, which nothing can hide; one process group runs its collectives one after
-another, so a phase's communication is the sum of its calls. The collectives at the end of the accumulation window
+backward compute (``overlap_comm``), except the first gather of each forward and the last reduction of each
+backward, which nothing can hide; one process group runs its collectives one after another, so a phase's
+communication is the sum of its calls. The calls bounded by the inter-node link hide under up to
+``Cluster.overlap`` of the compute, those bounded by the intra-node link under up to ``Cluster.intra_overlap`` of
+it less what the inter-node calls already took (equal fractions: ``overlap`` of the compute hides the phase's
+total, as with one class). The collectives at the end of the accumulation window
 (ZeRO-1's reduction, MiCS's cross-group all-reduce), after the step (stages 1 and 2's gathers, weight deltas) and
 the quantization kernels (on the compute stream) are exposed. The optimizer is memory-bound: AdamW reads and writes
 ``28 + b`` bytes per element it steps (master, two moments, gradient; the new compute-dtype weight), on the device,
@@ -77,8 +80,10 @@ class Prediction:
 
 
 def _phase(colls: list[Collective], cluster: Cluster, compute: float, unhidden: float) -> dict[str, float]:
-    """Exposed seconds per link class of one overlappable phase: everything beyond ``overlap * compute`` plus the
-    ``unhidden`` part, split in the proportion of each class's time."""
+    """Exposed seconds per link class of one overlappable phase (module docstring): of the time beyond the
+    ``unhidden`` part (taken from each class in proportion), the inter-node calls' hides under ``overlap *
+    compute``, the intra-node calls' under what is left of ``intra_overlap * compute``; the exposed total is split in
+    the proportion of each class's time."""
     spent = {"intra": 0.0, "inter": 0.0}
     for c in colls:
         t, link = call_time(c, cluster)
@@ -86,7 +91,10 @@ def _phase(colls: list[Collective], cluster: Cluster, compute: float, unhidden: 
     total = spent["intra"] + spent["inter"]
     if total == 0.0:
         return spent
-    exposed = min(total, unhidden + max(0.0, total - unhidden - cluster.overlap * compute))
+    hideable = max(0.0, total - unhidden) / total
+    hidden_inter = min(hideable * spent["inter"], cluster.overlap * compute)
+    hidden_intra = min(hideable * spent["intra"], max(0.0, cluster.intra_overlap * compute - hidden_inter))
+    exposed = total - hidden_inter - hidden_intra
     return {k: exposed * v / total for k, v in spent.items()}
 
 

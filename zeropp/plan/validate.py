@@ -18,7 +18,9 @@ weights, with ``EVERY_GATHER`` (the planner models no persistent or kept units).
   ``activations`` are transient and are not in this comparison; the peak RSS growth of the plan (``VmHWM`` reset
   before the engine is built, minus the RSS then) is printed beside the planner's total as a rough check.
 
-The planner predicts from the job's calibration file (``Cluster``: links, quantization kernels, overlap), with the
+The planner predicts from the job's calibration file (``Cluster``: links, quantization kernels, overlap; a file
+from before the calibration measured ``overlap_intra`` leaves it unset, and the planner uses ``overlap`` for every
+collective, the model of that time: its ``cal_overlap_intra`` column is empty), with the
 compute rate of the model's own forward and backward measured in the job (every rank at once, ``_model_flops``)
 instead of the calibration's matmul rate, the model preset and the batch; the table and the CSV give both, their
 ratio (measured / predicted) and whether it is within ``--time-tol`` and ``--mem-tol`` (and the ratio with the
@@ -398,6 +400,7 @@ def analyse(folder: str, args: argparse.Namespace) -> list[dict[str, Any]]:
                        cal_intra_alpha_us=cluster.intra_latency * 1e6, cal_inter_alpha_us=cluster.inter_latency * 1e6,
                        cal_gflops=cluster.flops / 1e9, model_gflops=result["model_flops"] / 1e9,
                        cal_kernel_gbs=(cluster.kernel_bw or cluster.mem_bw) / 1e9, cal_overlap=cluster.overlap,
+                       cal_overlap_intra="" if cluster.overlap_intra is None else cluster.overlap_intra,
                        load_start=result["load"][0][0], load_end=result["load"][1][0])
             rows.append(row)
     return rows
@@ -440,8 +443,11 @@ def summary(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     """How many rows are within the tolerances."""
     n = len(rows)
     times, matmul, mem = (sum(r[k] for r in rows) for k in ("time_ok", "time_ok_matmul", "mem_ok"))
+    old = sum(r.get("cal_overlap_intra") == "" for r in rows)
+    note = (f"; {old}/{n} rows from calibrations without overlap_intra (older runs): their intra-node collectives "
+            f"hide under overlap, as all did before it was measured" if old else "")
     return (f"{times}/{n} within {args.time_tol:.0%} step time (the model's own compute rate; {matmul}/{n} with the "
-            f"calibration's matmul rate), {mem}/{n} within {args.mem_tol:.0%} memory (model states)")
+            f"calibration's matmul rate), {mem}/{n} within {args.mem_tol:.0%} memory (model states){note}")
 
 
 def main(argv: list[str] | None = None) -> int:
