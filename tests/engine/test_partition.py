@@ -39,22 +39,26 @@ O(1))."""
 
 
 @pytest.mark.parametrize(
-    "world, d, sizes, splits, checkpoints, precision",
-    [(4, 2, [2], [[2, 4]], True, 2), (8, 4, [4, 2], [[4, 8]], False, 2),
-     (8, 2, [2, 4], [[2, 8], [2, 4]], False, 4)],
+    "world, d, sizes, splits, checkpoints, precision, residents",
+    [(4, 2, [2], [[2, 4]], True, 2, [[2, 2, 4]]),
+     (8, 4, [4, 2], [[4, 8]], False, 2, [[4, 4, 8], [2, 4, 8], [2, 4, 4]]),
+     (8, 2, [2, 4], [[2, 8], [2, 4]], False, 4, [[2, 2, 8], [2, 2, 4], [2, 4, 4]])],
     ids=["world4-2x2", "world8-2x4", "world8-4x2"],
 )
-def test_grouped_points_match_single_process_training(tmp_path, world, d, sizes, splits, checkpoints, precision):
+def test_grouped_points_match_single_process_training(tmp_path, world, d, sizes, splits, checkpoints, precision,
+                                                      residents):
     """Each layout also runs bf16 and fp16 at the grouped points over ``precision`` ranks (``check_precision``),
     ``(1, g, o)`` for each ``(g, o)`` of ``splits`` (``partition_workers.split_cases``: (1, node, world) on each,
     and (1, 2, 4) over two nodes of 2), the first with an Inf on one rank skipping the same step on every rank, and
     the resident point ``(p, W, W)`` (``check_resident``). World 4 also moves checkpoints ZeRO-3 -> ``(node, W, W)``
     -> ZeRO-3, MiCS -> ZeRO-3 -> MiCS, ZeRO-3 -> (1, 1, k), MiCS -> (1, k, k) -> (1, 1, k) -> MiCS, MiCS+qgZ ->
     ZeRO-3 -> MiCS+qgZ and stage 2 -> (1, 2, 4) -> (1, 1, 4) -> stage 3 -> (1, 2, 4) (exact each way) and runs
-    ``"partition": "auto"`` (``partition_workers.auto_cases``)."""
+    ``"partition": "auto"`` (``partition_workers.auto_cases``). Each layout also runs the grouped resident points
+    ``residents`` (``check_grouped_resident``)."""
     results = launch("partition_workers:mics_cases", world, tmp_path, env={"ZEROPP_RANKS_PER_NODE": str(d)},
                      timeout=600, sizes=sizes, root=str(tmp_path), checkpoints=checkpoints, splits=splits,
-                     precision=precision)
+                     precision=precision, residents=residents)
+    check_grouped_resident(results, residents, checkpoints)
     records = [r.pop("p1-g{}-o{}-inf".format(*splits[0])) for r in results]
     assert records == [[False, True, False]] * world, records
     assert all(f"p1-g{g}-o{o}" in results[0] for g, o in splits)
@@ -88,6 +92,21 @@ def test_grouped_points_match_single_process_training(tmp_path, world, d, sizes,
             assert errors < 1e-5, (key, errors)
         else:
             assert errors["norm"] < 1e-5 and errors["max"] < 1e-4, (key, errors)
+
+
+def check_grouped_resident(results: list[dict], residents: list[list[int]], checkpoints: bool) -> None:
+    """``partition_workers.grouped_resident_cases``: each grouped resident point ``(p, g, o)`` trained bit for bit
+    like ``(1, g, o)`` (``g < o``) or MiCS over ``g`` (``g = o``) on every rank (asserted there, with its byte
+    counters against the formula and ``zeropp.plan``, and its memory against ``zeropp.plan.memory``); with
+    ``checkpoints``, at the first point an Inf skipped on every rank alike, checkpoints moved ZeRO-3 -> point ->
+    MiCS -> point -> ZeRO-3 bit for bit, and qgZ refused. Pops what it checks."""
+    for point in residents:
+        assert all(r.pop("resident-p{}-g{}-o{}".format(*point)) for r in results), point
+    if checkpoints:
+        assert [r.pop("resident-skip") for r in results] == [[False, True, False]] * len(results)
+        refused = results[0].pop("refused-grouped-resident")
+        assert "zero_quantized_gradients: not combined with zeropp.partition ({}, {}, {})".format(
+            *residents[0]) in refused, refused
 
 
 def check_resident(results: list[dict], d: int, checkpoints: bool) -> None:

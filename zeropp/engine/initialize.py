@@ -15,7 +15,13 @@ from torch import nn
 from .. import comm
 from ..comm.process_group import init_distributed
 from ..config import Config, ConfigError, load_config
-from ..config.partition import grouped_refusals, mics_refusals, resident_refusals, resident_size
+from ..config.partition import (
+    grouped_refusals,
+    grouped_resident_refusals,
+    mics_refusals,
+    resident_refusals,
+    resident_size,
+)
 from . import auto_partition
 from .engine import ZeroEngine, compute_dtype
 from .materialize import MetaInit, ParamInitFn, meta_state
@@ -173,8 +179,11 @@ def _check_supported(cfg: Config, topo: comm.Topology) -> None:
     _, grads, shards = point
     resident = resident_size(point, topo.world_size)
     grouped = shards < topo.world_size or 1 < grads < shards
-    refused = (resident_refusals(cfg, resident) if resident else [] if not grouped
-               else mics_refusals(cfg, shards, d) if z.stage == 3 else grouped_refusals(cfg))
+    if resident:
+        refused = resident_refusals(cfg, resident) + (grouped_resident_refusals(cfg, point) if grouped else [])
+    else:
+        refused = ([] if not grouped else mics_refusals(cfg, shards, d) if z.stage == 3
+                   else grouped_refusals(cfg))
     if z.zeropp.weight_deltas and hpz <= 1 and not resident:  # "node" was the world: one node
         refused.append(f"zero_optimization.zeropp.weight_deltas: the partition {point} keeps no hpZ secondary on "
                        f"{topo.num_nodes} node(s) of {d} ranks; give zero_hpz_partition_size, parameters below the "

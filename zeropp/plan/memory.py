@@ -44,7 +44,7 @@ def memory(model: ModelSpec, plan: Plan, world: int, micro: int, seq: int, dtype
     whole = []
     for unit, count in model.groups():  # identical units once, times their count
         so = shard_numel(unit, align, part.optimizer)
-        ranks = world if resident else part.params
+        ranks = part.optimizer if resident else part.params
         sp = shard_numel(unit, align, ranks)
         if part.params > 1:
             out["params"] += count * sp * b

@@ -205,24 +205,27 @@ def _delta_exchange(model: ModelSpec, plan: Plan, layout: Layout, align: int, dt
     (``zeropp.engine.weight_deltas``: positions are local indices modulo ``h``; the secondary at position ``i``
     holds the shards of ranks ``i G .. (i + 1) G - 1``, ``G = P / h``); its kernels include, with qwZ, the one
     quantize per step of each updated secondary (``G S`` elements) that the intra-node gathers then send. At the
-    resident point without deltas, the exact stepped shards instead (``S b`` bytes per unit, no kernel but qwZ's
-    repack)."""
-    world, d = layout.world, layout.ranks_per_node
-    h = plan.secondary(world)
+    resident points without deltas, the exact stepped shards instead (``S b`` bytes per unit, no kernel but qwZ's
+    repack), inside this rank's OS group of ``o`` ranks (``P`` at ``(p, P, P)``; the units are laid out over it and
+    ``G = o / h``)."""
+    d = layout.ranks_per_node
+    ranks = plan.partition.optimizer if plan.partition.resident(layout.world) else layout.world
+    h = plan.secondary(layout.world)
     exact = not plan.weight_deltas
     fmt = BlockFormat(4, DEFAULT_BLOCK_SIZE)
-    nbytes = sum(count * (shard_numel(u, align, world) * dtype_bytes if exact
-                          else fmt.packed_bytes(shard_numel(u, align, world))) for u, count in model.groups())
-    group = world // h
+    nbytes = sum(count * (shard_numel(u, align, ranks) * dtype_bytes if exact
+                          else fmt.packed_bytes(shard_numel(u, align, ranks))) for u, count in model.groups())
+    group = ranks // h
+    base = layout.rank // ranks * ranks  # the OS group's first rank (node-aligned groups are consecutive ranks)
 
     def position(r: int) -> int:
         return (r % d) % h
 
     def node(r: int) -> int:
-        return r // d
+        return (base + r) // d
 
-    me = layout.rank
-    holders = [j for j in range(world) if position(j) == me // group and j != me]
+    me = layout.rank - base
+    holders = [j for j in range(ranks) if position(j) == me // group and j != me]
     owners = [j for j in range(position(me) * group, (position(me) + 1) * group) if j != me]
     sent_intra = sum(node(j) == node(me) for j in holders)
     recv_intra = sum(node(j) == node(me) for j in owners)
@@ -231,7 +234,7 @@ def _delta_exchange(model: ModelSpec, plan: Plan, layout: Layout, align: int, dt
     repack = 0.0
     if plan.weight_bits:
         for u, count in model.groups():
-            secondary = group * shard_numel(u, align, world)
+            secondary = group * shard_numel(u, align, ranks)
             repack += count * (secondary * dtype_bytes + pack_bytes(secondary, plan.weight_bits, dtype_bytes))
     what, kernel = ("stepped-shard exchange", 0.0) if exact else ("weight-delta exchange",
                                                                   2.0 * nbytes * (1 + len(holders)))
@@ -259,10 +262,10 @@ def collectives(model: ModelSpec, plan: Plan, layout: Layout, accum: int, dtype_
         start = len(out)
         name = unit.name
         if p > 1:
-            sp = shard_numel(unit, align, world if resident else p)  # resident: the units are ZeRO-3's
+            sp = shard_numel(unit, align, o if resident else p)  # resident: the units are laid out over o
             backward = 0 if name == "" else accum  # the root unit stays whole from its forward to its backward
             same, per_node = layout.same_node(p), layout.groups_per_node(p)
-            secondary = (world if resident else p) * sp // h
+            secondary = (o if resident else p) * sp // h
             kept = plan.weight_deltas or resident  # the secondaries stay from step to step
             if h > 1 and not kept:  # the step's first gather makes the secondaries
                 out.append(_gather("parameter gather", name, "forward", 1, p, same, per_node, sp, plan.weight_bits,
