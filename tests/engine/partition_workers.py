@@ -8,7 +8,9 @@ ZeRO-3 and the grouped stage-1/2 points; MiCS with qwZ and qgZ
 (``quantized_cases``) against exact MiCS, the quantized cross-group all-reduce against its bound, checkpoints
 MiCS+qgZ <-> ZeRO-3, and bf16 and fp16 (an overflow skipped on every group alike) at the grouped points
 (``precision_cases``); the resident point ``(p, W, W)`` against ZeRO-3, bit for bit, with its counters and
-checkpoints (``resident_cases``). One launch per layout runs every case."""
+checkpoints (``resident_cases``); the grouped resident points ``(p, g, o)`` against ``(1, g, o)`` or MiCS, bit for
+bit, with their counters, memory, a skipped step and checkpoints (``grouped_resident_cases``,
+``grouped_resident_extras``). One launch per layout runs every case."""
 
 from __future__ import annotations
 

@@ -18,10 +18,13 @@ gradient shards averaged once per accumulation boundary (``zeropp.engine.partiti
 micro-batch, then across the ``o / g`` groups of an ``o`` group at the boundary, optimizer states over ``o``; and at
 stage 3 the *resident* point ``(p, W, W)``, ``p`` dividing ``d``: ZeRO-3's gradients and optimizer states with the
 parameters kept over ``p`` ranks of a node (hpZ's secondary made permanent), rebuilt exactly from the stepped shards
-after each step (``resident_size``). A ``partition`` must be one of its ``stage``'s points (``engine_stage``); other
-points of the space are the planner's alone and are refused naming why (``unbuilt_reason``) and what runs.
-``mics_refusals``, ``grouped_refusals`` and ``resident_refusals`` name the options those points do not combine
-with.
+after each step (``resident_size``); and at stage 3 the *grouped resident* points ``(p, g, o)``, ``2 <= p < o``,
+``p`` dividing ``d``, with ``o`` below the world or ``g`` below ``o``: ``(1, g, o)``'s (or MiCS over ``o``'s) groups
+with that parameter copy, e.g. ``(k, k, o)`` and ``(p, k, k)``. A ``partition`` must be one of its ``stage``'s points
+(``engine_stage``); what is left (everything replicated; parameters over whole nodes below the optimizer states) is
+refused naming why (``unbuilt_reason``, ``partition_problems``) and what runs. ``mics_refusals``,
+``grouped_refusals``, ``resident_refusals`` and ``grouped_resident_refusals`` name the options those points do not
+combine with.
 
 ``"partition": "auto"`` (stage 3, without ``mics_shard_size``) leaves the choice between ZeRO-3, MiCS and the
 resident points to the planner: ``zeropp.initialize`` replaces it by the point ``zeropp.engine.auto_partition`` picks

@@ -19,8 +19,10 @@ and int2 gradients included), weight deltas and the offload tiers, and the group
 ``(1, 1, k)``, ``(1, k, k)`` and ``(1, g, o)`` with ``g < o`` (``zeropp.partition`` at stage 1 / 2, exact
 collectives; see ``Partition.grouped_stage``); and the resident point ``(p, P, P)`` for ``p`` dividing the ranks
 per node (``Partition.resident``: ZeRO-3's shards with the parameters kept over ``p`` ranks of a node, hpZ's
-secondary made permanent and rebuilt by one exact exchange after each step) with qwZ, qgZ and the offload tiers;
-other partitions are the planner's alone (``Plan.unsupported`` says why a plan cannot run).
+secondary made permanent and rebuilt by one exact exchange after each step) with qwZ, qgZ and the offload tiers, and
+the grouped resident points ``(p, g, o)``, ``1 < p < o`` (``Partition.grouped_resident``: that copy on the groups
+of ``(1, g, o)`` or MiCS over ``o``) with exact collectives; other plans are the planner's alone (``Plan.unsupported``
+says why a plan cannot run).
 """
 
 from __future__ import annotations

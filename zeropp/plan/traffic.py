@@ -4,7 +4,8 @@ Bytes come from the formulas the engine's counters record and its tests check (`
 ``gather_traffic`` for ring all-gathers and exact reduce-scatters, ``all_to_all_traffic`` for qgZ's two hops; pack
 sizes from ``zeropp.quant.BlockFormat.packed_bytes``), applied to the engine's unit layout (``shard_numel``, the
 layout of ``zeropp.engine.unit.flat_layout``). For the partitions the engine runs (stages 1-3, hpZ, weight deltas,
-and the grouped stage-1/2 points ``(1, 1, k)``, ``(1, k, k)`` and ``(1, g, o)``) the totals per kind equal
+the grouped stage-1/2 points ``(1, 1, k)``, ``(1, k, k)`` and ``(1, g, o)``, MiCS and the resident points
+``(p, g, o)``, ``1 < p < o``) the totals per kind equal
 ``zeropp.comm.stats()`` after one step (tests/engine/test_zeropp.py, tests/engine/test_partition.py); the other
 points of the space use the same formulas on their groups.
 
@@ -20,10 +21,11 @@ Per step with ``A`` micro-batches, ``P`` ranks, ``d`` per node, ``n`` nodes, eac
   exact (ring, in the compute dtype) or qgZ (an all-to-all inside the node of ``n`` packs per peer, then one across
   nodes of one pack per peer);
 * stages 1 and 2 gather the stepped shards after the optimizer step (qwZ bits when on);
-* the resident point ``(p, P, P)`` (``zeropp.engine.weight_deltas``' exact mode): the units sharded over ``P`` as
-  at stage 3, every forward and backward gather from the secondaries over ``p`` ranks of a node (``P S / p``
-  elements each; under qwZ their pack, made once per step), and one ``exchange`` per step of every unit's exact
-  stepped shard (``S b`` bytes) to the holders of this rank's shard;
+* the resident points ``(p, g, o)``, ``1 < p < o`` (``zeropp.engine.weight_deltas``' exact mode): the units
+  sharded over the ``o`` ranks of the OS group (``P`` at ``(p, P, P)``), every forward and backward gather from the
+  secondaries over ``p`` ranks of a node (``o S / p`` elements each; under qwZ their pack, made once per step), and
+  one ``exchange`` per step of every unit's exact stepped shard (``S b`` bytes) to the holders of this rank's shard
+  inside the OS group; the gradients reduced as below;
 * G sharded over fewer ranks than OS (``(1, g, o)``, ``g < o``): each micro-batch's reduce-scatter over the G group
   delivers ``o / g`` rows of the OS layout (``(o / g) S_o`` elements per rank), accumulated in float32; at the
   boundary one exact float32 reduce-scatter of every unit's rows, end to end, across the ``o / g`` G groups of the
