@@ -329,9 +329,13 @@ def mics_cases(rank: int, world: int, root: str, sizes: list[int], checkpoints: 
     if checkpoints and residents:
         out.update(grouped_resident_extras(rank, world, root, tuple(residents[0])))
     for k in sizes:
-        out.update(quantized_cases(rank, world, k, exact[k], steps))
+        out.update(quantized_cases(rank, world, k, exact[k], steps, references))
         if k > comm.get_default_topology().ranks_per_node:
             out.update(hpz_case(rank, world, k, exact[k][0], steps))
+    for point in residents:
+        if point[1] == point[2]:  # (p, k, k): qwZ and qgZ as MiCS over k
+            out.update(grouped_resident_quantized(rank, world, tuple(point), references[("qwz8-qgz4", point[2])],
+                                                  steps))
     if precision:
         out.update(precision_cases(rank, world, precision))
     out.update(resident_cases(rank, world, root, checkpoints))
@@ -533,12 +537,13 @@ def _expected_quantized_all_reduce(engine, bits: int, block: int) -> dict[str, i
 
 
 def quantized_cases(rank: int, world: int, k: int, exact: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]],
-                    steps: int) -> dict:
+                    steps: int, references: dict | None = None) -> dict:
     """MiCS over ``k`` with qwZ (int8) and qgZ (int4, the cross-group all-reduce included), trained as
     ``mics_cases``'s accumulation-1 case: its distance to that exact MiCS run and to single-process training
     (``exact``: their master weights), relative to their update; that every rank ends with the same weights; the
     cross-group all-reduce's counters against the formula; then the quantized all-reduce alone on fresh inputs
-    (``_replica_bound``)."""
+    (``_replica_bound``). The masters go into ``references`` under ``("qwz8-qgz4", k)``
+    (``grouped_resident_quantized``)."""
     config = _config(2, 1, {"stage": 3, "mics_shard_size": k, "zero_quantized_weights": True,
                             "zero_quantized_gradients": True})
     engine, _, _, _ = zeropp.initialize(model=GPT(MODEL, seed=rank), config=config)
@@ -553,6 +558,8 @@ def quantized_cases(rank: int, world: int, k: int, exact: tuple[dict[str, torch.
     assert got == want, (got, want)
     assert _planned_all_reduce(Plan(Partition(k, k, k), weight_bits=8, gradient_bits=4), world, rank, 1) == got
     masters = mics_masters(engine)
+    if references is not None:
+        references[("qwz8-qgz4", k)] = masters
     key = f"k{k}-qwz8-qgz4"
     out = {key + "-vs-mics": _rel_to_update(masters, exact[0]),
            key + "-vs-single": _rel_to_update(masters, exact[1]),
@@ -967,3 +974,28 @@ def grouped_resident_extras(rank: int, world: int, root: str, point: tuple[int, 
         raise AssertionError(f"qgZ at {point} was accepted")
     except ConfigError as e:
         return {"resident-skip": record, "refused-grouped-resident": str(e)}
+
+
+def grouped_resident_quantized(rank: int, world: int, point: tuple[int, int, int],
+                               reference: dict[str, torch.Tensor], steps: int) -> dict:
+    """``(p, k, k)`` with qwZ (int8) and qgZ (int4), trained as ``quantized_cases``' MiCS over ``k`` with the same
+    options: the fp32 masters bit for bit those of that run (``reference``; the gathers inside the ``p`` group send
+    the resident copy's qwZ pack, whose blocks are the shards' blocks; the reductions are MiCS's), and the last
+    step's byte counters equal ``zeropp.plan``'s traffic for the plan (``"resident-p{p}-g{k}-o{k}-qwz8-qgz4"``:
+    True)."""
+    zero = _grouped_resident_zero(point, zero_quantized_weights=True, zero_quantized_gradients=True)
+    engine = zeropp.initialize(model=GPT(MODEL, seed=rank), config=_config(2, 1, zero))[0]
+    assert engine.comm.hpz == point[0] and engine.mics.replica_bits == 4 and engine.comm.weight_bits == 8
+    data = batches(steps, 2 * world)
+    _train(engine, rank, world, 2, 1, data[:-1])
+    comm.reset_stats()
+    _train(engine, rank, world, 2, 1, data[-1:])
+    got = {kind: {f: v for f, v in t.items() if f != "calls"} for kind, t in comm.stats().items() if t["calls"]}
+    plan = Plan(Partition(*point), weight_bits=8, gradient_bits=4)
+    planned = totals(collectives(from_preset("tiny:nobias"), plan,
+                                 Layout(world, comm.get_default_topology().ranks_per_node, rank), 1, 4))
+    assert got == planned, ("zeropp.plan", point, got, planned)
+    masters = mics_masters(engine)
+    assert all(torch.equal(masters[n], t) for n, t in reference.items()), point
+    engine.destroy()
+    return {"resident-p{}-g{}-o{}-qwz8-qgz4".format(*point): True}

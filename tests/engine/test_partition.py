@@ -98,11 +98,15 @@ def test_grouped_points_match_single_process_training(tmp_path, world, d, sizes,
 def check_grouped_resident(results: list[dict], residents: list[list[int]], checkpoints: bool) -> None:
     """``partition_workers.grouped_resident_cases``: each grouped resident point ``(p, g, o)`` trained bit for bit
     like ``(1, g, o)`` (``g < o``) or MiCS over ``g`` (``g = o``) on every rank (asserted there, with its byte
-    counters against the formula and ``zeropp.plan``, and its memory against ``zeropp.plan.memory``); with
+    counters against the formula and ``zeropp.plan``, and its memory against ``zeropp.plan.memory``), and
+    ``(p, k, k)`` with qwZ and qgZ bit for bit like MiCS over ``k`` with them (its counters against ``zeropp.plan``);
+    with
     ``checkpoints``, at the first point an Inf skipped on every rank alike, checkpoints moved ZeRO-3 -> point ->
     MiCS -> point -> ZeRO-3 bit for bit, and qgZ refused. Pops what it checks."""
     for point in residents:
         assert all(r.pop("resident-p{}-g{}-o{}".format(*point)) for r in results), point
+        if point[1] == point[2]:
+            assert all(r.pop("resident-p{}-g{}-o{}-qwz8-qgz4".format(*point)) for r in results), point
     if checkpoints:
         assert [r.pop("resident-skip") for r in results] == [[False, True, False]] * len(results)
         refused = results[0].pop("refused-grouped-resident")

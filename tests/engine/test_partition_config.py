@@ -292,7 +292,8 @@ def test_grouped_resident_points(world, d, point):
 
 
 def test_grouped_resident_refusals():
-    """``grouped_resident_refusals`` names qwZ, qgZ, weight deltas, the offload tiers and OneBitAdam, each once."""
+    """``grouped_resident_refusals`` names qwZ and qgZ (with gradients below the optimizer states), weight deltas,
+    the offload tiers and OneBitAdam, each once; ``(p, k, k)`` takes qwZ and qgZ."""
     zero = {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
             "offload_optimizer": {"device": "cpu"}, "zeropp": {"partition": part(2, 2, 4), "weight_deltas": True}}
     onebit = load_config({**BASE, "optimizer": {"type": "OneBitAdam", "params": {}},
@@ -304,3 +305,5 @@ def test_grouped_resident_refusals():
         assert sum(needle in line for line in refused) == 1, (needle, refused)
     assert all("not combined with zeropp.partition (2, " in line for line in refused), refused
     assert grouped_resident_refusals(parse(4, stage=3, zeropp={"partition": part(2, 2, 4)}), (2, 2, 4)) == []
+    assert grouped_resident_refusals(parse(8, stage=3, zero_quantized_weights=True, zero_quantized_gradients=True,
+                                           zeropp={"partition": part(2, 4, 4)}), (2, 4, 4)) == []

@@ -350,14 +350,16 @@ def grouped_refusals(config: Any) -> list[str]:
 def grouped_resident_refusals(config: Any, point: tuple[int, int, int]) -> list[str]:
     """Why each option of ``config`` (a ``zeropp.config.Config``) that a grouped resident point ``(p, g, o)``
     (``2 <= p < o``, with ``o`` below the world or ``g`` below ``o``: ``zeropp.engine.partition``) does not combine
-    with in this build is refused, one message each (empty: none), on top of ``resident_refusals``: those points run
-    exact collectives only."""
+    with in this build is refused, one message each (empty: none), on top of ``resident_refusals``. ``(p, k, k)``
+    runs qwZ and qgZ as MiCS over ``k`` does (the resident copy's qwZ pack, MiCS's quantized reductions); with
+    ``g < o`` the collectives are exact only."""
     z = config.zero_optimization
     w = "zero_optimization"
+    split = point[1] < point[2]
     return _refusals(config, (
-        (z.zero_quantized_weights, f"{w}.zero_quantized_weights",
+        (z.zero_quantized_weights and split, f"{w}.zero_quantized_weights",
          "qwZ's pack of the resident copy inside a shard group is not tested; the groups gather exactly"),
-        (z.zero_quantized_gradients, f"{w}.zero_quantized_gradients",
+        (z.zero_quantized_gradients and split, f"{w}.zero_quantized_gradients",
          "qgZ would quantize the reduce-scatter inside the gradient group while the boundary's reductions across "
          "groups stay exact fp32; that split is not built"),
         (z.zeropp.weight_deltas, f"{w}.zeropp.weight_deltas",

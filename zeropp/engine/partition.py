@@ -57,7 +57,10 @@ holders of its row (``zeropp.engine.weight_deltas``' exact mode), which rebuilds
 ``(k, k, o)`` is MiCS over ``k`` for parameters and gradients with the boundary's reduce-scatter across the ``o / k``
 groups and the optimizer states over ``o``, and ``(p, k, k)`` is MiCS over ``k`` with the parameters over ``p``.
 Training is the same, bit for bit, as ``(1, g, o)`` (and ``(p, k, k)`` as MiCS over ``k``): the same layout,
-reductions and step. A checkpoint is stage 3's at ``o`` ranks, written by the first group (``save``).
+reductions and step. ``(p, k, k)`` takes qwZ and qgZ as MiCS does (the gathers inside the ``p`` group send the
+resident copy's qwZ pack, the reductions are MiCS's quantized ones), again bit for bit MiCS's with them; with
+``g < o`` the collectives are exact (``zeropp.config.partition.grouped_resident_refusals``). A checkpoint is stage
+3's at ``o`` ranks, written by the first group (``save``).
 """
 
 from __future__ import annotations

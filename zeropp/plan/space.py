@@ -21,8 +21,8 @@ collectives; see ``Partition.grouped_stage``); and the resident point ``(p, P, P
 per node (``Partition.resident``: ZeRO-3's shards with the parameters kept over ``p`` ranks of a node, hpZ's
 secondary made permanent and rebuilt by one exact exchange after each step) with qwZ, qgZ and the offload tiers, and
 the grouped resident points ``(p, g, o)``, ``1 < p < o`` (``Partition.grouped_resident``: that copy on the groups
-of ``(1, g, o)`` or MiCS over ``o``) with exact collectives; other plans are the planner's alone (``Plan.unsupported``
-says why a plan cannot run).
+of ``(1, g, o)`` or MiCS over ``o``) with exact collectives, ``(p, k, k)`` also with qwZ and qgZ; other plans are
+the planner's alone (``Plan.unsupported`` says why a plan cannot run).
 """
 
 from __future__ import annotations
@@ -159,13 +159,15 @@ class Plan:
                 return (f"the resident point keeps parameters over {resident} ranks, across nodes; the engine keeps "
                         f"them inside a node (docs/partition.md)")
             if self.partition.grouped_resident(world):
-                refused = [name for name, on in (("qwZ", self.weight_bits), ("qgZ", self.gradient_bits),
+                split = self.partition.grads < self.partition.optimizer  # (p, k, k) quantizes as MiCS
+                refused = [name for name, on in (("qwZ", split and self.weight_bits),
+                                                 ("qgZ", split and self.gradient_bits),
                                                  ("hpZ", self.hpz not in (1, resident)),
                                                  ("weight deltas", self.weight_deltas),
                                                  ("offload", self.offload != "none")) if on]
                 if refused:
-                    return (f"a grouped resident point runs with exact collectives only; {', '.join(refused)} "
-                            "refused (docs/partition.md)")
+                    return (f"a grouped resident point runs with exact collectives (qwZ and qgZ at (p, k, k)); "
+                            f"{', '.join(refused)} refused (docs/partition.md)")
                 return None
             if self.hpz not in (1, resident) or self.weight_deltas:
                 return "the resident point runs with qwZ, qgZ and offload; hpZ and weight deltas are its own copy"

@@ -144,10 +144,12 @@ def _gather(what: str, unit: str, phase: str, calls: int, group: int, same: int,
 
 def _reduce(unit: str, phase: str, calls: int, group: int, layout: Layout, numel: int, plan: Plan,
             dtype_bytes: int) -> list[Collective]:
-    """A reduce-scatter of ``group * numel`` elements to ``numel`` per rank over a node-aligned group."""
+    """A reduce-scatter of ``group * numel`` elements to ``numel`` per rank over a node-aligned group; under qgZ a
+    group inside one node runs hop 1 alone (``zeropp.comm.reduce_scatter``: the ``d`` packs summed into the fp32
+    output)."""
     d = min(group, layout.ranks_per_node)
     nodes = group // d
-    if not plan.gradient_bits or nodes == 1:
+    if not plan.gradient_bits or group == 1:
         chunk = numel * dtype_bytes
         return [Collective("reduce_scatter", "gradient reduce-scatter", unit, phase, "ring", group, d,
                            layout.ranks_per_node // d, chunk, calls, gather_traffic(chunk, group, d))]
@@ -156,9 +158,12 @@ def _reduce(unit: str, phase: str, calls: int, group: int, layout: Layout, numel
     pack1, pack = first.packed_bytes(numel), fmt.packed_bytes(numel)
     out = []
     if d > 1:  # hop 1 (swizzled quantize of all P slices, then the fused reduce-requantize of d runs)
-        kernel = group * numel * dtype_bytes + group * pack1 + d * nodes * pack1 + nodes * pack
+        last = nodes * pack if nodes > 1 else numel * 4  # one node: the d packs dequantized and summed
+        kernel = group * numel * dtype_bytes + group * pack1 + d * nodes * pack1 + last
         out.append(Collective("reduce_scatter", "qgZ hop 1 (intra-node)", unit, phase, "pairwise", d, d, 1,
                               nodes * pack1, calls, all_to_all_traffic(nodes * pack1, d - 1, 0), kernel))
+    if nodes == 1:
+        return out
     kernel = nodes * pack + numel * 4 + (0 if d > 1 else group * numel * dtype_bytes + group * pack)
     out.append(Collective("reduce_scatter", "qgZ hop 2 (inter-node)", unit, phase, "pairwise", nodes, 1,
                           layout.ranks_per_node, pack, calls, all_to_all_traffic(pack, 0, nodes - 1), kernel))
