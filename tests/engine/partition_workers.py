@@ -375,8 +375,10 @@ def precision_cases(rank: int, world: int, k: int, steps: int = 3) -> dict:
     over the world with the same micro-batch and accumulation (``"bf16-s{stage}-a{accum}"``: the distance of the
     fp32 masters relative to the update, and the masters' sums for the every-rank check; the stage's own point, not
     ZeRO-3, since stage 1 sums its micro-batches in the bf16 ``.grad``: 1.8e-2 of the update from ZeRO-3 at
-    accumulation 2); then fp16 (loss scale 2^8, hysteresis 1) under MiCS, ``(1, 1, k)`` and ``(1, k, k)`` with an
-    Inf in one element of one weight's gradient on rank 1 (one group) at step 1: per step whether it was skipped and
+    accumulation 2); the grouped resident point ``(2, k, world)`` in bf16 against ``(1, k, world)``'s masters, bit
+    for bit (``"grouped-resident-bf16-bit-identical"``); then fp16 (loss scale 2^8, hysteresis 1) under MiCS,
+    ``(1, 1, k)`` and ``(1, k, k)`` with an Inf in one element of one weight's gradient on rank 1 (one group) at
+    step 1: per step whether it was skipped and
     the loss scale (equal on every rank, checked here after each step: the Inf reaches the other groups through the
     cross-group all-reduce, which runs before the check), the skipped step leaving masters, shards and moments
     unchanged bit for bit (checked here), and the distance to fp16 ZeRO-3 with the same Inf. At every grouped run
@@ -421,6 +423,8 @@ def precision_cases(rank: int, world: int, k: int, steps: int = 3) -> dict:
     got, _ = run({**_config(2, 2, _split_zero(k, world)), **bf16}, 2, False)  # against the last: stage 2
     out["bf16-split-a2"] = _rel_to_update(got, want)
     out["bf16-split-a2-weights"] = {n: float(p.double().sum()) for n, p in got.items()}
+    resident, _ = run({**_config(2, 2, _grouped_resident_zero((2, k, world))), **bf16}, 2, False)
+    out["grouped-resident-bf16-bit-identical"] = all(torch.equal(resident[n], got[n]) for n in got)
     fp16 = {"fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}}
     want, want_record = run({**_config(2, 1, {"stage": 3}), **fp16}, 1, True)
     for stage in (3, 1, 2):

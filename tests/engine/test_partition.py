@@ -99,10 +99,11 @@ def check_grouped_resident(results: list[dict], residents: list[list[int]], chec
     """``partition_workers.grouped_resident_cases``: each grouped resident point ``(p, g, o)`` trained bit for bit
     like ``(1, g, o)`` (``g < o``) or MiCS over ``g`` (``g = o``) on every rank (asserted there, with its byte
     counters against the formula and ``zeropp.plan``, and its memory against ``zeropp.plan.memory``), and
-    ``(p, k, k)`` with qwZ and qgZ bit for bit like MiCS over ``k`` with them (its counters against ``zeropp.plan``);
-    with
+    ``(p, k, k)`` with qwZ and qgZ bit for bit like MiCS over ``k`` with them (its counters against ``zeropp.plan``),
+    and ``(2, k, W)`` in bf16 bit for bit like ``(1, k, W)`` in bf16 (``precision_cases``); with
     ``checkpoints``, at the first point an Inf skipped on every rank alike, checkpoints moved ZeRO-3 -> point ->
     MiCS -> point -> ZeRO-3 bit for bit, and qgZ refused. Pops what it checks."""
+    assert all(r.pop("grouped-resident-bf16-bit-identical") for r in results)  # (2, k, W) in bf16
     for point in residents:
         assert all(r.pop("resident-p{}-g{}-o{}".format(*point)) for r in results), point
         if point[1] == point[2]:
