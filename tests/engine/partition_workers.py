@@ -328,6 +328,11 @@ def mics_cases(rank: int, world: int, root: str, sizes: list[int], checkpoints: 
     out.update(grouped_resident_cases(rank, world, residents, references, steps))
     if checkpoints and residents:
         out.update(grouped_resident_extras(rank, world, root, tuple(residents[0])))
+    elif residents and residents[-1][2] < world:  # the replicas: the first group writes, every group loads
+        zero = _grouped_resident_zero(residents[-1])
+        _checkpoint_chain(rank, world, Path(root) / "ckpt-grouped-resident",
+                          (("resident", zero), ("stage3", {"stage": 3}), ("resident-again", zero)))
+        out["resident-replicas-checkpoints"] = True
     for k in sizes:
         out.update(quantized_cases(rank, world, k, exact[k], steps, references))
         if k > comm.get_default_topology().ranks_per_node:

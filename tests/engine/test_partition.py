@@ -102,12 +102,15 @@ def check_grouped_resident(results: list[dict], residents: list[list[int]], chec
     ``(p, k, k)`` with qwZ and qgZ bit for bit like MiCS over ``k`` with them (its counters against ``zeropp.plan``),
     and ``(2, k, W)`` in bf16 bit for bit like ``(1, k, W)`` in bf16 (``precision_cases``); with
     ``checkpoints``, at the first point an Inf skipped on every rank alike, checkpoints moved ZeRO-3 -> point ->
-    MiCS -> point -> ZeRO-3 bit for bit, and qgZ refused. Pops what it checks."""
+    MiCS -> point -> ZeRO-3 bit for bit, and qgZ refused; without, at the last point (replicated: ``o`` below the
+    world) checkpoints moved point -> ZeRO-3 -> point bit for bit. Pops what it checks."""
     assert all(r.pop("grouped-resident-bf16-bit-identical") for r in results)  # (2, k, W) in bf16
     for point in residents:
         assert all(r.pop("resident-p{}-g{}-o{}".format(*point)) for r in results), point
         if point[1] == point[2]:
             assert all(r.pop("resident-p{}-g{}-o{}-qwz8-qgz4".format(*point)) for r in results), point
+    if not checkpoints and residents[-1][2] < len(results):
+        assert all(r.pop("resident-replicas-checkpoints") for r in results)
     if checkpoints:
         assert [r.pop("resident-skip") for r in results] == [[False, True, False]] * len(results)
         refused = results[0].pop("refused-grouped-resident")
