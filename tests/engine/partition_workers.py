@@ -8,9 +8,10 @@ ZeRO-3 and the grouped stage-1/2 points; MiCS with qwZ and qgZ
 (``quantized_cases``) against exact MiCS, the quantized cross-group all-reduce against its bound, checkpoints
 MiCS+qgZ <-> ZeRO-3, and bf16 and fp16 (an overflow skipped on every group alike) at the grouped points, and fp16
 at the resident point (``precision_cases``); the resident point ``(p, W, W)`` against ZeRO-3, bit for bit, with its
-counters and checkpoints (``resident_cases``); ``"partition": "auto"``'s picks against the planner's first choice
-among the runnable points, and its runs against the explicit configs (``auto_cases``). One launch per layout runs
-every case."""
+counters and checkpoints (``resident_cases``); the grouped resident points ``(p, g, o)`` against ``(1, g, o)`` or
+MiCS, bit for bit, with their counters, memory, a skipped step and checkpoints (``grouped_resident_cases``,
+``grouped_resident_extras``); ``"partition": "auto"``'s picks against the planner's first choice among the runnable
+points, and its runs against the explicit configs (``auto_cases``). One launch per layout runs every case."""
 
 from __future__ import annotations
 
@@ -167,13 +168,14 @@ def _check_states_and_norms(engine, plan: Plan | None, world: int, micro: int,
 
 
 def split_cases(rank: int, world: int, root: str, splits: list[list[int]], checkpoints: bool,
-                steps: int = 4) -> dict:
+                steps: int = 4, references: dict | None = None) -> dict:
     """``(1, g, o)`` for each ``(g, o)`` of ``splits`` at accumulation 2 with clipping: against single-process training
     (``"p1-g{g}-o{o}"``: the worst relative errors; the clipped norms within 1e-5), every rank's weights
     (``-weights``), the groups' layout, the last boundary's byte counters against the formula (``_expected_split``)
     and ``zeropp.plan``'s traffic, the model states' bytes against ``zeropp.plan.memory``; for the first split, an
     Inf in one gradient element on rank 1 at step 1 skips that step on every rank alike, leaving masters, shards and
-    moments unchanged bit for bit (``"p1-g{g}-o{o}-inf"``: per step whether it was skipped). With ``checkpoints``
+    moments unchanged bit for bit (``"p1-g{g}-o{o}-inf"``: per step whether it was skipped); each run's whole
+    weights into ``references`` under ``(1, g, o)`` (``grouped_resident_cases``). With ``checkpoints``
     (the first split): stage 2 -> ``(1, g, o)`` -> ``(1, 1, o)`` -> stage 3 -> ``(1, g, o)``, each load bit for bit."""
     out: dict = {}
     micro, accum, clip = 1, 2, 0.5
@@ -203,6 +205,8 @@ def split_cases(rank: int, world: int, root: str, splits: list[list[int]], check
         key = f"p1-g{g}-o{o}"
         out[key] = {"norm": max(e[0] for e in errors.values()), "max": max(e[1] for e in errors.values())}
         out[key + "-weights"] = {n: float(p.double().sum()) for n, p in engine.full_parameters().items()}
+        if references is not None:
+            references[(1, g, o)] = {n: p.detach().clone() for n, p in engine.full_parameters().items()}
         engine.destroy()
         if (g, o) == tuple(splits[0]):
             out[key + "-inf"] = _split_skip(rank, world, g, o)
@@ -250,10 +254,15 @@ def _split_checkpoints(rank: int, world: int, root: str, g: int, o: int) -> None
     """Stage 2 saves; ``(1, g, o)`` loads it (the same weights, bit for bit), trains a step and saves; ``(1, 1, o)``
     loads that, trains and saves; stage 3 loads that, trains and saves; ``(1, g, o)`` loads that. Each load bit for
     bit."""
+    _checkpoint_chain(rank, world, Path(root) / "ckpt-split",
+                      (("stage2", {"stage": 2}), ("split", _split_zero(g, o)), ("stage1-o", _zero(1, o, 2)),
+                       ("stage3", {"stage": 3}), ("split-again", _split_zero(g, o))))
+
+
+def _checkpoint_chain(rank: int, world: int, ckpt: Path, chain: tuple[tuple[str, dict], ...]) -> None:
+    """Each ``(tag, zero)`` of ``chain`` in turn: an engine under ``zero`` loads the previous one's checkpoint (the
+    same weights, bit for bit), trains a step and saves under ``tag``."""
     data = batches(1, 2 * world)
-    ckpt = Path(root) / "ckpt-split"
-    chain = (("stage2", {"stage": 2}), ("split", _split_zero(g, o)), ("stage1-o", _zero(1, o, 2)),
-             ("stage3", {"stage": 3}), ("split-again", _split_zero(g, o)))
     saver, previous = None, None
     for seed, (tag, zero) in enumerate(chain):
         engine = zeropp.initialize(model=GPT(MODEL, seed=seed + 10), config=_config(2, 1, zero))[0]
@@ -269,7 +278,7 @@ def _split_checkpoints(rank: int, world: int, root: str, g: int, o: int) -> None
 
 
 def mics_cases(rank: int, world: int, root: str, sizes: list[int], checkpoints: bool, splits: list[list[int]],
-               precision: int = 0,
+               precision: int = 0, residents: list[list[int]] = (),
                steps: int = 4) -> dict:
     """For each group size in ``sizes`` and each of ``CASES`` (MiCS at accumulation 1 and 2, clipping on in the
     second; ``(1, 1, k)`` and ``(1, k, k)`` at accumulation 2, for the last size only: the layouts' last sizes are
@@ -277,8 +286,10 @@ def mics_cases(rank: int, world: int, root: str, sizes: list[int], checkpoints: 
     return the worst relative errors; check the groups' layout, that every rank ends with the same weights, the
     byte counters of one boundary; with ``precision`` (a group size), bf16 and fp16 at the grouped points over it
     (``precision_cases``); then, with ``checkpoints``, move a checkpoint MiCS -> ZeRO-3 -> MiCS and MiCS ->
-    ``(1, k, k)`` -> ``(1, 1, k)`` -> MiCS; then ``split_cases`` for ``splits``."""
-    out: dict = split_cases(rank, world, root, splits, checkpoints, steps)
+    ``(1, k, k)`` -> ``(1, 1, k)`` -> MiCS; then ``split_cases`` for ``splits``, and ``grouped_resident_cases`` for
+    ``residents`` against those runs and MiCS's at accumulation 2."""
+    references: dict = {}
+    out: dict = split_cases(rank, world, root, splits, checkpoints, steps, references)
     exact: dict[int, tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]] = {}
     for k in sizes:
         for stage, micro, accum, clip in CASES if k == sizes[-1] else CASES[:2]:
@@ -313,13 +324,27 @@ def mics_cases(rank: int, world: int, root: str, sizes: list[int], checkpoints: 
             key = f"s{stage}-k{k}-m{micro}-a{accum}-clip{clip}"
             if stage == 3 and accum == 1:
                 exact[k] = (mics_masters(engine), {n: p.detach().clone() for n, p in ref.named_parameters()})
+            elif stage == 3:
+                references[(k, k, k)] = {n: p.detach().clone() for n, p in engine.full_parameters().items()}
             out[key] = {"norm": max(e[0] for e in errors.values()), "max": max(e[1] for e in errors.values())}
             out[key + "-weights"] = {n: float(p.double().sum()) for n, p in engine.full_parameters().items()}
             engine.destroy()
+    out.update(grouped_resident_cases(rank, world, residents, references, steps))
+    if checkpoints and residents:
+        out.update(grouped_resident_extras(rank, world, root, tuple(residents[0])))
+    elif residents and residents[-1][2] < world:  # the replicas: the first group writes, every group loads
+        zero = _grouped_resident_zero(residents[-1])
+        _checkpoint_chain(rank, world, Path(root) / "ckpt-grouped-resident",
+                          (("resident", zero), ("stage3", {"stage": 3}), ("resident-again", zero)))
+        out["resident-replicas-checkpoints"] = True
     for k in sizes:
-        out.update(quantized_cases(rank, world, k, exact[k], steps))
+        out.update(quantized_cases(rank, world, k, exact[k], steps, references))
         if k > comm.get_default_topology().ranks_per_node:
             out.update(hpz_case(rank, world, k, exact[k][0], steps))
+    for point in residents:
+        if point[1] == point[2]:  # (p, k, k): qwZ and qgZ as MiCS over k
+            out.update(grouped_resident_quantized(rank, world, tuple(point), references[("qwz8-qgz4", point[2])],
+                                                  steps))
     if precision:
         out.update(precision_cases(rank, world, precision))
     out.update(resident_cases(rank, world, root, checkpoints))
@@ -359,8 +384,10 @@ def precision_cases(rank: int, world: int, k: int, steps: int = 3) -> dict:
     over the world with the same micro-batch and accumulation (``"bf16-s{stage}-a{accum}"``: the distance of the
     fp32 masters relative to the update, and the masters' sums for the every-rank check; the stage's own point, not
     ZeRO-3, since stage 1 sums its micro-batches in the bf16 ``.grad``: 1.8e-2 of the update from ZeRO-3 at
-    accumulation 2); then fp16 (loss scale 2^8, hysteresis 1) under MiCS, ``(1, 1, k)`` and ``(1, k, k)`` with an
-    Inf in one element of one weight's gradient on rank 1 (one group) at step 1: per step whether it was skipped and
+    accumulation 2); the grouped resident point ``(2, k, world)`` in bf16 against ``(1, k, world)``'s masters, bit
+    for bit (``"grouped-resident-bf16-bit-identical"``); then fp16 (loss scale 2^8, hysteresis 1) under MiCS,
+    ``(1, 1, k)`` and ``(1, k, k)`` with an Inf in one element of one weight's gradient on rank 1 (one group) at
+    step 1: per step whether it was skipped and
     the loss scale (equal on every rank, checked here after each step: the Inf reaches the other groups through the
     cross-group all-reduce, which runs before the check), the skipped step leaving masters, shards and moments
     unchanged bit for bit (checked here), and the distance to fp16 ZeRO-3 with the same Inf. At every grouped run
@@ -413,6 +440,8 @@ def precision_cases(rank: int, world: int, k: int, steps: int = 3) -> dict:
     got, _ = run({**_config(2, 2, _split_zero(k, world)), **bf16}, 2, False)  # against the last: stage 2
     out["bf16-split-a2"] = _rel_to_update(got, want)
     out["bf16-split-a2-weights"] = {n: float(p.double().sum()) for n, p in got.items()}
+    resident, _ = run({**_config(2, 2, _grouped_resident_zero((2, k, world))), **bf16}, 2, False)
+    out["grouped-resident-bf16-bit-identical"] = all(torch.equal(resident[n], got[n]) for n in got)
     fp16 = {"fp16": {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}}
     want, want_record = run({**_config(2, 1, {"stage": 3}), **fp16}, 1, True)
     for stage in (3, 1, 2):
@@ -523,16 +552,16 @@ def auto_cases(rank: int, world: int, root: str, steps: int = 2) -> dict:
     above = [m for m in need if m > zero3_memory]
     memories = {"default": None, "zero3": (zero3_memory + above[0]) / 2, "mid": (above[0] + above[1]) / 2}
     auto = {"zeropp": {"partition": "auto"}}
-    cases = [(name, {"stage": 3, **auto}, memory, {}) for name, memory in memories.items()]
+    cases = [(name, {"stage": 3, **auto}, budget, {}) for name, budget in memories.items()]
     cases += [("qgz", {"stage": 3, "zero_quantized_gradients": True, **auto}, None, {"gradient_bits": 4}),
               ("hpz", {"stage": 3, "zero_hpz_partition_size": 2, **auto}, None, {"hpz": 2}),
               ("stage2", {"stage": 2, **auto}, None, {})]
     data = batches(steps, 2 * world)
     out: dict = {}
-    for name, zero, memory, options in cases:
-        config, printed = _auto_resolve(rank, root, zero, memory)
+    for name, zero, budget, options in cases:
+        config, printed = _auto_resolve(rank, root, zero, budget)
         point = config.zero_optimization.partition_point(world, d)
-        want = _auto_want(world, d, zero["stage"], memory, **options)
+        want = _auto_want(world, d, zero["stage"], budget, **options)
         assert point == want, (name, point, want)
         stage = config.zero_optimization.stage
         assert ("-> stage {}, ({}, {}, {})".format(stage, *point) in printed) == (rank == 0), (name, printed)
@@ -594,12 +623,13 @@ def _expected_quantized_all_reduce(engine, bits: int, block: int) -> dict[str, i
 
 
 def quantized_cases(rank: int, world: int, k: int, exact: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]],
-                    steps: int) -> dict:
+                    steps: int, references: dict | None = None) -> dict:
     """MiCS over ``k`` with qwZ (int8) and qgZ (int4, the cross-group all-reduce included), trained as
     ``mics_cases``'s accumulation-1 case: its distance to that exact MiCS run and to single-process training
     (``exact``: their master weights), relative to their update; that every rank ends with the same weights; the
     cross-group all-reduce's counters against the formula; then the quantized all-reduce alone on fresh inputs
-    (``_replica_bound``)."""
+    (``_replica_bound``). The masters go into ``references`` under ``("qwz8-qgz4", k)``
+    (``grouped_resident_quantized``)."""
     config = _config(2, 1, {"stage": 3, "mics_shard_size": k, "zero_quantized_weights": True,
                             "zero_quantized_gradients": True})
     engine, _, _, _ = zeropp.initialize(model=GPT(MODEL, seed=rank), config=config)
@@ -614,6 +644,8 @@ def quantized_cases(rank: int, world: int, k: int, exact: tuple[dict[str, torch.
     assert got == want, (got, want)
     assert _planned_all_reduce(Plan(Partition(k, k, k), weight_bits=8, gradient_bits=4), world, rank, 1) == got
     masters = mics_masters(engine)
+    if references is not None:
+        references[("qwz8-qgz4", k)] = masters
     key = f"k{k}-qwz8-qgz4"
     out = {key + "-vs-mics": _rel_to_update(masters, exact[0]),
            key + "-vs-single": _rel_to_update(masters, exact[1]),
@@ -918,3 +950,138 @@ def resident_combos(rank: int, world: int, steps: int = 2) -> dict:
             engine.destroy()
         out[f"resident-{name}-bit-identical"] = all(torch.equal(masters[0][n], masters[1][n]) for n in masters[1])
     return out
+
+
+def _grouped_resident_zero(point: list[int] | tuple[int, ...], **extra) -> dict:
+    """A grouped resident point ``(p, g, o)`` at stage 3, every unit gathered at every use (each forward and backward
+    gather counted), with ``extra`` ``zero_optimization`` keys."""
+    return {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0,
+            "zeropp": {"partition": dict(zip(("parameters", "gradients", "optimizer"), point))}, **extra}
+
+
+def _expected_grouped_resident(engine, accum: int) -> dict[str, dict[str, int]]:
+    """A grouped resident point's counters for one applied step, by hand (``zeropp.comm.accounting``): the
+    gradient reductions of ``(1, g, o)`` (``_expected_split``: every micro-batch over the ``g`` group, at the
+    boundary over the peers when ``g < o``, then over the replicas) or of MiCS over ``o`` (every micro-batch over
+    the shard group, then the replicas), and the resident point's gathers inside the ``p`` group and its exchange
+    inside the shard group (``_expected_resident`` on the engine's shard topology)."""
+    groups = engine.mics
+    numel = sum(u.shard_numel for u in engine.units)
+    if groups.gradient_split is not None:
+        out = {kind: dict(t) for kind, t in _expected_split(engine, accum).items() if kind != "all_gather"}
+    else:
+        topo = groups.shard_topology
+        once = gather_traffic(numel * 4, topo.world_size, topo.same_node_count(topo.group))
+        t = comm.Traffic()
+        for _ in range(accum):
+            t = t + once
+        out = {"reduce_scatter": {"sent_intra": t.sent_intra, "sent_inter": t.sent_inter,
+                                  "recv_intra": t.recv_intra, "recv_inter": t.recv_inter}}
+        if groups.replicas > 1:
+            out["all_reduce"] = {f: v for f, v in _expected_all_reduce(engine).items() if f != "calls"}
+    for kind, counted in _expected_resident(engine, accum).items():
+        out[kind] = {f: v for f, v in counted.items() if f != "calls"}
+    return out
+
+
+def grouped_resident_cases(rank: int, world: int, points: list[list[int]], references: dict, steps: int = 4) -> dict:
+    """Each grouped resident point ``(p, g, o)`` of ``points`` at accumulation 2 with clipping, the batches of
+    ``_train_beside``: the groups' and the resident copy's layout; the last step's byte counters against the formula
+    (``_expected_grouped_resident``) and ``zeropp.plan``'s traffic; the model states' and the resident copy's bytes
+    against ``zeropp.plan.memory``; the whole weights bit for bit those of ``references[(1, g, o)]`` (``g < o``) or
+    ``references[(g, g, g)]`` (MiCS, ``g = o``), trained by ``split_cases`` / ``mics_cases`` on the same batches
+    (``"resident-p{p}-g{g}-o{o}"``: True)."""
+    out: dict = {}
+    micro, accum, clip = 1, 2, 0.5
+    d = comm.get_default_topology().ranks_per_node
+    for point in map(tuple, points):
+        p, g, o = point
+        engine = zeropp.initialize(model=GPT(MODEL, seed=rank),
+                                   config=_config(micro, accum, _grouped_resident_zero(point), clip))[0]
+        groups = engine.mics
+        assert engine.stage == 3 and engine.comm.hpz == p and engine.comm.world_size == o
+        assert engine.weight_deltas is not None and engine.weight_deltas.exact
+        assert groups.replicas == world // o and (groups.gradient_split is None) == (g == o)
+        for i, (inputs, targets) in enumerate(batches(steps, micro * accum * world)):
+            if i == steps - 1:
+                comm.reset_stats()
+            _train(engine, rank, world, micro, accum, [(inputs, targets)])
+        stats = comm.stats()
+        got = {kind: {f: v for f, v in t.items() if f != "calls"} for kind, t in stats.items() if t["calls"]}
+        want = _expected_grouped_resident(engine, accum)
+        assert got == want, ("formula", point, got, want)
+        plan = Plan(Partition(*point))
+        planned = totals(collectives(from_preset("tiny:nobias"), plan, Layout(world, d, rank), accum, 4))
+        assert got == planned, ("zeropp.plan", point, got, planned)
+        mem = memory(from_preset("tiny:nobias"), plan, world, micro, 64, 4)
+        assert state_bytes(engine) == {key: mem[key] for key in ("params", "grads", "optimizer")}, (
+            point, state_bytes(engine), mem)
+        assert mem["secondary"] == sum(u.secondary.nbytes for u in engine.units), (point, mem)
+        reference = references[(1, g, o) if g < o else (g, g, g)]
+        full = engine.full_parameters()
+        assert all(torch.equal(full[n], t) for n, t in reference.items()), point
+        out["resident-p{}-g{}-o{}".format(*point)] = True
+        engine.destroy()
+    return out
+
+
+def grouped_resident_extras(rank: int, world: int, root: str, point: tuple[int, int, int], steps: int = 3) -> dict:
+    """At the grouped resident ``point`` (fp32, accumulation 2): an Inf in one gradient element on rank 1 at step 1
+    skips that step on every rank alike (``"resident-skip"``: per step whether it was skipped), leaving masters,
+    shards, moments and the resident copy unchanged bit for bit, with no exchange; a checkpoint moves ZeRO-3 ->
+    ``point`` -> MiCS over ``g`` -> ``point`` -> ZeRO-3, each load bit for bit; qgZ is refused
+    (``"refused-grouped-resident"``: the message)."""
+    engine = zeropp.initialize(model=GPT(MODEL, seed=rank), config=_config(1, 2, _grouped_resident_zero(point)))[0]
+    weight = dict(engine.module.named_parameters())["blocks.0.mlp.c_fc.weight"]
+    record = []
+    for step, batch in enumerate(batches(steps, 2 * world)):
+        handle = weight.register_hook(_spoil) if step == 1 and rank == 1 else None
+        before = _masters_and_state(engine, engine.optimizer)
+        secondaries = [u.secondary.clone() for u in engine.units]
+        comm.reset_stats()
+        _train(engine, rank, world, 1, 2, [batch])
+        if handle is not None:
+            handle.remove()
+        after = _masters_and_state(engine, engine.optimizer)
+        unchanged = all(torch.equal(before[n], after[n]) for n in before)
+        kept = all(torch.equal(a, u.secondary) for a, u in zip(secondaries, engine.units))
+        assert unchanged == kept == engine.overflow, step
+        assert (comm.stats()["exchange"]["calls"] == 0) == engine.overflow, step
+        assert all(u.grad_accumulator is None or not u.grad_accumulator.any() for u in engine.units)
+        record.append(engine.overflow)
+    engine.destroy()
+    zero = _grouped_resident_zero(point)
+    _checkpoint_chain(rank, world, Path(root) / "ckpt-grouped-resident",
+                      (("stage3", {"stage": 3}), ("resident", zero), ("mics", _zero(3, point[1], 2)),
+                       ("resident-again", zero), ("stage3-again", {"stage": 3})))
+    try:
+        zeropp.initialize(model=GPT(MODEL, seed=0),
+                          config=_config(2, 1, _grouped_resident_zero(point, zero_quantized_gradients=True)))
+        raise AssertionError(f"qgZ at {point} was accepted")
+    except ConfigError as e:
+        return {"resident-skip": record, "refused-grouped-resident": str(e)}
+
+
+def grouped_resident_quantized(rank: int, world: int, point: tuple[int, int, int],
+                               reference: dict[str, torch.Tensor], steps: int) -> dict:
+    """``(p, k, k)`` with qwZ (int8) and qgZ (int4), trained as ``quantized_cases``' MiCS over ``k`` with the same
+    options: the fp32 masters bit for bit those of that run (``reference``; the gathers inside the ``p`` group send
+    the resident copy's qwZ pack, whose blocks are the shards' blocks; the reductions are MiCS's), and the last
+    step's byte counters equal ``zeropp.plan``'s traffic for the plan (``"resident-p{p}-g{k}-o{k}-qwz8-qgz4"``:
+    True)."""
+    zero = _grouped_resident_zero(point, zero_quantized_weights=True, zero_quantized_gradients=True)
+    engine = zeropp.initialize(model=GPT(MODEL, seed=rank), config=_config(2, 1, zero))[0]
+    assert engine.comm.hpz == point[0] and engine.mics.replica_bits == 4 and engine.comm.weight_bits == 8
+    data = batches(steps, 2 * world)
+    _train(engine, rank, world, 2, 1, data[:-1])
+    comm.reset_stats()
+    _train(engine, rank, world, 2, 1, data[-1:])
+    got = {kind: {f: v for f, v in t.items() if f != "calls"} for kind, t in comm.stats().items() if t["calls"]}
+    plan = Plan(Partition(*point), weight_bits=8, gradient_bits=4)
+    planned = totals(collectives(from_preset("tiny:nobias"), plan,
+                                 Layout(world, comm.get_default_topology().ranks_per_node, rank), 1, 4))
+    assert got == planned, ("zeropp.plan", point, got, planned)
+    masters = mics_masters(engine)
+    assert all(torch.equal(masters[n], t) for n, t in reference.items()), point
+    engine.destroy()
+    return {"resident-p{}-g{}-o{}-qwz8-qgz4".format(*point): True}

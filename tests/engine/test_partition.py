@@ -1,7 +1,8 @@
 """The grouped points in the engine (``zeropp.engine.partition``: MiCS ``(k, k, k)`` at stage 3, ``(1, 1, k)`` at
 stage 1, ``(1, k, k)`` and ``(1, g, o)`` with ``g < o`` at stage 2) on real gloo processes: world 4 as 2 x 2
 emulated nodes (groups of 2) and world 8 as 2 x 4 (groups of 4 and 2) and 4 x 2 (groups of 2 and 4), one launch per
-layout running every point.
+layout running every point; the grouped resident points ``(p, g, o)``, ``2 <= p < o`` (``(k, k, o)``, ``(p, k, k)``,
+``(p, g, o)`` with ``p < g < o``) bit for bit against ``(1, g, o)`` or MiCS over ``g`` in the same launches.
 
 Against plain single-process training (engine_workers.py's reference) with the bars of test_engine.py, not bit for
 bit: each point averages each gradient element over its group of ``k`` ranks (gloo's sum, one division) and then
@@ -40,22 +41,26 @@ O(1))."""
 
 
 @pytest.mark.parametrize(
-    "world, d, sizes, splits, checkpoints, precision",
-    [(4, 2, [2], [[2, 4]], True, 2), (8, 4, [4, 2], [[4, 8]], False, 2),
-     (8, 2, [2, 4], [[2, 8], [2, 4]], False, 4)],
+    "world, d, sizes, splits, checkpoints, precision, residents",
+    [(4, 2, [2], [[2, 4]], True, 2, [[2, 2, 4]]),
+     (8, 4, [4, 2], [[4, 8]], False, 2, [[4, 4, 8], [2, 4, 8], [2, 4, 4]]),
+     (8, 2, [2, 4], [[2, 8], [2, 4]], False, 4, [[2, 2, 8], [2, 2, 4], [2, 4, 4]])],
     ids=["world4-2x2", "world8-2x4", "world8-4x2"],
 )
-def test_grouped_points_match_single_process_training(tmp_path, world, d, sizes, splits, checkpoints, precision):
+def test_grouped_points_match_single_process_training(tmp_path, world, d, sizes, splits, checkpoints, precision,
+                                                      residents):
     """Each layout also runs bf16 and fp16 at the grouped points over ``precision`` ranks (``check_precision``),
     ``(1, g, o)`` for each ``(g, o)`` of ``splits`` (``partition_workers.split_cases``: (1, node, world) on each,
     and (1, 2, 4) over two nodes of 2), the first with an Inf on one rank skipping the same step on every rank, and
     the resident point ``(p, W, W)`` (``check_resident``). World 4 also moves checkpoints ZeRO-3 -> ``(node, W, W)``
     -> ZeRO-3, MiCS -> ZeRO-3 -> MiCS, ZeRO-3 -> (1, 1, k), MiCS -> (1, k, k) -> (1, 1, k) -> MiCS, MiCS+qgZ ->
     ZeRO-3 -> MiCS+qgZ and stage 2 -> (1, 2, 4) -> (1, 1, 4) -> stage 3 -> (1, 2, 4) (exact each way) and runs
-    ``"partition": "auto"`` over every point the engine runs (``partition_workers.auto_cases``, ``check_auto``)."""
+    ``"partition": "auto"`` over every point the engine runs (``partition_workers.auto_cases``, ``check_auto``).
+    Each layout also runs the grouped resident points ``residents`` (``check_grouped_resident``)."""
     results = launch("partition_workers:mics_cases", world, tmp_path, env={"ZEROPP_RANKS_PER_NODE": str(d)},
                      timeout=600, sizes=sizes, root=str(tmp_path), checkpoints=checkpoints, splits=splits,
-                     precision=precision)
+                     precision=precision, residents=residents)
+    check_grouped_resident(results, residents, checkpoints)
     records = [r.pop("p1-g{}-o{}-inf".format(*splits[0])) for r in results]
     assert records == [[False, True, False]] * world, records
     assert all(f"p1-g{g}-o{o}" in results[0] for g, o in splits)
@@ -89,13 +94,14 @@ def test_grouped_points_match_single_process_training(tmp_path, world, d, sizes,
             assert errors["norm"] < 1e-5 and errors["max"] < 1e-4, (key, errors)
 
 
-AUTO_PICKS = {"default": (1, 2, 2), "zero3": (4, 4, 4), "mid": (1, 4, 4), "qgz": (2, 2, 2), "hpz": (2, 4, 4),
+AUTO_PICKS = {"default": (1, 2, 2), "zero3": (4, 4, 4), "mid": (1, 4, 4), "qgz": (2, 2, 2), "hpz": (2, 2, 4),
               "stage2": (1, 2, 2)}
 """``"partition": "auto"``'s picks for the tiny GPT on 2 x 2 (``partition_workers.auto_cases``, which checks each
 against the planner's first choice among the runnable points): at 80 GiB ZeRO-2 inside each node's pair (fewest
 bytes across nodes, no parameter gathers); with memory only ZeRO-3 fits in, ZeRO-3; with a little more, ZeRO-2; with
 qgZ (which the grouped stage-1/2 points refuse) MiCS inside each node; under hpZ (which stages 1, 2 and MiCS inside a
-node refuse) the resident point over the hpZ size; stage 2 as a ceiling keeps the first pick."""
+node refuse) the grouped resident point (2, 2, 4), parameters over the hpZ size; stage 2 as a ceiling keeps the
+first pick."""
 
 
 def check_auto(results: list[dict]) -> None:
@@ -105,6 +111,29 @@ def check_auto(results: list[dict]) -> None:
         assert all(tuple(r.pop(f"auto-{name}")) == point for r in results), name
     for r in results:
         assert "no point at stage 3 or below fits in" in r.pop("auto-refused")
+
+
+def check_grouped_resident(results: list[dict], residents: list[list[int]], checkpoints: bool) -> None:
+    """``partition_workers.grouped_resident_cases``: each grouped resident point ``(p, g, o)`` trained bit for bit
+    like ``(1, g, o)`` (``g < o``) or MiCS over ``g`` (``g = o``) on every rank (asserted there, with its byte
+    counters against the formula and ``zeropp.plan``, and its memory against ``zeropp.plan.memory``), and
+    ``(p, k, k)`` with qwZ and qgZ bit for bit like MiCS over ``k`` with them (its counters against ``zeropp.plan``),
+    and ``(2, k, W)`` in bf16 bit for bit like ``(1, k, W)`` in bf16 (``precision_cases``); with
+    ``checkpoints``, at the first point an Inf skipped on every rank alike, checkpoints moved ZeRO-3 -> point ->
+    MiCS -> point -> ZeRO-3 bit for bit, and qgZ refused; without, at the last point (replicated: ``o`` below the
+    world) checkpoints moved point -> ZeRO-3 -> point bit for bit. Pops what it checks."""
+    assert all(r.pop("grouped-resident-bf16-bit-identical") for r in results)  # (2, k, W) in bf16
+    for point in residents:
+        assert all(r.pop("resident-p{}-g{}-o{}".format(*point)) for r in results), point
+        if point[1] == point[2]:
+            assert all(r.pop("resident-p{}-g{}-o{}-qwz8-qgz4".format(*point)) for r in results), point
+    if not checkpoints and residents[-1][2] < len(results):
+        assert all(r.pop("resident-replicas-checkpoints") for r in results)
+    if checkpoints:
+        assert [r.pop("resident-skip") for r in results] == [[False, True, False]] * len(results)
+        refused = results[0].pop("refused-grouped-resident")
+        assert "zero_quantized_gradients: not combined with zeropp.partition ({}, {}, {})".format(
+            *residents[0]) in refused, refused
 
 
 def check_resident(results: list[dict], d: int, checkpoints: bool) -> None:

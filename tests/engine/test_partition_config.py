@@ -7,7 +7,14 @@ from __future__ import annotations
 import pytest
 
 from zeropp.config import Config, ConfigError, load_config, to_dict
-from zeropp.config.partition import PartitionConfig, resident_refusals, resident_size, stage_point
+from zeropp.config.partition import (
+    PartitionConfig,
+    engine_stage,
+    grouped_resident_refusals,
+    resident_refusals,
+    resident_size,
+    stage_point,
+)
 from zeropp.engine import auto_partition
 from zeropp.plan import Cluster
 
@@ -164,10 +171,7 @@ def test_mics_shard_size_of_the_world_is_stage_3():
         (8, {"stage": 1, "zeropp": {"partition": part(1, 2, 8)}},
          ["partition=(1, 2, 8) is not the point of zero_optimization.stage=1 (1, 1, 8)", "runs at stage 2"]),
         (8, {"stage": 2, "zeropp": {"partition": part(2, 2, 8)}},
-         ["partition=(2, 2, 8) is not run by the engine", "would step a sub-shard", "stage 3 = (8, 8, 8)",
-          "(1, g, o) at stage 2", "(k, 8, 8) at stage 3"]),
-        (8, {"stage": 3, "zeropp": {"partition": part(2, 4, 4)}},
-         ["partition=(2, 4, 4) is not run by the engine", "(2, 8, 8) or (4, 4, 4) run"]),
+         ["partition=(2, 2, 8) is not the point of zero_optimization.stage=2", "it runs at stage 3"]),
         (8, {"stage": 2, "zeropp": {"partition": part(2, "world", "world")}},
          ["partition=(2, 8, 8) is not the point of zero_optimization.stage=2", "runs at stage 3"]),
         (8, {"stage": 3, "zeropp": {"weight_deltas": True}}, ["weight_deltas=true", "hpZ off",
@@ -177,9 +181,8 @@ def test_mics_shard_size_of_the_world_is_stage_3():
         (4, {"stage": 3, "mics_shard_size": 0}, ["mics_shard_size=0 must be -1 (off"]),
         (4, {"stage": 3, "mics_shard_size": 1}, ["mics_shard_size=1 replicates everything", "plain data"]),
         (4, {"stage": 3, "zeropp": {"partition": part(1, 1, 1)}}, ["partition=(1, 1, 1) is not run",
-                                                                    "plain data parallelism"]),
-        (8, {"stage": 3, "zeropp": {"partition": part(2, 2, 4)}}, ["partition=(2, 2, 4) is not run",
-                                                                    "MiCS (k, k, k)"]),
+                                                                    "plain data parallelism", "MiCS (k, k, k)",
+                                                                    "(p, g, o) at stage 3 with 2 <= p < o"]),
         (4, {"stage": 3, "mics_shard_size": "2"}, ["mics_shard_size='2'"]),
         (4, {"stage": 3, "mics_hierarchical_params_gather": True},
          ["mics_hierarchical_params_gather=true", "needs zero_optimization.mics_shard_size"]),
@@ -213,13 +216,15 @@ GROUPED_2X2 = {(1, 1, 2), (1, 2, 2), (1, 2, 4)}
 
 
 @pytest.mark.parametrize("stage, zero, want, reason", [
-    (3, {}, GROUPED_2X2 | {(1, 1, 4), (1, 4, 4), (4, 4, 4), (2, 2, 2), (2, 4, 4)}, None),
+    (3, {}, GROUPED_2X2 | {(1, 1, 4), (1, 4, 4), (4, 4, 4), (2, 2, 2), (2, 4, 4), (2, 2, 4)}, None),
     (2, {}, GROUPED_2X2 | {(1, 1, 4), (1, 4, 4)}, None),
     (1, {}, {(1, 1, 4), (1, 1, 2)}, None),
     (3, {"zero_quantized_gradients": True}, {(1, 1, 4), (1, 4, 4), (4, 4, 4), (2, 2, 2), (2, 4, 4)},
      "zero_quantized_gradients: not combined with a grouped stage-"),
-    (3, {"zero_hpz_partition_size": 2}, {(4, 4, 4), (2, 4, 4)}, "zero_hpz_partition_size=2 applies to the stage-3"),
-    (3, {"offload_param": {"device": "cpu"}}, {(4, 4, 4)}, "offload_param: not combined with zeropp.partition"),
+    (3, {"zero_hpz_partition_size": 2}, {(4, 4, 4), (2, 4, 4), (2, 2, 4)},
+     "zero_hpz_partition_size=2 applies to the stage-3"),
+    (3, {"offload_param": {"device": "cpu"}}, {(4, 4, 4)},
+     "offload_param: not combined with zeropp.partition (2, 2, 4) in this build"),
     (3, {"offload_optimizer": {"device": "cpu"}}, {(1, 1, 4), (1, 4, 4), (4, 4, 4), (2, 4, 4)},
      "offload_optimizer / offload_param / zeropp.memory_budget: not combined with MiCS"),
 ])
@@ -315,3 +320,39 @@ def test_resident_point_refusals():
     assert len(refused) == 1 and "delta_refresh_interval / delta_refresh_bits" in refused[0], refused
     assert resident_refusals(parse(8, stage=3, zero_hpz_partition_size=4, zeropp={
         **resident, "weight_deltas": True, "delta_refresh_interval": 1}), 4) == []
+
+
+@pytest.mark.parametrize("world,d,point", [(4, 2, (2, 2, 4)), (8, 4, (4, 4, 8)), (8, 4, (2, 4, 8)), (8, 4, (2, 4, 4)),
+                                           (8, 4, (2, 2, 4)), (8, 2, (2, 2, 8)), (8, 2, (2, 4, 4)),
+                                           (8, 2, (2, 4, 8)), (16, 8, (4, 8, 16))])
+def test_grouped_resident_points(world, d, point):
+    """``(p, g, o)`` with ``2 <= p < o`` (``o`` below the world or ``g`` below ``o``) runs at stage 3 as a resident
+    point when ``p`` divides the ranks per node, names stage 3 at another stage, and is refused when the
+    parameters' groups span nodes."""
+    p = point[0]
+    c = parse(world, stage=3, zeropp={"partition": part(*point)})
+    assert c.zero.partition_point(world, d) == point and Config.parse(to_dict(c), world) == c
+    assert engine_stage(point, world) == 3 and resident_size(point, world) == p
+    assert "it runs at stage 3: set zero_optimization.stage to 3" in err(world, stage=2,
+                                                                        zeropp={"partition": part(*point)})
+    with pytest.raises(ConfigError, match=rf"partition=\({p}, .* keeps the parameters over groups of {p} ranks, "
+                                          rf"which span nodes \({p // 2} ranks per node\)"):
+        c.zero.partition_point(world, p // 2)
+
+
+def test_grouped_resident_refusals():
+    """``grouped_resident_refusals`` names qwZ and qgZ (with gradients below the optimizer states), weight deltas,
+    the offload tiers and OneBitAdam, each once; ``(p, k, k)`` takes qwZ and qgZ."""
+    zero = {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
+            "offload_optimizer": {"device": "cpu"}, "zeropp": {"partition": part(2, 2, 4), "weight_deltas": True}}
+    onebit = load_config({**BASE, "optimizer": {"type": "OneBitAdam", "params": {}},
+                          "zero_optimization": {"stage": 3, "zeropp": {"partition": part(2, 4, 4)}}}, world_size=8)
+    refused = (grouped_resident_refusals(load_config({**BASE, "zero_optimization": zero}, world_size=4), (2, 2, 4))
+               + grouped_resident_refusals(onebit, (2, 4, 4)))
+    for needle in ("zero_quantized_weights", "zero_quantized_gradients", "weight_deltas", "offload_optimizer",
+                   "OneBitAdam"):
+        assert sum(needle in line for line in refused) == 1, (needle, refused)
+    assert all("not combined with zeropp.partition (2, " in line for line in refused), refused
+    assert grouped_resident_refusals(parse(4, stage=3, zeropp={"partition": part(2, 2, 4)}), (2, 2, 4)) == []
+    assert grouped_resident_refusals(parse(8, stage=3, zero_quantized_weights=True, zero_quantized_gradients=True,
+                                           zeropp={"partition": part(2, 4, 4)}), (2, 4, 4)) == []

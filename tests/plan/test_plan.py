@@ -284,10 +284,22 @@ def test_memory_order_offload_and_what_runs_today() -> None:
         "weight_bits": 8, "partition": {"parameters": 2, "gradients": "world", "optimizer": "world"}}}
     assert "weight deltas" in predict(model, Plan(Partition(2, world, world), hpz=2, weight_deltas=True), c,
                                       batch).unsupported
-    amsp = predict(model, Plan(Partition(2, 2, world)), c, batch)
-    assert amsp.unsupported is not None and amsp.config is None
+    amsp = predict(model, Plan(Partition(2, 2, world)), c, batch)  # a grouped resident point: (k, k, o)
+    assert amsp.unsupported is None and amsp.label == f"P2/G2/OS{world}", amsp.label
+    assert amsp.config == {"stage": 3, "zeropp": {"partition": {"parameters": 2, "gradients": 2,
+                                                                 "optimizer": "world"}}}
+    assert amsp.memory["grads"] == split.memory["grads"]  # (1, 2, world)'s gradient shard and rows
+    assert "qgZ" in predict(model, Plan(Partition(2, 2, world), gradient_bits=4), c, batch).unsupported
     tight = rank_plans(model, cluster(1e9, memory=1e6), batch, ("none",))
     assert not tight[0].fits and "No plan fits" in why(tight)
+    # a plan that does not fit is never named as a tie of one that does, however close its step time
+    ranked = rank_plans(model, c, batch, ("none",))
+    ties = lambda ps: re.search(r"Within 0\.5% of it: (.*?)\.", why(ps))  # noqa: E731
+    close = replace(ranked[1], step_time=ranked[0].step_time)
+    assert ranked[0].fits and close.fits and close.label in ties([ranked[0], close, *ranked[2:]]).group(1)
+    spilled = replace(close, fits=False)
+    named = ties([ranked[0], spilled, *ranked[2:]])
+    assert named is None or spilled.label not in named.group(1)
     # every plan that runs today has a zero_optimization the config loader takes
     for p in rank_plans(model, c, batch, lossy="all"):
         if p.unsupported is None:

@@ -18,10 +18,13 @@ gradient shards averaged once per accumulation boundary (``zeropp.engine.partiti
 micro-batch, then across the ``o / g`` groups of an ``o`` group at the boundary, optimizer states over ``o``; and at
 stage 3 the *resident* point ``(p, W, W)``, ``p`` dividing ``d``: ZeRO-3's gradients and optimizer states with the
 parameters kept over ``p`` ranks of a node (hpZ's secondary made permanent), rebuilt exactly from the stepped shards
-after each step (``resident_size``). A ``partition`` must be one of its ``stage``'s points (``engine_stage``); other
-points of the space are the planner's alone and are refused naming why (``unbuilt_reason``) and what runs.
-``mics_refusals``, ``grouped_refusals`` and ``resident_refusals`` name the options those points do not combine
-with.
+after each step (``resident_size``); and at stage 3 the *grouped resident* points ``(p, g, o)``, ``2 <= p < o``,
+``p`` dividing ``d``, with ``o`` below the world or ``g`` below ``o``: ``(1, g, o)``'s (or MiCS over ``o``'s) groups
+with that parameter copy, e.g. ``(k, k, o)`` and ``(p, k, k)``. A ``partition`` must be one of its ``stage``'s points
+(``engine_stage``); what is left (everything replicated; parameters over whole nodes below the optimizer states) is
+refused naming why (``unbuilt_reason``, ``partition_problems``) and what runs. ``mics_refusals``,
+``grouped_refusals``, ``resident_refusals`` and ``grouped_resident_refusals`` name the options those points do not
+combine with.
 
 ``"partition": "auto"`` (without ``mics_shard_size``) leaves the choice to the planner among the points the engine
 runs at ``stage`` or below (the stage is a ceiling: stage 3 lets it pick any point, stage 2 never shards the
@@ -112,27 +115,30 @@ def _aligned(k: int, ranks_per_node: int) -> bool:
 
 
 def resident_size(point: tuple[int, int, int], world: int) -> int | None:
-    """``p`` when ``point`` is the resident point ``(p, W, W)``, ``2 <= p < W`` (``world = W``): the parameters kept
-    as a partition over ``p`` ranks (module docstring); None for every other point."""
-    p = point[0]
-    return p if 2 <= p < world and point == (p, world, world) else None
+    """``p`` when ``point`` ``(p, g, o)`` (one that satisfies the constraints) keeps its parameters *resident* over
+    ``2 <= p < o`` ranks (module docstring): the resident point ``(p, W, W)`` and the grouped resident points
+    ``(p, g, o)`` with ``o`` below the world or ``g`` below ``o``; None for every other point (``world = W`` is
+    kept for the callers' symmetry with ``engine_stage``)."""
+    p, _, o = point
+    return p if 2 <= p < o <= world else None
 
 
 def resident_given(partition: PartitionConfig | str | None, world: int) -> bool:
-    """Whether ``partition`` (as parsed, the ranks per node unknown) asks for a resident point ``(p, W, W)``:
-    gradients and optimizer states over the world, parameters over fewer ranks but more than one (``"node"``
-    counts: it is the world only on one node, where ``partition_point`` then runs ZeRO-3)."""
+    """Whether ``partition`` (as parsed, the ranks per node unknown) asks for a resident point: parameters over more
+    than one rank and fewer than the optimizer states (``"node"`` counts unless both are ``"node"``; on one node,
+    where ``"node"`` is the world, ``partition_point`` then runs ZeRO-3 or refuses)."""
     if not isinstance(partition, PartitionConfig):
         return False
-    p, g, o = partition.factors(world, None)
-    return g == o == world and p not in (1, world)
+    p, _, o = partition.factors(world, None)
+    return p not in (1, o)
 
 
 def engine_stage(point: tuple[int, int, int], world: int) -> int | None:
-    """The stage whose engine runs ``point`` ``(p, g, o)`` at ``world`` ranks: the stages' own points, for
-    ``2 <= k < world`` the grouped points ``(1, 1, k)`` (1), ``(1, k, k)`` (2) and ``(k, k, k)`` (3, MiCS),
-    ``(1, g, o)`` with ``1 < g < o``, ``g`` dividing ``o`` (2; ``o`` may be the world) and the resident point
-    ``(k, world, world)`` (3); None for the points the engine does not run."""
+    """The stage whose engine runs ``point`` ``(p, g, o)`` (one that satisfies the constraints) at ``world`` ranks:
+    the stages' own points, for ``2 <= k < world`` the grouped points ``(1, 1, k)`` (1), ``(1, k, k)`` (2) and
+    ``(k, k, k)`` (3, MiCS), ``(1, g, o)`` with ``1 < g < o`` (2; ``o`` may be the world) and every resident point
+    ``(p, g, o)``, ``2 <= p < o`` (3, ``resident_size``); None for the points the engine does not run (everything
+    replicated, ``o = 1``)."""
     p, g, o = point
     for stage in (1, 2, 3):
         if point == stage_point(stage, world):
@@ -148,18 +154,9 @@ def engine_stage(point: tuple[int, int, int], world: int) -> int | None:
 
 def unbuilt_reason(point: tuple[int, int, int], world: int) -> str:
     """Why the engine does not run ``point`` ``(p, g, o)`` (one that satisfies the constraints, ``engine_stage``
-    None) at ``world`` ranks: what it would take, and the nearest point that runs."""
-    p, g, o = point
-    if o == 1:
-        return "every rank holding everything is plain data parallelism, which is not supported"
-    if 1 < p < g:
-        return (f"parameters resident over {p} ranks with gradients over {g} and optimizer states over {o} ranks: of "
-                f"these points the engine runs ({p}, {world}, {world}) alone (hpZ's secondary over {p} ranks of a node "
-                f"made permanent, rebuilt from the world's stepped shards after each step); gradients or optimizer "
-                f"states below the world would need the groups' shards reduced across groups as well; "
-                f"({p}, {world}, {world}) or ({g}, {g}, {g}) run")
-    return (f"parameters and gradients over {g} ranks with optimizer states over {o} would step a sub-shard of "
-            f"the gradient shard; not built: ({o}, {o}, {o}) or ({g}, {g}, {g}) run")
+    None) at ``world`` ranks: only the replicated point ``o = 1`` is left."""
+    return (f"{_label(point)} at {world} ranks replicates everything on every rank (plain data parallelism), which is "
+            "not supported")
 
 
 def partition_problems(stage: int, partition: PartitionConfig | str | None, mics_shard_size: int, world: int,
@@ -172,7 +169,7 @@ def partition_problems(stage: int, partition: PartitionConfig | str | None, mics
     runs = (f"the engine runs stage 1 = (1, 1, {world}), stage 2 = (1, {world}, {world}), stage 3 = "
             f"({world}, {world}, {world}) and, with k >= 2 a node-aligned divisor of {world} below it, (1, 1, k) at "
             f"stage 1, (1, k, k) at stage 2 and MiCS (k, k, k) at stage 3, (1, g, o) at stage 2 with 1 < g < o, "
-            f"g dividing o, and (k, {world}, {world}) at stage 3 with k dividing the ranks per node, as (parameters, "
+            f"g dividing o, and (p, g, o) at stage 3 with 2 <= p < o, p dividing the ranks per node, as (parameters, "
             f"gradients, optimizer)")
     if mics_shard_size != MICS_OFF:
         key = f"{w}.mics_shard_size"
@@ -231,9 +228,10 @@ def partition_problems(stage: int, partition: PartitionConfig | str | None, mics
                                 f"nor its grouped point; it runs at stage {runs_at}: set {w}.stage to {runs_at}"))
         elif ranks_per_node is not None and resident_size(given, world) and ranks_per_node % pg:
             out.append((_WHERE, f"{_WHERE}={_label(given)} keeps the parameters over groups of {pg} ranks, which "
-                                f"span nodes ({ranks_per_node} ranks per node): the resident copy is hpZ's secondary "
-                                f"partition, built inside one node (comm.Topology.partition_ranks); use \"node\" or "
-                                f"a divisor of {ranks_per_node} for parameters, or ({pg}, {pg}, {pg}) (MiCS)"))
+                                f"span nodes ({ranks_per_node} ranks per node), below the optimizer states' {og}: "
+                                f"the resident copy is hpZ's secondary partition, built inside one node "
+                                f"(comm.Topology.partition_ranks); use \"node\" or a divisor of {ranks_per_node} for "
+                                f"parameters, or ({pg}, {pg}, {pg}) (MiCS)"))
     return out
 
 
@@ -305,9 +303,10 @@ def mics_refusals(config: Any, size: int | None = None, ranks_per_node: int | No
     ), "MiCS (mics_shard_size / zeropp.partition (k, k, k), k below the world)")
 
 
-def resident_refusals(config: Any, size: int) -> list[str]:
-    """Why each option of ``config`` (a ``zeropp.config.Config``) that the resident point ``(size, W, W)`` does not
-    combine with in this build is refused, one message each (empty: none). ``zero_hpz_partition_size`` equal to
+def resident_refusals(config: Any, size: int, point: tuple[int, int, int] | None = None) -> list[str]:
+    """Why each option of ``config`` (a ``zeropp.config.Config``) that the resident point ``(size, W, W)`` (or the
+    grouped resident ``point`` with parameters over ``size``, named in the messages) does not combine with in this
+    build is refused, one message each (empty: none). ``zero_hpz_partition_size`` equal to
     ``size`` says the same thing twice and is accepted; weight deltas turn the exact rebuild of the resident copy
     into their quantized updates (the resident point is then hpZ with weight deltas)."""
     z = config.zero_optimization
@@ -326,21 +325,26 @@ def resident_refusals(config: Any, size: int) -> list[str]:
          "without zeropp.weight_deltas the resident copy is rebuilt exactly after every step: leave them out, or "
          "turn weight deltas on"),
     )
-    return [f"{key}: not combined with zeropp.partition ({size}, world, world) in this build: {why}"
-            for on, key, why in entries if on]
+    where = _label(point) if point else f"({size}, world, world)"
+    return [f"{key}: not combined with zeropp.partition {where} in this build: {why}" for on, key, why in entries if on]
 
 
 def point_refusals(config: Any, point: tuple[int, int, int], world: int, ranks_per_node: int) -> list[str]:
     """Why each option of ``config`` (a ``zeropp.config.Config`` at ``point``'s stage) that the engine does not
     combine with ``point`` ``(p, g, o)``, a point it runs at ``world`` ranks with ``ranks_per_node`` per node, is
-    refused, one message each (empty: none): ``resident_refusals``, ``mics_refusals`` or ``grouped_refusals`` by the
-    point's kind, and weight deltas where the point keeps no hpZ secondary."""
+    refused, one message each (empty: none): ``resident_refusals`` (and ``grouped_resident_refusals`` for a grouped
+    resident point), ``mics_refusals`` or ``grouped_refusals`` by the point's kind, and weight deltas where the point
+    keeps no hpZ secondary."""
     z = config.zero_optimization
     _, grads, shards = point
     resident = resident_size(point, world)
     grouped = shards < world or 1 < grads < shards
-    refused = (resident_refusals(config, resident) if resident else [] if not grouped
-               else mics_refusals(config, shards, ranks_per_node) if z.stage == 3 else grouped_refusals(config))
+    if resident:
+        refused = (resident_refusals(config, resident, point if grouped else None)
+                   + (grouped_resident_refusals(config, point) if grouped else []))
+    else:
+        refused = ([] if not grouped else mics_refusals(config, shards, ranks_per_node) if z.stage == 3
+                   else grouped_refusals(config))
     if z.zeropp.weight_deltas and z.zero_hpz_partition_size <= 1 and not resident:  # "node" was the world: one node
         refused.append(f"zero_optimization.zeropp.weight_deltas: the partition {point} keeps no hpZ secondary on "
                        f"{world // ranks_per_node} node(s) of {ranks_per_node} ranks; give zero_hpz_partition_size, "
@@ -363,3 +367,25 @@ def grouped_refusals(config: Any) -> list[str]:
          "that split is not built"),
     ), f"a grouped stage-{z.stage} partition (zeropp.partition (1, 1, k) or (1, k, k), k below the world, or "
        f"(1, g, o) with 1 < g < o)")
+
+
+def grouped_resident_refusals(config: Any, point: tuple[int, int, int]) -> list[str]:
+    """Why each option of ``config`` (a ``zeropp.config.Config``) that a grouped resident point ``(p, g, o)``
+    (``2 <= p < o``, with ``o`` below the world or ``g`` below ``o``: ``zeropp.engine.partition``) does not combine
+    with in this build is refused, one message each (empty: none), on top of ``resident_refusals``. ``(p, k, k)``
+    runs qwZ and qgZ as MiCS over ``k`` does (the resident copy's qwZ pack, MiCS's quantized reductions); with
+    ``g < o`` the collectives are exact only."""
+    z = config.zero_optimization
+    w = "zero_optimization"
+    split = point[1] < point[2]
+    return _refusals(config, (
+        (z.zero_quantized_weights and split, f"{w}.zero_quantized_weights",
+         "qwZ's pack of the resident copy inside a shard group is not tested; the groups gather exactly"),
+        (z.zero_quantized_gradients and split, f"{w}.zero_quantized_gradients",
+         "qgZ would quantize the reduce-scatter inside the gradient group while the boundary's reductions across "
+         "groups stay exact fp32; that split is not built"),
+        (z.zeropp.weight_deltas, f"{w}.zeropp.weight_deltas",
+         "the resident copy is rebuilt exactly after every step; weight deltas' quantized updates are built for "
+         "(p, world, world) only"),
+    ), f"zeropp.partition {_label(point)} (parameters resident over {point[0]} ranks, optimizer states over "
+       f"{point[2]})")

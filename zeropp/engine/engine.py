@@ -97,8 +97,8 @@ class ZeroEngine:
         resident = resident_size(point, topology.world_size)
         self.mics = partition_groups(topology, point)
         """The grouped points (MiCS at stage 3, ``(1, 1, k)`` / ``(1, k, k)`` at stages 1 / 2, ``(1, g, o)`` at
-        stage 2; ``zeropp.engine.partition``): the shard and replica groups; None at the stages' own points and the
-        resident point."""
+        stage 2, the grouped resident points ``(p, g, o)`` at stage 3; ``zeropp.engine.partition``): the shard and
+        replica groups; None at the stages' own points and the resident point ``(p, W, W)``."""
         if self.mics is not None and zero.gradient_bits is not None:
             self.mics.quantize_replicas(zero.gradient_bits, zero.zeropp.block_size)
         self.comm = Collectives(
@@ -106,7 +106,7 @@ class ZeroEngine:
             weight_bits=zero.weight_bits,
             gradient_bits=zero.gradient_bits,
             block_size=zero.zeropp.block_size,
-            hpz=resident or (zero.zero_hpz_partition_size if self.stage == 3 else 1),  # (p, W, W): hpZ over p
+            hpz=resident or (zero.zero_hpz_partition_size if self.stage == 3 else 1),  # resident: hpZ over p
             error_feedback=zero.zeropp.error_feedback,
             error_feedback_beta=zero.zeropp.error_feedback_beta if zero.zeropp.error_feedback == "loco" else 0.0,
             gradient_rotation=zero.gradient_rotation,
@@ -196,7 +196,7 @@ class ZeroEngine:
                                            refresh_bits=zero.zeropp.delta_refresh_bits)
                               if zero.zeropp.weight_deltas or resident else None)
         """``zeropp.weight_deltas``: the tier that keeps the hpZ secondaries and sends each step's quantized weight
-        change; at the resident point ``(p, W, W)`` without them, the same tier sending the exact stepped shards
+        change; at the resident points ``(p, g, o)`` without them, the same tier sending the exact stepped shards
         (``zeropp.engine.weight_deltas``); None when neither."""
         if sharded:
             self._hooks.append(module.register_forward_pre_hook(lambda *_: self._begin_forward()))

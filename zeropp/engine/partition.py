@@ -44,6 +44,23 @@ fp32 ``grad_accumulator`` views of one buffer. At the boundary ``SplitGroups.syn
 buffer over the peers (exact fp32, one call for all units), which leaves each rank its own row (the shard group's
 mean of its ``1 / o`` sub-shard) in its gradient shard, zeroes the buffer and, when ``o`` is below the world,
 all-reduces the shards over the replica groups as above. A checkpoint is stage 2's at ``o`` ranks.
+
+The grouped *resident* points ``(p, g, o)``, ``2 <= p < o`` with ``o`` below the world or ``g`` below ``o``
+(``zeropp.config.partition.resident_size``; ``p`` divides the ranks per node): stage 3's engine over the same groups
+as ``(1, g, o)`` (``SplitGroups`` for ``g < o``, ``MicsGroups`` over ``o`` for ``g = o``), its units laid out over
+the ``o``-rank shard group, with the parameters kept as hpZ's secondary partition over ``p`` ranks of a node inside
+it (``o / p`` rows of the ``o`` layout each), made permanent as at the resident point ``(p, W, W)``: every forward
+and backward gather runs inside the ``p`` group, the gradients are reduced as above (over the ``g`` group every
+micro-batch, over the peers at the boundary, over the replicas when ``o`` is below the world), every group steps
+its ``1 / o`` shards, and one exact exchange inside the shard group sends each stepped compute shard to the
+holders of its row (``zeropp.engine.weight_deltas``' exact mode), which rebuilds the ``1 / p`` parameter copy. So
+``(k, k, o)`` is MiCS over ``k`` for parameters and gradients with the boundary's reduce-scatter across the ``o / k``
+groups and the optimizer states over ``o``, and ``(p, k, k)`` is MiCS over ``k`` with the parameters over ``p``.
+Training is the same, bit for bit, as ``(1, g, o)`` (and ``(p, k, k)`` as MiCS over ``k``): the same layout,
+reductions and step. ``(p, k, k)`` takes qwZ and qgZ as MiCS does (the gathers inside the ``p`` group send the
+resident copy's qwZ pack, the reductions are MiCS's quantized ones), again bit for bit MiCS's with them; with
+``g < o`` the collectives are exact (``zeropp.config.partition.grouped_resident_refusals``). A checkpoint is stage
+3's at ``o`` ranks, written by the first group (``save``).
 """
 
 from __future__ import annotations
@@ -215,7 +232,8 @@ class SplitGroups(MicsGroups):
 def partition_groups(topology: comm.Topology, point: tuple[int, int, int]) -> MicsGroups | None:
     """The groups the engine runs the partition ``point`` ``(p, g, o)`` over ``topology`` with: ``SplitGroups`` for
     ``1 < g < o``, ``MicsGroups`` over ``o`` for the other grouped points (``o`` below the world), None for the
-    stages' own points. A collective over ``topology``'s group."""
+    stages' own points and ``(p, W, W)`` (the resident points' parameter copy is the engine's hpZ partition, not a
+    group here). A collective over ``topology``'s group."""
     _, g, o = point
     if 1 < g < o:
         return SplitGroups(topology, g, o)

@@ -67,7 +67,9 @@ refreshed (as above) at the next step instead of being sent a delta. A skipped s
 nothing: the weights did not change. The reconstruction is not saved in checkpoints: a load refreshes, so a resumed
 run equals an uninterrupted run that refreshes at the step of the save.
 
-Exact mode: the resident point ``(p, W, W)`` (``zeropp.partition``; ``zeropp.config.partition.resident_size``).
+Exact mode: the resident point ``(p, W, W)`` (``zeropp.partition``; ``zeropp.config.partition.resident_size``), and
+the grouped resident points ``(p, g, o)``, where all of this runs inside the ``o``-rank shard group (the engine's
+``Collectives``' topology, ``P = o``; ``zeropp.engine.partition``).
 Without weight deltas (``delta_bits`` None) the same tier keeps the secondaries over ``h = p`` ranks of a node as
 the parameters' permanent partition and, after each applied step, each owner sends its *exact* stepped compute
 shard (``S b`` bytes, the compute dtype) to the same holders by the same ``exchange``; each holder copies it into

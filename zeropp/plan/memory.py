@@ -7,9 +7,9 @@
 * ``gathered``: stage 3's working set of whole units, the two largest (the one computing and the one prefetched);
 * ``secondary``: hpZ's secondary partition (``p S_p / h`` per unit, held from the first gather to the step), plus
   weight deltas' reconstruction (``S_p``, kept for good) and, with qwZ, the secondary's qwZ pack (the intra-node
-  gathers send it; made once per step); at the resident point ``(p, P, P)`` the units are ZeRO-3's (``S_p`` is
-  ``S_P``) and the secondary over ``h = p`` ranks is kept for good (with its qwZ pack under qwZ; no
-  reconstruction);
+  gathers send it; made once per step); at the resident points ``(p, g, o)``, ``1 < p < o``, the units are laid
+  out over the ``o`` ranks (``S_p`` is ``S_o``; ZeRO-3's at ``(p, P, P)``) and the secondary over ``h = p`` ranks,
+  ``o S_o / p`` elements, is kept for good (with its qwZ pack under qwZ; no reconstruction);
 * ``grads``: the float32 gradient shards the optimizer reads (``S_o`` per unit; ``zeropp.engine.unit``'s
   ``grad_shard``), and with gradients sharded over fewer ranks than the optimizer (``(1, g, o)``, ``g < o``) the
   float32 rows accumulated between boundaries (``(o / g) S_o`` per unit, ``Unit.grad_accumulator``). The grouped
@@ -44,7 +44,7 @@ def memory(model: ModelSpec, plan: Plan, world: int, micro: int, seq: int, dtype
     whole = []
     for unit, count in model.groups():  # identical units once, times their count
         so = shard_numel(unit, align, part.optimizer)
-        ranks = world if resident else part.params
+        ranks = part.optimizer if resident else part.params
         sp = shard_numel(unit, align, ranks)
         if part.params > 1:
             out["params"] += count * sp * b

@@ -159,7 +159,7 @@ def ordered(predictions: list[Prediction]) -> list[Prediction]:
 
 def why(ranked: list[Prediction]) -> str:
     """One paragraph: why the first plan wins over the first plan more than 0.5% slower (the component with the
-    largest gap), which plans tie with it, what a lossy winner saves against the best exact plan, and which plan
+    largest gap), which plans tie with it (within 0.5%, fitting in memory as it does), what a lossy winner saves against the best exact plan, and which plan
     that runs today is best when the winner does not."""
     if not ranked:
         return "no plan: the cluster has a single rank"
@@ -183,7 +183,7 @@ def why(ranked: list[Prediction]) -> str:
         if worse:
             k = max(worse, key=lambda k: worse[k])
             lines.append(f"It pays {duration(worse[k])} more {k.replace('_', ' ')}.")
-        ties = [p.label for p in ranked[1:] if p.step_time <= 1.005 * best.step_time]
+        ties = [p.label for p in ranked[1:] if p.fits == best.fits and p.step_time <= 1.005 * best.step_time]
         if ties:
             lines.append(f"Within 0.5% of it: {', '.join(ties[:3])}{' ...' if len(ties) > 3 else ''}.")
     exact = next((p for p in ranked if not _bits(p.plan)), None)

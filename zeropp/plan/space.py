@@ -19,8 +19,10 @@ and int2 gradients included), weight deltas and the offload tiers, and the group
 ``(1, 1, k)``, ``(1, k, k)`` and ``(1, g, o)`` with ``g < o`` (``zeropp.partition`` at stage 1 / 2, exact
 collectives; see ``Partition.grouped_stage``); and the resident point ``(p, P, P)`` for ``p`` dividing the ranks
 per node (``Partition.resident``: ZeRO-3's shards with the parameters kept over ``p`` ranks of a node, hpZ's
-secondary made permanent and rebuilt by one exact exchange after each step) with qwZ, qgZ and the offload tiers;
-other partitions are the planner's alone (``Plan.unsupported`` says why a plan cannot run).
+secondary made permanent and rebuilt by one exact exchange after each step) with qwZ, qgZ and the offload tiers, and
+the grouped resident points ``(p, g, o)``, ``1 < p < o`` (``Partition.grouped_resident``: that copy on the groups
+of ``(1, g, o)`` or MiCS over ``o``) with exact collectives, ``(p, k, k)`` also with qwZ and qgZ; other plans are
+the planner's alone (``Plan.unsupported`` says why a plan cannot run).
 """
 
 from __future__ import annotations
@@ -69,10 +71,16 @@ class Partition:
         return {(1, 1, k): 1, (1, k, k): 2, (k, k, k): 3}.get((self.params, self.grads, k))
 
     def resident(self, world: int) -> int | None:
-        """``p`` when this is the resident point ``(p, world, world)``, ``1 < p < world``
-        (``zeropp.config.partition.resident_size``), else None."""
+        """``p`` when this is a resident point ``(p, g, o)``, ``1 < p < o``: the parameters kept over ``p`` ranks
+        of a node as hpZ's secondary of units laid out over the ``o`` ranks (``zeropp.config.partition
+        .resident_size``), else None."""
         p = self.params
-        return p if 1 < p < world and self.grads == self.optimizer == world else None
+        return p if 1 < p < self.optimizer <= world else None
+
+    def grouped_resident(self, world: int) -> bool:
+        """Whether this is a resident point with groups: optimizer states below the world or gradients below the
+        optimizer states (``zeropp.engine.partition``: ``MicsGroups`` / ``SplitGroups`` with the resident copy)."""
+        return self.resident(world) is not None and (self.optimizer < world or self.grads < self.optimizer)
 
     def stage(self, world: int) -> int | None:
         """The ZeRO stage this partition is, or None for the points the engine does not have yet."""
@@ -150,6 +158,17 @@ class Plan:
             if ranks_per_node % resident:
                 return (f"the resident point keeps parameters over {resident} ranks, across nodes; the engine keeps "
                         f"them inside a node (docs/partition.md)")
+            if self.partition.grouped_resident(world):
+                split = self.partition.grads < self.partition.optimizer  # (p, k, k) quantizes as MiCS
+                refused = [name for name, on in (("qwZ", split and self.weight_bits),
+                                                 ("qgZ", split and self.gradient_bits),
+                                                 ("hpZ", self.hpz not in (1, resident)),
+                                                 ("weight deltas", self.weight_deltas),
+                                                 ("offload", self.offload != "none")) if on]
+                if refused:
+                    return (f"a grouped resident point runs with exact collectives (qwZ and qgZ at (p, k, k)); "
+                            f"{', '.join(refused)} refused (docs/partition.md)")
+                return None
             if self.hpz not in (1, resident) or self.weight_deltas:
                 return "the resident point runs with qwZ, qgZ and offload; hpZ and weight deltas are its own copy"
             return None
@@ -191,11 +210,14 @@ class Plan:
         grouped = self.partition.grouped_stage(world)
         if stage is None and grouped is None and self.partition.resident(world) is None:
             raise ValueError(f"partition {self.partition} has no zero_optimization config yet: "
-                             f"only stages 1-3, MiCS, (1, 1, k), (1, k, k), (1, g, o) and (p, W, W) run today")
+                             f"only stages 1-3, MiCS, (1, 1, k), (1, k, k), (1, g, o) and (p, g, o) with p < o run "
+                             f"today")
         extra: dict[str, Any] = {}
         if self.partition.resident(world) is not None:
             zero: dict[str, Any] = {"stage": 3}
-            extra["partition"] = {"parameters": self.partition.params, "gradients": "world", "optimizer": "world"}
+            extra["partition"] = {"parameters": self.partition.params,
+                                  **{key: "world" if f == world else f for key, f in
+                                     (("gradients", self.partition.grads), ("optimizer", self.partition.optimizer))}}
         elif grouped == 3:
             zero = {"stage": 3, "mics_shard_size": self.partition.mics_size(world)}
         elif grouped is not None:

@@ -4,7 +4,8 @@ Bytes come from the formulas the engine's counters record and its tests check (`
 ``gather_traffic`` for ring all-gathers and exact reduce-scatters, ``all_to_all_traffic`` for qgZ's two hops; pack
 sizes from ``zeropp.quant.BlockFormat.packed_bytes``), applied to the engine's unit layout (``shard_numel``, the
 layout of ``zeropp.engine.unit.flat_layout``). For the partitions the engine runs (stages 1-3, hpZ, weight deltas,
-and the grouped stage-1/2 points ``(1, 1, k)``, ``(1, k, k)`` and ``(1, g, o)``) the totals per kind equal
+the grouped stage-1/2 points ``(1, 1, k)``, ``(1, k, k)`` and ``(1, g, o)``, MiCS and the resident points
+``(p, g, o)``, ``1 < p < o``) the totals per kind equal
 ``zeropp.comm.stats()`` after one step (tests/engine/test_zeropp.py, tests/engine/test_partition.py); the other
 points of the space use the same formulas on their groups.
 
@@ -20,10 +21,11 @@ Per step with ``A`` micro-batches, ``P`` ranks, ``d`` per node, ``n`` nodes, eac
   exact (ring, in the compute dtype) or qgZ (an all-to-all inside the node of ``n`` packs per peer, then one across
   nodes of one pack per peer);
 * stages 1 and 2 gather the stepped shards after the optimizer step (qwZ bits when on);
-* the resident point ``(p, P, P)`` (``zeropp.engine.weight_deltas``' exact mode): the units sharded over ``P`` as
-  at stage 3, every forward and backward gather from the secondaries over ``p`` ranks of a node (``P S / p``
-  elements each; under qwZ their pack, made once per step), and one ``exchange`` per step of every unit's exact
-  stepped shard (``S b`` bytes) to the holders of this rank's shard;
+* the resident points ``(p, g, o)``, ``1 < p < o`` (``zeropp.engine.weight_deltas``' exact mode): the units
+  sharded over the ``o`` ranks of the OS group (``P`` at ``(p, P, P)``), every forward and backward gather from the
+  secondaries over ``p`` ranks of a node (``o S / p`` elements each; under qwZ their pack, made once per step), and
+  one ``exchange`` per step of every unit's exact stepped shard (``S b`` bytes) to the holders of this rank's shard
+  inside the OS group; the gradients reduced as below;
 * G sharded over fewer ranks than OS (``(1, g, o)``, ``g < o``): each micro-batch's reduce-scatter over the G group
   delivers ``o / g`` rows of the OS layout (``(o / g) S_o`` elements per rank), accumulated in float32; at the
   boundary one exact float32 reduce-scatter of every unit's rows, end to end, across the ``o / g`` G groups of the
@@ -142,10 +144,12 @@ def _gather(what: str, unit: str, phase: str, calls: int, group: int, same: int,
 
 def _reduce(unit: str, phase: str, calls: int, group: int, layout: Layout, numel: int, plan: Plan,
             dtype_bytes: int) -> list[Collective]:
-    """A reduce-scatter of ``group * numel`` elements to ``numel`` per rank over a node-aligned group."""
+    """A reduce-scatter of ``group * numel`` elements to ``numel`` per rank over a node-aligned group; under qgZ a
+    group inside one node runs hop 1 alone (``zeropp.comm.reduce_scatter``: the ``d`` packs summed into the fp32
+    output)."""
     d = min(group, layout.ranks_per_node)
     nodes = group // d
-    if not plan.gradient_bits or nodes == 1:
+    if not plan.gradient_bits or group == 1:
         chunk = numel * dtype_bytes
         return [Collective("reduce_scatter", "gradient reduce-scatter", unit, phase, "ring", group, d,
                            layout.ranks_per_node // d, chunk, calls, gather_traffic(chunk, group, d))]
@@ -154,9 +158,12 @@ def _reduce(unit: str, phase: str, calls: int, group: int, layout: Layout, numel
     pack1, pack = first.packed_bytes(numel), fmt.packed_bytes(numel)
     out = []
     if d > 1:  # hop 1 (swizzled quantize of all P slices, then the fused reduce-requantize of d runs)
-        kernel = group * numel * dtype_bytes + group * pack1 + d * nodes * pack1 + nodes * pack
+        last = nodes * pack if nodes > 1 else numel * 4  # one node: the d packs dequantized and summed
+        kernel = group * numel * dtype_bytes + group * pack1 + d * nodes * pack1 + last
         out.append(Collective("reduce_scatter", "qgZ hop 1 (intra-node)", unit, phase, "pairwise", d, d, 1,
                               nodes * pack1, calls, all_to_all_traffic(nodes * pack1, d - 1, 0), kernel))
+    if nodes == 1:
+        return out
     kernel = nodes * pack + numel * 4 + (0 if d > 1 else group * numel * dtype_bytes + group * pack)
     out.append(Collective("reduce_scatter", "qgZ hop 2 (inter-node)", unit, phase, "pairwise", nodes, 1,
                           layout.ranks_per_node, pack, calls, all_to_all_traffic(pack, 0, nodes - 1), kernel))
@@ -205,24 +212,27 @@ def _delta_exchange(model: ModelSpec, plan: Plan, layout: Layout, align: int, dt
     (``zeropp.engine.weight_deltas``: positions are local indices modulo ``h``; the secondary at position ``i``
     holds the shards of ranks ``i G .. (i + 1) G - 1``, ``G = P / h``); its kernels include, with qwZ, the one
     quantize per step of each updated secondary (``G S`` elements) that the intra-node gathers then send. At the
-    resident point without deltas, the exact stepped shards instead (``S b`` bytes per unit, no kernel but qwZ's
-    repack)."""
-    world, d = layout.world, layout.ranks_per_node
-    h = plan.secondary(world)
+    resident points without deltas, the exact stepped shards instead (``S b`` bytes per unit, no kernel but qwZ's
+    repack), inside this rank's OS group of ``o`` ranks (``P`` at ``(p, P, P)``; the units are laid out over it and
+    ``G = o / h``)."""
+    d = layout.ranks_per_node
+    ranks = plan.partition.optimizer if plan.partition.resident(layout.world) else layout.world
+    h = plan.secondary(layout.world)
     exact = not plan.weight_deltas
     fmt = BlockFormat(4, DEFAULT_BLOCK_SIZE)
-    nbytes = sum(count * (shard_numel(u, align, world) * dtype_bytes if exact
-                          else fmt.packed_bytes(shard_numel(u, align, world))) for u, count in model.groups())
-    group = world // h
+    nbytes = sum(count * (shard_numel(u, align, ranks) * dtype_bytes if exact
+                          else fmt.packed_bytes(shard_numel(u, align, ranks))) for u, count in model.groups())
+    group = ranks // h
+    base = layout.rank // ranks * ranks  # the OS group's first rank (node-aligned groups are consecutive ranks)
 
     def position(r: int) -> int:
         return (r % d) % h
 
     def node(r: int) -> int:
-        return r // d
+        return (base + r) // d
 
-    me = layout.rank
-    holders = [j for j in range(world) if position(j) == me // group and j != me]
+    me = layout.rank - base
+    holders = [j for j in range(ranks) if position(j) == me // group and j != me]
     owners = [j for j in range(position(me) * group, (position(me) + 1) * group) if j != me]
     sent_intra = sum(node(j) == node(me) for j in holders)
     recv_intra = sum(node(j) == node(me) for j in owners)
@@ -231,7 +241,7 @@ def _delta_exchange(model: ModelSpec, plan: Plan, layout: Layout, align: int, dt
     repack = 0.0
     if plan.weight_bits:
         for u, count in model.groups():
-            secondary = group * shard_numel(u, align, world)
+            secondary = group * shard_numel(u, align, ranks)
             repack += count * (secondary * dtype_bytes + pack_bytes(secondary, plan.weight_bits, dtype_bytes))
     what, kernel = ("stepped-shard exchange", 0.0) if exact else ("weight-delta exchange",
                                                                   2.0 * nbytes * (1 + len(holders)))
@@ -259,10 +269,10 @@ def collectives(model: ModelSpec, plan: Plan, layout: Layout, accum: int, dtype_
         start = len(out)
         name = unit.name
         if p > 1:
-            sp = shard_numel(unit, align, world if resident else p)  # resident: the units are ZeRO-3's
+            sp = shard_numel(unit, align, o if resident else p)  # resident: the units are laid out over o
             backward = 0 if name == "" else accum  # the root unit stays whole from its forward to its backward
             same, per_node = layout.same_node(p), layout.groups_per_node(p)
-            secondary = (world if resident else p) * sp // h
+            secondary = (o if resident else p) * sp // h
             kept = plan.weight_deltas or resident  # the secondaries stay from step to step
             if h > 1 and not kept:  # the step's first gather makes the secondaries
                 out.append(_gather("parameter gather", name, "forward", 1, p, same, per_node, sp, plan.weight_bits,
