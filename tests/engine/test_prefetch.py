@@ -85,7 +85,7 @@ def test_prefetch_budget_counts_frozen_elements() -> None:
     from zeropp.engine.prefetch import Prefetcher
 
     def unit(trainable: int, frozen: int) -> SimpleNamespace:
-        u = SimpleNamespace(full=torch.empty(trainable), gathered=False, gathers=0, secondary_arrived=True,
+        u = SimpleNamespace(full=torch.empty(trainable), gathered=False, gathers=0, secondary_in_flight=False,
                             frozen=SimpleNamespace(full=torch.empty(frozen)) if frozen else None)
         u.gather = lambda wait=True: setattr(u, "gathers", u.gathers + 1)
         return u
@@ -100,16 +100,16 @@ def test_prefetch_budget_counts_frozen_elements() -> None:
         assert nxt.gathers == expected, (budget, nxt.gathers)
 
 
-def test_prefetch_stops_at_a_unit_whose_delta_is_in_flight() -> None:
-    """A unit whose weight-delta part has not arrived (``Unit.secondary_arrived`` false) is not started ahead, nor
-    any unit after it (the gathers keep the forward's order on every rank); once it has arrived, the next look-ahead
-    starts it and those after it. Plain objects stand in for units, as above."""
+def test_prefetch_skips_a_unit_whose_delta_is_in_flight() -> None:
+    """A unit whose weight-delta part is in flight (``Unit.secondary_in_flight``) is not started ahead (its gather
+    would wait for the part); the units after it are; once it has landed, the next look-ahead starts it. Plain
+    objects stand in for units, as above."""
     from types import SimpleNamespace
 
     from zeropp.engine.prefetch import Prefetcher
 
     def unit() -> SimpleNamespace:
-        u = SimpleNamespace(full=torch.empty(10), gathered=False, frozen=None, secondary_arrived=True)
+        u = SimpleNamespace(full=torch.empty(10), gathered=False, frozen=None, secondary_in_flight=False)
         u.gather = lambda wait=True: setattr(u, "gathered", True)
         return u
 
@@ -120,10 +120,10 @@ def test_prefetch_stops_at_a_unit_whose_delta_is_in_flight() -> None:
     p.begin_forward()
     for u in units:
         u.gathered = False
-    units[2].secondary_arrived = False
+    units[2].secondary_in_flight = True
     units[0].gathered = True
     p.after_forward_gather(units[0])
-    assert [u.gathered for u in units] == [True, True, False, False]
-    units[2].secondary_arrived = True
+    assert [u.gathered for u in units] == [True, True, False, True]
+    units[2].secondary_in_flight = False
     p.after_forward_gather(units[1])
     assert all(u.gathered for u in units)

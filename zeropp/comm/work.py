@@ -149,12 +149,6 @@ class CollectiveWork:
         """Whether ``wait()`` has finished the collective."""
         return self._pending is None
 
-    def arrived(self) -> bool:
-        """Whether the communication in flight has finished, without blocking: ``wait()`` then blocks on nothing
-        for a collective of one step (it runs its local steps; a later step's communication may still be to come).
-        On CUDA the backend's ``is_completed`` (the device work done)."""
-        return self._pending is None or bool(self._pending[0].is_completed())
-
 
 def run(
     steps: Generator[Pending, None, torch.Tensor], async_op: bool, tensors: Iterable[torch.Tensor] = (),

@@ -14,10 +14,11 @@ no order yet and gathers on demand. Every rank makes the same calls in the same 
 wrong guess (a unit not used after all) costs one gather and memory until the engine frees every unit at the end of
 backward, never correctness: computation always waits for the unit's own gather (``Unit.gather``).
 
-A unit whose secondary still waits for its part of the weight-delta exchange (``zeropp.engine.weight_deltas``: the
-exchange after a step is in flight while the next forward runs) is not started ahead, nor is any unit after it:
-starting it would block on the exchange; its own forward gathers it (waiting for its part) and starts the look-ahead
-again. So the gathers start in the forward's order on every rank, whatever arrived when.
+A unit whose secondary still waits for its part of the weight-delta exchange (``Unit.secondary_in_flight``;
+``zeropp.engine.weight_deltas``: the exchange after a step is in flight while the next forward runs) is not started
+ahead: starting it would block on the exchange; its own gather lands the part. The units after it are started as
+usual. That state is the same on every rank at the same point, so the ranks still start the same gathers in the same
+order (whether a part has *arrived* would differ between ranks).
 
 ``last_order()``: the order of the latest forward, which the weight-delta tier sends its parts in.
 
@@ -82,9 +83,7 @@ class Prefetcher:
         i += direction
         while 0 <= i < len(self.order):
             nxt = self.order[i]
-            if not nxt.gathered:
-                if not nxt.secondary_arrived:  # started on demand once its delta is in; later ones wait behind it,
-                    return  # so every rank still starts the gathers in the forward's order
+            if not nxt.gathered and not nxt.secondary_in_flight:
                 size = nxt.full.numel() + (nxt.frozen.full.numel() if nxt.frozen is not None else 0)
                 if size > budget:
                     return

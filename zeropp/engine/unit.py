@@ -29,10 +29,8 @@ if TYPE_CHECKING:
 
 
 class Landing(Protocol):
-    """A unit's part of a weight-delta exchange in flight (``zeropp.engine.weight_deltas``): ``arrived()`` whether
-    its bytes are in (non-blocking), ``land()`` waits for them and applies them to the unit's secondary."""
-
-    def arrived(self) -> bool: ...
+    """A unit's part of a weight-delta exchange in flight (``zeropp.engine.weight_deltas``): ``land()`` waits for
+    its bytes and applies them to the unit's secondary."""
 
     def land(self) -> None: ...
 
@@ -221,10 +219,10 @@ class Unit:
             landing.land()
 
     @property
-    def secondary_arrived(self) -> bool:
-        """Whether reading ``secondary`` would not block on communication: no exchange in flight for it, or its part
-        has arrived (``Landing.arrived``; the prefetcher starts no gather that would wait)."""
-        return self.landing is None or self.landing.arrived()
+    def secondary_in_flight(self) -> bool:
+        """Whether an exchange for ``secondary`` is in flight (``landing``): the same on every rank at the same
+        point, since the parts land at the same reads everywhere (the prefetcher does not start such a unit)."""
+        return self.landing is not None
 
     def secondary_range(self) -> tuple[int, int]:
         """hpZ: elements ``[start, stop)`` of ``full`` this rank keeps as its secondary shard (its position

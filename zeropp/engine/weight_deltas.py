@@ -40,8 +40,10 @@ on every rank, as the gathers already require). A unit's part *lands* (waited fo
 reconstruction and the secondary's slices, the secondary re-packed under qwZ) when its secondary is first read or
 replaced (``Unit.secondary``: the forward's gather, prefetched or on demand, any later gather, a write-back) or its
 reconstruction is (``reconstruction``). So the later units' parts cross the link while the forward computes with
-the earlier ones; the prefetcher starts no gather whose part has not arrived (``Unit.secondary_arrived``), which
-would block, and stops there, so every rank still starts the gathers in the forward's order. ``settle`` lands every
+the earlier ones. The prefetcher does not start a unit whose part is in flight (``Unit.secondary_in_flight``: its
+gather would first wait for the part); the unit's own gather lands it. That state is the same on every rank at the
+same point (the parts land at the same reads), so every rank starts the same gathers in the same order, as the
+gathers' collectives require (whether a part has *arrived* would differ between ranks). ``settle`` lands every
 part: at the start of the next ``after_step`` and of ``refresh``, and in the engine before a checkpoint save or
 load, a state dict, ``load_state_dict``, ``gathered_parameters`` and ``destroy``; nothing reads a half-updated
 secondary. Each part's sums are those of landing it at once (the same tensors, in the same order), so training is
@@ -317,9 +319,6 @@ class _DeltaLanding:
     def __init__(self, tier: WeightDeltas, k: int, pack: torch.Tensor, work: CollectiveWork, bits: int | None):
         self.tier, self.k, self.pack, self.work, self.bits = tier, k, pack, work, bits
 
-    def arrived(self) -> bool:
-        return self.work.arrived()
-
     def land(self) -> None:
         tier, unit = self.tier, self.tier.units[self.k]
         rows = tier._rows(self.pack, self.work.wait())
@@ -339,9 +338,6 @@ class _ExactLanding:
 
     def __init__(self, tier: WeightDeltas, k: int, own: torch.Tensor, work: CollectiveWork):
         self.tier, self.k, self.own, self.work = tier, k, own, work
-
-    def arrived(self) -> bool:
-        return self.work.arrived()
 
     def land(self) -> None:
         tier, k = self.tier, self.k
