@@ -85,7 +85,7 @@ def test_prefetch_budget_counts_frozen_elements() -> None:
     from zeropp.engine.prefetch import Prefetcher
 
     def unit(trainable: int, frozen: int) -> SimpleNamespace:
-        u = SimpleNamespace(full=torch.empty(trainable), gathered=False, gathers=0,
+        u = SimpleNamespace(full=torch.empty(trainable), gathered=False, gathers=0, secondary_in_flight=False,
                             frozen=SimpleNamespace(full=torch.empty(frozen)) if frozen else None)
         u.gather = lambda wait=True: setattr(u, "gathers", u.gathers + 1)
         return u
@@ -98,3 +98,32 @@ def test_prefetch_budget_counts_frozen_elements() -> None:
         p.begin_forward()
         p.after_forward_gather(first)
         assert nxt.gathers == expected, (budget, nxt.gathers)
+
+
+def test_prefetch_skips_a_unit_whose_delta_is_in_flight() -> None:
+    """A unit whose weight-delta part is in flight (``Unit.secondary_in_flight``) is not started ahead (its gather
+    would wait for the part); the units after it are; once it has landed, the next look-ahead starts it. Plain
+    objects stand in for units, as above."""
+    from types import SimpleNamespace
+
+    from zeropp.engine.prefetch import Prefetcher
+
+    def unit() -> SimpleNamespace:
+        u = SimpleNamespace(full=torch.empty(10), gathered=False, frozen=None, secondary_in_flight=False)
+        u.gather = lambda wait=True: setattr(u, "gathered", True)
+        return u
+
+    units = [unit() for _ in range(4)]
+    p = Prefetcher(1000)
+    for u in units:
+        p.after_forward_gather(u)  # the first forward records the order
+    p.begin_forward()
+    for u in units:
+        u.gathered = False
+    units[2].secondary_in_flight = True
+    units[0].gathered = True
+    p.after_forward_gather(units[0])
+    assert [u.gathered for u in units] == [True, True, False, True]
+    units[2].secondary_in_flight = False
+    p.after_forward_gather(units[1])
+    assert all(u.gathered for u in units)

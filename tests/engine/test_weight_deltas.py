@@ -19,8 +19,13 @@ owners' reconstructions quantized and dequantized per block in plain torch (``we
 and without qwZ the reconstructions themselves; each step's gathers send ``(h - 1) * sum G S B`` bytes inside the
 node and none across (``B`` 4 bytes per element without qwZ, ``1 + 4 / block`` with it); an exact refresh every
 step under qwZ trains bit for bit as hpZ with qwZ; checkpoints resume bit for bit and a non-finite step is skipped
-under qwZ too. About 45 s on 2 cores before the qwZ cases (85 s at load average 20); 170 s with them at load
-average 45.
+under qwZ too. The exchange left in flight by ``step()`` (one part per unit, each landed at its unit's first
+gather) trains bit for bit as landing it inside ``step()``: every micro-batch's loss and logits, an eval forward and
+a checkpoint save before the next step's gathers, a state dict, the masters, secondaries and reconstructions, with
+qwZ, 2 micro-batches per step and a skipped step; every unit's part is still in flight after each applied step (the
+check can tell; it fails when a gather reads the secondary before its part landed). About 45 s on 2 cores before
+the qwZ cases (85 s at load average 20); 170 s with them at load
+average 45; the in-flight case adds 2.5 s (load average 9-19).
 """
 
 from __future__ import annotations
@@ -87,6 +92,15 @@ def test_weight_deltas(tmp_path):
         assert refresh["exchange"] == {"calls": 1, **dict(zip(("sent_inter", "sent_intra", "recv_inter", "recv_intra"),
                                                               (n * pack8 for n in PACKS[rank])))}, refresh["exchange"]
         assert refresh["within"] and refresh["losses"][-1] < refresh["losses"][0] + 0.5, refresh
+        # the exchange left in flight after each applied step (every unit's part; none after the skipped step 2)
+        # gives, bit for bit, what landing it at once gives: every forward, the eval forward, the state dict, state
+        scheduled = r["scheduled"]
+        assert scheduled["identical"] == dict.fromkeys(("outputs", "eval", "state_dict", "masters", "state"), True), (
+            rank, scheduled)
+        units = scheduled["units"]
+        assert scheduled["in_flight"] == [units, units, 0, units, units, units], (rank, scheduled["in_flight"])
+        assert scheduled["sync_in_flight"] == [0] * 6 and scheduled["skipped"] == (1, 1), (rank, scheduled)
+        assert scheduled["losses"][-1] < scheduled["losses"][0], (rank, scheduled["losses"])
     # the loss: one sample per rank per step is noisy (both runs spike at step 15, by different amounts), so the
     # mean over the ranks and the last 10 steps is compared (measured: 0.4% below exact ZeRO-3's; bound 2%)
     mean = {run: sum(sum(r[run]["losses"][-10:]) for r in results) / (10 * P) for run in ("tracked", "exact")}

@@ -264,6 +264,61 @@ def int8_refresh(rank: int, world: int, steps: int) -> dict:
     return {"exchange": exchange, "within": within, "losses": losses}
 
 
+def scheduled_against_synchronous(rank: int, world: int, steps: int, path: str) -> dict:
+    """The exchange left in flight after each step and landed at each unit's first gather (prefetched or not) against
+    the same run landing every part right after the exchange (``WeightDeltas.after_step`` then ``settle``: the
+    synchronous path), both int4 deltas with int8 qwZ, every unit gathered at each use, 2 micro-batches per step, a
+    NaN gradient on rank 1 at step 2 (skipped), a no-grad forward and a ``save_checkpoint`` right after step 3 (both
+    before any gather of the next step) and a ``state_dict`` after step 4. Returned: per micro-batch the loss and
+    the logits, the eval logits, the state dict, the final masters, secondaries and reconstructions, and per step
+    how many units still had their part in flight right after ``step()`` (only for the scheduled run)."""
+    data = text_batches(steps, 2 * world, seed=17)
+    runs = {}
+    for name in ("scheduled", "synchronous"):
+        cfg = config(deltas(4), qwz=True)
+        cfg["gradient_accumulation_steps"] = 2
+        engine = _engine(cfg)
+        tier = engine.weight_deltas
+        after_step = tier.after_step
+        if name == "synchronous":
+            tier.after_step = lambda order, f=after_step, t=tier: (f(order), t.settle())
+        outputs, in_flight, extra = [], [], {}
+        for step, (x, y) in enumerate(data):
+            for k in range(2):
+                sample = x[k * world + rank : k * world + rank + 1], y[k * world + rank : k * world + rank + 1]
+                logits, loss = engine(*sample)
+                spoil = step == 2 and k == 1 and rank == 1
+                handle = None
+                if spoil:
+                    weight = dict(engine.module.named_parameters())["blocks.0.mlp.c_fc.weight"]
+                    handle = weight.register_hook(lambda g: torch.full_like(g, float("nan")))
+                engine.backward(loss)
+                if handle is not None:
+                    handle.remove()
+                engine.step()
+                outputs.append((float(loss), logits.detach().clone()))
+            in_flight.append(sum(u.landing is not None for u in tier.units))
+            if step == 3:
+                with torch.no_grad():
+                    extra["eval"] = engine(*data[0])[0].clone()
+                engine.save_checkpoint(f"{path}_{name}", tag="mid")
+            if step == 4:
+                extra["state_dict"] = engine.state_dict()
+        runs[name] = {"outputs": outputs, "in_flight": in_flight, "masters": gather_masters(engine)[0],
+                      "state": _state(engine), "skipped": engine.skipped_steps, **extra}
+    a, b = runs["scheduled"], runs["synchronous"]
+    identical = {
+        "outputs": all(la == lb and torch.equal(xa, xb) for (la, xa), (lb, xb) in zip(a["outputs"], b["outputs"])),
+        "eval": torch.equal(a["eval"], b["eval"]),
+        "state_dict": all(torch.equal(v, b["state_dict"][k]) for k, v in a["state_dict"].items()),
+        "masters": all(torch.equal(v, b["masters"][k]) for k, v in a["masters"].items()),
+        "state": all(torch.equal(v, b["state"][k]) for k, v in a["state"].items()),
+    }
+    return {"identical": identical, "in_flight": a["in_flight"], "sync_in_flight": b["in_flight"],
+            "units": len(engine.weight_deltas.units), "skipped": (a["skipped"], b["skipped"]),
+            "losses": [loss for loss, _ in a["outputs"]]}
+
+
 def all_cases(rank: int, world: int, steps: int, path: str) -> dict:
     return {
         "tracked": tracked_run(rank, world, steps),
@@ -277,4 +332,5 @@ def all_cases(rank: int, world: int, steps: int, path: str) -> dict:
         "bf16": bf16_run(rank, world, 4),
         "full": full_zeropp(rank, world, 3),
         "int8_refresh": int8_refresh(rank, world, 2),
+        "scheduled": scheduled_against_synchronous(rank, world, 6, path + "_scheduled"),
     }

@@ -248,8 +248,12 @@ def evaluate(engine: Any, batches: list[Any]) -> float:
 
 
 def train_config(name: str, config: dict[str, Any], build: Callable[[], Any], args: argparse.Namespace,
-                 corpus: tuple[Any, Any], progress: ProgressBar) -> dict[str, Any]:
-    """Train one config; this rank's losses, step times, bytes per step and the eval points."""
+                 corpus: tuple[Any, Any], progress: ProgressBar, aligned: Any = None) -> dict[str, Any]:
+    """Train one config; this rank's losses, step times, bytes per step and the eval points. Every step starts
+    with a barrier on ``aligned`` (a process group of the same ranks, default the world), timed from there to the
+    end of its last ``step()``. A group other than the engine's lets the communication a step leaves in flight (the
+    weight-delta exchange, ``zeropp.engine.weight_deltas``) overlap the next forward, as in a loop without
+    barriers: gloo's barrier waits for every collective issued before it on its group."""
     import torch.distributed as dist
 
     import zeropp
@@ -266,7 +270,7 @@ def train_config(name: str, config: dict[str, Any], build: Callable[[], Any], ar
     engine.train()
     t_start = time.perf_counter()
     for step in range(args.steps):
-        dist.barrier()
+        dist.barrier(group=aligned)
         b0, t0 = count_bytes(), time.perf_counter()
         loss_sum = 0.0
         for k in range(accum):
@@ -308,10 +312,11 @@ def worker(args: argparse.Namespace) -> list[dict[str, Any]] | None:
     check_batches(args.configs, configs, world)
     corpus = split_corpus(corpus_of(args), args.seq)
     load0 = os.getloadavg()[0]
+    aligned = dist.new_group(backend="gloo")  # the steps' barriers: not the engines' group (train_config)
     runs: dict[str, dict[str, Any]] = {}
     with ProgressBar(not args.no_progress, elsewhere=rank != 0) as progress:
         for name, config in zip(args.labels, configs):
-            runs[name] = train_config(name, config, build, args, corpus, progress)
+            runs[name] = train_config(name, config, build, args, corpus, progress, aligned)
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, runs)
     load = (load0, os.getloadavg()[0])

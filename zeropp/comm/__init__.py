@@ -5,7 +5,8 @@
   ``pack_shard`` / ``all_gather_packed``: the quantized one in two halves (quantize once, gather the pack often);
 * ``reduce_scatter``: exact or two-hop quantized (qgZ) reduce-scatter, with optional ``ErrorFeedback``;
 * ``all_reduce``: exact sum or average over a group (MiCS's cross-group gradient reduction);
-* ``exchange``: one byte buffer to chosen peers and theirs back; ``pack_delta`` / ``add_delta``: the quantized
+* ``exchange``: one byte buffer to chosen peers and theirs back (``exchange_parts``: in parts, each waited for on
+  its own); ``pack_delta`` / ``add_delta``: the quantized
   differences the weight-delta tier sends with it;
 * ``onebit_reduce_scatter``: 1-bit Adam's sign-and-scale momentum exchange (``zeropp.comm.onebit``);
 * ``stats`` / ``reset_stats``: bytes each collective sent and received, intra- and inter-node.
@@ -33,7 +34,7 @@ from .all_reduce import all_reduce
 from .arrival import Arrival, ArrivalError
 from .checks import debug_enabled
 from .deltas import add_delta, pack_delta
-from .exchange import exchange
+from .exchange import exchange, exchange_parts
 from .onebit import onebit_reduce_scatter
 from .reduce_scatter import ErrorFeedback, ReduceOp, derive_seed, hop_seed, reduce_scatter, shard_range
 from .topology import (
@@ -61,6 +62,7 @@ __all__ = [
     "debug_enabled",
     "derive_seed",
     "exchange",
+    "exchange_parts",
     "get_default_topology",
     "hop_seed",
     "onebit_reduce_scatter",

@@ -251,12 +251,11 @@ class Collectives:
             raise ValueError("weight deltas are off (delta_bits is None)")
         return BlockFormat(self.delta_bits if bits is None else bits, self.block_size)
 
-    def exchange(self, payload: torch.Tensor, send_to: list[int], receive_from: list[int]) -> torch.Tensor:
-        """Send the uint8 ``payload`` to the data-parallel ranks ``send_to`` and return the payloads of
-        ``receive_from``, one row each in ascending rank order (``comm.exchange``; every rank calls it)."""
-        out = comm.exchange(payload, send_to=send_to, receive_from=receive_from, topology=self.topology)
-        assert isinstance(out, torch.Tensor)
-        return out
+    def exchange_parts(self, parts: list[torch.Tensor], send_to: list[int],
+                       receive_from: list[int]) -> list[comm.CollectiveWork]:
+        """``exchange`` of the uint8 ``parts`` laid end to end, one handle per part, all in flight
+        (``comm.exchange_parts``; every rank calls it with the same part sizes)."""
+        return comm.exchange_parts(parts, send_to=send_to, receive_from=receive_from, topology=self.topology)
 
     def rounding_seed(self, micro_step: int, unit_name: str) -> int | None:
         """The seed of qgZ's stochastic rounding for the reduction of unit ``unit_name`` (the first unit of a

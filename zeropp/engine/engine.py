@@ -539,6 +539,7 @@ class ZeroEngine:
             raise EngineUsageError("load_state_dict() between a forward/backward and its step(); call it at an "
                                    "accumulation boundary")
         with self.entry_check.entered("engine.load_state_dict()", save_hint=False):
+            self._settle_deltas()
             result = LoadResult(*checkpoint.load_whole_state_dict(self, state_dict, strict))
             if self.weight_deltas is not None:
                 self.weight_deltas.refresh()
@@ -713,8 +714,8 @@ class ZeroEngine:
                                 "some not, so this engine's weights are no longer consistent")
         for unit in self.units:
             unit.publish_gather()
-        if self.weight_deltas is not None:
-            self.weight_deltas.after_step()
+        if self.weight_deltas is not None:  # in flight, in the order the next forward gathers the units
+            self.weight_deltas.after_step(self.persistent + self.prefetcher.last_order())
 
     def _attach(self, nvme: bool, attach: Callable[[], None]) -> None:
         """Run an offload tier's ``attach`` (its swap files made and written); with NVMe, a failure on any rank
@@ -800,6 +801,7 @@ class ZeroEngine:
         ``consolidated_state_dict``)."""
         if self._destroyed:
             return
+        self._settle_deltas()  # no exchange left in flight, writing into this engine's secondaries
         self._destroyed = True
         gathered.unregister(self)
         self.offload.close()
@@ -934,6 +936,7 @@ class ZeroEngine:
         if self._forward_pending or self._backward_pending:
             raise EngineUsageError("gathered_parameters() between a forward and its step(): use it before the forward "
                                    "or after engine.step()")
+        self._settle_deltas()
         return gathered.gathered_parameters(self.units, params, modifier_rank, self.comm, self.entry_check,
                                             self.offload, self.param_offload)
 
@@ -966,6 +969,7 @@ class ZeroEngine:
         self._check_alive("save_checkpoint()")
         self._check_usable()
         with self.entry_check.entered("engine.save_checkpoint()", save_hint=False):
+            self._settle_deltas()
             if self.mics is not None:
                 return self.mics.save(lambda: checkpoint.save(self, save_dir, tag, client_state))
             return checkpoint.save(self, save_dir, tag, client_state)
@@ -994,10 +998,17 @@ class ZeroEngine:
             )
         self._check_alive("load_checkpoint()")
         with self.entry_check.entered("engine.load_checkpoint()", save_hint=False):
+            self._settle_deltas()
             loaded = checkpoint.load(self, load_dir, tag)
             if self.weight_deltas is not None:
                 self.weight_deltas.refresh()
             return loaded
+
+    def _settle_deltas(self) -> None:
+        """Land the weight-delta exchange still in flight (``WeightDeltas.settle``; local, no collective) before
+        anything reads or replaces the secondaries, the reconstructions or the weights they follow."""
+        if self.weight_deltas is not None:
+            self.weight_deltas.settle()
 
     def refresh_weight_deltas(self) -> None:
         """``zeropp.weight_deltas``: make every hpZ secondary and reconstruction the exact current weights again (an
@@ -1018,6 +1029,7 @@ class ZeroEngine:
         get ``{}``. Offline, from a checkpoint: ``zeropp.engine.checkpoint.consolidate``."""
         self._check_alive("consolidated_state_dict()")
         with self.entry_check.entered("engine.consolidated_state_dict()"):
+            self._settle_deltas()
             out = checkpoint.consolidated_state_dict(self, rank0_only=rank0_only)
             if self.stage == 3:
                 self.param_offload.check(self.comm, "engine.consolidated_state_dict()")

@@ -14,6 +14,14 @@ no order yet and gathers on demand. Every rank makes the same calls in the same 
 wrong guess (a unit not used after all) costs one gather and memory until the engine frees every unit at the end of
 backward, never correctness: computation always waits for the unit's own gather (``Unit.gather``).
 
+A unit whose secondary still waits for its part of the weight-delta exchange (``Unit.secondary_in_flight``;
+``zeropp.engine.weight_deltas``: the exchange after a step is in flight while the next forward runs) is not started
+ahead: starting it would block on the exchange; its own gather lands the part. The units after it are started as
+usual. That state is the same on every rank at the same point, so the ranks still start the same gathers in the same
+order (whether a part has *arrived* would differ between ranks).
+
+``last_order()``: the order of the latest forward, which the weight-delta tier sends its parts in.
+
 The gathers overlap computation because they are asynchronous collectives (a gloo worker thread moves the bytes on
 CPU; NCCL's stream on GPU). A prefetched qwZ gather quantizes its shard at once (before it is needed) and dequantizes
 when waited on.
@@ -51,6 +59,11 @@ class Prefetcher:
         self._recording = []
         self._seen = set()
 
+    def last_order(self) -> list[Unit]:
+        """The units in the order the latest forward gathered them (the one before it while none has run since
+        ``begin_forward``; empty before the first)."""
+        return self._recording or self.order
+
     def after_forward_gather(self, unit: Unit) -> None:
         """``unit`` was gathered for its forward: record it, start the gathers of the units after it."""
         if id(unit) not in self._seen:
@@ -70,7 +83,7 @@ class Prefetcher:
         i += direction
         while 0 <= i < len(self.order):
             nxt = self.order[i]
-            if not nxt.gathered:
+            if not nxt.gathered and not nxt.secondary_in_flight:
                 size = nxt.full.numel() + (nxt.frozen.full.numel() if nxt.frozen is not None else 0)
                 if size > budget:
                     return

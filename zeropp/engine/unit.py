@@ -16,7 +16,7 @@ and the gradient reduction (``reduce_gradients``, ``reduce_bucketed``): the unit
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -26,6 +26,13 @@ from .collectives import Collectives
 
 if TYPE_CHECKING:
     from .param_offload import SwappedShard
+
+
+class Landing(Protocol):
+    """A unit's part of a weight-delta exchange in flight (``zeropp.engine.weight_deltas``): ``land()`` waits for
+    its bytes and applies them to the unit's secondary."""
+
+    def land(self) -> None: ...
 
 
 def flat_layout(numels: list[int], align: int, world: int) -> tuple[list[int], int, int]:
@@ -136,7 +143,10 @@ class Unit:
         ``None`` otherwise."""
         self._full_nbytes = self.full.untyped_storage().nbytes()
         self.hpz = comm.hpz if sharded else 1
-        self.secondary: torch.Tensor | None = None  # hpZ: this rank's 1/hpz of the gathered values
+        self.landing: Landing | None = None
+        """Weight deltas: the exchange in flight that updates ``secondary`` (``zeropp.engine.weight_deltas``); every
+        read or replacement of ``secondary`` lands it first (``land``)."""
+        self._secondary: torch.Tensor | None = None
         self.resident_secondary = False  # kept across steps, updated by zeropp.engine.weight_deltas
         self._secondary_pack: tuple[torch.Tensor, torch.Tensor] | None = None  # (secondary, its qwZ pack)
         self.error_feedback = comm.new_error_feedback() if comm.error_feedback else None
@@ -186,6 +196,33 @@ class Unit:
         read; if not, the reads are started (``ParamOffload.read_ahead``) and the gather waits for the next call."""
         slots = [f.shard_swap for f in self.swapped_flats() if f.secondary is None]
         return not slots or slots[0].owner.read_ahead(slots)
+
+    @property
+    def secondary(self) -> torch.Tensor | None:
+        """hpZ: this rank's ``1/hpz`` of the gathered values (``secondary_range``), or None; an exchange in flight for
+        it (``landing``) is landed first, so no reader sees it half updated."""
+        if self.landing is not None:
+            self.land()
+        return self._secondary
+
+    @secondary.setter
+    def secondary(self, value: torch.Tensor | None) -> None:
+        if self.landing is not None:
+            self.land()
+        self._secondary = value
+
+    def land(self) -> None:
+        """Weight deltas: finish the exchange in flight for ``secondary`` (``landing``), if any: wait for its part
+        and apply it (``zeropp.engine.weight_deltas``)."""
+        landing, self.landing = self.landing, None
+        if landing is not None:
+            landing.land()
+
+    @property
+    def secondary_in_flight(self) -> bool:
+        """Whether an exchange for ``secondary`` is in flight (``landing``): the same on every rank at the same
+        point, since the parts land at the same reads everywhere (the prefetcher does not start such a unit)."""
+        return self.landing is not None
 
     def secondary_range(self) -> tuple[int, int]:
         """hpZ: elements ``[start, stop)`` of ``full`` this rank keeps as its secondary shard (its position

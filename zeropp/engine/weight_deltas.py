@@ -30,7 +30,26 @@ Which ranks. With ``P`` data-parallel ranks, shard size ``S`` and hpZ partition 
 position ``i`` of its partition holds elements ``[i L, (i + 1) L)`` of the unit's flat buffer, ``L = P S / h``: the
 shards of the ``G = P / h`` ranks ``i G .. (i + 1) G - 1``. So the owner of shard ``o`` sends to the ``G`` ranks at
 position ``o // G`` of their partitions (one per partition; itself possibly among them), ``(P - d) / h`` of them on
-other nodes (``d`` ranks per node). One ``zeropp.comm.exchange`` per step moves every unit's pack at once.
+other nodes (``d`` ranks per node). One ``zeropp.comm.exchange_parts`` per step moves every unit's pack, one part
+(one all-to-all) per unit.
+
+Scheduling. ``after_step`` starts the step's exchange and returns with it in flight, its parts issued in the order
+the next forward gathers the units (the engine's persistent units, which ``_begin_forward`` gathers first, then the
+latest forward's order, ``Prefetcher.last_order``; units it did not use after them, in this tier's order: the same
+on every rank, as the gathers already require). A unit's part *lands* (waited for, added into the owner's
+reconstruction and the secondary's slices, the secondary re-packed under qwZ) when its secondary is first read or
+replaced (``Unit.secondary``: the forward's gather, prefetched or on demand, any later gather, a write-back) or its
+reconstruction is (``reconstruction``). So the later units' parts cross the link while the forward computes with
+the earlier ones. The prefetcher does not start a unit whose part is in flight (``Unit.secondary_in_flight``: its
+gather would first wait for the part); the unit's own gather lands it. That state is the same on every rank at the
+same point (the parts land at the same reads), so every rank starts the same gathers in the same order, as the
+gathers' collectives require (whether a part has *arrived* would differ between ranks). ``settle`` lands every
+part: at the start of the next ``after_step`` and of ``refresh``, and in the engine before a checkpoint save or
+load, a state dict, ``load_state_dict``, ``gathered_parameters`` and ``destroy``; nothing reads a half-updated
+secondary. Each part's sums are those of landing it at once (the same tensors, in the same order), so training is
+bit for bit the synchronous exchange's. A skipped step starts nothing; refreshes wait for their own exchange.
+While in flight the tier holds each unit's pack (its send copies in the backend) until the unit lands, as the
+synchronous exchange held them for its duration.
 
 Memory per rank (compute dtype of ``b`` bytes per element), for every stage-3 unit with trainable parameters:
 ``(G + 1) S b`` bytes, permanently: the secondary (``G S`` elements; hpZ alone holds it from the first gather of a
@@ -88,9 +107,9 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import Topology
+from ..comm import CollectiveWork, Topology
 from .collectives import Collectives
-from .unit import Unit
+from .unit import Landing, Unit
 
 
 def delta_plan(topology: Topology, hpz: int) -> tuple[list[int], list[int]]:
@@ -157,10 +176,18 @@ class WeightDeltas:
 
     def reconstruction(self, unit: Unit) -> torch.Tensor:
         """The reconstruction of this rank's shard of ``unit`` (compute dtype, ``unit.shard_numel`` elements): what
-        the holders' secondaries hold for it (the compute shard itself in the exact mode)."""
+        the holders' secondaries hold for it (the compute shard itself in the exact mode). Lands the unit's part of
+        an exchange in flight first."""
         if self.exact:
             return unit.shard
+        unit.land()
         return self._reconstruction[self.units.index(unit)]
+
+    def settle(self) -> None:
+        """Land every unit's part of the exchange in flight (module docstring, "Scheduling"); no-op when none is.
+        Local: every rank issued the exchange, so waiting for it needs no other call."""
+        for unit in self.units:
+            unit.land()
 
     @property
     def resident_bytes(self) -> int:
@@ -174,7 +201,9 @@ class WeightDeltas:
     def refresh(self, units: list[Unit] | None = None) -> None:
         """Make the secondaries and reconstructions of ``units`` (default: all) the compute shards' values: exact, one
         exact all-gather per unit over the data-parallel group; with ``refresh_bits``, quantized, one exchange of
-        every picked unit's pack against zero. A collective, at a step boundary (units not in use)."""
+        every picked unit's pack against zero. A collective, at a step boundary (units not in use); lands the
+        exchange in flight first and waits for its own."""
+        self.settle()
         picked = range(len(self.units)) if units is None else [self.units.index(u) for u in units]
         if self.exact:
             self._send_exact(list(picked))
@@ -203,13 +232,21 @@ class WeightDeltas:
                 self._reconstruction.append(own)
 
     @torch.no_grad()
-    def after_step(self) -> None:
+    def after_step(self, order: list[Unit] | None = None) -> None:
         """After an applied optimizer step (the compute shards hold the new weights): a refresh when
         ``refresh_interval`` steps have passed since the last, else each unit's delta to its holders (units whose
-        secondary was replaced outside this tier are refreshed). A collective."""
+        secondary was replaced outside this tier are refreshed). A collective. The deltas (and the exact mode's
+        shards) are left in flight, one part per unit in ``order`` (the units the next forward uses first; the
+        others after it, in this tier's order; the same on every rank), each landed when its unit's secondary is
+        first read (module docstring, "Scheduling")."""
+        self.settle()
         self.steps_since_refresh += 1
+        ranked: dict[int, int] = {}
+        for i, u in enumerate(order or []):
+            ranked.setdefault(id(u), i)
+        first = sorted(range(len(self.units)), key=lambda k: ranked.get(id(self.units[k]), len(ranked)))
         if self.exact:
-            self._send_exact(list(range(len(self.units))))
+            self._send_exact(first, wait=False)
             return
         if self.refresh_interval and self.steps_since_refresh >= self.refresh_interval:
             self.refresh()
@@ -217,7 +254,7 @@ class WeightDeltas:
         stale = [u for u, s in zip(self.units, self._installed) if u.secondary is not s]
         if stale:
             self.refresh(stale)
-        self._send([k for k, u in enumerate(self.units) if u not in stale])
+        self._send([k for k in first if self.units[k] not in stale], wait=False)
 
     def _refresh_quantized(self, picked: list[int]) -> None:
         """Zero the secondaries and reconstructions of the units ``picked``, then send each its ``refresh_bits``
@@ -234,53 +271,87 @@ class WeightDeltas:
                 self._reconstruction.append(zeros)
         self._send(picked, self.refresh_bits)
 
-    def _send(self, picked: list[int], bits: int | None = None) -> None:
+    def _send(self, picked: list[int], bits: int | None = None, *, wait: bool = True) -> None:
         """Each unit of ``picked`` sends ``Q(w - r)`` in ``bits`` (default ``delta_bits``) to its holders, which
-        add it to their secondaries, and adds it to its own reconstruction."""
+        add it to their secondaries, and adds it to its own reconstruction: one exchange, a part per unit in the
+        order of ``picked``, each landed (``_DeltaLanding``) at once or, without ``wait``, at its unit's first read."""
         if not picked:
             return
         comm, me = self.comm, self.comm.rank
         packs = [comm.pack_delta(self.units[k].device_shard(), self._reconstruction[k], bits) for k in picked]
         for k in picked:
             self.units[k].release_shard()
-        payload = torch.cat(packs)
-        received = comm.exchange(payload, [j for j in self.holders if j != me], [o for o in self.owners if o != me])
-        others = iter(received)
-        rows = {o: payload if o == me else next(others) for o in self.owners}
-        at = 0
-        for k, pack in zip(picked, packs):
-            unit, size = self.units[k], self.units[k].shard_numel
-            nbytes = pack.numel()
-            comm.add_delta(pack, self._reconstruction[k], bits)
-            assert unit.secondary is not None
-            for o, row in rows.items():
-                start = (o - self._first_owner) * size
-                comm.add_delta(row[at : at + nbytes], unit.secondary[start : start + size], bits)
-            unit.pack_secondary()
-            at += nbytes
+        works = comm.exchange_parts(packs, [j for j in self.holders if j != me], [o for o in self.owners if o != me])
+        for k, pack, work in zip(picked, packs, works):
+            self._start_landing(k, _DeltaLanding(self, k, pack, work, bits), wait)
 
-    def _send_exact(self, picked: list[int]) -> None:
+    def _send_exact(self, picked: list[int], *, wait: bool = True) -> None:
         """The exact mode: each unit of ``picked`` sends its compute shard, as it is, to its holders, which copy it
-        into their secondaries (one ``exchange`` for all; a secondary dropped outside this tier is made anew)."""
+        into their secondaries (one exchange, a part per unit, landed as in ``_send``; a secondary dropped outside
+        this tier is made anew)."""
         if not picked:
             return
         comm, me = self.comm, self.comm.rank
-        shards = [self.units[k].device_shard().view(torch.uint8) for k in picked]
-        payload = torch.cat(shards)
+        # copies: the optimizer may write the shards before a part lands
+        shards = [self.units[k].device_shard().view(torch.uint8).clone() for k in picked]
         for k in picked:
             self.units[k].release_shard()
-        received = comm.exchange(payload, [j for j in self.holders if j != me], [o for o in self.owners if o != me])
+        works = comm.exchange_parts(shards, [j for j in self.holders if j != me], [o for o in self.owners if o != me])
+        for k, own, work in zip(picked, shards, works):
+            self._start_landing(k, _ExactLanding(self, k, own, work), wait)
+
+    def _start_landing(self, k: int, landing: Landing, wait: bool) -> None:
+        unit = self.units[k]
+        assert unit.landing is None, unit.name  # settle() landed the previous exchange
+        unit.landing = landing
+        if wait:
+            unit.land()
+
+    def _rows(self, own: torch.Tensor, received: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """``(owner, its part)`` for every owner of this rank's secondary, ascending, this rank's own part ``own``."""
         others = iter(received)
-        rows = {o: payload if o == me else next(others) for o in self.owners}
-        at = 0
-        for k, own in zip(picked, shards):
-            unit, size, nbytes = self.units[k], self.units[k].shard_numel, own.numel()
-            a, b = unit.secondary_range()
-            if unit.secondary is None or unit.secondary is not self._installed[k]:
-                unit.secondary = torch.empty(b - a, dtype=unit.full.dtype, device=unit.full.device)
-            for o, row in rows.items():
-                start = (o - self._first_owner) * size
-                unit.secondary[start : start + size].view(torch.uint8).copy_(row[at : at + nbytes])
-            unit.pack_secondary()
-            self._installed[k] = unit.secondary
-            at += nbytes
+        me = self.comm.rank
+        return [(o, own if o == me else next(others)) for o in self.owners]
+
+
+class _DeltaLanding:
+    """One unit's delta pack in flight (``WeightDeltas._send``): ``land()`` adds this rank's own pack to its
+    reconstruction and every owner's pack to its slice of the secondary, then re-packs the secondary for qwZ."""
+
+    def __init__(self, tier: WeightDeltas, k: int, pack: torch.Tensor, work: CollectiveWork, bits: int | None):
+        self.tier, self.k, self.pack, self.work, self.bits = tier, k, pack, work, bits
+
+    def land(self) -> None:
+        tier, unit = self.tier, self.tier.units[self.k]
+        rows = tier._rows(self.pack, self.work.wait())
+        size = unit.shard_numel
+        tier.comm.add_delta(self.pack, tier._reconstruction[self.k], self.bits)
+        secondary = unit.secondary
+        assert secondary is not None
+        for o, row in rows:
+            start = (o - tier._first_owner) * size
+            tier.comm.add_delta(row, secondary[start : start + size], self.bits)
+        unit.pack_secondary()
+
+
+class _ExactLanding:
+    """One unit's exact shard in flight (``WeightDeltas._send_exact``): ``land()`` copies every owner's shard into
+    its slice of the secondary (made anew when it was dropped outside the tier), then re-packs it for qwZ."""
+
+    def __init__(self, tier: WeightDeltas, k: int, own: torch.Tensor, work: CollectiveWork):
+        self.tier, self.k, self.own, self.work = tier, k, own, work
+
+    def land(self) -> None:
+        tier, k = self.tier, self.k
+        unit = tier.units[k]
+        rows = tier._rows(self.own, self.work.wait())
+        size = unit.shard_numel
+        a, b = unit.secondary_range()
+        if unit.secondary is None or unit.secondary is not tier._installed[k]:
+            unit.secondary = torch.empty(b - a, dtype=unit.full.dtype, device=unit.full.device)
+        secondary = unit.secondary
+        for o, row in rows:
+            start = (o - tier._first_owner) * size
+            secondary[start : start + size].view(torch.uint8).copy_(row)
+        unit.pack_secondary()
+        tier._installed[k] = secondary
