@@ -9,6 +9,7 @@ from .format import DEFAULT_BLOCK_SIZE, BlockFormat, chunk_numel, swizzle_source
 from .ops import (
     backend_name,
     dequantize,
+    dequantize_add_chunks,
     dequantize_chunks,
     quantize,
     quantize_chunks,
@@ -37,6 +38,7 @@ __all__ = [
     "backend_name",
     "chunk_numel",
     "dequantize",
+    "dequantize_add_chunks",
     "dequantize_chunks",
     "hadamard_rotate",
     "hadamard_unrotate",

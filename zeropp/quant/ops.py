@@ -241,6 +241,28 @@ def dequantize_chunks(
     return out
 
 
+def dequantize_add_chunks(
+    buf: torch.Tensor, fmt: BlockFormat, chunks: int, chunk_numel: int, out: torch.Tensor
+) -> torch.Tensor:
+    """Add ``chunks`` packs of ``chunk_numel`` elements each into flat-contiguous ``out`` in place, fused: one
+    pass, no temporary. Element ``i`` becomes ``dtype(D + float32(out[i]))``: ``D`` the dequantized value in
+    float32 (``code * scale``, clamped to the finite range, as ``dequantize_chunks`` gives it), the sum one float32
+    addition (not a fused multiply-add), rounded once to ``out``'s dtype (float32, bfloat16 or float16).
+
+    ``out`` has at most ``chunks * chunk_numel`` elements, as in ``dequantize_chunks``; the padding is dropped.
+    The weight-delta tier's ``zeropp.comm.add_delta``. Returns ``out``.
+    """
+    _check_counts(chunks=chunks)
+    if chunk_numel < 0:
+        raise ValueError(f"chunk_numel={chunk_numel} must be non-negative")
+    _check_buffer(buf, chunks * fmt.packed_bytes(chunk_numel), "buf")
+    _check_out(out, None, buf.device)
+    if out.numel() > chunks * chunk_numel:
+        raise ValueError(f"out has {out.numel()} elements but the packs hold only {chunks} x {chunk_numel}")
+    _backend(buf).dequantize_add_chunks(buf, fmt, chunks, chunk_numel, out.view(-1))
+    return out
+
+
 def reduce_requantize(
     buf: torch.Tensor,
     fmt: BlockFormat,

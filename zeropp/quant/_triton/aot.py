@@ -164,7 +164,8 @@ def launch_case(case: Mapping[str, Any]) -> None:
     elif op == "dequantize":
         chunks, chunk_numel = case["chunks"], case["chunk_numel"]
         buf = meta(chunks * fmt.packed_bytes(chunk_numel), u8)
-        kernels.dequantize_chunks(buf, fmt, chunks, chunk_numel, meta(case["out_numel"], dtype, offset))
+        launcher = kernels.dequantize_add_chunks if case.get("add") else kernels.dequantize_chunks
+        launcher(buf, fmt, chunks, chunk_numel, meta(case["out_numel"], dtype, offset))
     elif op == "reduce_requantize":
         groups, chunks, chunk_numel = case["groups"], case["chunks"], case["chunk_numel"]
         out_fmt = BlockFormat(case.get("out_bits", fmt.bits), case.get("out_block_size", bs))
