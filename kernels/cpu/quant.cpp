@@ -1028,6 +1028,9 @@ inline int64_t present(int64_t available, int64_t count, int block) {
     return std::clamp<int64_t>(available, 0, count * block);
 }
 
+// Elements per batch of quantize_delta_jobs (at least one block): small enough to stay in the L1 cache.
+constexpr int kDeltaBatch = 2048;
+
 // With `noise` (stochastic rounding), element i of x takes the noise of index i.
 template <class Isa, int Bits, int D>
 void quantize_jobs(const Storage<D>* x, int64_t numel, const Layout& f, int64_t chunks, int64_t nodes, uint8_t* out,
@@ -1089,6 +1092,23 @@ void dequantize_add_jobs(const uint8_t* buf, const Layout& f, int64_t chunk_nume
             std::copy(values, values + rest, tail);
         }
     });
+}
+
+// The pack of the float32 difference t - r (numel elements each, dtype D; float subtraction, one rounding) for the
+// blocks of jobs [first_job, end_job): the differences of a batch of blocks go through a buffer that stays in the
+// cache, zero-padded past numel, then Isa's quantize of float32 values (round to nearest).
+template <class Isa, int Bits, int D>
+void quantize_delta_jobs(const Storage<D>* t, const Storage<D>* r, int64_t numel, const Layout& f, uint8_t* out,
+                         int64_t first_job, int64_t end_job) {
+    const int64_t blocks = f.blocks(numel), batch = std::max<int64_t>(1, kDeltaBatch / f.block);
+    alignas(64) float v[std::max(kMaxBlock, kDeltaBatch)];
+    for (int64_t b = first_job; b < end_job; b += batch) {
+        const int64_t c = std::min(batch, end_job - b), start = b * f.block;
+        const int64_t m = present(numel - start, c, f.block);
+        for (int64_t i = 0; i < m; ++i) v[i] = to_float<D>(t[start + i]) - to_float<D>(r[start + i]);
+        std::fill(v + m, v + c * f.block, 0.0f);
+        Isa::template quantize<Bits, kFloat32>(v, f.block, f.run(out, blocks, b, c));
+    }
 }
 
 template <class Isa, int Bits>
@@ -1266,6 +1286,17 @@ struct DequantizeAdd {
 };
 
 template <class Isa>
+struct QuantizeDelta {
+    template <int Bits, int D>
+    static void run(const void* t, const void* r, int64_t numel, const Layout& f, uint8_t* out, int threads) {
+        parallel(f.blocks(numel), threads, [&](int64_t a, int64_t e) {
+            quantize_delta_jobs<Isa, Bits, D>(static_cast<const Storage<D>*>(t), static_cast<const Storage<D>*>(r),
+                                              numel, f, out, a, e);
+        });
+    }
+};
+
+template <class Isa>
 struct ReduceRequantize {  // D unused: the packs have no float dtype
     template <int Bits, int D>
     static void run(const uint8_t* buf, const Layout& f, int groups, int64_t chunks, int64_t chunk_numel,
@@ -1422,6 +1453,15 @@ int zeropp_quantize_chunks(const void* x, int dtype, int64_t numel, int bits, in
     const Noise noise{seed};
     dispatch<Quantize>(bits, dtype, x, numel, Layout{bits, block}, chunks, nodes, out, seeded ? &noise : nullptr,
                        threads);
+    return 0;
+}
+
+// One pack (round to nearest) of the float32 difference t - r of two flat arrays of numel elements of one dtype.
+int zeropp_quantize_delta(const void* t, const void* r, int dtype, int64_t numel, int bits, int block, uint8_t* out,
+                          int threads) {
+    if (int bad = check(bits, block, dtype)) return bad;
+    if (numel == 0) return 0;
+    dispatch<QuantizeDelta>(bits, dtype, t, r, numel, Layout{bits, block}, out, threads);
     return 0;
 }
 

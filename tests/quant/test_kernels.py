@@ -247,6 +247,26 @@ def test_dequantize_add(chunks, chunk_numel, out_numel, bits, block_size, out_dt
     assert_same_floats(actual, torch.cat([spec, start[out_numel:]]))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits,block_size,numel", [(8, 16, 4099), (4, 128, 3001), (2, 2048, 2049), (4, 64, 1)])
+def test_quantize_delta(bits, block_size, numel, dtype, native_kernels, gen):
+    """The pack of a difference (the weight deltas' ``pack_delta``): the reference and every native build against the
+    unfused spec (the float32 difference, then ``quantize_chunks``), on fresh values of close magnitudes (the
+    difference cancels most bits) and a short last block; the public op too."""
+    fmt = BlockFormat(bits, block_size)
+    base = random_values(numel, dtype, gen)
+    target = (base.float() + random_values(numel, torch.float32, gen) * 1e-2).to(dtype)
+    spec = torch.empty(fmt.packed_bytes(numel), dtype=torch.uint8)
+    reference.quantize_chunks(target.float() - base.float(), fmt, 1, 1, spec)
+    expected = torch.full_like(spec, 0xAB)
+    reference.quantize_delta(target, base, fmt, expected)
+    assert_same_packs(expected, spec, fmt, 1, numel)
+    actual = torch.full_like(spec, 0xAB)
+    native_kernels.ops.quantize_delta(target, base, fmt, actual)
+    assert_same_packs(actual, spec, fmt, 1, numel)
+    assert_same_packs(zq.quantize_delta(target.view(-1, 1), base, fmt), spec, fmt, 1, numel)
+
+
 @pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning", "ignore:overflow:RuntimeWarning")
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", [8, 2])

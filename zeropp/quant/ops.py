@@ -201,6 +201,44 @@ def quantize_chunks(
     return out
 
 
+def quantize_delta(
+    target: torch.Tensor, base: torch.Tensor, fmt: BlockFormat, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The pack (``fmt``, round to nearest; one chunk of ``quantize_chunks``) of ``target - base``, taken in
+    float32: both of one float dtype and element count (any shape, read flattened and detached), widened to float32
+    and subtracted (one float32 rounding). The weight-delta tier's ``zeropp.comm.pack_delta``.
+
+    The native CPU library fuses the subtraction into the quantize (no full-size float32 temporary); the torch
+    reference walks it piecewise; elsewhere (CUDA tensors, Triton's interpreter) the difference is made in torch and
+    quantized by the backend's ``quantize_chunks``: the same bytes. Returns the uint8 pack of ``fmt.packed_bytes(n)``
+    bytes (``out`` if given).
+    """
+    check_float_tensor(target)
+    check_float_tensor(base)
+    if target.dtype != base.dtype:
+        raise TypeError(f"target is {target.dtype} but base is {base.dtype}; give both one dtype (or quantize_chunks "
+                        "their float32 difference)")
+    if target.numel() != base.numel() or target.device != base.device:
+        raise ValueError(f"target ({target.numel()} elements on {target.device}) and base ({base.numel()} on "
+                         f"{base.device}) must have one element count and device")
+    t = target.detach().reshape(-1).contiguous()
+    b = base.detach().reshape(-1).contiguous()
+    nbytes = fmt.packed_bytes(t.numel())
+    if out is None:
+        out = torch.empty(nbytes, dtype=torch.uint8, device=t.device)
+    _check_buffer(out, nbytes, "out")
+    if out.device != t.device:
+        raise ValueError(f"out is on {out.device} but target is on {t.device}")
+    name = backend_name(t)
+    if name == "torch":
+        reference.quantize_delta(t, b, fmt, out)
+    elif name == "native" and not t.is_cuda:
+        native.quantize_delta(t, b, fmt, out)
+    else:
+        quantize_chunks(t.float() - b.float(), fmt, out=out)
+    return out
+
+
 def swizzle_quantize(
     x: torch.Tensor,
     fmt: BlockFormat,

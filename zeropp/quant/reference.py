@@ -269,6 +269,28 @@ def quantize_chunks(
         scale_bytes.copy_(scales.view(torch.uint8))
 
 
+def quantize_delta(target: torch.Tensor, reference: torch.Tensor, fmt: BlockFormat, out: torch.Tensor) -> None:
+    """One pack (``quantize_chunks`` of one chunk, round to nearest) of ``target - reference`` taken in float32:
+    both flat, of one length, widened to float32 and subtracted (one float32 rounding), the last block zero-padded;
+    a piece at a time, with no full-size temporary."""
+    numel = target.numel()
+    if numel == 0:
+        return
+    blocks = fmt.num_blocks(numel)
+    bs = fmt.block_size
+    scratch = _Scratch(fmt, blocks, target.device)
+    scales = torch.empty(blocks, dtype=torch.float32, device=target.device)
+    codes, scale_bytes = _pack_parts(out, fmt, blocks)
+    for first, end in scratch.pieces(blocks):
+        values = scratch.values[: end - first]
+        flat = values.view(-1)
+        n = min(numel - first * bs, (end - first) * bs)
+        flat[:n].copy_(target[first * bs : first * bs + n]).sub_(reference[first * bs : first * bs + n])
+        flat[n:].zero_()
+        quantize_blocks(values, fmt, codes[first:end], scales[first:end], scratch)
+    scale_bytes.copy_(scales.view(torch.uint8))
+
+
 def dequantize_chunks(
     buf: torch.Tensor, fmt: BlockFormat, chunks: int, chunk_numel: int, out: torch.Tensor
 ) -> None:
