@@ -119,7 +119,8 @@ def test_weight_delta_ops_refuse_mismatched_inputs_naming_them():
         zq.quantize_delta(a, b.bfloat16(), fmt)
     with pytest.raises(ValueError, match="99 on"):
         zq.quantize_delta(a, b[:99], fmt)
-    pack = zq.quantize_delta(a, b, fmt)
+    pack = zq.quantize_delta(a.view(10, 10), b, fmt)  # any shape, read flattened: the float32 difference's pack
+    assert torch.equal(pack, zq.quantize_chunks(a - b, fmt))
     with pytest.raises(ValueError, match="101 elements"):
         zq.dequantize_add_chunks(pack, fmt, 1, 100, torch.zeros(101))
     with pytest.raises(ValueError, match="requires grad"):
