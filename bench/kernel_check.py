@@ -109,6 +109,12 @@ class Reference:
         reference.dequantize_chunks(self.cpu(buf), fmt, chunks, chunk_numel, out)
         return out
 
+    def dequantize_add(self, buf: torch.Tensor, fmt: BlockFormat, chunks: int, chunk_numel: int,
+                       start: torch.Tensor) -> torch.Tensor:
+        out = self.cpu(start).clone()
+        reference.dequantize_add_chunks(self.cpu(buf), fmt, chunks, chunk_numel, out)
+        return out
+
     def reduce_requantize(self, buf: torch.Tensor, fmt: BlockFormat, groups: int, chunks: int, chunk_numel: int,
                           out_fmt: BlockFormat | None = None, seed: int | None = None) -> torch.Tensor:
         out = torch.empty(chunks * (out_fmt or fmt).packed_bytes(chunk_numel), dtype=torch.uint8)

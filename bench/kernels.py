@@ -10,6 +10,8 @@ every size, dtype and block size asked for:
 
 * quantize / dequantize, int8, int4 and int2, one pack; int4 and int2 rounded stochastically (``seeded``);
 * dequantize of an all-gathered W-pack buffer (qwZ: ``--world`` packs, one per rank) straight into the output;
+* dequantize-add, int8 and int4: one pack added into values of the row's dtype in place (the weight deltas'
+  ``add_delta``; "bytes" counts the values read and written, so its copy moves as much);
 * swizzled quantize (qgZ step 1: ``--nodes`` x ``--ranks-per-node`` packs in the two-hop order), int4 and int2;
 * fused dequantize-reduce-requantize of d = 2, 4, 8 runs of ``--nodes`` packs (qgZ step 3), int4; int2 at d = 2;
   and the per-hop rows at d = 2: int8 packs requantized into int4 (``int8->int4``), rounded to nearest and
@@ -110,6 +112,7 @@ class Case:
     ds_note: str = ""
     groups: int = 1  # runs summed, for the reductions
     seeded: bool = False  # rounded stochastically
+    start: torch.Tensor | None = None  # an in-place row's output before the run (the checked run starts from it)
 
 
 def ds_setup(wanted: bool, factory: Callable[[], Callable[[], object]], note: str = ""):
@@ -178,6 +181,7 @@ def row_names(world: int, nodes: int, rpn: int) -> list[str]:
     ``--kernels`` accepts)."""
     return ["quantize int8", "dequantize int8", "quantize int4", "dequantize int4", "quantize int2", "dequantize int2",
             "quantize int4 seeded", "quantize int2 seeded", f"dequantize gathered int8 x{world}",
+            "dequantize_add int8", "dequantize_add int4",
             f"hadamard_rotate s={ROTATION_SIZE}", f"hadamard_unrotate s={ROTATION_SIZE}",
             f"swizzle_quantize int4 {nodes}x{rpn}", f"swizzle_quantize int2 {nodes}x{rpn}",
             *(f"reduce_requantize int4 d={d}" for d in (2, 4, 8)),
@@ -253,6 +257,18 @@ def build_cases(n: int, dtype: torch.dtype, block_size: int, world: int, nodes: 
                     *ds_setup(ds_ok and n % (world * block_size) == 0, ds_gather, "DS: dequantize + copy"))
 
     rows[f"dequantize gathered int8 x{world}"] = gathered_row
+
+    def dequantize_add_row(fmt: BlockFormat) -> Case:
+        """The weight deltas' ``add_delta``: a pack added into values in place (each timed run adds it again)."""
+        qin = quant.quantize_chunks(x, fmt, 1)
+        start = torch.randn(n, generator=gen, device=device, dtype=torch.float32).to(dtype)
+        out = start.clone()
+        return Case(f"dequantize_add int{fmt.bits}", "dequantize", fmt.bits, n, qin.numel() + 2 * n * item,
+                    lambda: quant.dequantize_add_chunks(qin, fmt, 1, n, out), out,
+                    lambda: ref.dequantize_add(qin, fmt, 1, n, start), start=start)
+
+    rows["dequantize_add int8"] = lambda: dequantize_add_row(fmt8)
+    rows["dequantize_add int4"] = lambda: dequantize_add_row(fmt4)
 
     def rotation_row(inverse: bool) -> Case:
         """The Hadamard rotation of ROTATION_SIZE-element blocks (inverse: of float32 rotated values)."""
@@ -384,7 +400,10 @@ def build_cases(n: int, dtype: torch.dtype, block_size: int, world: int, nodes: 
 def check_case(case: Case, expected: torch.Tensor | None = None) -> tuple[str, str]:
     """Run ``case`` once and compare its output with the reference: ``("PASS" | "FAIL" | "ERROR", detail)``."""
     try:
-        case.output.fill_(0x55 if case.output.dtype == torch.uint8 else float("nan"))  # nothing left from before
+        if case.start is not None:
+            case.output.copy_(case.start)
+        else:  # nothing left from before
+            case.output.fill_(0x55 if case.output.dtype == torch.uint8 else float("nan"))
         case.fn()
         diff = compare(case.output, case.expected() if expected is None else expected, case.layout)
         return ("PASS", "") if diff is None else ("FAIL", diff)

@@ -298,7 +298,7 @@ void sum_block(const Run<const uint8_t>& in, int64_t stride, int groups, int blo
     }
 }
 
-// The four kernels of every instruction set, on runs of whole blocks, and the fused sum of one block in element
+// The kernels of every instruction set, on runs of whole blocks, and the fused sum of one block in element
 // order (for the reduce-requantize into another format).
 struct Kernels {
     template <int Bits>
@@ -331,6 +331,22 @@ struct Kernels {
                 v[i] = y > FLT_MAX ? FLT_MAX : (y < -FLT_MAX ? -FLT_MAX : y);
             }
             for (int i = 0; i < block; ++i) out[i] = from_float<D>(v[i]);
+        }
+    }
+
+    // The run's values added into out: out = D(float(code * scale, clamped) + float(out)), the float32 sum
+    // rounded once to D (a product, then a sum: not an FMA).
+    template <int Bits, int D>
+    static void dequantize_add(const Run<const uint8_t>& in, int block, Storage<D>* out) {
+        float v[kMaxBlock];
+        for (int64_t b = 0; b < in.count; ++b, out += block) {
+            decode<Bits>(in.codes + b * block * Bits / 8, block, v);
+            const float s = load_float(in.scales + 4 * b);
+            for (int i = 0; i < block; ++i) {
+                const float y = v[i] * s;
+                v[i] = y > FLT_MAX ? FLT_MAX : (y < -FLT_MAX ? -FLT_MAX : y);
+            }
+            for (int i = 0; i < block; ++i) out[i] = from_float<D>(v[i] + to_float<D>(out[i]));
         }
     }
 
@@ -820,6 +836,20 @@ struct Kernels {  // as portable::Kernels
         }
     }
 
+    // The products are clamped for every D: the sum, not the product, is rounded to D.
+    template <int Bits, int D>
+    ZEROPP_AVX2 static void dequantize_add(const Run<const uint8_t>& in, int block, Storage<D>* out) {
+        for (int64_t b = 0; b < in.count; ++b, out += block) {
+            const uint8_t* codes = in.codes + b * block * Bits / 8;
+            const __m256 s = _mm256_set1_ps(load_float(in.scales + 4 * b));
+            for (int i = 0; i < block; i += 16) {
+                const __m256 y0 = clamp_finite<kFloat32>(_mm256_mul_ps(decode8<Bits>(codes, i), s));
+                const __m256 y1 = clamp_finite<kFloat32>(_mm256_mul_ps(decode8<Bits>(codes, i + 8), s));
+                store16<D>(out + i, _mm256_add_ps(y0, load8<D>(out + i)), _mm256_add_ps(y1, load8<D>(out + i + 8)));
+            }
+        }
+    }
+
     template <int Bits, int G>
     ZEROPP_AVX2 static void reduce_requantize_groups(const Run<const uint8_t>& in, int64_t stride, int groups, int block,
                                               const Run<uint8_t>& out) {
@@ -998,6 +1028,9 @@ inline int64_t present(int64_t available, int64_t count, int block) {
     return std::clamp<int64_t>(available, 0, count * block);
 }
 
+// Elements per batch of quantize_delta_jobs (at least one block): small enough to stay in the L1 cache.
+constexpr int kDeltaBatch = 2048;
+
 // With `noise` (stochastic rounding), element i of x takes the noise of index i.
 template <class Isa, int Bits, int D>
 void quantize_jobs(const Storage<D>* x, int64_t numel, const Layout& f, int64_t chunks, int64_t nodes, uint8_t* out,
@@ -1038,6 +1071,44 @@ void dequantize_jobs(const uint8_t* buf, const Layout& f, int64_t chunk_numel, S
             std::copy(values, values + (n - full * f.block), out + first + full * f.block);
         }
     });
+}
+
+// dequantize_jobs, adding into out (Isa::dequantize_add): a short last block is read into the buffer first.
+template <class Isa, int Bits, int D>
+void dequantize_add_jobs(const uint8_t* buf, const Layout& f, int64_t chunk_numel, Storage<D>* out,
+                         int64_t out_numel, int64_t first_job, int64_t end_job) {
+    const int64_t blocks = f.blocks(chunk_numel), pack_bytes = f.pack_bytes(chunk_numel);
+    for_each_run(first_job, end_job, blocks, [&](int64_t k, int64_t b, int64_t count) {
+        const int64_t first = k * chunk_numel + b * f.block;
+        const int64_t n = present(std::min(chunk_numel - b * f.block, out_numel - first), count, f.block);
+        const int64_t full = n / f.block, rest = n - full * f.block;
+        const uint8_t* pack = buf + k * pack_bytes;
+        if (full) Isa::template dequantize_add<Bits, D>(f.run(pack, blocks, b, full), f.block, out + first);
+        if (rest) {
+            Storage<D> values[kMaxBlock] = {};
+            Storage<D>* tail = out + first + full * f.block;
+            std::copy(tail, tail + rest, values);
+            Isa::template dequantize_add<Bits, D>(f.run(pack, blocks, b + full, 1), f.block, values);
+            std::copy(values, values + rest, tail);
+        }
+    });
+}
+
+// The pack of the float32 difference t - r (numel elements each, dtype D; float subtraction, one rounding) for the
+// blocks of jobs [first_job, end_job): the differences of a batch of blocks go through a buffer that stays in the
+// cache, zero-padded past numel, then Isa's quantize of float32 values (round to nearest).
+template <class Isa, int Bits, int D>
+void quantize_delta_jobs(const Storage<D>* t, const Storage<D>* r, int64_t numel, const Layout& f, uint8_t* out,
+                         int64_t first_job, int64_t end_job) {
+    const int64_t blocks = f.blocks(numel), batch = std::max<int64_t>(1, kDeltaBatch / f.block);
+    alignas(64) float v[std::max(kMaxBlock, kDeltaBatch)];
+    for (int64_t b = first_job; b < end_job; b += batch) {
+        const int64_t c = std::min(batch, end_job - b), start = b * f.block;
+        const int64_t m = present(numel - start, c, f.block);
+        for (int64_t i = 0; i < m; ++i) v[i] = to_float<D>(t[start + i]) - to_float<D>(r[start + i]);
+        std::fill(v + m, v + c * f.block, 0.0f);
+        Isa::template quantize<Bits, kFloat32>(v, f.block, f.run(out, blocks, b, c));
+    }
 }
 
 template <class Isa, int Bits>
@@ -1204,6 +1275,28 @@ struct Dequantize {
 };
 
 template <class Isa>
+struct DequantizeAdd {
+    template <int Bits, int D>
+    static void run(const uint8_t* buf, const Layout& f, int64_t chunks, int64_t chunk_numel, void* out,
+                    int64_t out_numel, int threads) {
+        parallel(chunks * f.blocks(chunk_numel), threads, [&](int64_t a, int64_t e) {
+            dequantize_add_jobs<Isa, Bits, D>(buf, f, chunk_numel, static_cast<Storage<D>*>(out), out_numel, a, e);
+        });
+    }
+};
+
+template <class Isa>
+struct QuantizeDelta {
+    template <int Bits, int D>
+    static void run(const void* t, const void* r, int64_t numel, const Layout& f, uint8_t* out, int threads) {
+        parallel(f.blocks(numel), threads, [&](int64_t a, int64_t e) {
+            quantize_delta_jobs<Isa, Bits, D>(static_cast<const Storage<D>*>(t), static_cast<const Storage<D>*>(r),
+                                              numel, f, out, a, e);
+        });
+    }
+};
+
+template <class Isa>
 struct ReduceRequantize {  // D unused: the packs have no float dtype
     template <int Bits, int D>
     static void run(const uint8_t* buf, const Layout& f, int groups, int64_t chunks, int64_t chunk_numel,
@@ -1363,11 +1456,28 @@ int zeropp_quantize_chunks(const void* x, int dtype, int64_t numel, int bits, in
     return 0;
 }
 
+// One pack (round to nearest) of the float32 difference t - r of two flat arrays of numel elements of one dtype.
+int zeropp_quantize_delta(const void* t, const void* r, int dtype, int64_t numel, int bits, int block, uint8_t* out,
+                          int threads) {
+    if (int bad = check(bits, block, dtype)) return bad;
+    if (numel == 0) return 0;
+    dispatch<QuantizeDelta>(bits, dtype, t, r, numel, Layout{bits, block}, out, threads);
+    return 0;
+}
+
 // Dequantize `chunks` packs of chunk_numel elements into the first out_numel elements of flat `out`.
 int zeropp_dequantize_chunks(const uint8_t* buf, int bits, int block, int64_t chunks, int64_t chunk_numel,
                              void* out, int dtype, int64_t out_numel, int threads) {
     if (int bad = check(bits, block, dtype)) return bad;
     dispatch<Dequantize>(bits, dtype, buf, Layout{bits, block}, chunks, chunk_numel, out, out_numel, threads);
+    return 0;
+}
+
+// zeropp_dequantize_chunks adding into `out` in place: out[i] = dtype(float32 value + float32(out[i])).
+int zeropp_dequantize_add_chunks(const uint8_t* buf, int bits, int block, int64_t chunks, int64_t chunk_numel,
+                                 void* out, int dtype, int64_t out_numel, int threads) {
+    if (int bad = check(bits, block, dtype)) return bad;
+    dispatch<DequantizeAdd>(bits, dtype, buf, Layout{bits, block}, chunks, chunk_numel, out, out_numel, threads);
     return 0;
 }
 

@@ -107,3 +107,21 @@ def test_from_packed_accepts_empty_and_int_shapes():
     x = torch.randn(40, generator=torch.Generator().manual_seed(1))
     q = zq.QuantizedTensor.from_packed(zq.quantize(x, block_size=16).buffer, 40, torch.float32, 8, 16)
     assert q.shape == (40,) and np.array_equal(q.scales.numpy(), np_scales(x.numpy(), 8, 16))
+
+
+def test_weight_delta_ops_refuse_mismatched_inputs_naming_them():
+    """``quantize_delta`` and ``dequantize_add_chunks`` (the weight deltas' ops) refuse, naming the bad value, what
+    they cannot compute exactly: operands of two dtypes or lengths, and an ``out`` longer than the packs or needing
+    grad."""
+    fmt = BlockFormat(4, 64)
+    a, b = torch.randn(100), torch.randn(100)
+    with pytest.raises(TypeError, match="torch.bfloat16"):
+        zq.quantize_delta(a, b.bfloat16(), fmt)
+    with pytest.raises(ValueError, match="99 on"):
+        zq.quantize_delta(a, b[:99], fmt)
+    pack = zq.quantize_delta(a.view(10, 10), b, fmt)  # any shape, read flattened: the float32 difference's pack
+    assert torch.equal(pack, zq.quantize_chunks(a - b, fmt))
+    with pytest.raises(ValueError, match="101 elements"):
+        zq.dequantize_add_chunks(pack, fmt, 1, 100, torch.zeros(101))
+    with pytest.raises(ValueError, match="requires grad"):
+        zq.dequantize_add_chunks(pack, fmt, 1, 100, torch.zeros(100, requires_grad=True))

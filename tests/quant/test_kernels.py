@@ -225,6 +225,70 @@ def test_dequantize_into_view(kernels, gen):
     assert (big[:123] == -7.0).all() and (big[723:] == -7.0).all()
 
 
+@pytest.mark.parametrize("out_dtype", DTYPES)
+@pytest.mark.parametrize("bits,block_size", [(8, 16), (4, 64), (2, 2048)])
+@pytest.mark.parametrize("chunks,chunk_numel,out_numel", [(1, 2049, 2049), (3, 1001, 3000), (2, 300, 250)])
+def test_dequantize_add(chunks, chunk_numel, out_numel, bits, block_size, out_dtype, kernels, gen):
+    """Packs added into ``out`` in place (the weight deltas' ``add_delta``): the reference against the unfused spec
+    (dequantize to float32, add ``out`` widened to float32, round once to its dtype), the kernels against the
+    reference, on fresh random packs and values of other magnitudes; odd sizes leave short blocks and slices, and
+    the elements past ``out`` (of a short last slice, or of a missing one) are not touched."""
+    fmt = BlockFormat(bits, block_size)
+    buf = random_packs(fmt, chunks, chunk_numel, gen)
+    start = random_values(out_numel + 5, out_dtype, gen)
+    spec = torch.empty(out_numel, dtype=torch.float32)
+    reference.dequantize_chunks(buf, fmt, chunks, chunk_numel, spec)
+    spec = spec.add_(start[:out_numel].float()).to(out_dtype)
+    expected = start.clone()
+    reference.dequantize_add_chunks(buf, fmt, chunks, chunk_numel, expected[:out_numel])
+    assert_same_floats(expected[:out_numel], spec)
+    actual = start.to(kernels.device, copy=True)
+    kernels.ops.dequantize_add_chunks(buf.to(kernels.device), fmt, chunks, chunk_numel, actual[:out_numel])
+    assert_same_floats(actual, torch.cat([spec, start[out_numel:]]))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits,block_size,numel", [(8, 16, 4099), (4, 128, 3001), (2, 2048, 2049), (4, 64, 1)])
+def test_quantize_delta(bits, block_size, numel, dtype, native_kernels, gen):
+    """The pack of a difference (the weight deltas' ``pack_delta``): the reference and every native build against the
+    unfused spec (the float32 difference, then ``quantize_chunks``), on fresh values of close magnitudes (the
+    difference cancels most bits) and a short last block."""
+    fmt = BlockFormat(bits, block_size)
+    base = random_values(numel, dtype, gen)
+    target = (base.float() + random_values(numel, torch.float32, gen) * 1e-2).to(dtype)
+    spec = torch.empty(fmt.packed_bytes(numel), dtype=torch.uint8)
+    reference.quantize_chunks(target.float() - base.float(), fmt, 1, 1, spec)
+    expected = torch.full_like(spec, 0xAB)
+    reference.quantize_delta(target, base, fmt, expected)
+    assert_same_packs(expected, spec, fmt, 1, numel)
+    actual = torch.full_like(spec, 0xAB)
+    native_kernels.ops.quantize_delta(target, base, fmt, actual)
+    assert_same_packs(actual, spec, fmt, 1, numel)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning", "ignore:overflow:RuntimeWarning")
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [8, 2])
+def test_dequantize_add_special_values(bits, dtype, kernels):
+    """NaN, Inf, huge (a product clamped to the float32 range before the sum: in every dtype the sum with a
+    negative value then stays finite), subnormal and tie blocks added into values of both signs."""
+    fmt = BlockFormat(bits, 16)
+    x = special_blocks(16, fmt.qmax)
+    numel = x.numel()
+    packs = torch.empty(fmt.packed_bytes(numel), dtype=torch.uint8)
+    reference.quantize_chunks(x, fmt, 1, 1, packs)
+    start = (torch.randn(numel, generator=torch.Generator().manual_seed(3)) * 1e38).to(dtype)
+    spec = torch.empty(numel, dtype=torch.float32)
+    reference.dequantize_chunks(packs, fmt, 1, numel, spec)
+    spec = spec.add_(start.float()).to(dtype)
+    expected = start.clone()
+    reference.dequantize_add_chunks(packs, fmt, 1, numel, expected)
+    assert_same_floats(expected, spec)
+    actual = start.to(kernels.device, copy=True)
+    kernels.ops.dequantize_add_chunks(packs.to(kernels.device), fmt, 1, numel, actual)
+    assert_same_floats(actual, expected)
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("block_size", [16, 256, 2048])
 @pytest.mark.parametrize("groups,chunks,chunk_numel",

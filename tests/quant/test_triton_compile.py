@@ -92,6 +92,11 @@ CASES: list[dict] = [
     dict(op="dequantize", bits=4, block_size="default", dtype="bfloat16", chunks=4, chunk_numel=100_001,
          out_numel=400_001),
     dict(op="dequantize", bits=8, block_size=2048, dtype="float32", chunks=3, chunk_numel=1001, out_numel=3000),
+    # dequantize_add_chunks: chunked packs added into out (dtype) in place
+    dict(op="dequantize", add=True, bits=4, block_size="default", dtype="bfloat16", chunks=1, chunk_numel=100_001,
+         out_numel=100_001),
+    dict(op="dequantize", add=True, bits=8, block_size=2048, dtype="float32", chunks=2, chunk_numel=2**20,
+         out_numel=2**21),
     # reduce_requantize: groups runs of chunks packs -> chunks packs
     dict(op="reduce_requantize", bits=8, block_size=16, groups=2, chunks=1, chunk_numel=2**20),
     dict(op="reduce_requantize", bits=8, block_size="default", groups=8, chunks=4, chunk_numel=2**20),
@@ -187,7 +192,7 @@ def case_id(case: dict) -> str:
         parts = ["rotation", f"s{case['size']}", "inverse" if case["inverse"] else "forward", f"n{case['numel']}",
                  case.get("dtype", "float32")]
         return "-".join(parts + ([f"off{case['offset']}"] if case.get("offset") else []))
-    parts = [case["op"], f"int{case['bits']}", f"bs{case['block_size']}"]
+    parts = [case["op"] + ("-add" if case.get("add") else ""), f"int{case['bits']}", f"bs{case['block_size']}"]
     parts += [f"to-int{case.get('out_bits', case['bits'])}-bs{case.get('out_block_size', case['block_size'])}"
               for k in ("out_bits", "out_block_size") if k in case][:1]
     parts += ["seeded"] if "seed" in case else []

@@ -55,7 +55,8 @@ Memory per rank (compute dtype of ``b`` bytes per element), for every stage-3 un
 ``(G + 1) S b`` bytes, permanently: the secondary (``G S`` elements; hpZ alone holds it from the first gather of a
 step to the optimizer step) and the owner's reconstruction (``S``); with qwZ also the secondary's pack, ``G S B``
 (``B = weight_bits / 8 + 4 / block_size``). The step adds transient pack buffers of about ``(G + 1) S (delta_bits
-/ 8 + 4 / block_size)`` bytes and one float32 temporary of ``S`` elements.
+/ 8 + 4 / block_size)`` bytes; on CUDA tensors also one float32 temporary of ``S`` elements (the difference
+``w - r``, which the native CPU kernels quantize without one: ``zeropp.quant.quantize_delta``).
 
 Bytes per step, per rank (``comm.stats()["exchange"]``), with ``D = sum_units S (delta_bits / 8 + 4 / block_size)``
 (one rank's packs of every unit): sent across nodes ``(P - d) / h * D`` by every rank; inside the node ``D`` to

@@ -61,6 +61,8 @@ class Library:
         signatures = {
             "zeropp_quantize_chunks": [ptr, i32, i64, i32, i32, i64, i64, ptr, i32, u32, i32],
             "zeropp_dequantize_chunks": [ptr, i32, i32, i64, i64, ptr, i32, i64, i32],
+            "zeropp_dequantize_add_chunks": [ptr, i32, i32, i64, i64, ptr, i32, i64, i32],
+            "zeropp_quantize_delta": [ptr, ptr, i32, i64, i32, i32, ptr, i32],
             "zeropp_reduce_requantize": [ptr, i32, i32, i32, i64, i64, ptr, i32, i32, i32, u32, i32],
             "zeropp_reduce_dequantize": [ptr, i32, i32, i32, i64, ptr, i32, i64, f32, i32],
             "zeropp_hadamard": [ptr, i64, i32, i32, ptr, i32],
@@ -91,6 +93,18 @@ class Library:
                           out: torch.Tensor) -> None:
         """As ``reference.dequantize_chunks``."""
         self._call("zeropp_dequantize_chunks", buf.data_ptr(), fmt.bits, fmt.block_size, chunks, chunk_numel,
+                   out.data_ptr(), _DTYPES[out.dtype], out.numel())
+
+    def quantize_delta(self, target: torch.Tensor, reference: torch.Tensor, fmt: BlockFormat,
+                       out: torch.Tensor) -> None:
+        """As ``reference.quantize_delta`` (flat contiguous inputs of one dtype)."""
+        self._call("zeropp_quantize_delta", target.data_ptr(), reference.data_ptr(), _DTYPES[target.dtype],
+                   target.numel(), fmt.bits, fmt.block_size, out.data_ptr())
+
+    def dequantize_add_chunks(self, buf: torch.Tensor, fmt: BlockFormat, chunks: int, chunk_numel: int,
+                              out: torch.Tensor) -> None:
+        """As ``reference.dequantize_add_chunks``."""
+        self._call("zeropp_dequantize_add_chunks", buf.data_ptr(), fmt.bits, fmt.block_size, chunks, chunk_numel,
                    out.data_ptr(), _DTYPES[out.dtype], out.numel())
 
     def reduce_requantize(self, buf: torch.Tensor, fmt: BlockFormat, groups: int, chunks: int, chunk_numel: int,
@@ -150,8 +164,14 @@ unavailable_reason = _backend.unavailable_reason
 warn_unavailable = _backend.warn_unavailable
 quantize_chunks = _backend.quantize_chunks
 dequantize_chunks = _backend.dequantize_chunks
+dequantize_add_chunks = _backend.dequantize_add_chunks
 reduce_requantize = _backend.reduce_requantize
 reduce_dequantize = _backend.reduce_dequantize
+
+
+def quantize_delta(target: torch.Tensor, reference: torch.Tensor, fmt: BlockFormat, out: torch.Tensor) -> None:
+    """As ``reference.quantize_delta``, with the library at ``library_path()``."""
+    library().quantize_delta(target, reference, fmt, out)
 
 
 def hadamard(x: torch.Tensor, size: int, inverse: bool, out: torch.Tensor) -> None:

@@ -229,6 +229,14 @@ class Module:
              np.int64(fmt.packed_bytes(chunk_numel)), np.int32(packs), np.int32(fmt.block_size)),
         )
 
+    def dequantize_add_chunks(self, buf: torch.Tensor, fmt: BlockFormat, chunks: int, chunk_numel: int,
+                              out: torch.Tensor) -> None:
+        """As ``reference.dequantize_add_chunks``: quant.cu has no kernel of its own for it, so the Triton kernel
+        runs it (the same bits)."""
+        from . import _triton
+
+        _triton.dequantize_add_chunks(buf, fmt, chunks, chunk_numel, out)
+
     def reduce_requantize(self, buf: torch.Tensor, fmt: BlockFormat, groups: int, chunks: int, chunk_numel: int,
                           out: torch.Tensor, out_fmt: BlockFormat | None = None, seed: int | None = None) -> None:
         """As ``reference.reduce_requantize`` (one format and no ``seed``: ``check_supported``)."""
@@ -273,6 +281,7 @@ available = _backend.available
 unavailable_reason = _backend.unavailable_reason
 quantize_chunks = _backend.quantize_chunks
 dequantize_chunks = _backend.dequantize_chunks
+dequantize_add_chunks = _backend.dequantize_add_chunks
 reduce_requantize = _backend.reduce_requantize
 reduce_dequantize = _backend.reduce_dequantize
 

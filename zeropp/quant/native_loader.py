@@ -43,7 +43,7 @@ def build_path(name: str) -> Path:
 
 
 class NativeBackend(Generic[Loaded]):
-    """The four ops of a native backend, run by what ``load(path)`` returns; ``load`` raises ``error`` (an exception
+    """The five ops of a native backend, run by what ``load(path)`` returns; ``load`` raises ``error`` (an exception
     type whose message says how to fix it) when the path does not hold a usable build."""
 
     def __init__(self, env: str, default: Path, load: Callable[[Path], Loaded], error: type[Exception]) -> None:
@@ -96,6 +96,11 @@ class NativeBackend(Generic[Loaded]):
                           out: torch.Tensor) -> None:
         """As ``reference.dequantize_chunks``."""
         self.library().dequantize_chunks(buf, fmt, chunks, chunk_numel, out)
+
+    def dequantize_add_chunks(self, buf: torch.Tensor, fmt: BlockFormat, chunks: int, chunk_numel: int,
+                              out: torch.Tensor) -> None:
+        """As ``reference.dequantize_add_chunks``."""
+        self.library().dequantize_add_chunks(buf, fmt, chunks, chunk_numel, out)
 
     def reduce_requantize(self, buf: torch.Tensor, fmt: BlockFormat, groups: int, chunks: int, chunk_numel: int,
                           out: torch.Tensor, out_fmt: BlockFormat | None = None, seed: int | None = None) -> None:

@@ -201,6 +201,44 @@ def quantize_chunks(
     return out
 
 
+def quantize_delta(
+    target: torch.Tensor, base: torch.Tensor, fmt: BlockFormat, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The pack (``fmt``, round to nearest; one chunk of ``quantize_chunks``) of ``target - base``, taken in
+    float32: both of one float dtype and element count (any shape, read flattened and detached), widened to float32
+    and subtracted (one float32 rounding). The weight-delta tier's ``zeropp.comm.pack_delta``.
+
+    The native CPU library fuses the subtraction into the quantize (no full-size float32 temporary); the torch
+    reference walks it piecewise; elsewhere (CUDA tensors, Triton's interpreter) the difference is made in torch and
+    quantized by the backend's ``quantize_chunks``: the same bytes. Returns the uint8 pack of ``fmt.packed_bytes(n)``
+    bytes (``out`` if given).
+    """
+    check_float_tensor(target)
+    check_float_tensor(base)
+    if target.dtype != base.dtype:
+        raise TypeError(f"target is {target.dtype} but base is {base.dtype}; give both one dtype (or quantize_chunks "
+                        "their float32 difference)")
+    if target.numel() != base.numel() or target.device != base.device:
+        raise ValueError(f"target ({target.numel()} elements on {target.device}) and base ({base.numel()} on "
+                         f"{base.device}) must have one element count and device")
+    t = target.detach().reshape(-1).contiguous()
+    b = base.detach().reshape(-1).contiguous()
+    nbytes = fmt.packed_bytes(t.numel())
+    if out is None:
+        out = torch.empty(nbytes, dtype=torch.uint8, device=t.device)
+    _check_buffer(out, nbytes, "out")
+    if out.device != t.device:
+        raise ValueError(f"out is on {out.device} but target is on {t.device}")
+    name = backend_name(t)
+    if name == "torch":
+        reference.quantize_delta(t, b, fmt, out)
+    elif name == "native" and not t.is_cuda:
+        native.quantize_delta(t, b, fmt, out)
+    else:
+        quantize_chunks(t.float() - b.float(), fmt, out=out)
+    return out
+
+
 def swizzle_quantize(
     x: torch.Tensor,
     fmt: BlockFormat,
@@ -238,6 +276,28 @@ def dequantize_chunks(
     if out.numel() > chunks * chunk_numel:
         raise ValueError(f"out has {out.numel()} elements but the packs hold only {chunks} x {chunk_numel}")
     _backend(buf).dequantize_chunks(buf, fmt, chunks, chunk_numel, out.view(-1))
+    return out
+
+
+def dequantize_add_chunks(
+    buf: torch.Tensor, fmt: BlockFormat, chunks: int, chunk_numel: int, out: torch.Tensor
+) -> torch.Tensor:
+    """Add ``chunks`` packs of ``chunk_numel`` elements each into flat-contiguous ``out`` in place, fused: one
+    pass, no temporary. Element ``i`` becomes ``dtype(D + float32(out[i]))``: ``D`` the dequantized value in
+    float32 (``code * scale``, clamped to the finite range, as ``dequantize_chunks`` gives it), the sum one float32
+    addition (not a fused multiply-add), rounded once to ``out``'s dtype (float32, bfloat16 or float16).
+
+    ``out`` has at most ``chunks * chunk_numel`` elements, as in ``dequantize_chunks``; the padding is dropped.
+    The weight-delta tier's ``zeropp.comm.add_delta``. Returns ``out``.
+    """
+    _check_counts(chunks=chunks)
+    if chunk_numel < 0:
+        raise ValueError(f"chunk_numel={chunk_numel} must be non-negative")
+    _check_buffer(buf, chunks * fmt.packed_bytes(chunk_numel), "buf")
+    _check_out(out, None, buf.device)
+    if out.numel() > chunks * chunk_numel:
+        raise ValueError(f"out has {out.numel()} elements but the packs hold only {chunks} x {chunk_numel}")
+    _backend(buf).dequantize_add_chunks(buf, fmt, chunks, chunk_numel, out.view(-1))
     return out
 
 

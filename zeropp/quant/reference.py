@@ -269,6 +269,28 @@ def quantize_chunks(
         scale_bytes.copy_(scales.view(torch.uint8))
 
 
+def quantize_delta(target: torch.Tensor, reference: torch.Tensor, fmt: BlockFormat, out: torch.Tensor) -> None:
+    """One pack (``quantize_chunks`` of one chunk, round to nearest) of ``target - reference`` taken in float32:
+    both flat, of one length, widened to float32 and subtracted (one float32 rounding), the last block zero-padded;
+    a piece at a time, with no full-size temporary."""
+    numel = target.numel()
+    if numel == 0:
+        return
+    blocks = fmt.num_blocks(numel)
+    bs = fmt.block_size
+    scratch = _Scratch(fmt, blocks, target.device)
+    scales = torch.empty(blocks, dtype=torch.float32, device=target.device)
+    codes, scale_bytes = _pack_parts(out, fmt, blocks)
+    for first, end in scratch.pieces(blocks):
+        values = scratch.values[: end - first]
+        flat = values.view(-1)
+        n = min(numel - first * bs, (end - first) * bs)
+        flat[:n].copy_(target[first * bs : first * bs + n]).sub_(reference[first * bs : first * bs + n])
+        flat[n:].zero_()
+        quantize_blocks(values, fmt, codes[first:end], scales[first:end], scratch)
+    scale_bytes.copy_(scales.view(torch.uint8))
+
+
 def dequantize_chunks(
     buf: torch.Tensor, fmt: BlockFormat, chunks: int, chunk_numel: int, out: torch.Tensor
 ) -> None:
@@ -292,6 +314,34 @@ def dequantize_chunks(
             _dequantize_piece(packs[k], fmt, blocks, first, end, values, scratch)
             if not direct:  # round to out's dtype, drop the padding
                 piece.copy_(values.view(-1)[: piece.numel()])
+
+
+def dequantize_add_chunks(
+    buf: torch.Tensor, fmt: BlockFormat, chunks: int, chunk_numel: int, out: torch.Tensor
+) -> None:
+    """Add ``chunks`` packs of ``chunk_numel`` elements each into the first elements of flat ``out``, in place:
+    ``out = dtype(D(pack) + float32(out))``, the dequantized value (``dequantize_blocks``: ``code * scale`` rounded
+    to float32, clamped to the finite range) plus ``out`` widened to float32, added in float32 (one rounding) and
+    rounded once to ``out``'s dtype (nearest even; for float32 the sum is already that). Not a fused multiply-add:
+    the product is rounded before the sum."""
+    if out.numel() == 0:
+        return
+    blocks = fmt.num_blocks(chunk_numel)
+    bs = fmt.block_size
+    scratch = _Scratch(fmt, blocks, buf.device)
+    packs = buf.view(chunks, -1)
+    for k in range(chunks):
+        dest = out[k * chunk_numel : min((k + 1) * chunk_numel, out.numel())]
+        for first, end in scratch.pieces(blocks):
+            piece = dest[first * bs : end * bs]
+            if piece.numel() == 0:
+                break
+            values = _dequantize_piece(packs[k], fmt, blocks, first, end, scratch.values[: end - first], scratch)
+            total = values.view(-1)[: piece.numel()]
+            if piece.dtype == torch.float32:
+                piece.add_(total)  # float32 addition is commutative: the same bits as total + piece
+            else:
+                piece.copy_(total.add_(piece))
 
 
 def _sum_piece(

@@ -11,7 +11,7 @@ Used by ``tests/quant/test_triton_compile.py`` (the compiler's rules checked on 
 the float tensor's pointer), ``seed`` (stochastic rounding: quantize, reduce_requantize), ``out_bits`` and
 ``out_block_size`` (reduce_requantize's output format, default the input's) and ``rotation`` (quantize and
 reduce_dequantize with the Hadamard rotation of that size fused: ``quantize_chunks_rotated``,
-``reduce_dequantize_rotated``).
+``reduce_dequantize_rotated``) and ``add`` (dequantize added into ``out``: ``dequantize_add_chunks``).
 
 How: ``triton.jit`` picks the interpreter when ``triton`` is imported, so the compilation runs in a fresh process
 (``compile_in_subprocess`` starts ``python -m zeropp.quant._triton.aot``) with ``TRITON_INTERPRET`` and
@@ -164,7 +164,8 @@ def launch_case(case: Mapping[str, Any]) -> None:
     elif op == "dequantize":
         chunks, chunk_numel = case["chunks"], case["chunk_numel"]
         buf = meta(chunks * fmt.packed_bytes(chunk_numel), u8)
-        kernels.dequantize_chunks(buf, fmt, chunks, chunk_numel, meta(case["out_numel"], dtype, offset))
+        launcher = kernels.dequantize_add_chunks if case.get("add") else kernels.dequantize_chunks
+        launcher(buf, fmt, chunks, chunk_numel, meta(case["out_numel"], dtype, offset))
     elif op == "reduce_requantize":
         groups, chunks, chunk_numel = case["groups"], case["chunks"], case["chunk_numel"]
         out_fmt = BlockFormat(case.get("out_bits", fmt.bits), case.get("out_block_size", bs))

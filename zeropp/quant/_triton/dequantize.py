@@ -1,4 +1,5 @@
-"""Triton dequantize: packs of the chunked layout straight into a flat output of any float dtype."""
+"""Triton dequantize: packs of the chunked layout straight into a flat output of any float dtype, or added into it
+(``ADD``: ``dequantize_add_chunks``)."""
 
 from __future__ import annotations
 
@@ -36,11 +37,14 @@ def _dequantize_kernel(
     BITS: tl.constexpr,
     BLOCKS: tl.constexpr,
     INTERPRET: tl.constexpr,
+    ADD: tl.constexpr = False,
 ):
     """Dequantize ``BLOCKS`` blocks of pack ``program_id(1)`` per program.
 
     ``buf_ptr``: uint8 packs of ``pack_bytes`` bytes, each holding ``chunk_numel`` elements. ``out_ptr``: the
     first ``out_numel`` elements of the concatenated slices; the padding of each pack's last block is dropped.
+    With ``ADD`` the float32 values are added to ``out``'s, widened to float32, and the sum is what is rounded to
+    ``out``'s dtype (the products clamped to the finite float32 range for every dtype).
     """
     WORDS: tl.constexpr = BLOCK_SIZE * BITS // 32
     first_block = tl.program_id(0) * BLOCKS
@@ -63,20 +67,28 @@ def _dequantize_kernel(
     codes = decode_words(words, opaque_zero(blocks_per_pack), BITS)
     # Only float32 output can tell a product clamped to the float32 range from an overflow to Inf: in bfloat16 and
     # float16 both round to Inf.
-    if out_ptr.dtype.element_ty == tl.float32:
+    # A sum can tell them apart in every dtype.
+    if out_ptr.dtype.element_ty == tl.float32 or ADD:
         if all_fast(scale):
             v = scaled_fast(codes, scale[:, None])
         else:
             v = scaled_exact(codes, scale[:, None])
     else:
         v = scaled_fast(codes, scale[:, None])
-    y = to_output(v, out_ptr, INTERPRET)
     out = element_ptrs(out_ptr, out_start, BLOCKS, BLOCK_SIZE)
     if full:
-        tl.store(out, y)
+        if ADD:
+            tl.store(out, to_output(v + tl.load(out).to(tl.float32), out_ptr, INTERPRET))
+        else:
+            tl.store(out, to_output(v, out_ptr, INTERPRET))
     else:
         count = row_counts(available, BLOCKS, BLOCK_SIZE)
-        tl.store(out, y, mask=tl.arange(0, BLOCK_SIZE)[None, :] < count[:, None])
+        mask = tl.arange(0, BLOCK_SIZE)[None, :] < count[:, None]
+        if ADD:
+            total = v + tl.load(out, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out, to_output(total, out_ptr, INTERPRET), mask=mask)
+        else:
+            tl.store(out, to_output(v, out_ptr, INTERPRET), mask=mask)
 
 
 def dequantize_chunks(
@@ -87,6 +99,20 @@ def dequantize_chunks(
     ``buf`` is the uint8 chunked layout; ``out`` (any float dtype, at most ``chunks * chunk_numel`` elements)
     receives the values in its own dtype. Same result as ``reference.dequantize_chunks``.
     """
+    _launch_dequantize(buf, fmt, chunks, chunk_numel, out, add=False)
+
+
+def dequantize_add_chunks(
+    buf: torch.Tensor, fmt: BlockFormat, chunks: int, chunk_numel: int, out: torch.Tensor
+) -> None:
+    """Add ``chunks`` packs of ``chunk_numel`` elements each into the first elements of flat ``out`` in place. Same
+    result as ``reference.dequantize_add_chunks``."""
+    _launch_dequantize(buf, fmt, chunks, chunk_numel, out, add=True)
+
+
+def _launch_dequantize(
+    buf: torch.Tensor, fmt: BlockFormat, chunks: int, chunk_numel: int, out: torch.Tensor, *, add: bool
+) -> None:
     out_numel = out.numel()
     if out_numel == 0:
         return
@@ -106,4 +132,5 @@ def dequantize_chunks(
         chunk_numel,
         blocks_per_pack,
         fmt.packed_bytes(chunk_numel),
+        ADD=add,
     )
