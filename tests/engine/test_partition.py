@@ -2,7 +2,8 @@
 stage 1, ``(1, k, k)`` and ``(1, g, o)`` with ``g < o`` at stage 2) on real gloo processes: world 4 as 2 x 2
 emulated nodes (groups of 2) and world 8 as 2 x 4 (groups of 4 and 2) and 4 x 2 (groups of 2 and 4), one launch per
 layout running every point; the grouped resident points ``(p, g, o)``, ``2 <= p < o`` (``(k, k, o)``, ``(p, k, k)``,
-``(p, g, o)`` with ``p < g < o``) bit for bit against ``(1, g, o)`` or MiCS over ``g`` in the same launches.
+``(p, g, o)`` with ``p < g < o``) bit for bit against ``(1, g, o)`` or MiCS over ``g`` in the same launches, at 4 x 2
+also with the parameters over two whole nodes: ``(4, 4, 8)`` against ``(1, 4, 8)``, ``(4, 8, 8)`` against ZeRO-3.
 
 Against plain single-process training (engine_workers.py's reference) with the bars of test_engine.py, not bit for
 bit: each point averages each gradient element over its group of ``k`` ranks (gloo's sum, one division) and then
