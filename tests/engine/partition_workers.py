@@ -819,15 +819,15 @@ def _expected_resident(engine, accum: int) -> dict[str, dict[str, int]]:
 
 
 def resident_cases(rank: int, world: int, root: str, checkpoints: bool, steps: int = 4) -> dict:
-    """The resident point ``(p, W, W)`` (``zeropp.engine.weight_deltas``' exact mode) for ``p`` the ranks per node
-    and, where a node has 4 ranks, 2, and at 4 x 2 also 4 (two whole nodes): all trained beside one exact ZeRO-3 run
-    (accumulation 2, clipping on, an Inf in one gradient element on rank 1 at step 1), the same fp32 masters,
-    compute weights and gradient norms bit for bit at every step; the skipped step moves nothing and changes nothing; the last step's byte counters equal
-    ``_expected_resident`` and ``zeropp.plan``'s prediction of the point, the reduce-scatter's equal ZeRO-3's, and
-    the model states' and secondaries' bytes equal ``zeropp.plan.memory``. With ``checkpoints`` a checkpoint moves
-    ZeRO-3 -> ``(node, W, W)`` -> ZeRO-3, bit for bit, and a refused combination is reported; at 4 x 2 (without
-    ``checkpoints``) ``(4, W, W)`` -> ZeRO-3 -> ``(4, W, W)`` bit for bit (``"resident-4-checkpoints"``) and
-    qgZ refused there (``"refused-spanning"``: the message)."""
+    """The resident point ``(p, W, W)`` (``zeropp.engine.weight_deltas``' exact mode) for ``p`` the ranks per node and,
+    where a node has 4 ranks, 2, and at 4 x 2 also 4 (two whole nodes): all trained beside one exact ZeRO-3 run
+    (accumulation 2, clipping on, an Inf in one gradient element on rank 1 at step 1), the same fp32 masters, compute
+    weights and gradient norms bit for bit at every step; the skipped step moves nothing and changes nothing; the last
+    step's byte counters equal ``_expected_resident`` and ``zeropp.plan``'s prediction of the point, the
+    reduce-scatter's equal ZeRO-3's, and the model states' and secondaries' bytes equal ``zeropp.plan.memory``. With
+    ``checkpoints`` a checkpoint moves ZeRO-3 -> ``(node, W, W)`` -> ZeRO-3, bit for bit, and a refused combination is
+    reported; at 4 x 2 (without ``checkpoints``) ``(4, W, W)`` -> ZeRO-3 -> ``(4, W, W)`` bit for bit
+    (``"resident-4-checkpoints"``) and qgZ refused there (``"refused-spanning"``: the message)."""
     out: dict = {}
     d = comm.get_default_topology().ranks_per_node
     data = batches(steps, 2 * world)
