@@ -784,17 +784,21 @@ def _resident_zero(p: int | str, accum_zero: dict | None = None) -> dict:
 def _expected_resident(engine, accum: int) -> dict[str, dict[str, int]]:
     """The resident point's counters for one applied step, by hand: every unit's exact stepped shard (``S b``
     bytes) sent to each holder but this rank (``exchange``, once), the holders found from the partition layout
-    (the secondary at position ``i`` of a node's ``h``-rank partition holds shards ``i G .. (i + 1) G - 1``,
-    ``G = W / h``); every forward and backward gather of every unit inside the partition, ``(h - 1) G S b`` bytes
-    each, none across nodes: two per micro-batch, one for the root unit (whole from its forward to the end of the
-    backward)."""
+    (the ``h``-rank partitions are runs of ``h`` local indices of a node, or ``h / d`` whole nodes; the secondary
+    at position ``i`` holds shards ``i G .. (i + 1) G - 1``, ``G = W / h``); every forward and backward gather of
+    every unit inside the partition, ``(h - 1) G S b`` bytes each, ``(h - same) G S b`` of them across nodes
+    (``same`` the partition's ranks on this rank's node: ``h`` inside a node, ``d`` for whole nodes): two per
+    micro-batch, one for the root unit (whole from its forward to the end of the backward)."""
     topo, h = engine.comm.topology, engine.comm.hpz
     world, me = topo.world_size, topo.rank
     group = world // h
+    d = topo.ranks_per_node
+    partitions = ([node[i : i + h] for node in topo.nodes for i in range(0, d, h)] if d % h == 0 else
+                  [[r for node in topo.nodes[m : m + h // d] for r in node] for m in range(0, len(topo.nodes), h // d)])
 
     def position(r: int) -> int:
         g = topo.ranks[r]
-        return topo.nodes[topo.node_of(g)].index(g) % h
+        return next(sorted(part).index(g) for part in partitions if g in part)
 
     def node(r: int) -> int:
         return topo.node_of(topo.ranks[r])
@@ -807,51 +811,59 @@ def _expected_resident(engine, accum: int) -> dict[str, dict[str, int]]:
     same = [sum(node(q) == node(me) for q in peers) for peers in (holders, owners)]
     exchange = {"calls": 1, "sent_intra": same[0] * s, "sent_inter": (len(holders) - same[0]) * s,
                 "recv_intra": same[1] * s, "recv_inter": (len(owners) - same[1]) * s}
-    gathered = (h - 1) * group * uses
+    same_node = min(h, d)
+    intra, inter = (same_node - 1) * group * uses, (h - same_node) * group * uses
     calls = sum(1 if u.name == "" else 2 for u in engine.units) * accum
-    gather = {"calls": calls, "sent_intra": gathered, "sent_inter": 0,
-              "recv_intra": gathered, "recv_inter": 0}
+    gather = {"calls": calls, "sent_intra": intra, "sent_inter": inter, "recv_intra": intra, "recv_inter": inter}
     return {"exchange": exchange, "all_gather": gather}
 
 
 def resident_cases(rank: int, world: int, root: str, checkpoints: bool, steps: int = 4) -> dict:
-    """The resident point ``(p, W, W)`` (``zeropp.engine.weight_deltas``' exact mode) for ``p`` the ranks per node
-    and, where a node has 4 ranks, 2: trained beside exact ZeRO-3 (accumulation 2, clipping on, an Inf in one
-    gradient element on rank 1 at step 1), the same fp32 masters, compute weights and gradient norms bit for bit
-    at every step; the skipped step moves nothing and changes nothing; the last step's byte counters equal
-    ``_expected_resident`` and ``zeropp.plan``'s prediction of the point, the reduce-scatter's equal ZeRO-3's, and
-    the model states' and secondaries' bytes equal ``zeropp.plan.memory``. With ``checkpoints`` a checkpoint moves
-    ZeRO-3 -> ``(node, W, W)`` -> ZeRO-3, bit for bit, and a refused combination is reported."""
+    """The resident point ``(p, W, W)`` (``zeropp.engine.weight_deltas``' exact mode) for ``p`` the ranks per node and,
+    where a node has 4 ranks, 2, and at 4 x 2 also 4 (two whole nodes): all trained beside one exact ZeRO-3 run
+    (accumulation 2, clipping on, an Inf in one gradient element on rank 1 at step 1), the same fp32 masters, compute
+    weights and gradient norms bit for bit at every step; the skipped step moves nothing and changes nothing; the last
+    step's byte counters equal ``_expected_resident`` and ``zeropp.plan``'s prediction of the point, the
+    reduce-scatter's equal ZeRO-3's, and the model states' and secondaries' bytes equal ``zeropp.plan.memory``. With
+    ``checkpoints`` a checkpoint moves ZeRO-3 -> ``(node, W, W)`` -> ZeRO-3, bit for bit, and a refused combination is
+    reported; at 4 x 2 (without ``checkpoints``) ``(4, W, W)`` -> ZeRO-3 -> ``(4, W, W)`` bit for bit
+    (``"resident-4-checkpoints"``) and qgZ refused there (``"refused-spanning"``: the message)."""
     out: dict = {}
     d = comm.get_default_topology().ranks_per_node
     data = batches(steps, 2 * world)
-    for p in ["node"] + ([2] if d == 4 else []):
-        engines = [zeropp.initialize(model=GPT(MODEL, seed=rank), config=_config(1, 2, zero, 0.5))[0]
-                   for zero in (_resident_zero(p), _resident_zero(world, {"zeropp": {}}))]
-        resident, zero3 = engines
-        assert resident.comm.hpz == (d if p == "node" else p) and zero3.comm.hpz == 1
+    sizes = resident_sizes(world, d)
+    residents = {p: zeropp.initialize(model=GPT(MODEL, seed=rank), config=_config(1, 2, _resident_zero(p), 0.5))[0]
+                 for p in sizes}
+    zero3 = zeropp.initialize(model=GPT(MODEL, seed=rank),
+                              config=_config(1, 2, _resident_zero(world, {"zeropp": {}}), 0.5))[0]
+    engines = [*residents.values(), zero3]  # one ZeRO-3 run beside every resident point
+    assert zero3.comm.hpz == 1
+    for p, resident in residents.items():
+        assert resident.comm.hpz == (d if p == "node" else p)
         assert resident.mics is None and resident.weight_deltas is not None and resident.weight_deltas.exact
-        for step, batch in enumerate(data):
-            stats = {}
-            for engine in engines:
-                w = dict(engine.module.named_parameters())["blocks.0.mlp.c_fc.weight"]
-                handle = w.register_hook(_spoil) if step == 1 and rank == 1 else None
-                before = _masters_and_state(engine, engine.optimizer) if step == 1 else None
-                secondaries = [u.secondary.clone() for u in engine.units] if step == 1 and engine is resident else None
-                if step == steps - 1 or step == 1:
-                    comm.reset_stats()
-                _train(engine, rank, world, 1, 2, [batch])
-                stats[id(engine)] = comm.stats()
-                if handle is not None:
-                    handle.remove()
-                if step == 1:  # the Inf reached every rank through the reduce-scatter: skipped everywhere
-                    assert engine.overflow and engine.skipped_steps == 1
-                    after = _masters_and_state(engine, engine.optimizer)
-                    assert all(torch.equal(before[n], after[n]) for n in before)
-                    if secondaries is not None:
-                        assert stats[id(engine)]["exchange"]["calls"] == 0, stats[id(engine)]
-                        assert all(torch.equal(a, u.secondary) for a, u in zip(secondaries, engine.units))
-            got, want = mics_masters(resident), mics_masters(zero3)
+    for step, batch in enumerate(data):
+        stats = {}
+        for engine in engines:
+            w = dict(engine.module.named_parameters())["blocks.0.mlp.c_fc.weight"]
+            handle = w.register_hook(_spoil) if step == 1 and rank == 1 else None
+            before = _masters_and_state(engine, engine.optimizer) if step == 1 else None
+            secondaries = [u.secondary.clone() for u in engine.units] if step == 1 and engine is not zero3 else None
+            if step == steps - 1 or step == 1:
+                comm.reset_stats()
+            _train(engine, rank, world, 1, 2, [batch])
+            stats[id(engine)] = comm.stats()
+            if handle is not None:
+                handle.remove()
+            if step == 1:  # the Inf reached every rank through the reduce-scatter: skipped everywhere
+                assert engine.overflow and engine.skipped_steps == 1
+                after = _masters_and_state(engine, engine.optimizer)
+                assert all(torch.equal(before[n], after[n]) for n in before)
+                if secondaries is not None:
+                    assert stats[id(engine)]["exchange"]["calls"] == 0, stats[id(engine)]
+                    assert all(torch.equal(a, u.secondary) for a, u in zip(secondaries, engine.units))
+        want = mics_masters(zero3)
+        for p, resident in residents.items():
+            got = mics_masters(resident)
             assert all(torch.equal(got[n], want[n]) for n in want), (p, step)
             assert resident.get_global_grad_norm() == zero3.get_global_grad_norm(), (p, step)
             if step == steps - 1:
@@ -869,16 +881,35 @@ def resident_cases(rank: int, world: int, root: str, checkpoints: bool, steps: i
                 assert mem["secondary"] == sum(u.secondary.nbytes for u in resident.units), mem
                 out[f"resident-{p}-zero3-inter"] = stats[id(zero3)]["all_gather"]["sent_inter"]
                 out[f"resident-{p}-inter"] = counted["exchange"]["sent_inter"]
-        a, b = resident.full_parameters(), zero3.full_parameters()
+    b = zero3.full_parameters()
+    for p, resident in residents.items():
+        a = resident.full_parameters()
         assert all(torch.equal(a[n], b[n]) for n in b)
         out[f"resident-{p}-bit-identical"] = True
         out[f"resident-{p}-weights"] = {n: float(t.double().sum()) for n, t in a.items()}
-        for engine in engines:
-            engine.destroy()
+    for engine in engines:
+        engine.destroy()
     if checkpoints:
         out.update(_resident_checkpoints(rank, world, root))
         out.update(resident_combos(rank, world))
+    elif 2 * d in sizes:  # the copy over two whole nodes
+        zero = _resident_zero(2 * d)
+        _checkpoint_chain(rank, world, Path(root) / "ckpt-spanning",
+                          (("resident", zero), ("stage3", {"stage": 3}), ("resident-again", zero)))
+        out[f"resident-{2 * d}-checkpoints"] = True
+        try:
+            zeropp.initialize(model=GPT(MODEL, seed=0),
+                              config=_config(2, 1, _resident_zero(2 * d, {"zero_quantized_gradients": True})))
+            raise AssertionError(f"qgZ at ({2 * d}, {world}, {world}) was accepted")
+        except ConfigError as e:
+            out["refused-spanning"] = str(e)
     return out
+
+
+def resident_sizes(world: int, d: int) -> list[int | str]:
+    """The resident points ``(p, W, W)`` ``resident_cases`` trains: ``"node"``, 2 on nodes of 4, and two whole nodes
+    where the world has four nodes of 2 (4 x 2)."""
+    return ["node"] + ([2] if d == 4 else []) + ([2 * d] if d == 2 and world == 4 * d else [])
 
 
 def _resident_checkpoints(rank: int, world: int, root: str) -> dict:

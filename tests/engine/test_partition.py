@@ -2,7 +2,8 @@
 stage 1, ``(1, k, k)`` and ``(1, g, o)`` with ``g < o`` at stage 2) on real gloo processes: world 4 as 2 x 2
 emulated nodes (groups of 2) and world 8 as 2 x 4 (groups of 4 and 2) and 4 x 2 (groups of 2 and 4), one launch per
 layout running every point; the grouped resident points ``(p, g, o)``, ``2 <= p < o`` (``(k, k, o)``, ``(p, k, k)``,
-``(p, g, o)`` with ``p < g < o``) bit for bit against ``(1, g, o)`` or MiCS over ``g`` in the same launches.
+``(p, g, o)`` with ``p < g < o``) bit for bit against ``(1, g, o)`` or MiCS over ``g`` in the same launches, at 4 x 2
+also with the parameters over two whole nodes: ``(4, 4, 8)`` against ``(1, 4, 8)``, ``(4, 8, 8)`` against ZeRO-3.
 
 Against plain single-process training (engine_workers.py's reference) with the bars of test_engine.py, not bit for
 bit: each point averages each gradient element over its group of ``k`` ranks (gloo's sum, one division) and then
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import pytest
 from engine_launch import launch
+from partition_workers import resident_sizes
 
 QUANTIZED_BAR = 0.5
 BF16_BAR = 1e-2
@@ -44,7 +46,7 @@ O(1))."""
     "world, d, sizes, splits, checkpoints, precision, residents",
     [(4, 2, [2], [[2, 4]], True, 2, [[2, 2, 4]]),
      (8, 4, [4, 2], [[4, 8]], False, 2, [[4, 4, 8], [2, 4, 8], [2, 4, 4]]),
-     (8, 2, [2, 4], [[2, 8], [2, 4]], False, 4, [[2, 2, 8], [2, 2, 4], [2, 4, 4]])],
+     (8, 2, [2, 4], [[2, 8], [2, 4], [4, 8]], False, 4, [[2, 2, 8], [2, 2, 4], [2, 4, 4], [4, 4, 8]])],
     ids=["world4-2x2", "world8-2x4", "world8-4x2"],
 )
 def test_grouped_points_match_single_process_training(tmp_path, world, d, sizes, splits, checkpoints, precision,
@@ -137,12 +139,15 @@ def check_grouped_resident(results: list[dict], residents: list[list[int]], chec
 
 
 def check_resident(results: list[dict], d: int, checkpoints: bool) -> None:
-    """``partition_workers.resident_cases``: the resident point ``(p, W, W)`` (``p`` the ranks per node, and 2 on
-    nodes of 4) trained bit-identically to ZeRO-3 on every rank (asserted there, with its byte counters), and its
-    step's cross-node bytes below ZeRO-3's forward and backward gathers (by ``d``: measured 119,104 against
-    870,656 at 2 x 2); at 2 x 2 also with qwZ and qgZ, optimizer offload, bf16, weight deltas and OneBitAdam,
-    each bit for bit against ZeRO-3 with the same options. Pops what it checks."""
-    sizes = ["node"] + ([2] if d == 4 else [])
+    """``partition_workers.resident_cases``: the resident point ``(p, W, W)`` (``p`` the ranks per node, 2 on
+    nodes of 4, and 4 = two whole nodes at 4 x 2) trained bit-identically to ZeRO-3 on every rank (asserted there,
+    with its byte counters, the planner's and its memory), and its step's exchange bytes across nodes below ZeRO-3's
+    forward and backward gathers' (by ``d``: measured 119,104 against 870,656 at 2 x 2); at 2 x 2 also with qwZ and
+    qgZ, optimizer offload, bf16, weight deltas and OneBitAdam, each bit for bit against ZeRO-3 with the same
+    options; at 4 x 2 a checkpoint moved ``(4, W, W)`` -> ZeRO-3 -> ``(4, W, W)`` bit for bit and qgZ refused
+    there. Pops what it checks."""
+    world = len(results)
+    sizes = resident_sizes(world, d)
     for p in sizes:
         assert all(r.pop(f"resident-{p}-bit-identical") for r in results), p
         for r in results:
@@ -153,6 +158,10 @@ def check_resident(results: list[dict], d: int, checkpoints: bool) -> None:
             assert all(r.pop(f"resident-{name}-bit-identical") for r in results), name
         assert all(r.pop("resident-checkpoints") for r in results)
         assert "offload_param: not combined with zeropp.partition" in results[0].pop("refused-resident")
+    elif 2 * d in sizes:
+        assert all(r.pop(f"resident-{2 * d}-checkpoints") for r in results)
+        refused = results[0].pop("refused-spanning")
+        assert "zero_quantized_gradients: not combined with zeropp.partition (4, 8, 8)" in refused, refused
 
 
 def check_precision(results: list[dict]) -> None:

@@ -11,6 +11,7 @@ from zeropp.config.partition import (
     PartitionConfig,
     engine_stage,
     grouped_resident_refusals,
+    point_refusals,
     resident_refusals,
     resident_size,
     stage_point,
@@ -302,13 +303,25 @@ def test_resident_point(world, d, p, want):
 
 
 def test_resident_point_refusals():
-    """Parameters over groups that span nodes are refused at the topology check (hpZ's partition lives in one
-    node); ``resident_refusals`` names another hpZ size and the parameter offload tiers, and accepts the same hpZ
-    size."""
+    """Parameters over whole nodes run (``(4, 8, 8)`` on nodes of 2) with exact collectives: ``point_refusals``
+    names qwZ, qgZ, weight deltas, the optimizer offload and OneBitAdam there (``spanning_refusals``), each once,
+    and nothing without them; ``resident_refusals`` names another hpZ size and the parameter offload tiers, and
+    accepts the same hpZ size."""
     c = parse(8, stage=3, zeropp={"partition": part(4, "world", "world")})
-    with pytest.raises(ConfigError, match=r"partition=\(4, 8, 8\) keeps the parameters over groups of 4 ranks, "
-                                          r"which span nodes \(2 ranks per node\)"):
-        c.zero.partition_point(8, 2)
+    assert c.zero.partition_point(8, 2) == (4, 8, 8) and point_refusals(c, (4, 8, 8), 8, 2) == []
+    lossy = load_config({**BASE, "zero_optimization": {
+        "stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
+        "offload_optimizer": {"device": "cpu"}, "zeropp": {"partition": part(4, 4, 8), "weight_deltas": True}}},
+        world_size=8)
+    onebit = load_config({**BASE, "optimizer": {"type": "OneBitAdam", "params": {}},
+                          "zero_optimization": {"stage": 3, "zeropp": {"partition": part(4, 4, 8)}}}, world_size=8)
+    refused = point_refusals(lossy, (4, 4, 8), 8, 2) + point_refusals(onebit, (4, 4, 8), 8, 2)
+    for needle in ("zero_quantized_weights", "zero_quantized_gradients", "weight_deltas", "offload_optimizer",
+                   "OneBitAdam"):
+        assert sum(needle in line for line in refused) == 1, (needle, refused)
+    assert all("zeropp.partition (4, 4, 8) (parameters resident over 4 ranks, 2 whole nodes of 2)" in line
+               for line in refused), refused
+    assert point_refusals(lossy, (4, 4, 8), 8, 4) != refused  # inside a node of 4: grouped_resident_refusals
     resident = {"partition": part("node", "world", "world")}
     assert resident_refusals(parse(8, stage=3, zero_hpz_partition_size=4, zeropp=resident), 4) == []
     refused = resident_refusals(parse(8, stage=3, zero_hpz_partition_size=2, offload_param={"device": "cpu"},
@@ -327,17 +340,14 @@ def test_resident_point_refusals():
                                            (8, 2, (2, 4, 8)), (16, 8, (4, 8, 16))])
 def test_grouped_resident_points(world, d, point):
     """``(p, g, o)`` with ``2 <= p < o`` (``o`` below the world or ``g`` below ``o``) runs at stage 3 as a resident
-    point when ``p`` divides the ranks per node, names stage 3 at another stage, and is refused when the
-    parameters' groups span nodes."""
+    point, its parameters inside a node or over whole nodes, and names stage 3 at another stage."""
     p = point[0]
     c = parse(world, stage=3, zeropp={"partition": part(*point)})
     assert c.zero.partition_point(world, d) == point and Config.parse(to_dict(c), world) == c
     assert engine_stage(point, world) == 3 and resident_size(point, world) == p
     assert "it runs at stage 3: set zero_optimization.stage to 3" in err(world, stage=2,
                                                                         zeropp={"partition": part(*point)})
-    with pytest.raises(ConfigError, match=rf"partition=\({p}, .* keeps the parameters over groups of {p} ranks, "
-                                          rf"which span nodes \({p // 2} ranks per node\)"):
-        c.zero.partition_point(world, p // 2)
+    assert c.zero.partition_point(world, p // 2) == point  # the parameters over two whole nodes
 
 
 def test_grouped_resident_refusals():

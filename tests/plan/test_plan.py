@@ -307,6 +307,22 @@ def test_memory_order_offload_and_what_runs_today() -> None:
             assert cfg.zero_optimization.stage == p.config["stage"]
 
 
+def test_parameters_over_whole_nodes_run_exact_and_gather_across_nodes() -> None:
+    """At 4 x 2 the resident points with the parameters over two whole nodes run with exact collectives only (qwZ,
+    qgZ, weight deltas and offload named); their parameter gathers over the 4-rank copy send ``(d - 1) / (p - 1)``
+    of their bytes inside the node and the rest across nodes (``gather_traffic``), and the exchange reaches one
+    holder per copy (rank 5's shard: ranks 2 and 6, both on other nodes)."""
+    for point in ((4, 4, 8), (4, 8, 8)):
+        assert Plan(Partition(*point)).unsupported(8, 2) is None, point
+        refused = Plan(Partition(*point), gradient_bits=4, offload="cpu").unsupported(8, 2)
+        assert "qgZ, offload refused" in refused, refused
+        for c in collectives(from_preset("tiny:nobias"), Plan(Partition(*point)), Layout(8, 2, 5), 2, 4):
+            if c.what == "hpZ secondary gather":
+                assert c.traffic == gather_traffic(c.chunk, 4, 2), c
+            if c.kind == "exchange":
+                assert (c.traffic.sent_intra, c.traffic.sent_inter) == (0, 2 * c.chunk), c
+
+
 def test_durations_print_in_ms_below_a_second() -> None:
     cases = {0.0: "0", 1e-10: "<0.001 ms", 7.867e-05: "0.079 ms", 0.01761: "17.61 ms", 0.5364: "536.4 ms",
              3.7421: "3.742 s", 123.45: "123.5 s"}

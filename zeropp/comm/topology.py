@@ -11,7 +11,8 @@ Within a node, ranks are ordered by global rank; a rank's position is its *local
 * ``intra_group``: the ranks of this rank's node (hop 1 of qgZ, hpZ all-gathers);
 * ``inter_group``: the ranks with this rank's local index on every node (hop 2 of qgZ);
 * ``partition_group(s)``: runs of ``s`` consecutive local indices inside a node, for hpZ partitions of any size
-  ``s`` dividing ``d`` (DeepSpeed's ``zero_hpz_partition_size``);
+  ``s`` dividing ``d`` (DeepSpeed's ``zero_hpz_partition_size``), or of ``s / d`` whole consecutive nodes for ``s`` a
+  multiple of ``d`` (the resident points' parameter copy over whole nodes);
 * ``subgroup(ranks)``: any set of the group's ranks (FSDP2's hpZ groups, for ``zeropp.fsdp``).
 
 Every group a topology creates waits ``timeout`` for the other ranks (default: the default process group's
@@ -262,19 +263,34 @@ class Topology:
         return self._groups[key]
 
     def partition_ranks(self, size: int) -> list[int]:
-        """Global ranks of this rank's hpZ partition of ``size`` consecutive local indices of its node."""
+        """Global ranks of this rank's hpZ partition of ``size`` ranks, ascending (``partition_of``)."""
+        return self.partition_of(self.global_rank, size)
+
+    def partition_of(self, global_rank: int, size: int) -> list[int]:
+        """Global ranks of ``global_rank``'s partition of ``size`` ranks, ascending: ``size`` consecutive local
+        indices of its node when ``size`` divides ``ranks_per_node`` (hpZ's partitions), else ``size / d`` whole
+        consecutive nodes (``size`` a multiple of ``d`` dividing the group's size: the resident points' parameter
+        copy over whole nodes, ``zeropp.config.partition.resident_size``). A rank's position in its partition is
+        its index in this list (the partition group's order)."""
         size = _parse_count(size, "the hpZ partition size")
-        if self.ranks_per_node % size:
+        d = self.ranks_per_node
+        node = self.node_of(global_rank)
+        if d % size == 0:
+            start = self.nodes[node].index(global_rank) // size * size
+            return sorted(self.nodes[node][start : start + size])
+        if size % d or self.world_size % size:
             raise ValueError(
-                f"hpZ partition size {size} does not divide ranks_per_node={self.ranks_per_node}; use one of "
-                f"{[s for s in range(1, self.ranks_per_node + 1) if self.ranks_per_node % s == 0]}"
+                f"partition size {size} neither divides ranks_per_node={d} nor is a multiple of it dividing the "
+                f"group's {self.world_size} ranks; use one of "
+                f"{[s for s in range(1, d + 1) if d % s == 0]} or whole nodes "
+                f"{[s for s in range(2 * d, self.world_size + 1, d) if self.world_size % s == 0]}"
             )
-        start = self.local_rank // size * size
-        return self.nodes[self.node][start : start + size]
+        first = node // (size // d) * (size // d)
+        return sorted(r for n in self.nodes[first : first + size // d] for r in n)
 
     def partition_group(self, size: int) -> ProcessGroup:
-        """The hpZ group of ``size`` ranks (a divisor of ``ranks_per_node``) holding this rank; ``size`` equal to
-        ``ranks_per_node`` gives ``intra_group``. Created and cached on first use: a collective over the
+        """The hpZ group of ``size`` ranks (a divisor of ``ranks_per_node``, or whole nodes: ``partition_of``)
+        holding this rank; ``size`` equal to ``ranks_per_node`` gives ``intra_group``. Created and cached on first use: a collective over the
         partition's ranks then."""
         return self.subgroup(self.partition_ranks(size))
 

@@ -16,15 +16,15 @@ gradient shards averaged once per accumulation boundary (``zeropp.engine.partiti
 ``(1, k, k)`` at stage 2 and ``(k, k, k)`` at stage 3, MiCS (DeepSpeed's ``mics_shard_size = k``), and at stage 2
 ``(1, g, o)`` with ``1 < g < o`` (``o`` up to the world): gradients reduce-scattered over groups of ``g`` every
 micro-batch, then across the ``o / g`` groups of an ``o`` group at the boundary, optimizer states over ``o``; and at
-stage 3 the *resident* point ``(p, W, W)``, ``p`` dividing ``d``: ZeRO-3's gradients and optimizer states with the
-parameters kept over ``p`` ranks of a node (hpZ's secondary made permanent), rebuilt exactly from the stepped shards
-after each step (``resident_size``); and at stage 3 the *grouped resident* points ``(p, g, o)``, ``2 <= p < o``,
-``p`` dividing ``d``, with ``o`` below the world or ``g`` below ``o``: ``(1, g, o)``'s (or MiCS over ``o``'s) groups
-with that parameter copy, e.g. ``(k, k, o)`` and ``(p, k, k)``. A ``partition`` must be one of its ``stage``'s points
-(``engine_stage``); what is left (everything replicated; parameters over whole nodes below the optimizer states) is
-refused naming why (``unbuilt_reason``, ``partition_problems``) and what runs. ``mics_refusals``,
-``grouped_refusals``, ``resident_refusals`` and ``grouped_resident_refusals`` name the options those points do not
-combine with.
+stage 3 the *resident* point ``(p, W, W)``: ZeRO-3's gradients and optimizer states with the parameters kept over
+``p`` ranks (hpZ's secondary made permanent: ``p`` ranks of a node, or ``p / d`` whole nodes), rebuilt exactly from
+the stepped shards after each step (``resident_size``); and at stage 3 the *grouped resident* points ``(p, g, o)``,
+``2 <= p < o``, with ``o`` below the world or ``g`` below ``o``: ``(1, g, o)``'s (or MiCS over ``o``'s) groups with
+that parameter copy, e.g. ``(k, k, o)`` and ``(p, k, k)``. A ``partition`` must be one of its ``stage``'s points
+(``engine_stage``); what is left (everything replicated) is refused naming why (``unbuilt_reason``,
+``partition_problems``) and what runs. ``mics_refusals``, ``grouped_refusals``, ``resident_refusals``,
+``grouped_resident_refusals`` and ``spanning_refusals`` (parameters over whole nodes) name the options those points
+do not combine with.
 
 ``"partition": "auto"`` (without ``mics_shard_size``) leaves the choice to the planner among the points the engine
 runs at ``stage`` or below (the stage is a ceiling: stage 3 lets it pick any point, stage 2 never shards the
@@ -169,8 +169,7 @@ def partition_problems(stage: int, partition: PartitionConfig | str | None, mics
     runs = (f"the engine runs stage 1 = (1, 1, {world}), stage 2 = (1, {world}, {world}), stage 3 = "
             f"({world}, {world}, {world}) and, with k >= 2 a node-aligned divisor of {world} below it, (1, 1, k) at "
             f"stage 1, (1, k, k) at stage 2 and MiCS (k, k, k) at stage 3, (1, g, o) at stage 2 with 1 < g < o, "
-            f"g dividing o, and (p, g, o) at stage 3 with 2 <= p < o, p dividing the ranks per node, as (parameters, "
-            f"gradients, optimizer)")
+            f"g dividing o, and (p, g, o) at stage 3 with 2 <= p < o, as (parameters, gradients, optimizer)")
     if mics_shard_size != MICS_OFF:
         key = f"{w}.mics_shard_size"
         if stage != 3:
@@ -226,12 +225,6 @@ def partition_problems(stage: int, partition: PartitionConfig | str | None, mics
         elif runs_at != stage:
             out.append((_WHERE, f"{_WHERE}={_label(given)} is not the point of {w}.stage={stage} {_label(point)} "
                                 f"nor its grouped point; it runs at stage {runs_at}: set {w}.stage to {runs_at}"))
-        elif ranks_per_node is not None and resident_size(given, world) and ranks_per_node % pg:
-            out.append((_WHERE, f"{_WHERE}={_label(given)} keeps the parameters over groups of {pg} ranks, which "
-                                f"span nodes ({ranks_per_node} ranks per node), below the optimizer states' {og}: "
-                                f"the resident copy is hpZ's secondary partition, built inside one node "
-                                f"(comm.Topology.partition_ranks); use \"node\" or a divisor of {ranks_per_node} for "
-                                f"parameters, or ({pg}, {pg}, {pg}) (MiCS)"))
     return out
 
 
@@ -334,14 +327,18 @@ def point_refusals(config: Any, point: tuple[int, int, int], world: int, ranks_p
     combine with ``point`` ``(p, g, o)``, a point it runs at ``world`` ranks with ``ranks_per_node`` per node, is
     refused, one message each (empty: none): ``resident_refusals`` (and ``grouped_resident_refusals`` for a grouped
     resident point), ``mics_refusals`` or ``grouped_refusals`` by the point's kind, and weight deltas where the point
-    keeps no hpZ secondary."""
+    keeps no hpZ secondary; with the parameters over whole nodes, ``spanning_refusals`` instead of
+    ``grouped_resident_refusals``."""
     z = config.zero_optimization
     _, grads, shards = point
     resident = resident_size(point, world)
     grouped = shards < world or 1 < grads < shards
     if resident:
-        refused = (resident_refusals(config, resident, point if grouped else None)
-                   + (grouped_resident_refusals(config, point) if grouped else []))
+        refused = resident_refusals(config, resident, point if grouped else None)
+        if resident > ranks_per_node:
+            refused += spanning_refusals(config, point, ranks_per_node)
+        elif grouped:
+            refused += grouped_resident_refusals(config, point)
     else:
         refused = ([] if not grouped else mics_refusals(config, shards, ranks_per_node) if z.stage == 3
                    else grouped_refusals(config))
@@ -389,3 +386,30 @@ def grouped_resident_refusals(config: Any, point: tuple[int, int, int]) -> list[
          "(p, world, world) only"),
     ), f"zeropp.partition {_label(point)} (parameters resident over {point[0]} ranks, optimizer states over "
        f"{point[2]})")
+
+
+def spanning_refusals(config: Any, point: tuple[int, int, int], ranks_per_node: int) -> list[str]:
+    """Why each option of ``config`` (a ``zeropp.config.Config``) that a resident point ``(p, g, o)`` with the
+    parameters over whole nodes (``p`` a multiple of ``ranks_per_node`` above it, ``p < o``: the resident copy's
+    partition is ``p / d`` whole nodes, ``comm.Topology.partition_of``) does not combine with in this build is
+    refused, one message each (empty: none), on top of ``resident_refusals``: these points run with exact
+    collectives only."""
+    z = config.zero_optimization
+    w = "zero_optimization"
+    entries = (
+        (z.zero_quantized_weights, f"{w}.zero_quantized_weights",
+         "qwZ's pack of a resident copy gathered across nodes is not tested; the gathers are exact"),
+        (z.zero_quantized_gradients, f"{w}.zero_quantized_gradients",
+         "qgZ's reduce-scatter beside a resident copy over whole nodes is not tested; the reductions are exact"),
+        (z.zeropp.weight_deltas, f"{w}.zeropp.weight_deltas",
+         "weight deltas' quantized updates are built for a copy inside a node; the copy over whole nodes is "
+         "rebuilt exactly after every step"),
+        (z.offload_optimizer.enabled, f"{w}.offload_optimizer",
+         "the optimizer offload is not tested with a resident copy over whole nodes"),
+        (config.optimizer is not None and config.optimizer.type == "OneBitAdam", "optimizer.type=OneBitAdam",
+         "its compressed phase exchanges momenta over the whole world, not tested with a resident copy over whole "
+         "nodes"),
+    )
+    where = (f"zeropp.partition {_label(point)} (parameters resident over {point[0]} ranks, "
+             f"{point[0] // ranks_per_node} whole nodes of {ranks_per_node})")
+    return [f"{key}: not combined with {where} in this build: {why}" for on, key, why in entries if on]

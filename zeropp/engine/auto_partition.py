@@ -180,7 +180,7 @@ def _name(point: tuple[int, int, int], world: int) -> str:
     if point == stage_point(stage, world):
         return f"ZeRO-{stage}"
     if resident_size(point, world):
-        return f"the resident point, ZeRO-3 with the parameters kept over {p} ranks of a node"
+        return f"the resident point, ZeRO-3 with the parameters kept over {p} ranks"
     if p == o:
         return f"MiCS over groups of {p} ranks"
     if g == o or g == 1:

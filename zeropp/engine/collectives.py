@@ -125,7 +125,7 @@ class Collectives:
         self.partition_rank = 0
         self.partition_group = None
         if hpz > 1:
-            ranks = topology.partition_ranks(hpz)  # raises if hpz does not divide ranks_per_node
+            ranks = topology.partition_ranks(hpz)  # raises unless hpz divides ranks_per_node or is whole nodes
             self.partition_rank = ranks.index(topology.global_rank)  # the group's order: ascending global rank
             self.partition_group = topology.partition_group(hpz)
         self.arrival = comm.Arrival.of(topology) if topology.world_size > 1 else None

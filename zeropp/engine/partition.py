@@ -46,10 +46,12 @@ mean of its ``1 / o`` sub-shard) in its gradient shard, zeroes the buffer and, w
 all-reduces the shards over the replica groups as above. A checkpoint is stage 2's at ``o`` ranks.
 
 The grouped *resident* points ``(p, g, o)``, ``2 <= p < o`` with ``o`` below the world or ``g`` below ``o``
-(``zeropp.config.partition.resident_size``; ``p`` divides the ranks per node): stage 3's engine over the same groups
-as ``(1, g, o)`` (``SplitGroups`` for ``g < o``, ``MicsGroups`` over ``o`` for ``g = o``), its units laid out over
-the ``o``-rank shard group, with the parameters kept as hpZ's secondary partition over ``p`` ranks of a node inside
-it (``o / p`` rows of the ``o`` layout each), made permanent as at the resident point ``(p, W, W)``: every forward
+(``zeropp.config.partition.resident_size``): stage 3's engine over the same groups as ``(1, g, o)``
+(``SplitGroups`` for ``g < o``, ``MicsGroups`` over ``o`` for ``g = o``), its units laid out over the ``o``-rank
+shard group, with the parameters kept as hpZ's secondary partition over ``p`` ranks inside it (``o / p`` rows of the
+``o`` layout each): ``p`` ranks of a node, or ``p / d`` whole nodes for ``p`` a multiple of the ranks per node ``d``
+(``comm.Topology.partition_of``; then the gathers cross nodes and the collectives are exact only,
+``zeropp.config.partition.spanning_refusals``), made permanent as at the resident point ``(p, W, W)``: every forward
 and backward gather runs inside the ``p`` group, the gradients are reduced as above (over the ``g`` group every
 micro-batch, over the peers at the boundary, over the replicas when ``o`` is below the world), every group steps
 its ``1 / o`` shards, and one exact exchange inside the shard group sends each stepped compute shard to the

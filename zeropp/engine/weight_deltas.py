@@ -90,8 +90,8 @@ run equals an uninterrupted run that refreshes at the step of the save.
 Exact mode: the resident point ``(p, W, W)`` (``zeropp.partition``; ``zeropp.config.partition.resident_size``), and
 the grouped resident points ``(p, g, o)``, where all of this runs inside the ``o``-rank shard group (the engine's
 ``Collectives``' topology, ``P = o``; ``zeropp.engine.partition``).
-Without weight deltas (``delta_bits`` None) the same tier keeps the secondaries over ``h = p`` ranks of a node as
-the parameters' permanent partition and, after each applied step, each owner sends its *exact* stepped compute
+Without weight deltas (``delta_bits`` None) the same tier keeps the secondaries over ``h = p`` ranks (of a node, or
+``p / d`` whole nodes: ``Topology.partition_of``) as the parameters' permanent partition and, after each applied step, each owner sends its *exact* stepped compute
 shard (``S b`` bytes, the compute dtype) to the same holders by the same ``exchange``; each holder copies it into
 its secondary. No reconstruction is kept (the secondary holds the compute shards' values exactly), no periodic
 refresh is needed, and a refresh (construction, loads, ``refresh()``) is that same exchange. Every forward and
@@ -100,7 +100,8 @@ of them: ``pack_secondary``, as above), so training is exact ZeRO-3's, bit for b
 alignment unless qwZ or qgZ ask for it), the same gradient reduce-scatter over the world, the same step. Bytes per
 applied step, per rank (``"exchange"``): ``sum_units S b`` to each holder but itself, ``(P - d) / h`` of them
 across nodes and ``d / h`` (less one when this rank is its own holder) inside; against hpZ's step-first gather,
-``(P - d) S b`` across nodes per unit, ``1 / h`` of it. (Weight deltas' exact refresh all-gathers whole units
+``(P - d) S b`` across nodes per unit, ``1 / h`` of it. With ``h`` whole nodes the ``P / h`` holders are one per
+partition, the one in this rank's own partition inside its node or not, all others across nodes. (Weight deltas' exact refresh all-gathers whole units
 instead, to keep their byte counts; with deltas the resident point is hpZ with weight deltas, not exact.)
 """
 
@@ -116,14 +117,14 @@ from .unit import Landing, Unit
 def delta_plan(topology: Topology, hpz: int) -> tuple[list[int], list[int]]:
     """``(holders, owners)`` for this rank (``topology.rank``): the data-parallel ranks whose hpZ secondary holds
     this rank's shard, and the ranks whose shards this rank's secondary holds (ascending; this rank possibly in
-    either). A rank's position in its hpZ partition is its local index in its node modulo ``hpz``
-    (``Topology.partition_ranks``); the secondary at position ``i`` holds shards ``i G .. (i + 1) G - 1``,
-    ``G = world / hpz`` (module docstring)."""
+    either). A rank's position in its hpZ partition is its index there (``Topology.partition_of``: its local index
+    modulo ``hpz`` inside a node, or for a partition of whole nodes its place among their ranks); the secondary at
+    position ``i`` holds shards ``i G .. (i + 1) G - 1``, ``G = world / hpz`` (module docstring)."""
     group = topology.world_size // hpz
 
     def position(rank: int) -> int:
         g = topology.ranks[rank]
-        return topology.nodes[topology.node_of(g)].index(g) % hpz
+        return topology.partition_of(g, hpz).index(g)
 
     me = topology.rank
     holders = [j for j in range(topology.world_size) if position(j) == me // group]

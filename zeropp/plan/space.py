@@ -17,12 +17,13 @@ parameters over ``h`` ranks of a node. The engine runs stages 1-3 with hpZ, qwZ/
 and int2 gradients included), weight deltas and the offload tiers, and the grouped points: MiCS
 (``mics_shard_size``) with qwZ, qgZ (its cross-group all-reduce quantized too) and, for groups of whole nodes, hpZ;
 ``(1, 1, k)``, ``(1, k, k)`` and ``(1, g, o)`` with ``g < o`` (``zeropp.partition`` at stage 1 / 2, exact
-collectives; see ``Partition.grouped_stage``); and the resident point ``(p, P, P)`` for ``p`` dividing the ranks
-per node (``Partition.resident``: ZeRO-3's shards with the parameters kept over ``p`` ranks of a node, hpZ's
-secondary made permanent and rebuilt by one exact exchange after each step) with qwZ, qgZ and the offload tiers, and
-the grouped resident points ``(p, g, o)``, ``1 < p < o`` (``Partition.grouped_resident``: that copy on the groups
-of ``(1, g, o)`` or MiCS over ``o``) with exact collectives, ``(p, k, k)`` also with qwZ and qgZ; other plans are
-the planner's alone (``Plan.unsupported`` says why a plan cannot run).
+collectives; see ``Partition.grouped_stage``); and the resident point ``(p, P, P)`` (``Partition.resident``:
+ZeRO-3's shards with the parameters kept over ``p`` ranks, hpZ's secondary made permanent and rebuilt by one exact
+exchange after each step) with qwZ, qgZ and the offload tiers for ``p`` dividing the ranks per node, and the grouped
+resident points ``(p, g, o)``, ``1 < p < o`` (``Partition.grouped_resident``: that copy on the groups of
+``(1, g, o)`` or MiCS over ``o``) with exact collectives, ``(p, k, k)`` also with qwZ and qgZ; with ``p`` whole
+nodes (a multiple of the ranks per node) every resident point with exact collectives only; other plans are the
+planner's alone (``Plan.unsupported`` says why a plan cannot run).
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class Partition:
 
     def resident(self, world: int) -> int | None:
         """``p`` when this is a resident point ``(p, g, o)``, ``1 < p < o``: the parameters kept over ``p`` ranks
-        of a node as hpZ's secondary of units laid out over the ``o`` ranks (``zeropp.config.partition
+        (of a node, or whole nodes) as hpZ's secondary of units laid out over the ``o`` ranks (``zeropp.config.partition
         .resident_size``), else None."""
         p = self.params
         return p if 1 < p < self.optimizer <= world else None
@@ -155,9 +156,14 @@ class Plan:
         stage = self.partition.stage(world)
         resident = self.partition.resident(world)
         if resident is not None:
-            if ranks_per_node % resident:
-                return (f"the resident point keeps parameters over {resident} ranks, across nodes; the engine keeps "
-                        f"them inside a node (docs/partition.md)")
+            if resident > ranks_per_node:  # the copy over whole nodes (zeropp.config.partition.spanning_refusals)
+                refused = [name for name, on in (("qwZ", self.weight_bits), ("qgZ", self.gradient_bits),
+                                                 ("hpZ", self.hpz > 1), ("weight deltas", self.weight_deltas),
+                                                 ("offload", self.offload != "none")) if on]
+                if refused:
+                    return (f"parameters resident over whole nodes run with exact collectives only; "
+                            f"{', '.join(refused)} refused (docs/partition.md)")
+                return None
             if self.partition.grouped_resident(world):
                 split = self.partition.grads < self.partition.optimizer  # (p, k, k) quantizes as MiCS
                 refused = [name for name, on in (("qwZ", split and self.weight_bits),

@@ -23,7 +23,8 @@ Per step with ``A`` micro-batches, ``P`` ranks, ``d`` per node, ``n`` nodes, eac
 * stages 1 and 2 gather the stepped shards after the optimizer step (qwZ bits when on);
 * the resident points ``(p, g, o)``, ``1 < p < o`` (``zeropp.engine.weight_deltas``' exact mode): the units
   sharded over the ``o`` ranks of the OS group (``P`` at ``(p, P, P)``), every forward and backward gather from the
-  secondaries over ``p`` ranks of a node (``o S / p`` elements each; under qwZ their pack, made once per step), and
+  secondaries over ``p`` ranks (of a node, or ``p / d`` whole nodes: then ``d`` of them on this rank's node;
+  ``o S / p`` elements each; under qwZ their pack, made once per step), and
   one ``exchange`` per step of every unit's exact stepped shard (``S b`` bytes) to the holders of this rank's shard
   inside the OS group; the gradients reduced as below;
 * G sharded over fewer ranks than OS (``(1, g, o)``, ``g < o``): each micro-batch's reduce-scatter over the G group
@@ -209,7 +210,8 @@ def _peer_reduce(numel: int, peers: int, layout: Layout, stride: int) -> Collect
 
 def _delta_exchange(model: ModelSpec, plan: Plan, layout: Layout, align: int, dtype_bytes: int) -> Collective:
     """Weight deltas: one exchange per step of every unit's int4 delta pack to the holders of this rank's shard
-    (``zeropp.engine.weight_deltas``: positions are local indices modulo ``h``; the secondary at position ``i``
+    (``zeropp.engine.weight_deltas``: positions are ranks modulo ``h``, consecutive ranks inside a node or whole
+    consecutive nodes; the secondary at position ``i``
     holds the shards of ranks ``i G .. (i + 1) G - 1``, ``G = P / h``); its kernels include, with qwZ, the one
     quantize per step of each updated secondary (``G S`` elements) that the intra-node gathers then send. At the
     resident points without deltas, the exact stepped shards instead (``S b`` bytes per unit, no kernel but qwZ's
@@ -226,7 +228,7 @@ def _delta_exchange(model: ModelSpec, plan: Plan, layout: Layout, align: int, dt
     base = layout.rank // ranks * ranks  # the OS group's first rank (node-aligned groups are consecutive ranks)
 
     def position(r: int) -> int:
-        return (r % d) % h
+        return r % h
 
     def node(r: int) -> int:
         return (base + r) // d
@@ -281,8 +283,8 @@ def collectives(model: ModelSpec, plan: Plan, layout: Layout, accum: int, dtype_
                 bits = plan.weight_bits if kept else None  # kept: the secondary's qwZ pack
                 for phase, calls in (("forward", accum - (not kept)), ("backward", backward)):
                     if calls:
-                        out.append(_gather("hpZ secondary gather", name, phase, calls, h, h, d // h, secondary,
-                                           bits, dtype_bytes, packed=True))
+                        out.append(_gather("hpZ secondary gather", name, phase, calls, h, layout.same_node(h),
+                                           layout.groups_per_node(h), secondary, bits, dtype_bytes, packed=True))
             else:
                 for phase, calls in (("forward", accum), ("backward", backward)):
                     if calls:
