@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 import zeropp
 from engine_workers import MODEL, gather_masters, text_batches
 from zeropp.models import GPT

@@ -255,7 +255,7 @@ def collectives(model: ModelSpec, plan: Plan, layout: Layout, accum: int, dtype_
     """Every collective of one optimizer step of ``plan`` for rank ``layout.rank`` (see the module docstring);
     ``dtype_bytes`` is the compute dtype's size (the exact gathers and reduce-scatters move it; the cross-group
     all-reduce moves float32)."""
-    world, d = layout.world, layout.ranks_per_node
+    world = layout.world
     if accum < 1:
         raise ValueError(f"gradient accumulation steps {accum!r} must be at least 1")
     part = plan.partition
