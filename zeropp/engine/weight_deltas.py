@@ -40,10 +40,12 @@ on every rank, as the gathers already require). A unit's part *lands* (waited fo
 reconstruction and the secondary's slices, the secondary re-packed under qwZ) when its secondary is first read or
 replaced (``Unit.secondary``: the forward's gather, prefetched or on demand, any later gather, a write-back) or its
 reconstruction is (``reconstruction``). So the later units' parts cross the link while the forward computes with
-the earlier ones. The prefetcher does not start a unit whose part is in flight (``Unit.secondary_in_flight``: its
-gather would first wait for the part); the unit's own gather lands it. That state is the same on every rank at the
-same point (the parts land at the same reads), so every rank starts the same gathers in the same order, as the
-gathers' collectives require (whether a part has *arrived* would differ between ranks). ``settle`` lands every
+the earlier ones. The prefetcher starts at most one unit whose part is in flight per look-ahead
+(``Unit.secondary_in_flight``; ``zeropp.engine.prefetch``): its gather lands the part first, waiting for it, so the
+first forward after a step gathers one unit ahead while the parts of the later ones still cross the link. That state
+is the same on every rank at the same point (the parts land at the same reads), so every rank starts the same
+gathers in the same order, as the gathers' collectives require (whether a part has *arrived* would differ between
+ranks and is never looked at). ``settle`` lands every
 part: at the start of the next ``after_step`` and of ``refresh``, and in the engine before a checkpoint save or
 load, a state dict, ``load_state_dict``, ``gathered_parameters`` and ``destroy``; nothing reads a half-updated
 secondary. Each part's sums are those of landing it at once (the same tensors, in the same order), so training is
