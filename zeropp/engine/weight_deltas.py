@@ -10,7 +10,8 @@ reconstruction of that shard every holder keeps in its secondary, and ``Q`` the 
 (``zeropp.quant.format``, ``block_size`` elements per float32 scale). Every holder then sets ``r <- r + D(Q(w - r))``
 (the sum in float32, rounded once to the compute dtype: ``zeropp.comm.add_delta``). The owner keeps its own copy of
 ``r`` (``reconstruction``) and updates it with the same pack, so the next delta is taken against exactly what the
-holders hold: the quantization error of one step is part of the next step's delta, never accumulated. After the
+holders hold: the quantization error of one step is part of the next step's delta, never accumulated (an owner
+that is its own holder copies the new reconstruction into its slice: the same bits, one sum fewer). After the
 update ``|w - r| <= scale / 2`` per block (round to nearest; ``scale = absmax(w - r_old) / qmax``, ``qmax`` 7 for int4,
 127 for int8), plus the rounding of ``r`` to the compute dtype. The forward and backward gathers of every unit then
 run from the secondaries inside the hpZ partition (a node-local group): no weight bytes cross nodes in them.
@@ -319,7 +320,13 @@ class WeightDeltas:
 
 class _DeltaLanding:
     """One unit's delta pack in flight (``WeightDeltas._send``): ``land()`` adds this rank's own pack to its
-    reconstruction and every owner's pack to its slice of the secondary, then re-packs the secondary for qwZ."""
+    reconstruction and every other owner's pack to its slice of the secondary, then re-packs the secondary for qwZ.
+
+    Where this rank's secondary holds its own shard, that slice gets a copy of the new reconstruction instead of a
+    second sum: the slice and the reconstruction hold the same bits before every landing (a refresh sets both to the
+    compute shards' values or to zero, a landing keeps them equal), and the sum is elementwise (``add_delta``: each
+    element from its own code, its block's scale and its old value, wherever the tensor starts: what every other
+    holder's slice of this shard already relies on), so the copy is the bits the sum would give."""
 
     def __init__(self, tier: WeightDeltas, k: int, pack: torch.Tensor, work: CollectiveWork, bits: int | None):
         self.tier, self.k, self.pack, self.work, self.bits = tier, k, pack, work, bits
@@ -328,12 +335,17 @@ class _DeltaLanding:
         tier, unit = self.tier, self.tier.units[self.k]
         rows = tier._rows(self.pack, self.work.wait())
         size = unit.shard_numel
-        tier.comm.add_delta(self.pack, tier._reconstruction[self.k], self.bits)
+        own = tier._reconstruction[self.k]
+        tier.comm.add_delta(self.pack, own, self.bits)
         secondary = unit.secondary
         assert secondary is not None
         for o, row in rows:
             start = (o - tier._first_owner) * size
-            tier.comm.add_delta(row, secondary[start : start + size], self.bits)
+            if o == tier.comm.rank:
+                # this rank's own slice: the sum just made in its reconstruction (see the class docstring)
+                secondary[start : start + size].copy_(own)
+            else:
+                tier.comm.add_delta(row, secondary[start : start + size], self.bits)
         unit.pack_secondary()
 
 
