@@ -100,17 +100,21 @@ def test_prefetch_budget_counts_frozen_elements() -> None:
         assert nxt.gathers == expected, (budget, nxt.gathers)
 
 
-def test_prefetch_skips_a_unit_whose_delta_is_in_flight() -> None:
-    """A unit whose weight-delta part is in flight (``Unit.secondary_in_flight``) is not started ahead (its gather
-    would wait for the part); the units after it are; once it has landed, the next look-ahead starts it. Plain
-    objects stand in for units, as above."""
+def test_prefetch_lands_one_unit_whose_delta_is_in_flight() -> None:
+    """Of the units whose weight-delta part is in flight (``Unit.secondary_in_flight``), one look-ahead starts only
+    the first (its gather lands the part); the next in flight waits for the next look-ahead, the units after it that
+    are not in flight are started. Plain objects stand in for units, as above; a gather lands the part."""
     from types import SimpleNamespace
 
     from zeropp.engine.prefetch import Prefetcher
 
     def unit() -> SimpleNamespace:
         u = SimpleNamespace(full=torch.empty(10), gathered=False, frozen=None, secondary_in_flight=False)
-        u.gather = lambda wait=True: setattr(u, "gathered", True)
+
+        def gather(wait: bool = True) -> None:
+            u.gathered, u.secondary_in_flight = True, False
+
+        u.gather = gather
         return u
 
     units = [unit() for _ in range(4)]
@@ -120,10 +124,10 @@ def test_prefetch_skips_a_unit_whose_delta_is_in_flight() -> None:
     p.begin_forward()
     for u in units:
         u.gathered = False
-    units[2].secondary_in_flight = True
+    units[1].secondary_in_flight = units[2].secondary_in_flight = True
     units[0].gathered = True
     p.after_forward_gather(units[0])
     assert [u.gathered for u in units] == [True, True, False, True]
-    units[2].secondary_in_flight = False
+    assert units[2].secondary_in_flight
     p.after_forward_gather(units[1])
     assert all(u.gathered for u in units)

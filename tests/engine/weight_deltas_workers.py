@@ -271,7 +271,8 @@ def scheduled_against_synchronous(rank: int, world: int, steps: int, path: str) 
     NaN gradient on rank 1 at step 2 (skipped), a no-grad forward and a ``save_checkpoint`` right after step 3 (both
     before any gather of the next step) and a ``state_dict`` after step 4. Returned: per micro-batch the loss and
     the logits, the eval logits, the state dict, the final masters, secondaries and reconstructions, and per step
-    how many units still had their part in flight right after ``step()`` (only for the scheduled run)."""
+    how many units still had their part in flight right after ``step()`` and how many gathers the first forward
+    of each step started ahead (``Prefetcher.started``; only for the scheduled run)."""
     data = text_batches(steps, 2 * world, seed=17)
     runs = {}
     for name in ("scheduled", "synchronous"):
@@ -282,11 +283,14 @@ def scheduled_against_synchronous(rank: int, world: int, steps: int, path: str) 
         after_step = tier.after_step
         if name == "synchronous":
             tier.after_step = lambda order, f=after_step, t=tier: (f(order), t.settle())
-        outputs, in_flight, extra = [], [], {}
+        outputs, in_flight, prefetched, extra = [], [], [], {}
         for step, (x, y) in enumerate(data):
             for k in range(2):
                 sample = x[k * world + rank : k * world + rank + 1], y[k * world + rank : k * world + rank + 1]
+                started = engine.prefetcher.started
                 logits, loss = engine(*sample)
+                if k == 0:
+                    prefetched.append(engine.prefetcher.started - started)
                 spoil = step == 2 and k == 1 and rank == 1
                 handle = None
                 if spoil:
@@ -304,7 +308,8 @@ def scheduled_against_synchronous(rank: int, world: int, steps: int, path: str) 
                 engine.save_checkpoint(f"{path}_{name}", tag="mid")
             if step == 4:
                 extra["state_dict"] = engine.state_dict()
-        runs[name] = {"outputs": outputs, "in_flight": in_flight, "masters": gather_masters(engine)[0],
+        runs[name] = {"outputs": outputs, "in_flight": in_flight, "prefetched": prefetched,
+                      "masters": gather_masters(engine)[0],
                       "state": _state(engine), "skipped": engine.skipped_steps, **extra}
     a, b = runs["scheduled"], runs["synchronous"]
     identical = {
@@ -315,6 +320,7 @@ def scheduled_against_synchronous(rank: int, world: int, steps: int, path: str) 
         "state": all(torch.equal(v, b["state"][k]) for k, v in a["state"].items()),
     }
     return {"identical": identical, "in_flight": a["in_flight"], "sync_in_flight": b["in_flight"],
+            "prefetched": a["prefetched"],
             "units": len(engine.weight_deltas.units), "skipped": (a["skipped"], b["skipped"]),
             "losses": [loss for loss, _ in a["outputs"]]}
 

@@ -15,10 +15,13 @@ wrong guess (a unit not used after all) costs one gather and memory until the en
 backward, never correctness: computation always waits for the unit's own gather (``Unit.gather``).
 
 A unit whose secondary still waits for its part of the weight-delta exchange (``Unit.secondary_in_flight``;
-``zeropp.engine.weight_deltas``: the exchange after a step is in flight while the next forward runs) is not started
-ahead: starting it would block on the exchange; its own gather lands the part. The units after it are started as
-usual. That state is the same on every rank at the same point, so the ranks still start the same gathers in the same
-order (whether a part has *arrived* would differ between ranks).
+``zeropp.engine.weight_deltas``: the exchange after a step is in flight while the next forward runs) is started
+ahead only if it is the first such unit of the walk: starting it lands its part (waits for it and applies it) before
+its gather starts, so each call waits for at most one part, the one of the unit needed next; the later units in
+flight are left to the next calls (one unit ahead in the first forward after a step), the units after them that
+are not in flight are started as usual. Whether a part is in flight is the same on every rank at the same point
+(the parts land at the same reads), so the ranks still start the same gathers in the same order (whether a part
+has *arrived* would differ between ranks, and is never looked at).
 
 ``last_order()``: the order of the latest forward, which the weight-delta tier sends its parts in.
 
@@ -80,14 +83,16 @@ class Prefetcher:
         if i is None or self.bucket_numel <= 0:
             return
         budget = self.bucket_numel
+        landed = False  # at most one unit per call lands its part of the weight-delta exchange (module docstring)
         i += direction
         while 0 <= i < len(self.order):
             nxt = self.order[i]
-            if not nxt.gathered and not nxt.secondary_in_flight:
+            if not nxt.gathered and not (landed and nxt.secondary_in_flight):
                 size = nxt.full.numel() + (nxt.frozen.full.numel() if nxt.frozen is not None else 0)
                 if size > budget:
                     return
                 budget -= size
+                landed = landed or nxt.secondary_in_flight
                 nxt.gather(wait=False)
                 self.started += 1
             i += direction

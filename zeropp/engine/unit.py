@@ -221,7 +221,8 @@ class Unit:
     @property
     def secondary_in_flight(self) -> bool:
         """Whether an exchange for ``secondary`` is in flight (``landing``): the same on every rank at the same
-        point, since the parts land at the same reads everywhere (the prefetcher does not start such a unit)."""
+        point, since the parts land at the same reads everywhere (the prefetcher starts at most one such unit per look
+        ahead, landing its part first: ``zeropp.engine.prefetch``)."""
         return self.landing is not None
 
     def secondary_range(self) -> tuple[int, int]:

@@ -10,7 +10,8 @@ reconstruction of that shard every holder keeps in its secondary, and ``Q`` the 
 (``zeropp.quant.format``, ``block_size`` elements per float32 scale). Every holder then sets ``r <- r + D(Q(w - r))``
 (the sum in float32, rounded once to the compute dtype: ``zeropp.comm.add_delta``). The owner keeps its own copy of
 ``r`` (``reconstruction``) and updates it with the same pack, so the next delta is taken against exactly what the
-holders hold: the quantization error of one step is part of the next step's delta, never accumulated. After the
+holders hold: the quantization error of one step is part of the next step's delta, never accumulated (an owner
+that is its own holder copies the new reconstruction into its slice: the same bits, one sum fewer). After the
 update ``|w - r| <= scale / 2`` per block (round to nearest; ``scale = absmax(w - r_old) / qmax``, ``qmax`` 7 for int4,
 127 for int8), plus the rounding of ``r`` to the compute dtype. The forward and backward gathers of every unit then
 run from the secondaries inside the hpZ partition (a node-local group): no weight bytes cross nodes in them.
@@ -40,10 +41,12 @@ on every rank, as the gathers already require). A unit's part *lands* (waited fo
 reconstruction and the secondary's slices, the secondary re-packed under qwZ) when its secondary is first read or
 replaced (``Unit.secondary``: the forward's gather, prefetched or on demand, any later gather, a write-back) or its
 reconstruction is (``reconstruction``). So the later units' parts cross the link while the forward computes with
-the earlier ones. The prefetcher does not start a unit whose part is in flight (``Unit.secondary_in_flight``: its
-gather would first wait for the part); the unit's own gather lands it. That state is the same on every rank at the
-same point (the parts land at the same reads), so every rank starts the same gathers in the same order, as the
-gathers' collectives require (whether a part has *arrived* would differ between ranks). ``settle`` lands every
+the earlier ones. The prefetcher starts at most one unit whose part is in flight per look-ahead
+(``Unit.secondary_in_flight``; ``zeropp.engine.prefetch``): its gather lands the part first, waiting for it, so the
+first forward after a step gathers one unit ahead while the parts of the later ones still cross the link. That state
+is the same on every rank at the same point (the parts land at the same reads), so every rank starts the same
+gathers in the same order, as the gathers' collectives require (whether a part has *arrived* would differ between
+ranks and is never looked at). ``settle`` lands every
 part: at the start of the next ``after_step`` and of ``refresh``, and in the engine before a checkpoint save or
 load, a state dict, ``load_state_dict``, ``gathered_parameters`` and ``destroy``; nothing reads a half-updated
 secondary. Each part's sums are those of landing it at once (the same tensors, in the same order), so training is
@@ -318,7 +321,13 @@ class WeightDeltas:
 
 class _DeltaLanding:
     """One unit's delta pack in flight (``WeightDeltas._send``): ``land()`` adds this rank's own pack to its
-    reconstruction and every owner's pack to its slice of the secondary, then re-packs the secondary for qwZ."""
+    reconstruction and every other owner's pack to its slice of the secondary, then re-packs the secondary for qwZ.
+
+    Where this rank's secondary holds its own shard, that slice gets a copy of the new reconstruction instead of a
+    second sum: the slice and the reconstruction hold the same bits before every landing (a refresh sets both to the
+    compute shards' values or to zero, a landing keeps them equal), and the sum is elementwise (``add_delta``: each
+    element from its own code, its block's scale and its old value, wherever the tensor starts: what every other
+    holder's slice of this shard already relies on), so the copy is the bits the sum would give."""
 
     def __init__(self, tier: WeightDeltas, k: int, pack: torch.Tensor, work: CollectiveWork, bits: int | None):
         self.tier, self.k, self.pack, self.work, self.bits = tier, k, pack, work, bits
@@ -327,12 +336,17 @@ class _DeltaLanding:
         tier, unit = self.tier, self.tier.units[self.k]
         rows = tier._rows(self.pack, self.work.wait())
         size = unit.shard_numel
-        tier.comm.add_delta(self.pack, tier._reconstruction[self.k], self.bits)
+        own = tier._reconstruction[self.k]
+        tier.comm.add_delta(self.pack, own, self.bits)
         secondary = unit.secondary
         assert secondary is not None
         for o, row in rows:
             start = (o - tier._first_owner) * size
-            tier.comm.add_delta(row, secondary[start : start + size], self.bits)
+            if o == tier.comm.rank:
+                # this rank's own slice: the sum just made in its reconstruction (see the class docstring)
+                secondary[start : start + size].copy_(own)
+            else:
+                tier.comm.add_delta(row, secondary[start : start + size], self.bits)
         unit.pack_secondary()
 
 
