@@ -161,10 +161,13 @@ def test_delta_plan_matches_the_secondary_ranges(nodes, hpz):
     world, shard = sum(map(len, nodes)), 3
     length = world * shard // hpz
 
-    def index(g: int) -> int:
+    def partition(g: int, size: int) -> list[int]:
         node = next(n for n in nodes if g in n)
         local = node.index(g)
-        return node[local - local % hpz : local - local % hpz + hpz].index(g)
+        return node[local - local % size : local - local % size + size]
+
+    def index(g: int) -> int:
+        return partition(g, hpz).index(g)
 
     def holds(j: int, o: int) -> bool:
         return index(j) * length <= o * shard < (index(j) + 1) * length
@@ -172,7 +175,8 @@ def test_delta_plan_matches_the_secondary_ranges(nodes, hpz):
     ranks = list(range(world))
     for me in ranks:
         topo = SimpleNamespace(world_size=world, ranks=ranks, nodes=nodes, rank=me,
-                               node_of=lambda g: next(m for m, n in enumerate(nodes) if g in n))
+                               node_of=lambda g: next(m for m, n in enumerate(nodes) if g in n),
+                               partition_of=lambda g, size: sorted(partition(g, size)))
         holders, owners = delta_plan(topo, hpz)
         assert holders == [j for j in ranks if holds(j, me)], (me, holders)
         assert owners == [o for o in ranks if holds(me, o)], (me, owners)
