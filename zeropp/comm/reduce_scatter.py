@@ -246,15 +246,22 @@ class ErrorFeedback:
         """Record what the quantization of the float32 ``x`` (gradient plus residual, the residual's layout)
         dropped, ``x - sent`` with ``sent`` what the packs hold (float32, same layout; may be overwritten), into
         the residual (``partial``: the partial sums' one), by the store's recurrence."""
-        error = torch.sub(x, sent, out=sent).nan_to_num_(0.0, 0.0, 0.0)
+        self.store_error(torch.sub(x, sent, out=sent).nan_to_num_(0.0, 0.0, 0.0), partial)
+
+    def store_error(self, error: torch.Tensor, partial: bool = False) -> None:
+        """Record ``error`` (float32, finite; may be overwritten), what the quantization dropped, into the residual
+        (``partial``: the partial sums' one) by the store's recurrence (``update``). ``error`` holds the residual's
+        elements in its layout: flat, or viewed as ``(slices, elements per slice)`` with any strides (e.g. one
+        unit's columns of a bucket's error, ``BucketErrorFeedback``)."""
         if self.store == "fp32":
-            (self.partial_residual if partial else self.residual).copy_(error)
+            (self.partial_residual if partial else self.residual).view(error.shape).copy_(error)
             return
         assert self._shapes is not None
         if self.beta:
-            error.mul_(1.0 - self.beta).add_(self.values(partial).mul_(self.beta))
+            error.mul_(1.0 - self.beta).add_(self.values(partial).view(error.shape).mul_(self.beta))
         slices = self._shapes[partial][1]
-        quantize_chunks(error, self._format(), slices, out=self.partial_residual if partial else self.residual)
+        quantize_chunks(error.reshape(-1), self._format(), slices,
+                        out=self.partial_residual if partial else self.residual)
 
     def rescale(self, factor: float) -> None:
         """Multiply the residuals by ``factor`` (a power of two: exact), e.g. when the loss scale they are in
