@@ -7,9 +7,10 @@ the hop-1 residual ``(P, W)``, the partial sums' one ``(n, W)`` (with a ``gradie
 of ``P / g`` rows: the same rows). With every ``S_i`` a multiple of the block size (hence of the rotation size),
 the bucket's quantization blocks, rotation blocks and residual packs are exactly buffer ``i``'s own in its
 columns, so the bucket's residual is buffer ``i``'s residual in columns ``i``: ``BucketErrorFeedback`` reads the
-buffers' ``ErrorFeedback`` objects into one bucket residual (``values``) and writes what the bucket's quantization
-dropped back into each, columns by columns (``store_error``), by each store's own recurrence. The buffers'
-residuals keep the layout, key and checkpoint form of a ``reduce_scatter`` of the buffer alone.
+buffers' ``ErrorFeedback`` objects as one bucket residual (``add_to``: added into the bucket's values in place,
+part by part; ``values``) and writes what the bucket's quantization dropped back into each, columns by columns
+(``store_error``), by each store's own recurrence. The buffers' residuals keep the layout, key and checkpoint form
+of a ``reduce_scatter`` of the buffer alone.
 """
 
 from __future__ import annotations
@@ -70,6 +71,16 @@ class BucketErrorFeedback(ErrorFeedback):
         rows = self._shapes[partial][0] // sum(self.widths)
         parts = [part.values(partial).view(rows, width) for part, width in zip(self.parts, self.widths)]
         return torch.cat(parts, dim=1).view(-1)
+
+    def add_to(self, x: torch.Tensor, partial: bool = False) -> None:
+        """Add the bucket's residual into ``x`` (flat float32, the bucket residual's layout) in place: each part's
+        into its columns (no bucket-sized copy of the residuals)."""
+        assert self._shapes is not None, "allocate() first"
+        columns = x.view(self._shapes[partial][0] // sum(self.widths), -1)
+        at = 0
+        for part, width in zip(self.parts, self.widths):
+            part.add_to(columns[:, at : at + width], partial)
+            at += width
 
     def store_error(self, error: torch.Tensor, partial: bool = False) -> None:
         """Record the bucket's ``error`` (flat float32, the bucket residual's layout) into each part, its columns

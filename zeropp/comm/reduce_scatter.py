@@ -242,6 +242,11 @@ class ErrorFeedback:
         out = torch.empty(numel, dtype=torch.float32, device=stored.device)
         return dequantize_chunks(stored, self._format(), slices, chunk_numel(numel, slices) if numel else 0, out)
 
+    def add_to(self, x: torch.Tensor, partial: bool = False) -> None:
+        """Add the residual (``partial``: the partial sums' one) into the float32 ``x`` in place: the residual's
+        elements, flat or viewed as ``(slices, elements per slice)`` with any strides (``store_error``'s forms)."""
+        x.add_(self.values(partial).view(x.shape))
+
     def update(self, x: torch.Tensor, sent: torch.Tensor, partial: bool = False) -> None:
         """Record what the quantization of the float32 ``x`` (gradient plus residual, the residual's layout)
         dropped, ``x - sent`` with ``sent`` what the packs hold (float32, same layout; may be overwritten), into
@@ -504,8 +509,10 @@ def _qgz_steps(
             send = swizzle_quantize(flat, first, n, d, seed=seed1)
     else:
         x = rotate_slices(flat, size, rot) if rot else flat
-        if ef is not None:
-            x = x.float() + ef.values()
+        if ef is not None:  # x + residual, in place in a float32 copy (rotate_slices' result is one)
+            if not rot:
+                x = x.to(torch.float32, copy=True)
+            ef.add_to(x)
         packs = quantize_chunks(x, first, size, seed=seed1)
         if ef is not None:
             ef.update(x, dequantize_chunks(packs, first, size, width, torch.empty_like(x)))
@@ -528,7 +535,8 @@ def _qgz_steps(
         else:
             values = torch.empty(d * n * width, dtype=torch.float32, device=device)
             dequantize_chunks(recv, first, d * n, width, values)
-            partial = values.view(d, n * width).sum(0).add_(ef.values(partial=True))
+            partial = values.view(d, n * width).sum(0)
+            ef.add_to(partial, partial=True)
             mid = quantize_chunks(partial, fmt, n, seed=seed2)
             ef.update(partial, dequantize_chunks(mid, fmt, n, width, values[: n * width]), partial=True)
     else:
