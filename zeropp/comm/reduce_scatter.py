@@ -70,6 +70,7 @@ from ..quant import (
     DEFAULT_BLOCK_SIZE,
     BlockFormat,
     chunk_numel,
+    dequantize_add_chunks,
     dequantize_chunks,
     quantize_chunks,
     reduce_dequantize,
@@ -514,8 +515,9 @@ def _qgz_steps(
                 x = x.to(torch.float32, copy=True)
             ef.add_to(x)
         packs = quantize_chunks(x, first, size, seed=seed1)
-        if ef is not None:
-            ef.update(x, dequantize_chunks(packs, first, size, width, torch.empty_like(x)))
+        if ef is not None:  # x - sent in x, no copy of sent: -(sent + -x) + 0 is x - sent bit for bit (+0: zeros)
+            dequantize_add_chunks(packs, first, size, width, x.neg_())
+            ef.store_error(x.neg_().add_(0.0).nan_to_num_(0.0, 0.0, 0.0))
         if order == list(range(size)):
             send = packs
         else:
