@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from zeropp import comm
 from zeropp.comm import ReduceOp, Topology
-from zeropp.quant import DEFAULT_BLOCK_SIZE
+from zeropp.quant import DEFAULT_BLOCK_SIZE, BlockFormat, dequantize_chunks, quantize_chunks, rotate_slices
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 HALF_ULP = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -569,6 +569,19 @@ def error_feedback(rank: int, world: int, d: int, steps: int) -> dict:
             acc += comm.reduce_scatter(x, 2, topology=topo, error_feedback=ef, rotation=32, intra_bits=8).double()
         result[name] = float((acc - steps * true).abs().max() / (steps * true.abs().max()))
     assert result["feedback_g2"] * 3 < result["plain_g2"], result
+    # the invariant, bit for bit, from the format spec's ops: the hop-1 residual is the compensated input (rotated
+    # slices plus the last residual) minus what its int8 packs send, zeros' signs included
+    ef = comm.ErrorFeedback()
+    last = torch.zeros(world * width)
+    for _ in range(2):
+        comm.reduce_scatter(x, 2, topology=topo, error_feedback=ef, rotation=32, intra_bits=8)
+        fmt = BlockFormat(8 if d > 1 else 2, DEFAULT_BLOCK_SIZE)
+        compensated = rotate_slices(x, world, 32) + last
+        sent = dequantize_chunks(quantize_chunks(compensated, fmt, world), fmt, world, width,
+                                 torch.empty(world * width))
+        want = (compensated - sent).nan_to_num(0.0, 0.0, 0.0)
+        assert torch.equal(ef.residual.view(torch.int32), want.view(torch.int32))
+        last = ef.residual.clone()
     return result
 
 

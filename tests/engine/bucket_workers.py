@@ -15,6 +15,10 @@ PRECISIONS = {
     "bf16": {"bf16": {"enabled": True}},  # communication_data_type defaults to bf16: the 16-bit wire
     "qgz": {"zero_optimization": {"zero_quantized_gradients": True}},
     "qgz-ef": {"zero_optimization": {"zero_quantized_gradients": True, "zeropp": {"error_feedback": True}}},
+    # zeropp-g2's gradients with LoCo's 8-bit residuals: int8 in the node, int2 across, rotated
+    "qgz-loco": {"zero_optimization": {"zero_quantized_gradients": True, "zeropp": {
+        "error_feedback": "loco", "error_feedback_beta": 0.5, "gradient_bits": 2, "gradient_bits_intra": 8,
+        "gradient_rotation": "hadamard"}}},
 }
 # stage 3: every unit freed after each use, so that freeing while a bucket is held is observable
 EVERY_GATHER = {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0}
@@ -59,7 +63,8 @@ def _bucketings(rank: int, world: int, stage: int, precision: str, batches: list
     """Train on ``batches`` with each bucketing (``one``: one unit per bucket; ``all``: every unit in one; ``two``:
     the units' elements in all minus one, so all but the last unit ready fill one bucket and the last goes in a
     second); return for each the reduce-scatter calls per step, every unit's ``grad_shard`` after the first
-    backward, the gathered fp32 masters, the losses, and at stage 3 for each unit whose gradients got ready in
+    backward, the gathered fp32 masters, the losses, each unit's qgZ error-feedback residuals after the last step
+    (as stored: float32 or LoCo's 8-bit packs), and at stage 3 for each unit whose gradients got ready in
     backward whether it was still gathered right after and how many units were then held for their bucket. For
     the exact precisions also the largest difference of the first backward's gradient shards to the float64 mean
     of the ranks' gradients, relative to its largest magnitude per unit."""
@@ -91,8 +96,10 @@ def _bucketings(rank: int, world: int, stage: int, precision: str, batches: list
             engine.step()
             losses.append(loss.item())
         masters, _ = gather_masters(engine)
+        residuals = [(u.error_feedback.residual.clone(), u.error_feedback.partial_residual.clone())
+                     for u in engine.units if u.error_feedback is not None]
         res = {"calls": calls, "shards": shards, "masters": masters, "losses": losses, "ready": ready,
-               "units": len(engine.units)}
+               "units": len(engine.units), "residuals": residuals}
         if mean is not None:
             worst = 0.0
             for unit, shard in zip(engine.units, shards):

@@ -7,7 +7,9 @@ stages 1, 2 and 3 of the tiny GPT (3 units: root, blocks.0, blocks.1), two train
 * the gradient shards after the first backward, the losses and the fp32 masters after two steps are bit-identical
   across the three bucketings, for exact fp32, the bf16 wire (``communication_data_type``) and qgZ; the exact
   precisions' shards also match the float64 mean of a plain model's gradients over the ranks (within one rounding);
-* qgZ with error feedback keeps one collective per unit (each unit keeps its own residuals) whatever the bucket;
+* qgZ with error feedback (float32 residuals; LoCo's 8-bit ones with int8/int2 hops and the rotation) is bucketed
+  too: shards, losses, masters and every unit's stored residuals after two steps are bit-identical to one
+  collective per unit (each unit keeps its own residuals, in its own layout);
 * stage 3: every unit is freed as soon as its gradients are ready, while the bucket still holds them.
 """
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 import torch
 from engine_launch import launch
 
-RUNS = {1: ["fp32", "bf16", "qgz"], 2: ["fp32", "bf16", "qgz"], 3: ["fp32", "bf16", "qgz", "qgz-ef"]}
+RUNS = {1: ["fp32", "bf16", "qgz"], 2: ["fp32", "bf16", "qgz"], 3: ["fp32", "bf16", "qgz", "qgz-ef", "qgz-loco"]}
 
 
 def test_bucketed_reduce_scatter_is_bit_identical(tmp_path) -> None:
@@ -36,17 +38,17 @@ def _check(res: dict, stage: int, precision: str) -> None:
     units = one["units"]
     assert units == 3
     assert one["calls"] == [units] * 2, where
-    if precision == "qgz-ef":
-        assert every["calls"] == two["calls"] == [units] * 2, where
-    else:
-        assert every["calls"] == [1] * 2, where
-        assert two["calls"] == [2] * 2, where
+    assert every["calls"] == [1] * 2, where
+    assert two["calls"] == [2] * 2, where
+    assert len(one["residuals"]) == (units if precision.startswith("qgz-") else 0), where
     for other, name in ((every, "all"), (two, "two")):
         assert other["losses"] == one["losses"], (where, name)
         for a, b in zip(one["shards"], other["shards"], strict=True):
             assert torch.equal(a, b), (where, name)
         for key, want in one["masters"].items():
             assert torch.equal(other["masters"][key], want), (where, name, key)
+        for a, b in zip(one["residuals"], other["residuals"], strict=True):  # error feedback: per unit, as alone
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), (where, name)
     if precision in ("fp32", "bf16"):
         for run in (one, every, two):
             assert run["worst"] <= 1e-6, (where, run["worst"])
@@ -54,5 +56,5 @@ def _check(res: dict, stage: int, precision: str) -> None:
         for run in (one, every, two):
             assert len(run["ready"]) == 2 * units, where
             assert not any(gathered for gathered, _ in run["ready"]), where
-        if precision != "qgz-ef":  # one bucket: every unit ready in backward is held until backward ends
-            assert [held for _, held in every["ready"]] == [1, 2, 3] * 2, where
+        # one bucket: every unit ready in backward is held until backward ends
+        assert [held for _, held in every["ready"]] == [1, 2, 3] * 2, where

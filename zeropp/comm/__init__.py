@@ -3,7 +3,8 @@
 * ``Topology``: nodes of a data-parallel group, its intra-node, inter-node and hpZ partition groups;
 * ``all_gather``: exact or quantized (qwZ) all-gather, over the DP group or a node-local (hpZ) group;
   ``pack_shard`` / ``all_gather_packed``: the quantized one in two halves (quantize once, gather the pack often);
-* ``reduce_scatter``: exact or two-hop quantized (qgZ) reduce-scatter, with optional ``ErrorFeedback``;
+* ``reduce_scatter``: exact or two-hop quantized (qgZ) reduce-scatter, with optional ``ErrorFeedback``
+  (``BucketErrorFeedback``: several buffers' residuals for one reduce-scatter of them side by side);
 * ``all_reduce``: exact sum or average over a group (MiCS's cross-group gradient reduction);
 * ``exchange``: one byte buffer to chosen peers and theirs back (``exchange_parts``: in parts, each waited for on
   its own); ``pack_delta`` / ``add_delta``: the quantized
@@ -34,6 +35,7 @@ from .all_reduce import all_reduce
 from .arrival import Arrival, ArrivalError
 from .checks import debug_enabled
 from .deltas import add_delta, pack_delta
+from .error_feedback_bucket import BucketErrorFeedback
 from .exchange import exchange, exchange_parts
 from .onebit import onebit_reduce_scatter
 from .reduce_scatter import ErrorFeedback, ReduceOp, derive_seed, hop_seed, reduce_scatter, shard_range
@@ -48,6 +50,7 @@ from .work import CollectiveError, CollectiveWork
 __all__ = [
     "Arrival",
     "ArrivalError",
+    "BucketErrorFeedback",
     "ENV_RANKS_PER_NODE",
     "CollectiveError",
     "CollectiveWork",

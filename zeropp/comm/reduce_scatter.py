@@ -70,6 +70,7 @@ from ..quant import (
     DEFAULT_BLOCK_SIZE,
     BlockFormat,
     chunk_numel,
+    dequantize_add_chunks,
     dequantize_chunks,
     quantize_chunks,
     reduce_dequantize,
@@ -242,19 +243,31 @@ class ErrorFeedback:
         out = torch.empty(numel, dtype=torch.float32, device=stored.device)
         return dequantize_chunks(stored, self._format(), slices, chunk_numel(numel, slices) if numel else 0, out)
 
+    def add_to(self, x: torch.Tensor, partial: bool = False) -> None:
+        """Add the residual (``partial``: the partial sums' one) into the float32 ``x`` in place: the residual's
+        elements, flat or viewed as ``(slices, elements per slice)`` with any strides (``store_error``'s forms)."""
+        x.add_(self.values(partial).view(x.shape))
+
     def update(self, x: torch.Tensor, sent: torch.Tensor, partial: bool = False) -> None:
         """Record what the quantization of the float32 ``x`` (gradient plus residual, the residual's layout)
         dropped, ``x - sent`` with ``sent`` what the packs hold (float32, same layout; may be overwritten), into
         the residual (``partial``: the partial sums' one), by the store's recurrence."""
-        error = torch.sub(x, sent, out=sent).nan_to_num_(0.0, 0.0, 0.0)
+        self.store_error(torch.sub(x, sent, out=sent).nan_to_num_(0.0, 0.0, 0.0), partial)
+
+    def store_error(self, error: torch.Tensor, partial: bool = False) -> None:
+        """Record ``error`` (float32, finite; may be overwritten), what the quantization dropped, into the residual
+        (``partial``: the partial sums' one) by the store's recurrence (``update``). ``error`` holds the residual's
+        elements in its layout: flat, or viewed as ``(slices, elements per slice)`` with any strides (e.g. one
+        unit's columns of a bucket's error, ``BucketErrorFeedback``)."""
         if self.store == "fp32":
-            (self.partial_residual if partial else self.residual).copy_(error)
+            (self.partial_residual if partial else self.residual).view(error.shape).copy_(error)
             return
         assert self._shapes is not None
         if self.beta:
-            error.mul_(1.0 - self.beta).add_(self.values(partial).mul_(self.beta))
+            error.mul_(1.0 - self.beta).add_(self.values(partial).view(error.shape).mul_(self.beta))
         slices = self._shapes[partial][1]
-        quantize_chunks(error, self._format(), slices, out=self.partial_residual if partial else self.residual)
+        quantize_chunks(error.reshape(-1), self._format(), slices,
+                        out=self.partial_residual if partial else self.residual)
 
     def rescale(self, factor: float) -> None:
         """Multiply the residuals by ``factor`` (a power of two: exact), e.g. when the loss scale they are in
@@ -497,11 +510,14 @@ def _qgz_steps(
             send = swizzle_quantize(flat, first, n, d, seed=seed1)
     else:
         x = rotate_slices(flat, size, rot) if rot else flat
-        if ef is not None:
-            x = x.float() + ef.values()
+        if ef is not None:  # x + residual, in place in a float32 copy (rotate_slices' result is one)
+            if not rot:
+                x = x.to(torch.float32, copy=True)
+            ef.add_to(x)
         packs = quantize_chunks(x, first, size, seed=seed1)
-        if ef is not None:
-            ef.update(x, dequantize_chunks(packs, first, size, width, torch.empty_like(x)))
+        if ef is not None:  # x - sent in x, no copy of sent: -(sent + -x) + 0 is x - sent bit for bit (+0: zeros)
+            dequantize_add_chunks(packs, first, size, width, x.neg_())
+            ef.store_error(x.neg_().add_(0.0).nan_to_num_(0.0, 0.0, 0.0))
         if order == list(range(size)):
             send = packs
         else:
@@ -521,7 +537,8 @@ def _qgz_steps(
         else:
             values = torch.empty(d * n * width, dtype=torch.float32, device=device)
             dequantize_chunks(recv, first, d * n, width, values)
-            partial = values.view(d, n * width).sum(0).add_(ef.values(partial=True))
+            partial = values.view(d, n * width).sum(0)
+            ef.add_to(partial, partial=True)
             mid = quantize_chunks(partial, fmt, n, seed=seed2)
             ef.update(partial, dequantize_chunks(mid, fmt, n, width, values[: n * width]), partial=True)
     else:

@@ -215,11 +215,11 @@ class ZeroEngine:
         self.reduce_bucket_size = zero.reduce_bucket_size
         self._reductions: collections.deque[GradientReduction] = collections.deque()  # in flight, oldest first
         # units whose packed gradients wait for their bucket's reduce-scatter, and their buffers' elements in all;
-        # one collective per unit at one rank (no buffer) and under qgZ error feedback (per-unit residuals)
+        # one collective per unit at one rank (no buffer)
         # one bucket per format (zeropp.rules; a collective has one format), keyed by the units' Collectives
         self._buckets: dict[Collectives, list[tuple[Unit, list[torch.Tensor | None]]]] = {}
         self._bucket_numels: dict[Collectives, int] = {}
-        self._bucketing = self.comm.world_size > 1 and not self.comm.error_feedback
+        self._bucketing = self.comm.world_size > 1
         self._readiness = GradientReadiness(self.units, self._on_unit_ready) if self.stage >= 2 else None
 
         self._accumulation_steps = config.gradient_accumulation_steps

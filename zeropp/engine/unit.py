@@ -660,12 +660,11 @@ def reduce_bucketed(
     element in float64) and qgZ, whose blocks start at each slice start and, with every ``S_u`` a multiple of the
     block size, are exactly the units' own blocks (with stochastic rounding, ``micro_step`` and the first unit's name
     seed the bucket's noise, ``Collectives.rounding_seed``: the noise follows the bucket, the rounding stays unbiased).
-    A unit alone goes with its ``ErrorFeedback``; several units
-    cannot have one (each keeps residuals of its own layout), nor can units of different formats
-    (``zeropp.rules``: one collective has one format): a ``ValueError``."""
-    if len(units) > 1 and any(u.error_feedback is not None for u in units):
-        raise ValueError("reduce_bucketed: units with qgZ error feedback keep residuals of their own layout; "
-                         "reduce them one per call")
+    With qgZ error feedback each unit keeps its own residuals, in the layout of a reduce-scatter of it alone
+    (``comm.BucketErrorFeedback``: the bucket's residual is theirs as columns), so the values, the residuals and
+    their checkpoints are bit-identical to one collective per unit (with stochastic rounding: the same noise
+    distribution, as above). Units of different formats (``zeropp.rules``: one collective has one format) cannot
+    share a bucket: a ``ValueError``."""
     if any(u.comm is not units[0].comm for u in units):
         raise ValueError("reduce_bucketed: the units have different gradient formats (zeropp.rules); reduce each "
                          "format in its own call")
@@ -679,7 +678,10 @@ def reduce_bucketed(
         unit.pack_gradients(unit_grads, rows[:, at : at + unit.shard_numel])
         at += unit.shard_numel
     received = torch.empty(comm.gradient_rows * width, dtype=torch.float32, device=flat.device)
-    work = comm.reduce_scatter_grads(flat, received, error_feedback=first.error_feedback if len(units) == 1 else None,
+    error_feedback = first.error_feedback
+    if error_feedback is not None and len(units) > 1:
+        error_feedback = _comm.BucketErrorFeedback([u.error_feedback for u in units], [u.shard_numel for u in units])
+    work = comm.reduce_scatter_grads(flat, received, error_feedback=error_feedback,
                                      seed=comm.rounding_seed(micro_step, first.name))
     targets = [u.grad_shard if u.grad_accumulator is None else u.grad_accumulator for u in units]
     return GradientReduction(work, received, targets, flat, first.reduce_buffers, rows=comm.gradient_rows)
