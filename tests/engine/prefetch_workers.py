@@ -28,6 +28,7 @@ def prefetch_runs(rank: int, world: int, zero: dict, runs: dict[str, dict], step
         out[name] = {"losses": losses, "masters": masters, "started": started,
                      "order": [u.name for u in engine.prefetcher.order],
                      "unit_numel": {u.name: u.full.numel() for u in engine.units},
+                     "bucket_numel": world * sum(u.shard_numel for u in engine.units),
                      # the gradient buffers kept for reuse: as many of each size as were in flight at once
                      "pooled": sorted(b.numel() for bs in engine.units[0].reduce_buffers._free.values() for b in bs)}
     return out

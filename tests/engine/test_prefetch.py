@@ -52,18 +52,15 @@ def test_prefetch_and_overlap_are_bit_identical(results, zero) -> None:
         assert res["one-unit"]["started"] == [0, 0, 0, 0]
         # reused gradient buffers, as many of each size as were in flight at once. The one-element bucket sends each
         # unit alone, two at a time, which needs two block buffers (blocks.1 is in flight when blocks.0 starts) and
-        # one of the root's size. Exact, the default reduce_bucket_size (5e8) holds the three units until the end of
-        # backward and sends them in one bucket of their sizes in all, with or without overlap; with error feedback
-        # each unit goes alone: without overlap one at a time (one buffer per unit size; the two blocks share one),
-        # with it all three units' (backward order blocks.1, blocks.0, root).
+        # one of the root's size. The default reduce_bucket_size (5e8) holds the three units until the end of
+        # backward and sends them in one bucket of their rows in all (world x the units' shard sizes), with or
+        # without overlap, exact and under qgZ with error feedback alike (comm.BucketErrorFeedback).
         sizes = on["unit_numel"]
         block, root = sizes["blocks.0"], sizes[""]
         assert res["one-unit"]["pooled"] == sorted([block, block, root])
+        assert off["pooled"] == on["pooled"] == [on["bucket_numel"]]
         if zero == "exact":
-            assert off["pooled"] == on["pooled"] == [2 * block + root]
-        else:
-            assert off["pooled"] == sorted({block, root})
-            assert on["pooled"] == sorted([block, block, root])
+            assert on["bucket_numel"] == 2 * block + root
 
 
 def test_prefetch_bucket_bounds_the_look_ahead(tmp_path) -> None:
