@@ -40,9 +40,8 @@ def _engine(cfg: dict):
     return engine
 
 
-def _forward_backward(engine, batch, rank: int, spoil: bool = False) -> float:
-    x, y = batch
-    _, loss = engine(x[rank : rank + 1], y[rank : rank + 1])
+def _backward(engine, loss, spoil: bool = False) -> None:
+    """``engine.backward(loss)``; with ``spoil``, one weight's gradient NaN on this rank (a step to skip)."""
     handle = None
     if spoil:
         weight = dict(engine.module.named_parameters())["blocks.0.mlp.c_fc.weight"]
@@ -50,6 +49,12 @@ def _forward_backward(engine, batch, rank: int, spoil: bool = False) -> float:
     engine.backward(loss)
     if handle is not None:
         handle.remove()
+
+
+def _forward_backward(engine, batch, rank: int, spoil: bool = False) -> float:
+    x, y = batch
+    _, loss = engine(x[rank : rank + 1], y[rank : rank + 1])
+    _backward(engine, loss, spoil)
     return float(loss)
 
 
@@ -291,14 +296,7 @@ def scheduled_against_synchronous(rank: int, world: int, steps: int, path: str) 
                 logits, loss = engine(*sample)
                 if k == 0:
                     prefetched.append(engine.prefetcher.started - started)
-                spoil = step == 2 and k == 1 and rank == 1
-                handle = None
-                if spoil:
-                    weight = dict(engine.module.named_parameters())["blocks.0.mlp.c_fc.weight"]
-                    handle = weight.register_hook(lambda g: torch.full_like(g, float("nan")))
-                engine.backward(loss)
-                if handle is not None:
-                    handle.remove()
+                _backward(engine, loss, spoil=step == 2 and k == 1 and rank == 1)
                 engine.step()
                 outputs.append((float(loss), logits.detach().clone()))
             in_flight.append(sum(u.landing is not None for u in tier.units))
