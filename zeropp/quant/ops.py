@@ -259,6 +259,18 @@ def swizzle_quantize(
     return quantize_chunks(x, fmt, nodes * ranks_per_node, nodes=nodes, out=out, seed=seed)
 
 
+
+def _check_packs_into(buf: torch.Tensor, fmt: BlockFormat, chunks: int, chunk_numel: int, out: torch.Tensor) -> None:
+    """The checks of writing ``chunks`` packs of ``chunk_numel`` elements from ``buf`` into flat ``out``
+    (``dequantize_chunks``, ``dequantize_add_chunks``): counts, the buffer's size, ``out``'s device and size."""
+    _check_counts(chunks=chunks)
+    if chunk_numel < 0:
+        raise ValueError(f"chunk_numel={chunk_numel} must be non-negative")
+    _check_buffer(buf, chunks * fmt.packed_bytes(chunk_numel), "buf")
+    _check_out(out, None, buf.device)
+    if out.numel() > chunks * chunk_numel:
+        raise ValueError(f"out has {out.numel()} elements but the packs hold only {chunks} x {chunk_numel}")
+
 def dequantize_chunks(
     buf: torch.Tensor, fmt: BlockFormat, chunks: int, chunk_numel: int, out: torch.Tensor
 ) -> torch.Tensor:
@@ -268,13 +280,7 @@ def dequantize_chunks(
     ``out`` is flat-contiguous with at most ``chunks * chunk_numel`` elements; the values beyond its size (the
     padding of the last slice) are dropped. Returns ``out``.
     """
-    _check_counts(chunks=chunks)
-    if chunk_numel < 0:
-        raise ValueError(f"chunk_numel={chunk_numel} must be non-negative")
-    _check_buffer(buf, chunks * fmt.packed_bytes(chunk_numel), "buf")
-    _check_out(out, None, buf.device)
-    if out.numel() > chunks * chunk_numel:
-        raise ValueError(f"out has {out.numel()} elements but the packs hold only {chunks} x {chunk_numel}")
+    _check_packs_into(buf, fmt, chunks, chunk_numel, out)
     _backend(buf).dequantize_chunks(buf, fmt, chunks, chunk_numel, out.view(-1))
     return out
 
@@ -290,13 +296,7 @@ def dequantize_add_chunks(
     ``out`` has at most ``chunks * chunk_numel`` elements, as in ``dequantize_chunks``; the padding is dropped.
     The weight-delta tier's ``zeropp.comm.add_delta``. Returns ``out``.
     """
-    _check_counts(chunks=chunks)
-    if chunk_numel < 0:
-        raise ValueError(f"chunk_numel={chunk_numel} must be non-negative")
-    _check_buffer(buf, chunks * fmt.packed_bytes(chunk_numel), "buf")
-    _check_out(out, None, buf.device)
-    if out.numel() > chunks * chunk_numel:
-        raise ValueError(f"out has {out.numel()} elements but the packs hold only {chunks} x {chunk_numel}")
+    _check_packs_into(buf, fmt, chunks, chunk_numel, out)
     _backend(buf).dequantize_add_chunks(buf, fmt, chunks, chunk_numel, out.view(-1))
     return out
 
