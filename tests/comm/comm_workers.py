@@ -366,6 +366,27 @@ def check_async(topo: Topology, bits: int, seed: int) -> None:
     assert torch.equal(got_rs, comm.reduce_scatter(full, bits, topology=topo, block_size=BLOCK))
 
 
+def check_next_hop(topo: Topology, seed: int) -> None:
+    """``start_next_hop`` puts qgZ's hop 2 in flight: the ranks of the other nodes finish their ``wait()`` while the
+    first node's ranks have called only ``start_next_hop`` (they wait in a barrier until then: without hop 2 issued
+    the others would block on it); with one hop (one node, or one rank per node) it does nothing. The result equals
+    a synchronous call's bit for bit."""
+    rank = dist.get_rank()
+    full = make_input(rank, 4096 + 13, torch.float32, seed)
+    rs = comm.reduce_scatter(full, 4, topology=topo, async_op=True, block_size=BLOCK, intra_bits=8)
+    two_hops = len(topo.nodes) > 1 and len(topo.intra_ranks) > 1
+    assert rs.start_next_hop() is two_hops
+    assert rs.start_next_hop() is False  # hop 2 is the last: nothing more to start
+    first_node = rank in topo.nodes[0]
+    got = None
+    if not first_node:
+        got = rs.wait()
+    dist.barrier(group=topo.group)
+    if first_node:
+        got = rs.wait()
+    assert torch.equal(got, comm.reduce_scatter(full, 4, topology=topo, block_size=BLOCK, intra_bits=8))
+
+
 NUMELS = (1, 5, 1000, 4096 + 13)
 
 
@@ -405,6 +426,7 @@ def collectives(rank: int, world: int, layouts: list[dict]) -> dict:
         rels["int2_vs_int4"] = hops[2, 2] / hops[4, 4]
         check_async(topo, 4, 5)
         check_async(topo, None, 6)
+        check_next_hop(topo, 7)
         summary[f"d={d}{'-hosts' if hosts else ''}"] = rels
     return summary
 

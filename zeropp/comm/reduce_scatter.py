@@ -528,7 +528,7 @@ def _qgz_steps(
         recv = torch.empty(size * pack1, dtype=torch.uint8, device=device)
         kept = (send, recv) if ef is None else (send, recv, ef.residual, ef.partial_residual)
         yield (dist.all_to_all_single(recv, send, group=topo.intra_group, async_op=True), kept,
-               f" at hop 1 (intra-node all-to-all over ranks {topo.intra_ranks})")
+               f" at hop 1 (intra-node all-to-all over ranks {topo.intra_ranks})", n > 1)
         if n == 1:
             _final_reduce(recv, first, d, s, out, divisor, rot)
             return out

@@ -5,7 +5,8 @@ A collective is written as a generator that issues its communication with ``asyn
 for error messages (``""`` for a collective of one step), runs the local step
 that needs it once it has been waited on, and finally returns its result. Creating the handle runs the generator to
 its first communication, which is then in flight; ``wait()`` runs the rest. Synchronous calls create the handle and
-wait at once.
+wait at once. A communication that another one follows (qgZ's hop 1) is yielded with a fourth element ``True``:
+``start_next_hop()`` may then issue the next one before ``wait()``.
 
 CUDA streams (the rule is in ``CollectiveWork``'s docstring): the handle remembers the stream current when the
 collective was issued and an event recorded on it once the issuing steps are queued. ``wait()`` from another stream
@@ -25,8 +26,9 @@ from typing import Any
 import torch
 
 # What a collective's generator yields: a torch.distributed work object, the tensors (temporaries, buffers handed
-# to the communication) that stay in use after it, and the step's name for error messages ("" if the only one).
-Pending = tuple[Any, tuple[torch.Tensor | None, ...], str]
+# to the communication) that stay in use after it, and the step's name for error messages ("" if the only one);
+# optionally a fourth element, True when another communication follows this one (see start_next_hop).
+Pending = tuple[Any, tuple[torch.Tensor | None, ...], str] | tuple[Any, tuple[torch.Tensor | None, ...], str, bool]
 
 class CollectiveError(RuntimeError):
     """A zeropp collective failed in the backend (a timeout, a peer gone); the message names the collective."""
@@ -114,30 +116,56 @@ class CollectiveWork:
         """Block until the collective is done (on CUDA: until it is queued on the current stream, which may differ
         from the issuing one, see the class docstring); returns the output tensor. Calling it again returns the
         same tensor (from another stream than the first ``wait()``'s: after making that stream wait on it)."""
-        waiting = None  # the stream to hand the tensors over to, if not the issuing one
-        if self._stream is not None:
-            current = torch.cuda.current_stream(self._stream.device)
-            if self._waited_on is None:
-                self._waited_on = current
-                if current != self._stream:
-                    assert self._issued is not None
-                    current.wait_event(self._issued)
-                    waiting = current
-                    self._record(self._used, waiting)
-                self._used = []
-            elif current != self._waited_on:  # a second wait() on yet another stream
-                current.wait_stream(self._waited_on)
-                self._waited_on = current
-                assert self._result is not None
-                self._result.record_stream(current)
+        waiting = self._hand_over()
         while self._pending is not None:
-            work, tensors, step = self._pending
-            if waiting is not None:  # before the last step frees them: the generator's locals go with it
-                self._record(tensors, waiting)
-            wait_backend(work, f"{self._what}{step}")
-            self._advance()
+            self._finish_step(waiting)
         assert self._result is not None
         return self._result
+
+    def start_next_hop(self) -> bool:
+        """If the communication in flight is one that another follows (qgZ's hop 1), wait for it, run the local
+        step after it and issue the next one (hop 2), so that it travels while the caller goes on instead of from
+        ``wait()``; returns whether it did. The choice depends only on the collective's structure, never on what
+        has arrived, so ranks that call it at the same point of their program issue the same communications in the
+        same order. The stream rule is ``wait()``'s: the current stream becomes the waiting one."""
+        if self._pending is None or len(self._pending) < 4 or not self._pending[3]:
+            return False
+        self._finish_step(self._hand_over())
+        return True
+
+    def _hand_over(self) -> torch.cuda.Stream | None:
+        """CUDA: make the current stream the waiting one (the class docstring's rule); returns the stream to record
+        the remaining steps' tensors on when it is not the one they were issued on, else ``None``."""
+        if self._stream is None:
+            return None
+        current = torch.cuda.current_stream(self._stream.device)
+        if self._waited_on is None:
+            self._waited_on = current
+            waiting = None
+            if current != self._stream:
+                assert self._issued is not None
+                current.wait_event(self._issued)
+                waiting = current
+                self._record(self._used, waiting)
+            self._used = []
+            return waiting
+        if current == self._waited_on:
+            return None
+        current.wait_stream(self._waited_on)  # a later call from yet another stream
+        self._waited_on = current
+        if self._result is not None:
+            self._result.record_stream(current)
+            return None
+        return current
+
+    def _finish_step(self, waiting: torch.cuda.Stream | None) -> None:
+        """Wait for the communication in flight and run the generator to its next one (or to its end)."""
+        assert self._pending is not None
+        work, tensors, step = self._pending[:3]
+        if waiting is not None:  # before the last step frees them: the generator's locals go with it
+            self._record(tensors, waiting)
+        wait_backend(work, f"{self._what}{step}")
+        self._advance()
 
     @staticmethod
     def _record(tensors: Iterable[torch.Tensor | None], stream: torch.cuda.Stream) -> None:

@@ -603,8 +603,10 @@ class ZeroEngine:
     # ---- gradients ----------------------------------------------------------------------------------------
 
     def _on_unit_ready(self, unit: Unit) -> None:
-        """A unit's gradients are complete (stages 2 and 3): reduce-scatter them now, free the unit (unless the
-        backward of its frozen weights may still be to come: ``hooks``)."""
+        """A unit's gradients are complete (stages 2 and 3): start the next hop of the reductions in flight, then
+        reduce-scatter this unit's gradients, free the unit (unless the backward of its frozen weights may still be
+        to come: ``hooks``)."""
+        self._start_next_hops()
         self._reduce(unit)
         if not unit.pending_input_grads:
             unit.free()
@@ -648,6 +650,15 @@ class ZeroEngine:
                 units, grads = zip(*held)
                 self._start_reduction(reduce_bucketed(list(units), list(grads), self.micro_steps))
 
+    def _start_next_hops(self) -> None:
+        """Issue qgZ's hop 2 (across nodes) of every reduction in flight whose hop 1 (inside the node) was started
+        before: without this, hop 2 would start only in ``wait()`` (at the end of the backward, or when the double
+        buffer is full), so the slow link would idle while the backward computes. Called at each unit's gradients
+        (a point of the program every rank reaches in the same order); a reduction's hop 1 has had at least that
+        unit's backward to finish."""
+        for reduction in self._reductions:
+            reduction.start_next_hop()
+
     def _start_reduction(self, reduction: GradientReduction) -> None:
         """Without ``overlap_comm`` wait for ``reduction`` at once; with it, let it run while autograd goes on,
         waiting for the oldest ones only while the flat buffers in flight exceed ``reduce_bucket_size`` elements
@@ -690,6 +701,7 @@ class ZeroEngine:
                 self._reduce(unit)
             unit.pending_input_grads = 0
             unit.free()
+        self._start_next_hops()
         self._send_bucket()
         while self._reductions:
             self._reductions.popleft().wait()

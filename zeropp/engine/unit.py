@@ -757,6 +757,12 @@ class GradientReduction:
         self._rows = rows
         self.numel = 0 if flat is None else flat.numel()
 
+    def start_next_hop(self) -> None:
+        """Issue the collective's next communication (qgZ's hop 2) if its first is one that another follows
+        (``CollectiveWork.start_next_hop``: waits for hop 1, which is inside the node)."""
+        if self._work is not None:
+            self._work.start_next_hop()
+
     def wait(self) -> None:
         """Finish the collective, add each unit's part of the received slice to its ``grad_shard`` (once) and give
         the flat buffer back for reuse."""
