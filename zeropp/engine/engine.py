@@ -860,8 +860,9 @@ class ZeroEngine:
         total = torch.zeros((), dtype=torch.float64, device=self.device)
         flags = []
         for grad in grads:  # an offloaded grad_shard: reduced where it lives, the value moved to the device
-            if clip:
-                sq = moved(grad.double().pow(2).sum(), self.device)
+            if clip:  # a float64 dot: one temporary, the squares exact (fp32 squared fits float64's mantissa)
+                wide = grad.reshape(-1).double()
+                sq = moved(torch.dot(wide, wide), self.device)
                 total += sq
                 flags.append(torch.isfinite(sq).logical_not())
             elif grad.numel():  # min and max: finite exactly when every element is (NaN propagates),
