@@ -12,21 +12,28 @@ ZeRO-3 levels off at 0.65-0.69 GB of peak RSS per rank, while hpZ alone or qgZ a
 0.59-0.60 GB. ``malloc_trim(0)`` returns the free pages in the middle of the heap too (``madvise``), without
 changing how later allocations are served.
 
-But a trim after every step costs more than its few milliseconds: the next step's gathered units, gradients and
-packs fault every page back in (about 20 ms of CPU per 43 MB on the 2-core box; with ZeRO++ and weight deltas the
-step took 1.033 s trimmed every step, 0.892 s never trimmed).
+But a trim after every step costs more than its few milliseconds: the next step faults every page of its gathered
+units, gradients and packs back in. Measured on the small GPT, 2 emulated nodes x 2 ranks at 1 Gbit/s, fp32 (the
+shared 2-core box at load 17-20), ZeRO++ with or without weight deltas: 28,800-35,500 minor page faults per rank
+and step (115-145 MB) with a trim after every step, 0-50 with the policy below; CPU time per rank and step 0.30-0.38
+s against 0.27-0.34 s (docs/results/engine.md).
 
 Policy (``HeapTrim``). After each optimizer step, read the heap's free bytes (``mallinfo2().fordblks``, over all
-arenas) and trim only when they have grown more than the bound above their least value since the last trim (and
-on the first step, to drop what building the engine freed). malloc still counts a trimmed hole as free (its pages
-are gone, not the chunk), so that least value is the reference: what grows past it are holes freed since, whose
-pages are resident. Holes a step reuses every step are not growth: in the steady state nothing is trimmed and
-nothing faults back in, while fragmentation that grows the heap step after step is trimmed every
-bound / growth steps, which keeps resident memory within the bound of its steady level. The bound is
-``max(64 MiB, in-use bytes / 4)`` (in use: ``uordblks + hblkhd``): a quarter of what the process holds (RSS rises
-at most ~25% over its steady level, and the measured growth of ~25 MB per step at ~0.5 GB in use is trimmed every
-~5 steps), at least 64 MiB, above one step's temporaries of a small model (so that a step's own buffers never
-count as growth).
+arenas; 0.03-0.15 ms) and trim only when they exceed their least value since the last trim by more than the bound
+(and on the first step, for what building the engine freed). malloc still counts a trimmed hole as free (its pages
+are gone, not the chunk), hence the least value as the reference. In the steady state a step reuses the holes the
+step before it freed: the free bytes stay flat, nothing is trimmed and nothing faults back in. The heap holds its
+in-use plus free bytes (resident at worst), and the free bytes cannot grow by more than the bound without a trim:
+resident heap memory stays under the in-use bytes plus the free bytes left at the last trim plus the bound. That
+is a bound on the heap's growth between trims, not on RSS over a heap trimmed every step: where fragmentation grows
+the heap step after step, the steps between two trims touch again holes an earlier trim released (hpZ alone, every
+unit gathered at each use: trims every 5-7 steps, RSS after a step swinging between ~0.44 and ~0.73 GB, peak RSS
+0.80-0.82 GB after 30 steps and still creeping 0.3-3.2 MB per step, against 0.63-0.64 GB trimmed every step and
+0.98-1.16 GB never trimmed, growing 7.7-12.6 MB per step; docs/results/engine.md). The bound is
+``max(64 MiB, in-use bytes / 4)`` (in use: ``uordblks + hblkhd``): a quarter of what the heap holds for the
+process, so that the 1-3 MB per step the weight-delta tier's heap drifts by is trimmed every few dozen steps and
+the ~14 MB per step of hpZ alone every few; at least 64 MiB, more than one step's own temporaries of a small model,
+which must not count as growth.
 
 Trims every step where the C library has no ``mallinfo2`` (glibc before 2.33), never where it has no
 ``malloc_trim`` (macOS, musl); the engine does not call it for CUDA training (its tensors are not on the C heap).
