@@ -28,7 +28,7 @@ resident heap memory stays under the in-use bytes plus the free bytes left at th
 is a bound on the heap's growth between trims, not on RSS over a heap trimmed every step: where fragmentation grows
 the heap step after step, the steps between two trims touch again holes an earlier trim released (hpZ alone, every
 unit gathered at each use: trims every 5-7 steps, RSS after a step swinging between ~0.44 and ~0.73 GB, peak RSS
-0.80-0.82 GB after 30 steps and still creeping 0.3-3.2 MB per step, against 0.63-0.64 GB trimmed every step and
+0.80-0.82 GB after 30 steps and still creeping 0.3-3.2 MB per step, against 0.67-0.70 GB trimmed every step and
 0.98-1.16 GB never trimmed, growing 7.7-12.6 MB per step; docs/results/engine.md). The bound is
 ``max(64 MiB, in-use bytes / 4)`` (in use: ``uordblks + hblkhd``): a quarter of what the heap holds for the
 process, so that the 1-3 MB per step the weight-delta tier's heap drifts by is trimmed every few dozen steps and
