@@ -14,7 +14,7 @@ One file per responsibility:
 * ``prefetch.py``: ``Prefetcher``, the stage-3 look-ahead gathers;
 * ``scheduler.py``: DeepSpeed's learning-rate schedules (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle);
 * ``monitor.py``: ``steps_per_print`` and ``wall_clock_breakdown``, the progress line;
-* ``host_memory.py``: returning the freed heap to the OS after each CPU step;
+* ``host_memory.py``: returning the freed heap to the OS after CPU steps, when it piles up;
 * ``materialize.py``: ``Init`` and the unit-by-unit materialisation of a model built on the meta device;
 * ``gathered.py``: whole parameters on demand (``gathered_parameters``, ``zero.GatheredParameters``,
   ``model.state_dict()`` at stage 3);

@@ -227,6 +227,7 @@ class ZeroEngine:
         self.micro_steps = 0
         self.global_steps = 0
         self.skipped_steps = 0  # boundaries whose step was skipped for an Inf/NaN gradient (counted in global_steps)
+        self.heap_trim = host_memory.HeapTrim()  # CPU: when a step gives the freed heap back to the OS
         self.overflow = False  # whether the last boundary's gradients held an Inf/NaN (fp16: overflowed)
         self._global_grad_norm: float | torch.Tensor | None = None  # a device tensor until first read
         self._forward_pending = False  # a forward with grad ran and awaits its backward
@@ -370,7 +371,7 @@ class ZeroEngine:
         if self._placement_due:
             self._place_states()
         if self.units and self.units[0].full.device.type == "cpu":
-            host_memory.release_free_heap()  # the step's freed buffers back to the OS (see host_memory)
+            self.heap_trim.after_step()  # freed heap back to the OS when it piles up (see host_memory)
         if error is not None:
             raise error
 

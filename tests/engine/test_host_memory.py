@@ -1,0 +1,111 @@
+"""The heap-trim policy after optimizer steps on CPU (``zeropp.engine.host_memory``).
+
+* In this process, on glibc: a trim happens once the heap's free bytes grow past the bound (64 KiB blocks written
+  and every other one freed: holes in the middle of the heap), and it
+  gives their pages back (resident anonymous memory from /proc, not malloc's own count, drops by most of them);
+  below the bound nothing is trimmed and the pages stay. Without ``mallinfo2`` it trims every step; without
+  ``malloc_trim`` never.
+* On one gloo rank, the small GPT with every unit gathered afresh at each use for 24 steps: after the first steps
+  the policy trims at most once more, resident memory stays within the bound of its level after step 4, and the
+  steps fault far fewer pages than with ``malloc_trim(0)`` after every step (each step's buffers fault back in).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import statistics
+
+import pytest
+from engine_launch import launch
+
+from zeropp.engine import host_memory
+
+MiB = 1 << 20
+glibc = pytest.mark.skipif(host_memory.heap_usage() is None or not host_memory.release_free_heap(),
+                           reason="needs glibc's mallinfo2 and malloc_trim (glibc 2.33 or newer)")
+
+
+def _rss_anon() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no RssAnon line")
+
+
+def _holes(nbytes: int) -> list[int]:
+    """Allocate twice ``nbytes`` in 64 KiB blocks (under glibc's smallest mmap threshold: from the heap), write every
+    page, then free every other block: ``nbytes`` of holes between blocks still held, which are returned."""
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    blocks = []
+    for _ in range(2 * nbytes // (64 << 10)):
+        block = libc.malloc(64 << 10)
+        assert block, "malloc failed"
+        ctypes.memset(block, 1, 64 << 10)
+        blocks.append(block)
+    for block in blocks[::2]:
+        libc.free(block)
+    return blocks[1::2]
+
+
+def _free_all(blocks: list[int]) -> None:
+    libc = ctypes.CDLL(None)
+    libc.free.argtypes = [ctypes.c_void_p]
+    for block in blocks:
+        libc.free(block)
+
+
+@glibc
+def test_trims_when_free_heap_crosses_bound_and_not_below():
+    trim = host_memory.HeapTrim(floor_bytes=32 * MiB, fraction=0.0)
+    assert trim.after_step()  # the first step trims (what building the engine freed)
+    assert trim.bound(host_memory.heap_usage()) == 32 * MiB
+    kept = _holes(8 * MiB)  # under the bound: kept for the next step
+    try:
+        resident = _rss_anon()
+        assert not trim.after_step()
+        assert _rss_anon() > resident - 4 * MiB
+        kept += _holes(64 * MiB)  # 8 + 64 MiB free since the trim: over the bound
+        resident = _rss_anon()
+        assert trim.after_step()
+        assert _rss_anon() < resident - 56 * MiB, (resident, _rss_anon())
+        assert (trim.steps, trim.trims) == (3, 2)
+        assert not trim.after_step()  # the trimmed holes are the new reference, though malloc still counts them
+    finally:
+        _free_all(kept)
+
+
+@glibc
+def test_bound_is_a_fraction_of_the_bytes_in_use_with_a_floor():
+    usage = host_memory.HeapUsage(in_use=1000 * MiB, free=0)
+    assert host_memory.HeapTrim(floor_bytes=64 * MiB, fraction=0.25).bound(usage) == 250 * MiB
+    assert host_memory.HeapTrim(floor_bytes=300 * MiB, fraction=0.25).bound(usage) == 300 * MiB
+    with pytest.raises(ValueError, match="fraction=-1"):
+        host_memory.HeapTrim(fraction=-1)
+
+
+def test_fallbacks(monkeypatch):
+    monkeypatch.setattr(host_memory, "heap_usage", lambda: None)  # no mallinfo2: every step, as before the policy
+    monkeypatch.setattr(host_memory, "release_free_heap", lambda: True)
+    trim = host_memory.HeapTrim()
+    assert [trim.after_step() for _ in range(3)] == [True] * 3
+    monkeypatch.setattr(host_memory, "release_free_heap", lambda: False)  # no malloc_trim: never
+    assert not host_memory.HeapTrim().after_step()
+
+
+@glibc
+def test_engine_steady_state_keeps_pages_and_bounds_rss(tmp_path):
+    steps = 24
+    policy = launch("host_memory_workers:steady_state", 1, tmp_path, timeout=300, steps=steps,
+                    trim_every_step=False)[0]
+    every = launch("host_memory_workers:steady_state", 1, tmp_path, timeout=300, steps=steps,
+                   trim_every_step=True)[0]
+    assert 1 <= policy["trims"] <= 3, policy
+    rss = policy["rss"]
+    assert max(rss[4:]) - rss[4] <= max(policy["bounds"]), (rss, policy["bounds"])
+    faults_policy = statistics.median(policy["faults"][8:])
+    faults_every = statistics.median(every["faults"][8:])
+    assert faults_policy < 0.5 * faults_every, (policy["faults"], every["faults"])
