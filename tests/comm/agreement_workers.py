@@ -1,6 +1,6 @@
 """Workers for test_comm_agreement.py: cross-rank agreement checks, timeouts naming the collective.
 
-Imported in a fresh process before zeropp: it wraps torch.distributed's collectives first, so that every
+It wraps torch.distributed's collectives at import (zeropp looks them up there at each call), so that every
 collective zeropp issues is counted (``COUNTS``), independently of zeropp's own byte counters.
 """
 
@@ -12,6 +12,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from zeropp import comm
 
 COUNTS: dict[str, int] = {}
 
@@ -30,8 +32,6 @@ for _name in ("all_gather_single", "all_gather_into_tensor", "all_to_all_single"
               "reduce_scatter_tensor", "all_reduce", "broadcast", "all_gather_object"):
     if hasattr(dist, _name):
         setattr(dist, _name, _counting(_name))
-
-from zeropp import comm  # after the wrappers, so that zeropp binds them
 
 
 def _raises(exc: type, fn, *args, **kwargs) -> str:

@@ -14,8 +14,10 @@ is each case's list of per-rank results, by case name. The cases share the proce
 depends on process-wide state (counters read as totals, a cache the previous case filled) is not for this.
 
 The ranks are forked from a zygote: one process per pytest session that has imported torch (and its distributed
-and dynamo packages, ~5 CPU-seconds per interpreter) but nothing of zeropp, so each rank starts in milliseconds with
-its own environment and ``sys.path`` and imports zeropp and its worker fresh. A launch whose environment changes a
+and dynamo packages, ~5 CPU-seconds per interpreter) and zeropp's engine, fsdp and models packages (another ~0.7
+CPU-seconds a rank; zeropp reads its environment variables when called, never at import, so a rank's own environment
+still decides), so each rank starts in milliseconds with its own environment and ``sys.path`` and imports its worker
+fresh. A launch whose environment changes a
 variable torch or Triton read at import (``TORCH*``, ``TRITON*``, ``OMP*``, ...) from the zygote's, or any launch
 under ``ZEROPP_TEST_FRESH_PROCESSES=1``, starts fresh interpreters instead.
 """
@@ -74,6 +76,7 @@ os._exit(0)
 _ZYGOTE = r"""
 import json, os, signal, sys
 import torch, torch.distributed, torch._dynamo  # the imports every rank would pay
+import zeropp.engine, zeropp.fsdp, zeropp.models
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # children are reaped by the kernel; the launcher polls their pids
 for line in sys.stdin:
     request = json.loads(line)

@@ -377,7 +377,7 @@ def run(rank: int, world: int, *, jobs: list[tuple[str, str, dict[str, Any]]], r
     by label, and whether ``uninstall()`` restored DeepSpeed's attributes at the end. ``WIRE`` counts every
     collective's bytes from the start."""
     os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), WORLD_SIZE=str(world))
-    WIRE.install()  # before DeepSpeed's communication backend and zeropp.comm bind torch.distributed's functions
+    WIRE.install()  # before DeepSpeed's communication backend binds torch.distributed's functions
     import deepspeed.ops
     from deepspeed.runtime.comm import coalesced_collectives
     from deepspeed.runtime.engine import DeepSpeedEngine

@@ -1,9 +1,9 @@
 """Bytes each rank hands ``torch.distributed``, by destination node: DeepSpeed's collectives and zeropp's alike.
 
 ``WireCounter.install()`` wraps torch.distributed's collective functions (before DeepSpeed's communication
-backend and ``zeropp.comm`` bind them: at the start of a worker). Each call adds, per destination rank of its
-group, the bytes this rank must send it in the direct (point-to-point) model that zeropp's accounting and the
-formulas use, not what a ring or tree algorithm puts on a link:
+backend binds them: at the start of a worker; ``zeropp.comm`` looks them up at each call). Each call adds, per
+destination rank of its group, the bytes this rank must send it in the direct (point-to-point) model that zeropp's
+accounting and the formulas use, not what a ring or tree algorithm puts on a link:
 
 * all-gather (``all_gather_into_tensor`` / ``all_gather_single`` / ``_all_gather_base`` / ``all_gather``): the
   input to every other member;
@@ -15,7 +15,8 @@ formulas use, not what a ring or tree algorithm puts on a link:
 * ``broadcast``: the tensor from the source to every other member; ``isend`` / ``send``: the tensor to its peer.
 
 Bytes to a rank of this node count as ``intra``, to another node as ``inter``; the worker says which node holds a
-global rank (``node_of``). Calls are told apart by their caller: ``zeropp_checks`` (``zeropp/comm/checks.py``: the
+global rank (``node_of``). Calls are told apart by their caller (the caller of ``zeropp/comm/_dist.py``'s shims for
+the renamed collectives where it is one): ``zeropp_checks`` (``zeropp/comm/checks.py``: the
 agreement check, once per distinct call), ``zeropp`` (another file of ``zeropp/comm``: the collectives
 ``zeropp.comm.stats()`` accounts for), ``deepspeed`` (DeepSpeed's files), ``other``. A call made inside another
 counted call (a deprecated name calling its successor) is counted once.
@@ -76,7 +77,10 @@ class WireCounter:
             if depth == 0:
                 bound = signature.bind(*args, **kwargs)
                 bound.apply_defaults()
-                self._add(_origin(sys._getframe(1).f_code.co_filename), KIND[name], name, bound.arguments)
+                caller = sys._getframe(1)
+                if caller.f_code.co_filename.endswith("/zeropp/comm/_dist.py"):  # a renamed-collective shim
+                    caller = caller.f_back
+                self._add(_origin(caller.f_code.co_filename), KIND[name], name, bound.arguments)
             self._depth.n = depth + 1
             try:
                 return original(*args, **kwargs)
