@@ -12,7 +12,7 @@ from zeropp.engine import host_memory
 from zeropp.models import GPT, GPTConfig
 
 
-def _rss_anon() -> int:
+def rss_anon() -> int:
     """Bytes of anonymous memory resident in this process (``RssAnon`` of /proc/self/status)."""
     with open("/proc/self/status") as f:
         for line in f:
@@ -39,6 +39,6 @@ def steady_state(rank: int, world: int, steps: int, trim_every_step: bool) -> di
         if trim_every_step:
             host_memory.release_free_heap()
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-        rss.append(_rss_anon())
+        rss.append(rss_anon())
         bounds.append(engine.heap_trim.bound(host_memory.heap_usage()))
     return {"rss": rss, "faults": faults, "bounds": bounds, "trims": engine.heap_trim.trims}

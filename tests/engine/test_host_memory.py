@@ -17,20 +17,13 @@ import statistics
 
 import pytest
 from engine_launch import launch
+from host_memory_workers import rss_anon
 
 from zeropp.engine import host_memory
 
 MiB = 1 << 20
 glibc = pytest.mark.skipif(host_memory.heap_usage() is None or not host_memory.release_free_heap(),
                            reason="needs glibc's mallinfo2 and malloc_trim (glibc 2.33 or newer)")
-
-
-def _rss_anon() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no RssAnon line")
 
 
 def _holes(nbytes: int) -> list[int]:
@@ -65,13 +58,13 @@ def test_trims_when_free_heap_crosses_bound_and_not_below():
     assert trim.bound(host_memory.heap_usage()) == 32 * MiB
     kept = _holes(8 * MiB)  # under the bound: kept for the next step
     try:
-        resident = _rss_anon()
+        resident = rss_anon()
         assert not trim.after_step()
-        assert _rss_anon() > resident - 4 * MiB
+        assert rss_anon() > resident - 4 * MiB
         kept += _holes(64 * MiB)  # 8 + 64 MiB free since the trim: over the bound
-        resident = _rss_anon()
+        resident = rss_anon()
         assert trim.after_step()
-        assert _rss_anon() < resident - 56 * MiB, (resident, _rss_anon())
+        assert rss_anon() < resident - 56 * MiB, (resident, rss_anon())
         assert (trim.steps, trim.trims) == (3, 2)
         assert not trim.after_step()  # the trimmed holes are the new reference, though malloc still counts them
     finally:
