@@ -16,8 +16,6 @@ the background when collection ends, at low priority (``ahead.py``).
 
 import functools
 import os
-from collections import Counter
-from pathlib import Path
 
 import torch
 
@@ -38,37 +36,19 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         ahead.start_needed(session.items)
 
 
-LONG_FILES = ("deepspeed/test_deepspeed_zeropp.py", "hf/test_trainer_zeropp.py", "engine/test_partition.py")
-"""Test files that run for minutes on few tests (multi-rank launches), longest first, started first under
-pytest-xdist: one of them started last would leave the other worker idle until it ends. Measured: 294 s and 233 s
-(the first two, beside each other under a load of ~15 on the 2-core box), ~170 s (test_partition's three launches,
-idle box)."""
-
-
-def _long_rank(path: str) -> int:
-    """``path``'s place in ``LONG_FILES``; ``len(LONG_FILES)`` for the other files."""
-    return next((i for i, name in enumerate(LONG_FILES) if path.endswith("/" + name)), len(LONG_FILES))
-
-
 def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list) -> None:
-    """In a pytest-xdist worker (every worker collects the same order, as xdist requires): the files whose fixture
-    runs a job of ``ahead.py`` first, then the ``LONG_FILES``, then the rest, files with more tests first (xdist's own
-    ``--loadscope-reorder``, switched off in ``pytest_xdist_make_scheduler`` since it would undo this order)."""
+    """In a pytest-xdist worker: the files whose fixture runs a job of ``ahead.py`` first (every worker collects the
+    same order, as xdist requires)."""
     if "PYTEST_XDIST_WORKER" in os.environ:
-        files = {item: Path(str(item.path)).as_posix() for item in items}
-        counts = Counter(files.values())
-        items.sort(key=lambda item: (_long_rank(files[item]), -counts[files[item]]))
         ahead.registered_first(items)
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """Under pytest-xdist (``-n``; the README's test command runs 2 workers) each test file runs whole on one worker,
-    so a module-scoped fixture (one multi-rank launch that a file's tests share) runs once; the files in the order
-    ``pytest_collection_modifyitems`` gives them."""
+    so a module-scoped fixture (one multi-rank launch that a file's tests share) runs once."""
     from xdist.scheduler import LoadFileScheduling
 
-    config.option.loadscopereorder = False
     return LoadFileScheduling(config, log)
 
 

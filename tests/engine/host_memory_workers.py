@@ -3,6 +3,7 @@ with the engine's heap-trim policy, and with ``malloc_trim(0)`` after every step
 
 from __future__ import annotations
 
+import ctypes
 import resource
 
 from engine_workers import text_batches
@@ -42,3 +43,46 @@ def steady_state(rank: int, world: int, steps: int, trim_every_step: bool) -> di
         rss.append(rss_anon())
         bounds.append(engine.heap_trim.bound(host_memory.heap_usage()))
     return {"rss": rss, "faults": faults, "bounds": bounds, "trims": engine.heap_trim.trims}
+
+
+MiB = 1 << 20
+
+
+def _holes(nbytes: int) -> list[int]:
+    """Allocate twice ``nbytes`` in 64 KiB blocks (under glibc's smallest mmap threshold: from the heap), write every
+    page, then free every other block: ``nbytes`` of holes between blocks still held, which are returned."""
+    libc = ctypes.CDLL(None)
+    libc.malloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
+    blocks = []
+    for _ in range(2 * nbytes // (64 << 10)):
+        block = libc.malloc(64 << 10)
+        assert block, "malloc failed"
+        ctypes.memset(block, 1, 64 << 10)
+        blocks.append(block)
+    for block in blocks[::2]:
+        libc.free(block)
+    return blocks[1::2]
+
+
+def holes_trim(rank: int, world: int) -> dict:
+    """A ``HeapTrim`` with a 32 MiB bound over holes punched in this process's heap: what each ``after_step`` did
+    and the resident anonymous bytes around the second and third (test_host_memory asserts)."""
+    trim = host_memory.HeapTrim(floor_bytes=32 * MiB, fraction=0.0)
+    got = {"first": trim.after_step(), "bound": trim.bound(host_memory.heap_usage())}
+    kept = _holes(8 * MiB)
+    before = rss_anon()
+    got["small"] = trim.after_step()
+    got["rss_small"] = (before, rss_anon())
+    kept += _holes(64 * MiB)
+    before = rss_anon()
+    got["big"] = trim.after_step()
+    got["rss_big"] = (before, rss_anon())
+    got["steps"], got["trims"] = trim.steps, trim.trims
+    got["again"] = trim.after_step()
+    libc = ctypes.CDLL(None)
+    libc.free.argtypes = [ctypes.c_void_p]
+    for block in kept:
+        libc.free(block)
+    return got
