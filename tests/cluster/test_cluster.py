@@ -278,8 +278,11 @@ def test_owner_alive_tells_live_dead_and_reused_pids():
 @needs_netns
 def test_two_clusters_started_at_once_do_not_collide(tmp_path):
     # Both use the default subnet and port 29500; each rank records its run, node and the time it ran.
+    # Each rank then waits (up to 30 s) until all 8 ranks of both clusters have written, so that on a loaded box the
+    # two runs still overlap when both launched; one that never starts leaves the other's wait to time out.
     rank = ('echo "$ZEROPP_CLUSTER_RUN_ID $ZEROPP_CLUSTER_NODE $RANK $WORLD_SIZE $MASTER_ADDR:$MASTER_PORT '
-            '$(date +%s.%N)" > "$OUT/$RANK"; sleep 1.5; echo "$(date +%s.%N)" >> "$OUT/$RANK"')
+            '$(date +%s.%N)" > "$OUT/$RANK"; for i in $(seq 300); do [ "$(ls "$ALL"/c*/[0-9] | wc -l)" -ge 8 ] '
+            '&& break; sleep 0.1; done; sleep 0.5; echo "$(date +%s.%N)" >> "$OUT/$RANK"')
     launchers, outs = [], []
     for k in range(2):
         out = tmp_path / f"c{k}"
@@ -287,7 +290,7 @@ def test_two_clusters_started_at_once_do_not_collide(tmp_path):
         outs.append(out)
         launchers.append(subprocess.Popen(
             LAUNCHER + ["--nodes", "2", "--ranks-per-node", "2", "--rate", "1gbit", "--quiet", "--timeout", "60",
-                        "--", "sh", "-c", rank], env={**_launcher_env(), "OUT": str(out)}))
+                        "--", "sh", "-c", rank], env={**_launcher_env(), "OUT": str(out), "ALL": str(tmp_path)}))
     assert [p.wait(timeout=90) for p in launchers] == [0, 0]
     runs, spans = [], []
     for out in outs:
