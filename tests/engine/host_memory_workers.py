@@ -48,13 +48,19 @@ def steady_state(rank: int, world: int, steps: int, trim_every_step: bool) -> di
 MiB = 1 << 20
 
 
-def _holes(nbytes: int) -> list[int]:
-    """Allocate twice ``nbytes`` in 64 KiB blocks (under glibc's smallest mmap threshold: from the heap), write every
-    page, then free every other block: ``nbytes`` of holes between blocks still held, which are returned."""
+def _libc() -> ctypes.CDLL:
+    """The C library with ``malloc`` and ``free`` typed for pointers."""
     libc = ctypes.CDLL(None)
     libc.malloc.restype = ctypes.c_void_p
     libc.malloc.argtypes = [ctypes.c_size_t]
     libc.free.argtypes = [ctypes.c_void_p]
+    return libc
+
+
+def _holes(nbytes: int) -> list[int]:
+    """Allocate twice ``nbytes`` in 64 KiB blocks (under glibc's smallest mmap threshold: from the heap), write every
+    page, then free every other block: ``nbytes`` of holes between blocks still held, which are returned."""
+    libc = _libc()
     blocks = []
     for _ in range(2 * nbytes // (64 << 10)):
         block = libc.malloc(64 << 10)
@@ -81,8 +87,7 @@ def holes_trim(rank: int, world: int) -> dict:
     got["rss_big"] = (before, rss_anon())
     got["steps"], got["trims"] = trim.steps, trim.trims
     got["again"] = trim.after_step()
-    libc = ctypes.CDLL(None)
-    libc.free.argtypes = [ctypes.c_void_p]
+    libc = _libc()
     for block in kept:
         libc.free(block)
     return got
