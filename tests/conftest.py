@@ -3,7 +3,8 @@
 Without a GPU the Triton kernels run under Triton's interpreter, which must be switched on before ``triton`` is
 first imported. With it on, ``zeropp.quant`` would send CPU tensors to the (slow) interpreted kernels, so tests
 pick the backend explicitly with ``ZEROPP_QUANT_BACKEND`` (see the ``quant_backend`` fixture), and multi-process
-tests pass ``ZEROPP_QUANT_BACKEND=torch`` to their workers unless they mean to run the kernels.
+tests pass ``worker_quant_backend()`` to their workers unless they mean to run a backend: the native CPU library where
+it loads and no GPU is there (bit-exact to the torch reference and a fraction of its CPU time), else the reference.
 
 The native CPU library (``build/libzeropp_cpu.so``, made by ``setup.sh``) is tested where it is built; where it is
 not, its tests are skipped with the reason, unless ``ZEROPP_REQUIRE_NATIVE=1`` (set by ``.ci/run``) makes that a
@@ -61,6 +62,15 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 def kernel_device() -> str:
     """Where the Triton kernels run: the GPU when there is one, else the CPU under the interpreter."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def worker_quant_backend() -> str:
+    """``ZEROPP_QUANT_BACKEND`` for the processes a test starts when it does not mean to test a backend: ``native``
+    on a machine without CUDA where the native CPU library loads (tests/quant holds it bit-exact to the torch
+    reference; it took ~18% off the wall time of tests/engine/test_combos.py + test_zeropp.py), else ``torch`` (never
+    the Triton interpreter, which ``TRITON_INTERPRET=1`` would pick for CPU tensors, and never a native CUDA build a
+    GPU machine may lack)."""
+    return "native" if not torch.cuda.is_available() and native.available() else "torch"
 
 
 def native_library(path: str | None = None) -> native.Library:

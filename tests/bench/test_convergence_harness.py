@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import worker_quant_backend
 
 from zeropp.bench import convergence
 from zeropp.config import load_config
@@ -44,7 +45,7 @@ def run(tmp_path_factory):
     (out / "int4.json").write_text(json.dumps(INT4))
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RANK", "WORLD_SIZE",
                                                               "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(ZEROPP_QUANT_BACKEND="torch", OMP_NUM_THREADS="1", ZEROPP_RANKS_PER_NODE="1",
+    env.update(ZEROPP_QUANT_BACKEND=worker_quant_backend(), OMP_NUM_THREADS="1", ZEROPP_RANKS_PER_NODE="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]))
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),

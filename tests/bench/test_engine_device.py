@@ -10,11 +10,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+from conftest import worker_quant_backend
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_engine_device_script_agrees_with_plain_training(tmp_path: Path) -> None:
-    env = {**os.environ, "ZEROPP_QUANT_BACKEND": "torch", "OMP_NUM_THREADS": "1", "ZEROPP_RANKS_PER_NODE": "2"}
+    env = {**os.environ, "ZEROPP_QUANT_BACKEND": worker_quant_backend(), "OMP_NUM_THREADS": "1",
+           "ZEROPP_RANKS_PER_NODE": "2"}
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
          str(ROOT / "bench" / "engine_device.py"), "--preset", "tiny", "--seq", "16", "--steps", "4", "--warmup", "1"],

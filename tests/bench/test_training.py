@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import worker_quant_backend
 
 from zeropp.bench import training
 from zeropp.bench.report import ProgressBar
@@ -37,7 +38,7 @@ def bench(out: Path, *options: str, timeout: float = 120, cluster: bool = False)
     terminal (``proc.stdout``)."""
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RANK", "WORLD_SIZE",
                                                               "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env["ZEROPP_QUANT_BACKEND"] = "torch"
+    env["ZEROPP_QUANT_BACKEND"] = worker_quant_backend()
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     launch = ["-m", "zeropp.cluster", "--nodes", "2", "--ranks-per-node", "2", "--unshaped", "--quiet", "--",

@@ -4,8 +4,9 @@
 store in ``tmp_path``, no TCP port to pick), each of which initializes gloo (with ``pg_timeout`` seconds as the
 default group's timeout when given), calls
 ``function(rank, world_size, **kwargs)`` from ``module`` (importable from tests/comm) and saves what it returns.
-It returns the list of per-rank results, or raises with every failing rank's traceback. Workers run with
-``ZEROPP_QUANT_BACKEND=torch`` unless ``env`` says otherwise.
+It returns the list of per-rank results, or raises with every failing rank's traceback. Unless ``env`` (or this
+process's environment) says otherwise, workers run with ``ZEROPP_QUANT_BACKEND`` set to conftest's
+``worker_quant_backend()`` (the native CPU library where it loads and no GPU is there, else the torch reference).
 
 ``launch_cases(target, world_size, tmp_path, cases, **kwargs)`` runs several cases of one worker in ONE launch (each
 launch costs every rank the imports of torch and zeropp, seconds of CPU on a 2-core machine): every rank calls
@@ -183,8 +184,10 @@ def launch(
     run_dir.mkdir(parents=True)
     with open(run_dir / "kwargs.pkl", "wb") as f:
         pickle.dump(kwargs, f)
+    from conftest import worker_quant_backend  # here: the ranks import this module (run_cases) without tests/
+
     child_env = dict(os.environ)
-    child_env.setdefault("ZEROPP_QUANT_BACKEND", "torch")
+    child_env.setdefault("ZEROPP_QUANT_BACKEND", worker_quant_backend())
     child_env.update(env or {})
     child_env["PYTHONPATH"] = os.pathsep.join([*map(str, worker_dirs), str(HERE), str(ROOT),
                                                child_env.get("PYTHONPATH", "")])

@@ -4,7 +4,8 @@ byte counters are the same on CPU and on the device.
 
 ``test_cuda_matches_cpu_reference`` puts every rank on ``cuda:0`` (FSDP2 on a CUDA mesh over the gloo default
 group: NCCL refuses two ranks on one GPU) with the Triton kernels; it needs a GPU. ``test_cpu_runs_the_same_checks``
-runs the same worker on CPU tensors with the torch backend, so the test's own logic runs in CI (a few seconds).
+runs the same worker on CPU tensors with the workers' default backend (conftest.worker_quant_backend), so the
+test's own logic runs in CI (a few seconds).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import importlib.util
 import pytest
 import torch
 from fsdp_device_workers import STEPS
+from conftest import worker_quant_backend
 from fsdp_launch import launch
 
 WORLD = 4
@@ -37,7 +39,7 @@ def _check_results(results: list[dict], device: str, backend: str) -> None:
 def test_cpu_runs_the_same_checks(tmp_path):
     results = launch("fsdp_device_workers:device_vs_reference", WORLD, tmp_path, env=ENV, timeout=120,
                      device="cpu")
-    _check_results(results, "cpu", "torch")
+    _check_results(results, "cpu", worker_quant_backend())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

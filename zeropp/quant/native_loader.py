@@ -48,7 +48,7 @@ class NativeBackend(Generic[Loaded]):
 
     def __init__(self, env: str, default: Path, load: Callable[[Path], Loaded], error: type[Exception]) -> None:
         self.env, self.default, self._load, self._error = env, default, load, error
-        self._loaded: dict[Path, Loaded | Exception] = {}
+        self._loaded: dict[str | None, Loaded | Exception] = {}  # by $<env>'s value (None: unset or empty)
         self._warned = False
 
     def path(self) -> Path:
@@ -56,13 +56,18 @@ class NativeBackend(Generic[Loaded]):
         return Path(os.environ.get(self.env) or self.default)
 
     def _get(self) -> Loaded | Exception:
-        path = self.path()
-        if path not in self._loaded:
+        # Keyed by the variable's raw value, not by path(): every kernel call asks, and building a Path each time
+        # cost 7.5 us against 2.2 (~160 calls per training step of the small GPT on 4 ranks).
+        key = os.environ.get(self.env) or None
+        loaded = self._loaded.get(key)
+        if loaded is None:
+            path = self.path()
             try:
-                self._loaded[path] = self._load(path)
+                loaded = self._load(path)
             except self._error as e:
-                self._loaded[path] = e
-        return self._loaded[path]
+                loaded = e
+            self._loaded[key] = loaded
+        return loaded
 
     def library(self) -> Loaded:
         """The build at ``path()``, loaded once; its loader's exception, saying why, if it cannot be."""
