@@ -68,9 +68,9 @@ def worker_quant_backend() -> str:
     """``ZEROPP_QUANT_BACKEND`` for the processes a test starts when it does not mean to test a backend: ``native``
     on a machine without CUDA where the native CPU library loads (tests/quant holds it bit-exact to the torch
     reference), else ``torch`` (never the Triton interpreter, which ``TRITON_INTERPRET=1`` would pick for CPU tensors,
-    and never a native CUDA build a GPU machine may lack). Measured on the 2-core box against ``torch``: the
-    convergence harness's launch 90 -> 16 s, tests/engine/test_combos.py + test_zeropp.py 9-13% less CPU, the
-    world-4 launch of test_partition.py ~4 CPU-s (6%) more."""
+    and never a native CUDA build a GPU machine may lack). Measured on the 2-core box against ``torch``, alone:
+    tests/engine/test_combos.py + test_zeropp.py 9-13% less CPU, the world-4 launch of test_partition.py ~4 CPU-s
+    (6%) more, the convergence harness and the HF trainer's FSDP2 tests the same."""
     return "native" if not torch.cuda.is_available() and native.available() else "torch"
 
 
