@@ -16,10 +16,10 @@ import statistics
 
 import pytest
 from engine_launch import launch
+from host_memory_workers import MiB
 
 from zeropp.engine import host_memory
 
-MiB = 1 << 20
 glibc = pytest.mark.skipif(host_memory.heap_usage() is None or not host_memory.release_free_heap(),
                            reason="needs glibc's mallinfo2 and malloc_trim (glibc 2.33 or newer)")
 
