@@ -126,16 +126,6 @@ def exact_triton(device: str) -> str:
     return device
 
 
-def reference_under_old_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
-    """For a test of the formats' semantics through the default backend (on CPU tensors under ``TRITON_INTERPRET=1``:
-    the Triton kernels, interpreted): under an interpreter whose ``tl.fma`` rounds twice (triton 3.8 and older), which
-    is also one whose ``tl.range`` cannot start at ``tl.program_id`` (triton 3.6, torch 2.11's: the persistent
-    reduce-requantize loop fails there), run the test on the torch reference instead. Without the interpreter (a
-    GPU machine) CPU tensors never reach Triton, and nothing changes."""
-    if os.environ.get("TRITON_INTERPRET") == "1" and not _interpreter_fma_rounds_once():
-        monkeypatch.setenv("ZEROPP_QUANT_BACKEND", "torch")
-
-
 @pytest.fixture(params=["torch", "triton", "native"])
 def quant_backend(request, monkeypatch, kernel_device) -> str:
     """Run a test once per backend of ``zeropp.quant``; yields the device to put tensors on."""

@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from zeropp.engine import checkpoint, checkpoint_files
+from zeropp.engine import checkpoint, checkpoint_files, dcp_planners
 from zeropp.engine.checkpoint_files import CheckpointError
 
 HERE = Path(__file__).resolve().parent
@@ -182,12 +182,12 @@ def test_commit_puts_the_old_checkpoint_back_when_the_new_one_cannot_be_renamed(
 def test_load_planner_names_a_piece_the_checkpoint_lacks_or_shapes_otherwise():
     saved = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size([4]),
                                   [ChunkStorageMetadata(torch.Size([0]), torch.Size([4]))])
-    planner = checkpoint._LoadPlanner({"model.w": checkpoint._Slice(torch.zeros(3), 2, 5)})
+    planner = dcp_planners.LoadPlanner({"model.w": checkpoint.Slice(torch.zeros(3), 2, 5)})
     planner.set_up_planner({}, Metadata(state_dict_metadata={"model.w": saved}), is_coordinator=True)
     with pytest.raises(CheckpointError, match=r"'model.w' is a tensor of shape \(4,\) in the checkpoint; this "
                                               r"engine needs a 1-D tensor of 5 elements"):
         planner.create_local_plan()
-    planner = checkpoint._LoadPlanner({"model.v": checkpoint._Slice(torch.zeros(1), 0, 1)})
+    planner = dcp_planners.LoadPlanner({"model.v": checkpoint.Slice(torch.zeros(1), 0, 1)})
     planner.set_up_planner({}, Metadata(state_dict_metadata={"model.w": saved}), is_coordinator=True)
     with pytest.raises(CheckpointError, match="'model.v' is missing in the checkpoint"):
         planner.create_local_plan()

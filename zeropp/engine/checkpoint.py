@@ -21,34 +21,15 @@ import shutil
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemWriter
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import (
-    LoadPlan,
-    ReadItem,
-    SavePlan,
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
-)
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from ..offload import SwapError
-from . import host_memory
 from .checkpoint_files import (
     METADATA,
     CheckpointError,
@@ -78,7 +59,7 @@ _HINT = " (a file of it is missing, truncated or not DCP's)"
 
 
 @dataclass(frozen=True)
-class _Slice:
+class Slice:
     """This rank's elements ``[offset, offset + values.numel())`` of a 1-D tensor of ``numel`` elements in the
     checkpoint: one DCP chunk of it. ``values`` views the engine's storage (a save writes it, a load reads into
     it in place); for a save of a unit swapped out to NVMe it is a meta tensor of the piece's shape, and ``read``
@@ -98,7 +79,7 @@ def _params(engine: ZeroEngine) -> Iterator[tuple[str, Unit, int]]:
 
 
 def _slice(unit: Unit | FrozenFlat, index: int, local: torch.Tensor,
-           read: Callable[[int, int], torch.Tensor] | None = None) -> _Slice | None:
+           read: Callable[[int, int], torch.Tensor] | None = None) -> Slice | None:
     """This rank's piece of parameter ``index`` of ``unit`` (a ``Unit`` or its ``FrozenFlat``), a view of
     ``local`` (a tensor in the layout of this rank's shard); ``None`` when the shard holds no element of it. A
     shard is one contiguous run of the unit's flat buffer, so it holds one piece of a parameter at most. With
@@ -109,88 +90,15 @@ def _slice(unit: Unit | FrozenFlat, index: int, local: torch.Tensor,
         return None
     if read is not None:
         start, count = a - unit.start, b - a
-        return _Slice(torch.empty(count, dtype=local.dtype, device="meta"), a - off, numel,
+        return Slice(torch.empty(count, dtype=local.dtype, device="meta"), a - off, numel,
                       lambda: read(start, count))
-    return _Slice(local[a - unit.start : b - unit.start], a - off, numel)
+    return Slice(local[a - unit.start : b - unit.start], a - off, numel)
 
 
-def _split(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, _Slice]]:
-    """``state`` as DCP's default planners take it (tensors, pickled bytes) and its ``_Slice`` entries."""
-    slices = {key: value for key, value in state.items() if isinstance(value, _Slice)}
+def _split(state: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Slice]]:
+    """``state`` as DCP's default planners take it (tensors, pickled bytes) and its ``Slice`` entries."""
+    slices = {key: value for key, value in state.items() if isinstance(value, Slice)}
     return {key: value for key, value in state.items() if key not in slices}, slices
-
-
-class _SavePlanner(DefaultSavePlanner):
-    """DCP's default save planner for the plain entries, plus one chunk (``WriteItemType.SHARD``) per ``_Slice``
-    at its offset in the whole 1-D tensor: the metadata a ``ShardedTensor`` of the same pieces gave."""
-
-    def __init__(self, slices: Mapping[str, _Slice]) -> None:
-        super().__init__()
-        self._slices = dict(slices)
-        self._read: torch.Tensor | None = None  # the last piece read from swap files (``_Slice.read``)
-
-    @property
-    def lazy(self) -> bool:
-        """Whether some piece is read from swap files when written (then ``save`` makes DCP write serially)."""
-        return any(piece.read is not None for piece in self._slices.values())
-
-    def create_local_plan(self) -> SavePlan:
-        plan = super().create_local_plan()
-        items = []
-        for key, piece in self._slices.items():
-            offsets = torch.Size([piece.offset])
-            chunk = ChunkStorageMetadata(offsets=offsets, sizes=piece.values.shape)
-            data = TensorWriteData(chunk=chunk, properties=TensorProperties(dtype=piece.values.dtype),
-                                   size=torch.Size([piece.numel]))
-            items.append(WriteItem(index=MetadataIndex(key, offsets), type=WriteItemType.SHARD, tensor_data=data))
-        self.plan = replace(plan, items=[*plan.items, *items],
-                            planner_data={**plan.planner_data, **{key: (key,) for key in self._slices}})
-        return self.plan
-
-    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
-        piece = self._slices.get(write_item.index.fqn)
-        if piece is None:
-            return super().resolve_data(write_item)
-        if piece.read is None:
-            return piece.values
-        # DCP's file writer keeps every tensor it wrote referenced until the file is closed (for its safetensors
-        # option), which would bring every swapped piece into memory by the end of the save. Serially (``save``
-        # turns DCP's copy-ahead off for lazy pieces) the previous piece has been written when the next is asked
-        # for: its memory can go, back to the OS (glibc keeps freed blocks of these sizes in its heap: host_memory)
-        if self._read is not None:
-            self._read.untyped_storage().resize_(0)
-            host_memory.release_free_heap()
-        self._read = piece.read()
-        return self._read
-
-
-class _LoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner for the plain entries, plus each ``_Slice``: read from whichever saved chunks
-    of the whole 1-D tensor overlap it (any world size and layout wrote them)."""
-
-    def __init__(self, slices: Mapping[str, _Slice]) -> None:
-        super().__init__()
-        self._slices = dict(slices)
-
-    def create_local_plan(self) -> LoadPlan:
-        plan = super().create_local_plan()
-        items = []
-        for key, piece in self._slices.items():
-            md = self.metadata.state_dict_metadata.get(key)
-            if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != (piece.numel,):
-                saved = ("missing" if md is None else "pickled bytes" if isinstance(md, BytesStorageMetadata)
-                         else f"a tensor of shape {tuple(md.size)}")
-                raise CheckpointError(f"{key!r} is {saved} in the checkpoint; this engine needs a 1-D tensor of "
-                                      f"{piece.numel} elements (another model?)")
-            chunk = ChunkStorageMetadata(offsets=torch.Size([piece.offset]), sizes=piece.values.shape)
-            items += create_read_items_for_chunk_list(key, md, [chunk])
-        return replace(plan, items=[*plan.items, *items])
-
-    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        piece = self._slices.get(read_item.dest_index.fqn)
-        if piece is None:
-            return super().resolve_tensor(read_item)
-        return piece.values.narrow(0, read_item.dest_offsets[0], read_item.lengths[0])
 
 
 def _module_state(engine: ZeroEngine) -> dict[str, Any]:
@@ -341,6 +249,7 @@ def checkpoint_path(save_dir: str | os.PathLike[str], tag: str | None = None) ->
 def _describe(error: BaseException) -> str:
     """``error`` in one line for a message: its text when it is ours, else its type and text; for DCP's
     ``CheckpointException`` the first failing rank's exception (not DCP's tracebacks)."""
+    import torch.distributed.checkpoint as dcp
     if isinstance(error, dcp.CheckpointException) and error.failures:
         ranks = sorted(error.failures)
         return f"torch.distributed.checkpoint failed on rank(s) {ranks}: {_describe(error.failures[ranks[0]][0])}"
@@ -378,11 +287,11 @@ def _frozen_flats(engine: ZeroEngine) -> list[FrozenFlat]:
     return [unit.frozen for unit in engine.units if unit.frozen is not None]
 
 
-def _unit_tensors(engine: ZeroEngine, u: int) -> dict[str, _Slice]:
+def _unit_tensors(engine: ZeroEngine, u: int) -> dict[str, Slice]:
     """The ``model.*`` and ``optim.*`` entries of unit ``u``'s trainable parameters, this rank's pieces (module
     docstring): views of the master and state shards, or, of a unit swapped out by the NVMe tier, pieces read from
-    the swap files when written (``_Slice.read``)."""
-    state: dict[str, _Slice] = {}
+    the swap files when written (``Slice.read``)."""
+    state: dict[str, Slice] = {}
     unit, offload = engine.units[u], engine.offload
     swapped = offload.swapped(u)
     for i, name in enumerate(unit.param_names):
@@ -400,7 +309,7 @@ def _unit_tensors(engine: ZeroEngine, u: int) -> dict[str, _Slice]:
 def _tensors(engine: ZeroEngine, units: Iterator[int] | list[int] | None = None, *,
              others: bool = True) -> dict[str, Any]:
     """The ``model.*`` and ``optim.*`` entries (module docstring) of ``units`` (indices; all by default) and, with
-    ``others``, of the frozen parameters and buffers, viewing this rank's tensors (sharded ones as ``_Slice``):
+    ``others``, of the frozen parameters and buffers, viewing this rank's tensors (sharded ones as ``Slice``):
     what ``save`` writes and what ``load`` reads into in place."""
     state: dict[str, Any] = {}
     for u in range(len(engine.units)) if units is None else units:
@@ -466,6 +375,9 @@ def save(engine: ZeroEngine, save_dir: str | os.PathLike[str], tag: str | None =
         CheckpointError: on every rank, when the save failed on any (``save_dir`` not writable or not shared, a
             full disk, an exception while gathering the state); ``save_dir`` is then as it was before.
     """
+    import torch.distributed.checkpoint as dcp
+
+    from .dcp_planners import SavePlanner
     tag = check_tag(tag if tag is not None else f"global_step{engine.global_steps}")
     root = Path(save_dir)
     first, rank, world = engine.comm.rank == 0, engine.topology.global_rank, engine.comm.world_size
@@ -494,8 +406,8 @@ def save(engine: ZeroEngine, save_dir: str | os.PathLike[str], tag: str | None =
         digests: dict[str, Any] = {}
         try:
             plain, slices = _split(state)
-            planner = _SavePlanner(slices)
-            writer = FileSystemWriter(staging, per_thread_copy_ahead=0) if planner.lazy else None
+            planner = SavePlanner(slices)
+            writer = dcp.FileSystemWriter(staging, per_thread_copy_ahead=0) if planner.lazy else None
             dcp.save(plain, checkpoint_id=staging, storage_writer=writer, process_group=engine.comm.topology.group,
                      planner=planner)
             crash_point("written", rank)
@@ -527,6 +439,7 @@ def save(engine: ZeroEngine, save_dir: str | os.PathLike[str], tag: str | None =
 def _load_alone(state: dict[str, Any], path: Path) -> None:
     """``dcp.load`` in this process alone (no collective), without DCP's warning that this is what it does.
     Raises ``CheckpointError`` when DCP fails (a shard file missing or unreadable)."""
+    import torch.distributed.checkpoint as dcp
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
@@ -538,6 +451,7 @@ def _load_alone(state: dict[str, Any], path: Path) -> None:
 def _metadata(path: Path) -> dict[str, Any]:
     """DCP's metadata of the checkpoint ``path`` by key. Raises ``CheckpointError`` when ``.metadata`` cannot be
     read (truncated, not DCP's)."""
+    import torch.distributed.checkpoint as dcp
     try:
         return dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     except Exception as e:  # noqa: BLE001 - unpickling a damaged file raises anything
@@ -566,6 +480,8 @@ def _read_own(path: Path, keys: list[str]) -> dict[str, Any]:
 
 def _check_compatible(engine: ZeroEngine, metadata: dict[str, Any], saved: dict[str, Any], path: Path) -> None:
     """Raise ``CheckpointError`` naming the first difference between the checkpoint and the engine."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     version = saved["format_version"]
     frozen = _frozen(engine)
     if version not in (1, FORMAT_VERSION) or (version == 1 and frozen):
@@ -654,6 +570,10 @@ def load(engine: ZeroEngine, load_dir: str | os.PathLike[str], tag: str | None =
         CheckpointError: ``latest`` holds no tag; a file of the checkpoint is missing, truncated or corrupted (the
             file named); another model (a parameter's name or shape), optimizer type or number of groups.
     """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    from .dcp_planners import LoadPlanner
     first, rank = engine.comm.rank == 0, engine.topology.global_rank
     found, error = None, None
     if first:
@@ -693,7 +613,7 @@ def load(engine: ZeroEngine, load_dir: str | os.PathLike[str], tag: str | None =
             try:
                 plain, slices = _split(state)
                 dcp.load(plain, checkpoint_id=path, process_group=engine.comm.topology.group,
-                         planner=_LoadPlanner(slices))
+                         planner=LoadPlanner(slices))
             except dcp.CheckpointException as e:  # raised on every rank by DCP
                 raise CheckpointError(f"reading checkpoint {str(path)!r} failed{_HINT}: {_describe(e)}") from None
             for u in group:
