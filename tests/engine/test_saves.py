@@ -11,11 +11,16 @@ saves_workers.py): 2 ranks (2 nodes of 1) and 4 ranks (2 emulated nodes of 2, hp
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 from engine_launch import launch
 
-pytest.importorskip("peft", reason="the PEFT save tests need the peft package (the test extra installs it)")
+# Looked up, not imported: importing peft (and transformers with it) at collection cost every pytest-xdist worker
+# ~6 CPU-s; the workers import it.
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("peft") is None,
+                                reason="the PEFT save tests need the peft package (the test extra installs it)")
 
 TIMEOUT = 3.0
 PATTERN = "with engine.gathered_parameters():"
