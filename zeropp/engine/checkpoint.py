@@ -8,7 +8,8 @@ alignment, and a run resumed at the same world size continues bit for bit. Failu
 are ``zeropp.engine.checkpoint_files``.
 
 docs/engine.md ("Checkpoints", "What a checkpoint holds") has the directory, every DCP key, what a load restores, how
-errors are agreed and why the planners rather than DTensor.
+errors are agreed and why the planners rather than DTensor. DCP itself is imported by the functions that save or
+load (``dcp_planners`` says why).
 """
 
 from __future__ import annotations
